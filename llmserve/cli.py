@@ -1,0 +1,111 @@
+"""The `llmserve` command line: make-model, generate (and serve, bench in later modules)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from llmserve.errors import LLMServeError
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: built-in model)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=4.0)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "block_size": args.block_size,
+        "kv_cache_memory": int(args.kv_cache_memory_gib * (1 << 30)),
+        "num_kv_blocks": args.num_kv_blocks,
+        "scheduling_policy": args.scheduling_policy,
+        "load_format": args.load_format,
+        "seed": args.seed,
+    }
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from llmserve.model.builtin import make_model
+
+    path = make_model(args.dir, arch=args.arch, size=args.size, seed=args.seed, with_weights=not args.no_weights)
+    print(f"wrote {args.arch}-{args.size} (seed {args.seed}) to {path}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from llmserve import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.sample_seed, n=args.n,
+    )
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    for completion in outputs[0].outputs:
+        print(completion.text)
+    metrics = outputs[0].metrics
+    tokens = sum(len(c.token_ids) for c in outputs[0].outputs)
+    elapsed = (metrics.finished_time or 0) - metrics.arrival_time
+    print(f"[{tokens} tokens in {elapsed:.2f}s, finish_reason={outputs[0].outputs[0].finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmserve", description="LLM serving engine and OpenAI-compatible server")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    make = sub.add_parser("make-model", help="write a random-weight checkpoint with a locally trained tokenizer")
+    make.add_argument("dir")
+    make.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
+    make.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--no-weights", action="store_true", help="config and tokenizer only")
+    make.set_defaults(func=cmd_make_model)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--sample-seed", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (LLMServeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

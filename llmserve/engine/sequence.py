@@ -1,0 +1,95 @@
+"""A request and the sequences it generates (n > 1 forks one sequence per choice)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from llmserve.outputs import RequestMetrics
+from llmserve.sampling.params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One stream of tokens with its KV blocks. `num_computed_tokens` of its tokens have KV in the cache."""
+
+    def __init__(self, request: Request, index: int, token_ids: list[int], num_prompt_tokens: int, seed: int) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.seed = seed
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.text = ""
+        self.detokenizer = None  # set by the engine's output processor
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: priority (lower first), then arrival, then choice index."""
+        return (self.request.priority, self.request.arrival_order, self.index)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request.request_id}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.value})"
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_order: int
+    metrics: RequestMetrics
+    priority: int = 0
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def seed_for_choice(self, index: int) -> int:
+        # Choice 0 uses the request's seed, so n=1 and the first of n>1 draw the same tokens.
+        return self.seed if index == 0 else (self.seed + index * 0x9E3779B97F4A7C15) % (1 << 63)

@@ -1,0 +1,97 @@
+"""The offline API in vLLM's shape: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.outputs import RequestOutput
+from llmserve.sampling.params import SamplingParams
+
+Prompt = str | Seq[int]
+Message = dict[str, object]
+
+
+class LLM:
+    """Runs a batch of prompts to completion with continuous batching.
+
+    `model` is a local checkpoint directory or a Hugging Face hub id; None uses the built-in model
+    (created on first use). Other keyword arguments are `EngineConfig` fields.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        if model is None:
+            from llmserve.model.builtin import ensure_default_model
+
+            model = str(ensure_default_model())
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        priority: Seq[int] | None = None,
+    ) -> list[RequestOutput]:
+        batch = _as_prompt_list(prompts)
+        params = _broadcast(sampling_params, len(batch), self.engine.default_sampling_params)
+        priorities = list(priority) if priority is not None else [0] * len(batch)
+        request_ids = []
+        try:
+            for prompt, p, prio in zip(batch, params, priorities, strict=True):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(request_id, prompt, p, priority=prio)
+                request_ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids)
+
+    def chat(
+        self,
+        messages: Seq[Message] | Seq[Seq[Message]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = [
+            tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt, tokenize=True)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        while pending:
+            for output in self.engine.step():
+                if output.finished and output.request_id in pending:
+                    finished[output.request_id] = output
+                    pending.discard(output.request_id)
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # a single prompt given as token ids
+    return items
+
+
+def _broadcast(params, count: int, default) -> list[SamplingParams]:
+    if params is None:
+        return [default() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"Got {len(params)} sampling params for {count} prompts.")
+    return params

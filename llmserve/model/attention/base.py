@@ -1,0 +1,62 @@
+"""The attention backend interface: how a model layer reads and writes the paged KV cache.
+
+The model runner describes each step's flattened batch with an `AttentionMetadata`; a backend writes
+the step's new keys and values into their cache slots and computes attention for every query token.
+Sequences are ordered decodes first (one query token each), then prefill chunks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
+    query_start_loc: torch.Tensor  # [S + 1] int32: where each sequence's query tokens start in the batch
+    seq_lens: torch.Tensor  # [S] int32: context length of each sequence after this step
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    num_decodes: int  # the first `num_decodes` sequences have exactly one query token
+    num_decode_tokens: int
+    max_seq_len: int
+    # Host copies, so backends that loop over prefill sequences don't sync the device per sequence.
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Store the step's new keys/values ([T, kv_heads, head_dim]) at `meta.slot_mapping`."""
+
+    @abstractmethod
+    def attend(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Causal attention of `query` ([T, heads, head_dim]) over each sequence's cached context."""
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        self.write_kv(key, value, k_cache, v_cache, meta)
+        return self.attend(query, k_cache, v_cache, meta)

@@ -1,0 +1,169 @@
+"""The Llama decoder, read top to bottom. Qwen2, Qwen3 and Mistral reuse it with small differences.
+
+The forward pass works on a flattened batch: `input_ids` and `positions` are 1-D over every token
+scheduled this step (decode tokens and prefill chunks of many sequences together, no padding), and the
+attention backend reads each sequence's earlier context from the paged KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from llmserve.errors import ModelLoadError
+from llmserve.model.attention import AttentionBackend, AttentionMetadata
+from llmserve.model.config import ModelConfig
+from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, cfg.dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, cfg.dtype)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
+        self.rotary = rotary
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend, meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, cfg.dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, cfg.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.self_attn = Attention(cfg, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, x, kv_cache, backend, meta) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, backend, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint tensors that are stored separately but live in one fused matrix here:
+    # checkpoint name fragment -> (our fragment, shard index).
+    fused_weights: dict[str, tuple[str, int]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    ignored_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope)
+        self.rotary = rotary
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend, meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, backend, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    # ---- weight loading -------------------------------------------------------------------------
+    def shard_sizes(self, fused: str) -> list[int]:
+        cfg = self.config
+        if fused == "qkv_proj":
+            return [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2
+        return [cfg.intermediate_size] * 2
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if any(hf_name.endswith(s) for s in self.ignored_weights):
+                continue
+            name, offset, size = self._locate(hf_name)
+            if name not in params:
+                if name == "lm_head.weight" and self.lm_head is None:
+                    continue  # tied checkpoints sometimes store the tied copy too
+                raise ModelLoadError(f"Checkpoint tensor {hf_name!r} matches no parameter of {self.config.architecture}.")
+            target = params[name].data if size is None else params[name].data.narrow(0, offset, size)
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"Checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}."
+                )
+            target.copy_(tensor)
+            loaded.add(name if size is None else f"{name}#{offset}")
+        self._check_complete(params, loaded)
+
+    def _locate(self, hf_name: str) -> tuple[str, int, int | None]:
+        name = hf_name.removeprefix("model.")
+        for fragment, (fused, shard) in self.fused_weights.items():
+            if f".{fragment}." in name:
+                sizes = self.shard_sizes(fused)
+                return name.replace(fragment, fused), sum(sizes[:shard]), sizes[shard]
+        return name, 0, None
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            fused = next((f for f, _ in self.fused_weights.values() if f".{f}." in name), None)
+            if fused is None:
+                if name not in loaded:
+                    missing.append(name)
+                continue
+            sizes = self.shard_sizes(fused)
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            missing += [f"{name}[{o}]" for o in offsets if f"{name}#{o}" not in loaded]
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ModelLoadError(f"The checkpoint lacks {len(missing)} weight(s): {shown}")
+
+    def init_dummy_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights in place (vLLM's --load-format dummy): for benchmarks without a checkpoint."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name, param in self.named_parameters():
+            if "norm" in name:
+                param.data.fill_(1.0)
+            else:
+                param.data.copy_(torch.randn(param.shape, generator=gen) * std)

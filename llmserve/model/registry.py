@@ -1,0 +1,28 @@
+"""Which model class serves which `architectures` entry of a config.json."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from llmserve.errors import UnsupportedArchitectureError
+from llmserve.model.llama import LlamaForCausalLM
+from llmserve.model.mistral import MistralForCausalLM
+from llmserve.model.qwen2 import Qwen2ForCausalLM
+from llmserve.model.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        supported = ", ".join(sorted(MODEL_REGISTRY))
+        raise UnsupportedArchitectureError(
+            f"Architecture {architecture!r} is not supported; supported architectures: {supported}."
+        ) from None

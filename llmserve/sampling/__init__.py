@@ -1,0 +1,3 @@
+from llmserve.sampling.params import SamplingParams
+
+__all__ = ["SamplingParams"]

@@ -1,0 +1,76 @@
+"""Per-request sampling parameters, validated up front (vLLM's `SamplingParams` shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.errors import InvalidRequestError
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16  # None: up to the context window
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token (0: only the chosen token)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def validate(self) -> None:
+        def bad(param: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(message, param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"n must be at least 1, got {self.n}.")
+        if self.temperature < 0:
+            raise bad("temperature", f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise bad("top_k", f"top_k must be -1 (disabled) or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", f"repetition_penalty must be positive, got {self.repetition_penalty}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "seed must be an integer.")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "stop_token_ids must be non-negative token ids.")

@@ -1,0 +1,393 @@
+"""A thin wrapper over `tokenizers.Tokenizer` that reads the Hugging Face checkpoint layout.
+
+It loads `tokenizer.json` plus `tokenizer_config.json` (special tokens, BOS/EOS flags, chat
+template) and behaves like `transformers.AutoTokenizer` does for encode, decode and
+apply_chat_template, without importing transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as BackendTokenizer
+
+from llmserve.errors import InvalidRequestError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+NAMED_SPECIAL_TOKENS: tuple[str, ...] = ("bos_token", "eos_token", "unk_token", "pad_token")
+EXTRA_SPECIAL_TOKEN_KEYS: tuple[str, ...] = ("additional_special_tokens", "extra_special_tokens")
+# transformers writes a huge sentinel (int(1e30)) when a tokenizer has no length limit.
+_UNLIMITED_LENGTH = 10**18
+
+
+def _token_content(value: Any) -> str | None:
+    """A special-token field is a string, or a dict with "content" as transformers writes AddedToken."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _select_chat_template(value: Any) -> str | None:
+    """chat_template is a string, or a list of {name, template} dicts where "default" wins."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        templates = {
+            entry.get("name"): entry.get("template") for entry in value if isinstance(entry, Mapping)
+        }
+        default = templates.get("default")
+        return default if isinstance(default, str) else None
+    return None
+
+
+def _added_token(content: str, spec: Mapping[str, Any]) -> AddedToken:
+    return AddedToken(
+        content,
+        single_word=bool(spec.get("single_word", False)),
+        lstrip=bool(spec.get("lstrip", False)),
+        rstrip=bool(spec.get("rstrip", False)),
+        normalized=bool(spec.get("normalized", not spec.get("special", False))),
+        special=bool(spec.get("special", False)),
+    )
+
+
+def _decoder_types(node: Any) -> set[str]:
+    """Every decoder "type" named in a (possibly nested) decoder config."""
+    found: set[str] = set()
+    if isinstance(node, Mapping):
+        if isinstance(node.get("type"), str):
+            found.add(node["type"])
+        for child in node.values():
+            found |= _decoder_types(child)
+    elif isinstance(node, list):
+        for child in node:
+            found |= _decoder_types(child)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# chat template rendering
+# ---------------------------------------------------------------------------------------------
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile a chat template in the same sandboxed environment transformers uses."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+def _content_text(content: list[Any]) -> str:
+    """Join the text parts of an OpenAI-style content list."""
+    texts: list[str] = []
+    for part in content:
+        if (
+            not isinstance(part, Mapping)
+            or part.get("type") != "text"
+            or not isinstance(part.get("text"), str)
+        ):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise InvalidRequestError(
+                f"unsupported message content part {kind!r}: only text parts are supported", param="messages"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Drop None-valued keys (as transformers does) and flatten list content into a string."""
+    normalized: list[dict[str, Any]] = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError("each message must be an object", param="messages")
+        entry = {key: value for key, value in message.items() if value is not None}
+        if isinstance(entry.get("content"), list):
+            entry["content"] = _content_text(entry["content"])
+        normalized.append(entry)
+    return normalized
+
+
+def render_chat_template(template: str, context: dict[str, Any]) -> str:
+    """Render `template` with `context`; any template failure becomes an InvalidRequestError."""
+    try:
+        return compile_chat_template(template).render(**context)
+    except jinja2.TemplateError as exc:
+        raise InvalidRequestError(f"chat template error: {exc}", param="messages") from exc
+    except (TypeError, ValueError, KeyError, IndexError) as exc:
+        raise InvalidRequestError(
+            f"chat template could not render these messages: {exc!r}", param="messages"
+        ) from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# the tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """Encode/decode text and render chat templates for one model."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        config: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self._backend = backend
+        self._config: dict[str, Any] = dict(config or {})
+        backend.no_truncation()
+        backend.no_padding()
+        self._special_tokens: dict[str, str] = self._read_named_tokens()
+        self._extra_special_tokens: list[str] = self._read_extra_tokens()
+        self._register_added_tokens()
+        self._prepend_bos_id = self._bos_to_prepend()
+        if chat_template is None:
+            chat_template = _select_chat_template(self._config.get("chat_template"))
+        self._chat_template = chat_template
+        self._skip_special_ids = frozenset(
+            token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
+        )
+        self._byte_fallback_ids = self._find_byte_fallback_ids()
+
+    # -- loading ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load from a directory holding tokenizer.json and, optionally, tokenizer_config.json."""
+        directory = Path(path)
+        tokenizer_file = directory / TOKENIZER_FILE
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no {TOKENIZER_FILE} in {directory}")
+        backend = BackendTokenizer.from_file(str(tokenizer_file))
+        config_file = directory / TOKENIZER_CONFIG_FILE
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        template_file = directory / CHAT_TEMPLATE_FILE
+        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+        return cls(backend, config, template)
+
+    def _read_named_tokens(self) -> dict[str, str]:
+        named: dict[str, str] = {}
+        for name in NAMED_SPECIAL_TOKENS:
+            content = _token_content(self._config.get(name))
+            if content is not None:
+                named[name] = content
+        return named
+
+    def _read_extra_tokens(self) -> list[str]:
+        extra: list[str] = []
+        for key in EXTRA_SPECIAL_TOKEN_KEYS:
+            values = self._config.get(key)
+            if isinstance(values, Mapping):
+                values = list(values.values())
+            for value in values if isinstance(values, list) else []:
+                content = _token_content(value)
+                if content is not None and content not in extra:
+                    extra.append(content)
+        return extra
+
+    def _register_added_tokens(self) -> None:
+        """Add config tokens the backend lacks, as transformers does on load."""
+        decoder = self._config.get("added_tokens_decoder") or {}
+        missing: list[AddedToken] = []
+        for _, spec in sorted(decoder.items(), key=lambda item: int(item[0])):
+            content = _token_content(spec)
+            if content is not None and self._backend.token_to_id(content) is None:
+                missing.append(_added_token(content, spec))
+        for content in (*self._special_tokens.values(), *self._extra_special_tokens):
+            if self._backend.token_to_id(content) is None and all(t.content != content for t in missing):
+                missing.append(AddedToken(content, special=True, normalized=False))
+        if missing:
+            self._backend.add_tokens(missing)
+
+    def _bos_to_prepend(self) -> int | None:
+        """The BOS id when the config says add_bos_token but the tokenizer.json post-processor does not add it.
+
+        The post-processor is otherwise respected as is: like transformers 5 when tokenizer.json
+        exists, add_bos_token=false does not remove a BOS it adds, and add_eos_token is ignored.
+        """
+        bos_id = self.bos_token_id
+        if not self._config.get("add_bos_token") or bos_id is None:
+            return None
+        ids = self._backend.encode("a", add_special_tokens=True).ids
+        return bos_id if not ids or ids[0] != bos_id else None
+
+    def _find_byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of `<0xNN>` tokens when the decoder turns them back into bytes (SentencePiece style)."""
+        decoder = self._backend.decoder
+        if decoder is None or "ByteFallback" not in _decoder_types(json.loads(decoder.__getstate__())):
+            return frozenset()
+        ids: set[int] = set()
+        for byte in range(256):
+            for spelling in (f"<0x{byte:02X}>", f"<0x{byte:02x}>"):
+                token_id = self._backend.token_to_id(spelling)
+                if token_id is not None:
+                    ids.add(token_id)
+        return frozenset(ids)
+
+    # -- encode / decode ----------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos_id is not None:
+            return [self._prepend_bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        tokens: list[str] = []
+        for token_id in ids:
+            token = self._backend.id_to_token(token_id)
+            if token is None:
+                raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+            tokens.append(token)
+        return tokens
+
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        decoder = self._backend.decoder
+        return decoder.decode(list(tokens)) if decoder is not None else " ".join(tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._backend.get_vocab(with_added_tokens=True)
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> BackendTokenizer:
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def _named_id(self, name: str) -> int | None:
+        content = self._special_tokens.get(name)
+        return None if content is None else self._backend.token_to_id(content)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._special_tokens.get("eos_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        return self._special_tokens.get("pad_token")
+
+    @property
+    def unk_token(self) -> str | None:
+        return self._special_tokens.get("unk_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._named_id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._named_id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._named_id("pad_token")
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return self._named_id("unk_token")
+
+    @property
+    def all_special_ids(self) -> set[int]:
+        """Ids of the named and extra special tokens and of every added token marked special."""
+        contents = (*self._special_tokens.values(), *self._extra_special_tokens)
+        ids = {self._backend.token_to_id(content) for content in contents}
+        return {token_id for token_id in ids if token_id is not None} | set(self._skip_special_ids)
+
+    @property
+    def skip_special_ids(self) -> frozenset[int]:
+        """Exactly the ids that `decode(..., skip_special_tokens=True)` leaves out."""
+        return self._skip_special_ids
+
+    @property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of `<0xNN>` byte tokens the decoder merges into characters (empty if it has no ByteFallback)."""
+        return self._byte_fallback_ids
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @property
+    def model_max_length(self) -> int | None:
+        value = self._config.get("model_max_length")
+        if isinstance(value, (int, float)) and 0 < value < _UNLIMITED_LENGTH:
+            return int(value)
+        return None
+
+    # -- chat ---------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **extra: Any,
+    ) -> str | list[int]:
+        """Render the chat template; with `tokenize`, return the token ids (no special tokens re-added)."""
+        if self._chat_template is None:
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template, so chat requests are not supported; "
+                "use the completions API with a plain prompt instead",
+                param="messages",
+            )
+        context: dict[str, Any] = {"tools": None, "documents": None, **self._special_tokens, **extra}
+        context["messages"] = normalize_messages(messages)
+        context["add_generation_prompt"] = add_generation_prompt
+        text = render_chat_template(self._chat_template, context)
+        return self.encode(text, add_special_tokens=False) if tokenize else text

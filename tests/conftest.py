@@ -1,0 +1,21 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmserve.model.builtin import make_model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in tiny llama checkpoint (tied embeddings), written once per test session."""
+    return make_model(tmp_path_factory.mktemp("tiny-llama"), "llama", "tiny", 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in tiny qwen3 checkpoint, written once per test session."""
+    return make_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", "tiny", 0)

@@ -1,0 +1,246 @@
+"""Engine behaviour end to end on the tiny built-in model: no leaked blocks in any scenario, n > 1,
+seeded sampling, stop conditions, logprobs, and bad input that leaves the engine serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from llmserve.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    ModelLoadError,
+    UnsupportedArchitectureError,
+)
+
+PROMPTS = [
+    "The quick brown fox",
+    "In a distant galaxy, far away from here, there was",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "Un café au lait, s'il vous plaît. 日本語のテキスト",
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=96, max_num_batched_tokens=64, max_model_len=1024)
+
+
+def _drain(engine, until=None):
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        engine.check_invariants()
+        if until is not None and until():
+            break
+    return outputs
+
+
+def _assert_pool_empty(llm):
+    engine = llm.engine
+    engine.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
+
+
+def test_generate_returns_text_tokens_and_timings(llm):
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tok = llm.get_tokenizer()
+    for prompt, o in zip(PROMPTS, out, strict=True):
+        assert o.prompt == prompt and o.prompt_token_ids == tok.encode(prompt)
+        c = o.outputs[0]
+        assert len(c.token_ids) == 12 and c.finish_reason == "length"
+        assert c.text == tok.decode(c.token_ids)
+        m = o.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    _assert_pool_empty(llm)
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_every_block(llm):
+    engine = llm.engine
+    long_prompt = list(range(5, 305))  # 300 tokens: 5 steps of prefill at 64 tokens a step
+    engine.add_request("prefill", long_prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("decode", "Hello there", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    prefill_seq = engine.requests["prefill"].seqs[0]
+    assert 0 < prefill_seq.num_computed_tokens < 300
+    [aborted] = engine.abort_request("prefill")
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    engine.check_invariants()
+    for _ in range(3):
+        engine.step()
+    assert engine.requests["decode"].seqs[0].num_output_tokens > 0
+    engine.abort_request(["decode"])
+    assert not engine.has_unfinished_requests()
+    _assert_pool_empty(llm)
+
+
+def test_n_greater_than_one_shares_prompt_blocks_and_leaks_nothing(llm):
+    engine = llm.engine
+    prompt = list(range(10, 50))  # 40 tokens: two full blocks of 16 and a partial one
+    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
+    engine.step()  # prefill + first token of each choice, then the fork
+    seqs = engine.requests["n4"].seqs
+    assert len(seqs) == 4
+    shared = seqs[0].block_table[:2]
+    for child in seqs[1:]:
+        assert child.block_table[:2] == shared
+    assert [engine.block_manager.ref_counts[b] for b in shared] == [4, 4]
+    engine.check_invariants()
+    outputs = _drain(engine)
+    choices = outputs["n4"].outputs
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 8 for c in choices)
+    assert len({tuple(c.token_ids) for c in choices}) > 1
+    # choice 0 of a seeded n=4 request draws exactly what n=1 with the same seed draws
+    single = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))[0]
+    assert single.outputs[0].token_ids == choices[0].token_ids
+    _assert_pool_empty(llm)
+
+
+def test_seeded_sampling_is_the_same_whatever_the_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(["Once upon a time"], params)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.7, seed=s, max_tokens=s + 3, ignore_eos=True) for s in range(6)]
+    batch = llm.generate(PROMPTS + ["Once upon a time"] + PROMPTS[:1], others[:5] + [params, others[5]])
+    assert batch[5].outputs[0].token_ids == alone
+    different_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=4321, max_tokens=16, ignore_eos=True)
+    assert llm.generate(["Once upon a time"], different_seed)[0].outputs[0].token_ids != alone
+    _assert_pool_empty(llm)
+
+
+def test_stop_string_spanning_token_boundaries_is_cut_from_the_text(llm):
+    tok = llm.get_tokenizer()
+    base = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    ids = base.outputs[0].token_ids
+    # a stop string made of the end of token 3's text and the start of token 4's
+    before = tok.decode(ids[:3])
+    through = tok.decode(ids[:4])
+    assert len(through) - len(before) >= 1 and len(before) >= 2
+    stop = before[-2:] + through[len(before):len(before) + 1]
+    expected_end = base.outputs[0].text.find(stop)
+    out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == base.outputs[0].text[:expected_end]
+    kept = llm.generate(
+        ["The quick brown fox"],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+    )[0]
+    assert kept.outputs[0].text == base.outputs[0].text[: expected_end + len(stop)]
+    _assert_pool_empty(llm)
+
+
+def test_stop_token_ids_min_tokens_and_logprobs(llm):
+    base = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    ids = base.outputs[0].token_ids
+    stop_id = ids[4]
+    first = ids.index(stop_id)
+    out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]))[0]
+    c = out.outputs[0]
+    assert c.token_ids == ids[: first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_id
+    # min_tokens bans the stop token until enough tokens exist
+    banned = llm.generate(
+        ["def fibonacci(n):"],
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ids[0]], min_tokens=3),
+    )[0].outputs[0]
+    assert banned.token_ids[0] != ids[0] and len(banned.token_ids) >= 3
+    lp = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True))[0]
+    c = lp.outputs[0]
+    assert len(c.logprobs) == 5
+    for token, entry in zip(c.token_ids, c.logprobs, strict=True):
+        assert token in entry and len(entry) == 3  # greedy: the chosen token is the top one
+        assert entry[token] == max(entry.values()) and all(v <= 0 for v in entry.values())
+    assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs, strict=True)))
+    _assert_pool_empty(llm)
+
+
+def test_chat_applies_the_template(llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().apply_chat_template(messages, tokenize=True)
+    _assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "param"),
+    [
+        ("", {}, InvalidRequestError, "prompt"),
+        ([5] * 3000, {}, ContextLengthExceededError, "prompt"),
+        ("hello", {"max_tokens": 5000}, ContextLengthExceededError, "max_tokens"),
+        ([99999], {}, InvalidRequestError, "prompt"),
+    ],
+)
+def test_bad_prompts_raise_and_the_engine_keeps_serving(llm, prompt, params, error, param):
+    engine = llm.engine
+    engine.add_request("good", "Hello", SamplingParams(max_tokens=6, ignore_eos=True))
+    with pytest.raises(error) as info:
+        engine.add_request("bad", prompt, SamplingParams(**params))
+    assert info.value.param == param
+    outputs = _drain(engine)
+    assert outputs["good"].finished and len(outputs["good"].outputs[0].token_ids) == 6
+    _assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"),
+     ({"max_tokens": 0}, "max_tokens"), ({"top_k": -3}, "top_k"), ({"min_p": 2.0}, "min_p")],
+)
+def test_bad_sampling_params_name_the_parameter(params, param):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**params)
+    assert info.value.param == param
+
+
+def test_duplicate_request_id_is_rejected(llm):
+    engine = llm.engine
+    engine.add_request("dup", "Hi", SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("dup", "Hi", SamplingParams(max_tokens=2))
+    _drain(engine)
+    _assert_pool_empty(llm)
+
+
+def _copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_architecture_names_the_supported_ones(tiny_llama_dir, tmp_path):
+    model = _copy_model(tiny_llama_dir, tmp_path / "m")
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = ["GPTBigCodeForCausalLM"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
+        LLM(str(model))
+
+
+def test_missing_and_truncated_safetensors_fail_clearly(tiny_llama_dir, tmp_path):
+    missing = _copy_model(tiny_llama_dir, tmp_path / "missing")
+    for f in missing.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        LLM(str(missing))
+    truncated = _copy_model(tiny_llama_dir, tmp_path / "truncated")
+    weights = next(truncated.glob("*.safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        LLM(str(truncated))
+
+
+def test_hub_id_offline_fails_with_a_clear_message(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="could not be fetched from the Hugging Face hub"):
+        LLM("meta-llama/Llama-3.1-8B-Instruct")

@@ -1,0 +1,68 @@
+"""Reference checkpoints written by `transformers` (a test-time dependency only) and its greedy decode."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+_COMMON = dict(
+    vocab_size=1024, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+)
+
+# name -> (config class name, overrides). Together they cover every architecture and config feature the
+# loader claims: llama3 / linear rope scaling, tied and untied embeddings, GQA and MQA, qkv bias,
+# q/k norms with an explicit head_dim, Mistral's sliding window field, and a sharded checkpoint.
+ARCH_CASES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama-llama3-tied": ("LlamaConfig", dict(
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+    "llama-linear-mqa": ("LlamaConfig", dict(num_key_value_heads=1, rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    "mistral": ("MistralConfig", dict(sliding_window=4096, num_key_value_heads=1)),
+}
+
+
+def build_checkpoint(case: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, shard: bool = False) -> Path:
+    import transformers
+
+    cls_name, overrides = ARCH_CASES[case]
+    config = getattr(transformers, cls_name)(**{**_COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init: clear logit margins, no near-ties
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(out_dir, max_shard_size="200KB" if shard else "2GB")
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+def load_model(model_dir: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decode with the reference implementation's own KV cache, never stopping at eos."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        generated.append(token)
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return generated
