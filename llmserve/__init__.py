@@ -16,7 +16,7 @@ _EXPORTS = {
     "CompletionOutput": "llmserve.outputs",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 if TYPE_CHECKING:
     from llmserve.config import EngineConfig

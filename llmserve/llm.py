@@ -23,9 +23,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         if model is None:
-            from llmserve.model.builtin import ensure_default_model
+            from llmserve.model.builtin import DEFAULT_ARCH, DEFAULT_SIZE, ensure_default_model
 
-            model = str(ensure_default_model())
+            model = str(ensure_default_model(DEFAULT_ARCH, DEFAULT_SIZE))
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 

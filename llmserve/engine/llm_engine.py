@@ -12,7 +12,8 @@ import json
 import logging
 import random
 import time
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -42,7 +42,8 @@ CHAT_TEMPLATE = (
     "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('Unknown message role: ' + message['role']) }}"
     "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% set content = message['content'] if message['content'] is string else '' %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
@@ -239,9 +240,18 @@ def train_tokenizer(vocab_size: int) -> str:
         pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
         special_tokens=[(BOS_TOKEN, bos_id)],
     )
+    _check_vocab(tokenizer, vocab_size)
+    return tokenizer.to_str(pretty=True)
+
+
+def _check_vocab(tokenizer: HFTokenizer, vocab_size: int) -> None:
     if tokenizer.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, expected {vocab_size}")
-    return tokenizer.to_str(pretty=True)
+    for token, expected_id in special_token_ids(vocab_size).items():
+        if tokenizer.token_to_id(token) != expected_id:
+            raise RuntimeError(
+                f"special token {token} has id {tokenizer.token_to_id(token)}, expected {expected_id}"
+            )
 
 
 def _added_tokens(tokenizer_json: str) -> dict[int, str]:

@@ -63,14 +63,13 @@ class ModelRunner:
         return max(1, budget // per_block)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = self.model_config
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = self.attn_backend.kv_cache_shape(num_blocks)
         # Zeros, not empty: padded block-table entries read block contents that the mask then ignores,
         # and uninitialised memory could hold NaNs that survive a zero attention weight.
         return [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(cfg.num_hidden_layers)
+            for _ in range(self.model_config.num_hidden_layers)
         ]
 
     @property
@@ -85,6 +84,7 @@ class ModelRunner:
         """Run `batch` (decodes first) and sample one token per entry of `logits_rows`
         (an index into `batch`: that sequence's last scheduled token gives the logits)."""
         input_ids, positions, meta = self.prepare_inputs(batch)
+        self.attn_backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_caches, self.attn_backend, meta)
         if not logits_rows:
             return None  # only partial prefill chunks: the KV cache was the point

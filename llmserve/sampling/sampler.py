@@ -414,8 +414,9 @@ class Sampler:
         self._counter_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        if logits.dim() != 2 or logits.shape[0] != metadata.batch_size:
-            raise ValueError(f"expected logits of shape [{metadata.batch_size}, V], got {tuple(logits.shape)}")
+        expected = (metadata.batch_size, metadata.vocab_size)
+        if tuple(logits.shape) != expected:
+            raise ValueError(f"expected logits of shape {list(expected)}, got {list(logits.shape)}")
         raw = logits.float() if logits.dtype != torch.float32 else logits
         work = self._processed(raw, metadata)
         token_ids = self._sample(work, metadata)

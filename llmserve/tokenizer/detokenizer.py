@@ -11,8 +11,8 @@ still change:
   ByteFallback decoder decides a whole run of byte tokens at once (valid UTF-8, or one U+FFFD per
   byte), so a later byte token can change how the run already seen decodes.
 
-The offsets only move to positions where the decoded text is final (a character boundary that is
-not inside a run of byte tokens), so the pieces always add up to `tokenizer.decode(output_ids)`.
+The read offset only moves to positions where the decoded text is final (a character boundary that
+is not inside a run of byte tokens), so the pieces always add up to `tokenizer.decode(output_ids)`.
 When special tokens are skipped they are dropped from the window before decoding: a full decode
 drops them before its decoder runs too, so its "first token" rules (strip one leading space) see
 the same tokens.
@@ -28,7 +28,11 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Streams the text of one sequence's generated tokens."""
+    """Streams the text of one sequence's generated tokens.
+
+    The text is that of the generated ids alone, exactly `tokenizer.decode(output_ids)`; the prompt
+    ids are kept for callers but do not change it. Call `flush()` once, when the sequence ends.
+    """
 
     def __init__(
         self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True

@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NoReturn, overload
 
 import jinja2
 import jinja2.ext
@@ -83,7 +83,7 @@ def _decoder_types(node: Any) -> set[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _raise_exception(message: str) -> None:
+def _raise_exception(message: str) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)
 
 
@@ -371,6 +371,34 @@ class Tokenizer:
         return None
 
     # -- chat ---------------------------------------------------------------------------------
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = ...,
+        tokenize: Literal[False] = ...,
+        **extra: Any,
+    ) -> str: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = ...,
+        *,
+        tokenize: Literal[True],
+        **extra: Any,
+    ) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = ...,
+        tokenize: bool = ...,
+        **extra: Any,
+    ) -> str | list[int]: ...
 
     def apply_chat_template(
         self,

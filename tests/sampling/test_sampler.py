@@ -367,6 +367,8 @@ def test_rejects_mismatched_batch() -> None:
     metadata = SamplingMetadata.build([make_row(SamplingParams())], 10)
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(2, 10), metadata)
+    with pytest.raises(ValueError):
+        Sampler()(torch.zeros(1, 11), metadata)
 
 
 @pytest.mark.gpu

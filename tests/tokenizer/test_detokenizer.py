@@ -33,7 +33,12 @@ def _metaspace() -> pre_tokenizers.Metaspace:
 
 def _sp_decoder(style: str) -> decoders.Decoder:
     if style == "llama2":
-        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        steps = [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
     else:
         steps = [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first")]
     return decoders.Sequence(steps)
@@ -77,7 +82,9 @@ def byte_fallback(request: pytest.FixtureRequest) -> Tokenizer:
     return build_byte_fallback_tokenizer(request.param)
 
 
-def stream(tokenizer: Tokenizer, ids: Sequence[int], skip: bool, rng: random.Random | None = None) -> list[str]:
+def stream(
+    tokenizer: Tokenizer, ids: Sequence[int], skip: bool, rng: random.Random | None = None
+) -> list[str]:
     """Feed `ids` in chunks of 1-3 and check the invariants on every piece."""
     detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], skip_special_tokens=skip)
     pieces: list[str] = []

@@ -41,6 +41,7 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
         {"role": "user", "content": "And again?"},
     ],
     [{"role": "user", "content": ""}],
+    [{"role": "user", "content": "call a tool"}, {"role": "assistant", "content": None}],
 ]
 
 

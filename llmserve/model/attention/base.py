@@ -8,7 +8,7 @@ Sequences are ordered decodes first (one query token each), then prefill chunks.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,8 @@ class AttentionMetadata:
     # Host copies, so backends that loop over prefill sequences don't sync the device per sequence.
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
+    # Whatever a backend derives once per step and reuses in every layer (see `AttentionBackend.prepare`).
+    backend_data: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -40,6 +42,13 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.block_size = block_size
         self.scale = head_dim**-0.5
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's key (and value) cache; the backend chooses the layout it reads best."""
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
+        """Called once per step before the forward pass, to precompute per-step tensors."""
 
     @abstractmethod
     def write_kv(

@@ -1,8 +1,13 @@
-"""Reference attention backend in plain PyTorch: correct everywhere, fast enough on CPU.
+"""Reference attention backend in plain PyTorch: correct everywhere, and fast enough on CPU.
 
-Caches are [num_blocks, block_size, kv_heads, head_dim]. Decodes are batched: their blocks are gathered
-into one padded tensor and attended with a length mask. Prefill chunks run one sequence at a time; a
-chunk that starts at position 0 attends only to its own keys, so it needs no gather at all.
+Cache layout is [num_blocks, kv_heads, block_size, head_dim], so gathering a sequence's blocks per
+KV head (one `index_select` over rows of block_size * head_dim elements) yields each head's keys as one
+contiguous [context, head_dim] matrix, ready for a batched matmul without further copies. Gathers go
+into workspace buffers reused across layers and steps: fresh multi-megabyte allocations would be
+page-faulted in on every call, which costs more than the attention itself on CPU.
+
+Decodes (one query token each) are batched; prefill chunks run one sequence at a time, and a chunk
+that starts at position 0 attends to its own new keys without touching the cache.
 """
 
 from __future__ import annotations
@@ -16,9 +21,42 @@ from llmserve.model.attention.base import AttentionBackend, AttentionMetadata
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        self.group = num_heads // num_kv_heads
+        self._workspace: dict[str, torch.Tensor] = {}
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+    # ---- per step -------------------------------------------------------------------------------
+    def prepare(self, meta: AttentionMetadata) -> None:
+        data = meta.backend_data
+        data["slot_block"] = meta.slot_mapping // self.block_size
+        data["slot_offset"] = meta.slot_mapping % self.block_size
+        nd = meta.num_decodes
+        if nd:
+            max_len = max(meta.seq_lens_host[:nd])
+            num_blocks = -(-max_len // self.block_size)
+            tables = meta.block_tables[:nd, :num_blocks].long()
+            data["decode_rows"] = self._head_rows(tables)  # [nd * kv_heads * num_blocks]
+            data["decode_len"] = num_blocks * self.block_size
+            positions = torch.arange(num_blocks * self.block_size, device=tables.device)
+            masked = positions[None, :] >= meta.seq_lens[:nd, None].long()
+            data["decode_bias"] = torch.zeros(masked.shape, device=tables.device).masked_fill_(masked, float("-inf"))
+
+    def _head_rows(self, tables: torch.Tensor) -> torch.Tensor:
+        """Row ids into the cache viewed as [num_blocks * kv_heads, block_size * head_dim], ordered
+        (sequence, kv head, block) so each head's context comes out contiguous."""
+        heads = torch.arange(self.num_kv_heads, device=tables.device)
+        rows = tables[:, None, :] * self.num_kv_heads + heads[None, :, None]
+        return rows.reshape(-1)
+
+    # ---- per layer ------------------------------------------------------------------------------
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, key)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, value)
+        blocks, offsets = meta.backend_data["slot_block"], meta.backend_data["slot_offset"]
+        k_cache[blocks, :, offsets] = key
+        v_cache[blocks, :, offsets] = value
 
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         self.write_kv(key, value, k_cache, v_cache, meta)
@@ -37,41 +75,49 @@ class TorchAttentionBackend(AttentionBackend):
             lo, hi = starts[i], starts[i + 1]
             context = lens[i]
             if key is not None and hi - lo == context:  # fresh prompt: its own keys are the whole context
-                k, v = key[lo:hi], value[lo:hi]
+                k, v = key[lo:hi].transpose(0, 1), value[lo:hi].transpose(0, 1)
             else:
-                k, v = self._gather(k_cache, v_cache, meta.block_tables[i], context)
+                num_blocks = -(-context // self.block_size)
+                rows = self._head_rows(meta.block_tables[i : i + 1, :num_blocks].long())
+                k = self._gather(k_cache, rows, num_blocks, "k")[:, :context]
+                v = self._gather(v_cache, rows, num_blocks, "v")[:, :context]
             out[lo:hi] = self._prefill(query[lo:hi], k, v)
         return out
 
-    def _gather(self, k_cache, v_cache, block_table, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-        num_blocks = -(-context // self.block_size)
-        blocks = block_table[:num_blocks].long()
-        k = k_cache[blocks].flatten(0, 1)[:context]
-        v = v_cache[blocks].flatten(0, 1)[:context]
-        return k, v
+    def _gather(self, cache: torch.Tensor, rows: torch.Tensor, blocks_per_head: int, name: str) -> torch.Tensor:
+        """The selected (block, head) rows of `cache` as [seqs * kv_heads, blocks_per_head * block_size, D]."""
+        row_size = self.block_size * self.head_dim
+        out = self._buffer(name, rows.numel() * row_size, cache).view(rows.numel(), row_size)
+        torch.index_select(cache.view(-1, row_size), 0, rows, out=out)
+        return out.view(-1, blocks_per_head * self.block_size, self.head_dim)
+
+    def _buffer(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._workspace.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(int(numel * 1.25), dtype=like.dtype, device=like.device)  # headroom: fewer regrowths
+            self._workspace[name] = buf
+        return buf[:numel]
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [n, H, D] are the last n positions of a context of length k.shape[0].
-        n, context = q.shape[0], k.shape[0]
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        # q: [n, H, D], the last n positions of a context of k.shape[1] keys; k, v: [KVH, context, D].
+        n, context = q.shape[0], k.shape[1]
+        qh = q.transpose(0, 1)
         if n == context:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
             q_pos = torch.arange(context - n, context, device=q.device)
             mask = q_pos[:, None] >= torch.arange(context, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        nd = meta.num_decodes
-        max_len = max(meta.seq_lens_host[:nd])
-        max_blocks = -(-max_len // self.block_size)
-        tables = meta.block_tables[:nd, :max_blocks].long()
-        k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
-        v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        lens = meta.seq_lens[:nd].to(q.device)
-        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [B, L]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True
-        )
-        return o.squeeze(2)
+        data = meta.backend_data
+        nd, kvh, group, dim = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+        length = data["decode_len"]
+        blocks = length // self.block_size
+        k = self._gather(k_cache, data["decode_rows"], blocks, "k")  # [nd * kvh, length, D]
+        v = self._gather(v_cache, data["decode_rows"], blocks, "v")
+        scores = torch.bmm(q.reshape(nd * kvh, group, dim), k.transpose(1, 2)).float()
+        scores = scores.view(nd, kvh, group, length) * self.scale + data["decode_bias"][:, None, None, :]
+        probs = scores.softmax(dim=-1).to(q.dtype).view(nd * kvh, group, length)
+        return torch.bmm(probs, v).view(nd, kvh * group, dim)
