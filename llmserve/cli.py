@@ -1,4 +1,4 @@
-"""The `llmserve` command line: make-model, generate (and serve, bench in later modules)."""
+"""The `llmserve` command line: make-model, generate, serve (and bench in a later module)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from llmserve.server.serve import run_server
+
+    return run_server(args)
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: from --model)")
+    serve.add_argument("--max-waiting-requests", type=int, default=1024, help="past this many queued: 503")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    serve.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmserve", description="LLM serving engine and OpenAI-compatible server")
     parser.add_argument("--log-level", default="WARNING")
@@ -93,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+    _add_serve_parser(sub)
+
+    from llmserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)  # `llmserve bench serve|plot`
     return parser
 
 
