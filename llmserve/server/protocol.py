@@ -1,0 +1,426 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Requests use `extra="ignore"`: a field nobody has heard of is accepted and ignored, as OpenAI-compatible
+servers do. Fields the OpenAI API has but this server does not implement are declared, so that
+`unsupported_params()` can name them in a 400 instead of silently ignoring them. Fields whose type is
+a union (`stop`, `prompt`, message `content`) are checked by validators that raise on the field
+itself, so an error's location is the field the client sent, not a union branch.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
+
+MAX_LOGPROBS = 20
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored (OpenAI-compatible servers accept them); NaN and infinity are refused.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def _check_unicode(text: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (it holds a lone surrogate)") from None
+    return text
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- shared pieces ------------------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+def _check_stop(value: Any) -> Any:
+    if value is None:
+        return value
+    if isinstance(value, str):
+        return _check_unicode(value)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return [_check_unicode(s) for s in value]
+    raise ValueError("stop must be a string or a list of strings")
+
+
+class SamplingFields(_Request):
+    """Parameters both endpoints share, with vLLM's extras."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Any = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    echo: bool = False
+    # OpenAI parameters this server does not implement (a 400 names them when they are used)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _validate_stop(cls, value: Any) -> Any:
+        return _check_stop(value)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def common_unsupported(self) -> list[tuple[str, str]]:
+        found = []
+        if self.logit_bias:
+            found.append(("logit_bias", "logit_bias is not supported."))
+        if self.stream_options is not None and not self.stream:
+            found.append(("stream_options", "stream_options is only allowed when stream is true."))
+        return found
+
+
+# ---- chat completions -----------------------------------------------------------------------------
+
+Role = Literal["system", "developer", "user", "assistant"]
+
+
+class ChatMessage(_Request):
+    role: Role
+    content: Any = None
+    name: str | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        if isinstance(value, str):
+            return _check_unicode(value)
+        if not isinstance(value, list):
+            raise ValueError("content must be a string or a list of content parts")
+        for part in value:
+            if not isinstance(part, dict) or "type" not in part:
+                raise ValueError("each content part must be an object with a type")
+            if part["type"] != "text":
+                raise ValueError(f"content part type {part['type']!r} is not supported: only 'text' is")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string 'text'")
+            _check_unicode(part["text"])
+        return value
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part["text"] for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    # OpenAI parameters this server does not implement
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    def unsupported_params(self) -> list[tuple[str, str]]:
+        found = self.common_unsupported()
+        if self.tools:
+            found.append(("tools", "tools (function calling) are not supported."))
+        if self.tool_choice not in (None, "none"):
+            found.append(("tool_choice", "tool_choice is not supported."))
+        if self.functions:
+            found.append(("functions", "functions are not supported."))
+        if self.function_call not in (None, "none"):
+            found.append(("function_call", "function_call is not supported."))
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            found.append(("response_format", "response_format types other than 'text' are not supported."))
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            found.append(("modalities", "only the 'text' modality is supported."))
+        for name in ("audio", "prediction", "web_search_options"):
+            if getattr(self, name) is not None:
+                found.append((name, f"{name} is not supported."))
+        if self.top_logprobs and not self.logprobs:
+            found.append(("top_logprobs", "top_logprobs requires logprobs to be true."))
+        for i, message in enumerate(self.messages):
+            if message.tool_calls or message.function_call:
+                found.append((f"messages[{i}].tool_calls", "tool calls in messages are not supported."))
+        return found
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The completion budget and the name the client gave it (max_completion_tokens wins)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Response):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(_Response):
+    """A streamed message piece; unset fields are left out (the last chunk's delta is `{}`)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+# ---- (legacy) completions ---------------------------------------------------------------------------
+
+
+def _check_prompt(value: Any) -> Any:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if isinstance(value, str):
+        return _check_unicode(value)
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return [_check_unicode(p) for p in value]
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return value
+        if all(
+            isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+            for p in value
+        ):
+            return value
+    raise ValueError(
+        "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids, "
+        "and must not be empty"
+    )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI parameters this server does not implement
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _validate_prompt(cls, value: Any) -> Any:
+        return _check_prompt(value)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s), one entry per engine request."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]
+        return list(p)
+
+    def unsupported_params(self) -> list[tuple[str, str]]:
+        found = self.common_unsupported()
+        if self.suffix:
+            found.append(("suffix", "suffix is not supported."))
+        if self.best_of is not None and self.best_of != self.n:
+            found.append(("best_of", "best_of is only supported when it equals n."))
+        if self.echo and self.logprobs is not None:
+            found.append(("echo", "echo together with logprobs is not supported (no prompt logprobs)."))
+        return found
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+    system_fingerprint: str | None = None
+
+
+# ---- models, tokenizer, errors ------------------------------------------------------------------------
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "llmserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @field_validator("prompt")
+    @classmethod
+    def _validate_prompt(cls, value: str | None) -> str | None:
+        return value if value is None else _check_unicode(value)
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo

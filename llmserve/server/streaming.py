@@ -1,0 +1,109 @@
+"""Plumbing between engine streams and HTTP: server-sent events, client-disconnect detection, and
+several request streams merged into one (a /v1/completions prompt list)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from llmserve.engine.async_llm import RequestStream
+from llmserve.outputs import RequestOutput
+from llmserve.server.errors import ClientDisconnected
+
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel | str) -> str:
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read already, so the next message is the disconnect (or the response end).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientDisconnected()
+
+
+async def final_output(stream: RequestStream) -> RequestOutput:
+    """Run a request to its end and return its last output (abort it if interrupted)."""
+    last: RequestOutput | None = None
+    try:
+        async for output in stream:
+            last = output
+    finally:
+        stream.abort()
+    assert last is not None and last.finished
+    return last
+
+
+async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    try:
+        return list(await asyncio.gather(*(final_output(s) for s in streams)))
+    finally:
+        for stream in streams:
+            stream.abort()
+
+
+_END = object()
+
+
+async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    inbox: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+
+    async def pump(position: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                inbox.put_nowait((position, output))
+            inbox.put_nowait((position, _END))
+        except Exception as exc:
+            inbox.put_nowait((position, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            position, item = await inbox.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                assert isinstance(item, RequestOutput)
+                yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()

@@ -1,0 +1,250 @@
+"""AsyncLLM on its own: the engine on a thread, driven from asyncio. Results match the synchronous
+engine, cancelled or dropped streams free their blocks, errors reach the caller, and an engine crash
+fails every pending request instead of hanging it. No test sleeps: `wait_idle` and `stats` are
+answered by the engine thread itself."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from llmserve.config import EngineConfig
+from llmserve.engine.async_llm import AsyncLLM, EngineClosedError, EngineDeadError
+from llmserve.errors import ContextLengthExceededError, InvalidRequestError
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "def fibonacci(n):", "Un café au lait. 日本語"]
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+def _config(model_dir, **overrides) -> EngineConfig:
+    kwargs = dict(dtype="float32", num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=64)
+    kwargs.update(overrides)
+    return EngineConfig(model=str(model_dir), **kwargs)
+
+
+@pytest.fixture
+def allm(tiny_llama_dir):
+    engine = AsyncLLM.from_config(_config(tiny_llama_dir))
+    yield engine
+    engine.close()
+
+
+async def _collect(allm: AsyncLLM, request_id: str, prompt, params: SamplingParams):
+    outputs = [out async for out in allm.generate(request_id, prompt, params)]
+    assert outputs and outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    return outputs
+
+
+async def _assert_pool_empty(allm: AsyncLLM) -> None:
+    await allm.wait_idle()
+    await allm.check_invariants()
+    stats = await allm.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_unfinished_requests == 0
+    assert stats.num_used_blocks == 0 and stats.num_free_blocks == stats.num_blocks
+    assert allm.num_waiting == 0
+
+
+def test_concurrent_requests_match_the_offline_engine(allm, tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = LLM(**vars(_config(tiny_llama_dir))).generate(PROMPTS, params)
+
+    async def main():
+        results = await asyncio.gather(*(_collect(allm, f"r{i}", p, params) for i, p in enumerate(PROMPTS)))
+        await _assert_pool_empty(allm)
+        return results
+
+    results = asyncio.run(main())
+    for outputs, want in zip(results, expected, strict=True):
+        final = outputs[-1]
+        assert final.outputs[0].token_ids == want.outputs[0].token_ids
+        assert final.outputs[0].text == want.outputs[0].text
+        assert final.prompt_token_ids == want.prompt_token_ids
+        # outputs are cumulative: each one extends the previous
+        texts = [o.outputs[0].text for o in outputs]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+    assert allm.num_finished == len(PROMPTS)
+
+
+def test_outputs_are_snapshots_the_engine_no_longer_mutates(allm):
+    async def main():
+        seen = []
+        params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+        async for out in allm.generate("lp", "Hello", params):
+            seen.append((out, len(out.outputs[0].token_ids), len(out.outputs[0].logprobs)))
+        await _assert_pool_empty(allm)
+        return seen
+
+    for out, num_tokens, num_logprobs in asyncio.run(main()):
+        assert num_tokens == num_logprobs
+        assert len(out.outputs[0].token_ids) == num_tokens and len(out.outputs[0].logprobs) == num_logprobs
+
+
+def test_cancelling_the_consumer_aborts_and_frees_blocks(allm):
+    async def consume(started: asyncio.Event):
+        async for _ in allm.generate("cancel-me", "Hello there", LONG):
+            started.set()
+
+    async def main():
+        started = asyncio.Event()
+        task = asyncio.ensure_future(consume(started))
+        await started.wait()
+        assert (await allm.stats()).num_used_blocks > 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _assert_pool_empty(allm)
+
+    asyncio.run(main())
+    assert allm.num_aborted == 1 and allm.num_finished == 0
+
+
+def test_stopping_early_or_dropping_the_stream_aborts(allm):
+    async def main():
+        agen = allm.generate("early", "Hello", LONG)
+        await agen.__anext__()
+        await agen.aclose()  # the consumer stops early
+        stream = await allm.add_request("dropped", "Hello", LONG)
+        await stream.__anext__()
+        del stream  # nobody reads it any more: its finalizer aborts it
+        gc.collect()
+        await _assert_pool_empty(allm)
+
+    asyncio.run(main())
+    assert allm.num_aborted == 2
+
+
+def test_explicit_abort_and_many_streams_leave_nothing_allocated(allm):
+    async def main():
+        streams = [await allm.add_request(f"s{i}", PROMPTS[i % 4], LONG) for i in range(12)]
+        for stream in streams[:6]:
+            await stream.__anext__()
+        for stream in streams:
+            stream.abort()
+        with pytest.raises(StopAsyncIteration):
+            await streams[0].__anext__()
+        await _assert_pool_empty(allm)
+
+    asyncio.run(main())
+    assert allm.num_aborted == 12
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "param"),
+    [
+        ("", SamplingParams(), InvalidRequestError, "prompt"),
+        ([5] * 600, SamplingParams(), ContextLengthExceededError, "prompt"),
+        ("hello", SamplingParams(max_tokens=600), ContextLengthExceededError, "max_tokens"),
+        ([99999], SamplingParams(), InvalidRequestError, "prompt"),
+    ],
+)
+def test_validation_errors_reach_the_caller_and_the_engine_keeps_serving(allm, prompt, params, error, param):
+    async def main():
+        good = asyncio.ensure_future(
+            _collect(allm, "good", "Hello", SamplingParams(max_tokens=5, ignore_eos=True))
+        )
+        with pytest.raises(error) as info:
+            async for _ in allm.generate("bad", prompt, params):
+                pass
+        assert info.value.param == param
+        outputs = await good
+        assert len(outputs[-1].outputs[0].token_ids) == 5
+        await _assert_pool_empty(allm)
+
+    asyncio.run(main())
+
+
+def test_duplicate_request_id_is_refused_while_the_first_runs(allm):
+    async def main():
+        first = await allm.add_request("same", "Hello", LONG)
+        with pytest.raises(InvalidRequestError):
+            await allm.add_request("same", "Hello", LONG)
+        first.abort()
+        await _assert_pool_empty(allm)
+
+    asyncio.run(main())
+
+
+def test_num_waiting_counts_queued_requests(tiny_llama_dir):
+    # max_num_seqs=1: one runs, the others wait in the engine's queue
+    allm = AsyncLLM.from_config(_config(tiny_llama_dir, max_num_seqs=1))
+    try:
+
+        async def main():
+            streams = [await allm.add_request(f"w{i}", "Hello", LONG) for i in range(4)]
+            await streams[0].__anext__()
+            stats = await allm.stats()
+            assert stats.num_running == 1 and stats.num_waiting == 3
+            assert allm.num_waiting == 3
+            for stream in streams:
+                stream.abort()
+            await _assert_pool_empty(allm)
+
+        asyncio.run(main())
+    finally:
+        allm.close()
+
+
+def test_engine_crash_fails_pending_requests_and_later_ones(tiny_llama_dir):
+    allm = AsyncLLM.from_config(_config(tiny_llama_dir))
+    real_step = allm._engine.step
+    armed = threading.Event()
+
+    def flaky_step():
+        if armed.is_set():
+            raise RuntimeError("boom")
+        return real_step()
+
+    allm._engine.step = flaky_step
+
+    async def main():
+        streams = [await allm.add_request(f"c{i}", "Hello", LONG) for i in range(3)]
+        armed.set()  # the next step fails, with all three requests in the engine
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match="boom"):
+                async for _ in stream:
+                    pass
+        with pytest.raises(EngineDeadError):
+            await allm.add_request("after", "Hello", LONG)
+        with pytest.raises(EngineDeadError):
+            await allm.wait_idle()
+
+    try:
+        asyncio.run(main())
+        assert not allm.is_healthy and not allm.is_accepting
+        assert isinstance(allm.dead_error, EngineDeadError)
+    finally:
+        allm.close()
+
+
+def test_shutdown_lets_running_requests_finish(allm):
+    async def main():
+        stream = await allm.add_request("finishing", "Hello", SamplingParams(max_tokens=20, ignore_eos=True))
+        shutdown = asyncio.ensure_future(allm.shutdown(timeout=60))
+        await asyncio.sleep(0)  # let shutdown() close the door
+        with pytest.raises(EngineClosedError):
+            await allm.add_request("too-late", "Hello", LONG)
+        outputs = [out async for out in stream]
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 20
+        await shutdown
+
+    asyncio.run(main())
+    assert not allm._thread.is_alive()
+
+
+def test_shutdown_timeout_aborts_what_is_left(allm):
+    async def main():
+        stream = await allm.add_request("endless", "Hello", SamplingParams(max_tokens=500, ignore_eos=True))
+        await stream.__anext__()
+        await allm.shutdown(timeout=0)
+        with pytest.raises(EngineClosedError):
+            async for _ in stream:
+                pass
+        stats = await allm.stats()  # the engine thread is gone: the last published stats
+        assert stats.num_used_blocks == 0 and stats.num_unfinished_requests == 0
+
+    asyncio.run(main())
+    assert not allm._thread.is_alive()
