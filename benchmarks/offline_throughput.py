@@ -115,7 +115,7 @@ def kv_waste(llm: LLM, prompts, lengths, running: int = 64) -> dict:
     """Reserved minus used KV slots over reserved, with `running` sequences mid-generation."""
     engine = llm.engine
     ids = []
-    for i in range(running):
+    for i in range(min(running, len(prompts))):
         rid = f"waste-{i}"
         engine.add_request(rid, prompts[i], SamplingParams(temperature=0, max_tokens=lengths[i], ignore_eos=True))
         ids.append(rid)

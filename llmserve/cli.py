@@ -19,7 +19,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-gib", type=float, default=4.0)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    parser.add_argument(
+        "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+        help="priority: the request's priority field orders admission and preemption (lower first)",
+    )
+    parser.add_argument(
+        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+        help="turn off the reuse of cached KV blocks across requests with the same prefix",
+    )
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--seed", type=int, default=0)
 
@@ -35,6 +42,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "kv_cache_memory": int(args.kv_cache_memory_gib * (1 << 30)),
         "num_kv_blocks": args.num_kv_blocks,
         "scheduling_policy": args.scheduling_policy,
+        "enable_prefix_caching": args.enable_prefix_caching,
         "load_format": args.load_format,
         "seed": args.seed,
     }
@@ -83,6 +91,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: from --model)")
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="past this many queued: 503")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    serve.add_argument(
+        "--slo-ttft-ms", type=float, default=None,
+        help="time-to-first-token target: requests that cannot meet it at the current load get a 503",
+    )
+    serve.add_argument(
+        "--slo-tpot-ms", type=float, default=None, help="time-per-output-token target (counted in goodput)"
+    )
     serve.set_defaults(func=cmd_serve)
 
 

@@ -24,6 +24,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 256
     scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True  # share full KV blocks by content across requests
     attention_backend: str | None = None  # None: the best for the device
     served_model_name: str | None = None
 

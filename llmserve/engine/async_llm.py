@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from llmserve.config import EngineConfig
-from llmserve.engine.llm_engine import EngineStats, LLMEngine
+from llmserve.engine.llm_engine import EngineStats, LLMEngine, StepRecord
 from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.outputs import RequestOutput
 from llmserve.sampling.params import SamplingParams
@@ -53,6 +53,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -81,6 +82,19 @@ class _Stop:
 
 
 _Command = _Add | _Abort | _Call | _IdleWaiter | _Stop
+
+
+@dataclass
+class EngineEvents:
+    """What one round of the engine thread did, for listeners (metrics, load estimates): the step
+    (None when no step ran) and every output delivered, aborted requests' final ones included.
+    The outputs are the detached copies the callers got: listeners must not mutate them."""
+
+    step: StepRecord | None
+    outputs: list[RequestOutput]
+
+
+EventListener = Callable[[EngineEvents], None]
 
 
 # ---- the caller's side of one request ----------------------------------------------------------
@@ -202,6 +216,8 @@ class AsyncLLM:
         self._inbox: collections.deque[_Command] = collections.deque()
         self._idle_waiters: list[_IdleWaiter] = []
         self._deliveries: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
+        self._listeners: list[EventListener] = []
+        self._round_outputs: list[RequestOutput] = []
         self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
         self._thread.start()
 
@@ -239,7 +255,12 @@ class AsyncLLM:
 
     # ---- requests --------------------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a request and wait until the engine took it. Raises what `LLMEngine.add_request`
         raises (InvalidRequestError and subclasses), or EngineClosedError / EngineDeadError."""
@@ -250,7 +271,7 @@ class AsyncLLM:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         stream = RequestStream(self, request_id, text, asyncio.get_running_loop())
         try:
-            self._submit(_Add(stream._sink, token_ids, params, priority), counts_as_add=True)
+            self._submit(_Add(stream._sink, token_ids, params, priority, cache_salt), counts_as_add=True)
         except LLMServeError:
             stream._state.done = True
             raise
@@ -279,6 +300,11 @@ class AsyncLLM:
         engine thread has ended the command is simply never read (that thread aborted everything)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self._commands.put(_Abort(ids))
+
+    def add_listener(self, listener: EventListener) -> None:
+        """Call `listener(EngineEvents)` on the engine thread after every round with outputs or a step.
+        It must be quick and thread-safe (e.g. put the events on a queue read elsewhere)."""
+        self._listeners.append(listener)
 
     # ---- introspection ---------------------------------------------------------------------------
     async def stats(self) -> EngineStats:
@@ -363,8 +389,12 @@ class AsyncLLM:
                 self._stop()
                 return
             self._flush()  # acknowledge new requests before the (possibly long) step
+            step = None
             if engine.has_unfinished_requests():
+                steps_before = engine.num_steps
                 self._handle_outputs(engine.step())
+                step = engine.last_step if engine.num_steps != steps_before else None
+            self._notify(step)
             self._publish()
             self._flush()
 
@@ -409,7 +439,11 @@ class AsyncLLM:
         sink = command.sink
         try:
             self._engine.add_request(
-                sink.request_id, command.prompt_token_ids, command.params, command.priority
+                sink.request_id,
+                command.prompt_token_ids,
+                command.params,
+                command.priority,
+                cache_salt=command.cache_salt,
             )
         except Exception as exc:  # InvalidRequestError mostly: the engine state is untouched
             self._deliver(sink.loop, sink.accept, exc)
@@ -420,8 +454,10 @@ class AsyncLLM:
     def _do_abort(self, request_ids: list[str]) -> None:
         live = [r for r in request_ids if self._live.pop(r, None) is not None]
         if live:
-            self._engine.abort_request(live)
+            outputs = self._engine.abort_request(live)
             self.num_aborted += len(live)
+            if self._listeners:
+                self._round_outputs.extend(_detached(o) for o in outputs)
 
     def _do_call(self, command: _Call) -> None:
         try:
@@ -439,7 +475,21 @@ class AsyncLLM:
             if output.finished:
                 del self._live[output.request_id]
                 self.num_finished += 1
-            self._deliver(sink.loop, sink.push, _detached(output))
+            detached = _detached(output)
+            self._deliver(sink.loop, sink.push, detached)
+            if self._listeners:
+                self._round_outputs.append(detached)
+
+    def _notify(self, step: StepRecord | None) -> None:
+        outputs, self._round_outputs = self._round_outputs, []
+        if step is None and not outputs:
+            return
+        events = EngineEvents(step, outputs)
+        for listener in self._listeners:
+            try:
+                listener(events)
+            except Exception:  # a listener's bug must not stop the engine
+                logger.exception("an engine event listener failed")
 
     def _publish(self) -> None:
         with self._lock:

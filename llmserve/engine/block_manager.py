@@ -1,34 +1,56 @@
 """The paged KV cache's bookkeeping: a fixed pool of blocks, per-sequence block tables, ref counts.
 
 The tensors live in the model runner; this class only decides which block ids hold which tokens.
-A block may be shared (forked sequences share their prompt's full blocks), so blocks are
-reference-counted and return to the free list when the last owner lets go.
+A block may be shared (forked sequences share their prompt's full blocks; with prefix caching any
+sequences whose tokens start the same share their common full blocks), so blocks are
+reference-counted.
+
+With prefix caching a full block whose KV is computed gets a content name (see `prefix_cache`), and
+when its last owner lets go it is not wiped: it waits, still named, on an LRU list of evictable
+blocks. A new sequence starting with the same tokens takes it back instead of recomputing it. Blocks
+are allocated from the never-named free blocks first, then from the evictable ones, least recently
+used first; everything is O(1) per block.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 
+from llmserve.engine import prefix_cache
+from llmserve.engine.prefix_cache import BlockHash, PrefixCache
 from llmserve.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError("The KV cache needs at least one block.")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))  # unreferenced and unnamed
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, named; LRU first
+        self.cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
+        self.prefix_queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
+        self.prefix_hits = 0  # of which found cached
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.cache is not None
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks a sequence can take now: the unused ones and the cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cache) if self.cache is not None else 0
 
     @property
     def usage(self) -> float:
@@ -42,25 +64,49 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_new_blocks(seq, num_tokens) <= len(self.free_blocks)
+        return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Extend `seq`'s block table to cover `num_tokens` tokens. The caller checked `can_grow`."""
         needed = self.num_new_blocks(seq, num_tokens)
-        if needed > len(self.free_blocks):
-            raise RuntimeError(f"KV cache out of blocks: need {needed}, have {len(self.free_blocks)}")
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"KV cache out of blocks: need {needed}, have {self.num_free_blocks}")
         for _ in range(needed):
-            block = self.free_blocks.popleft()
-            self.ref_counts[block] = 1
-            seq.block_table.append(block)
+            seq.block_table.append(self._allocate())
+
+    def allocate_one(self, seq: Sequence) -> int | None:
+        """Append one fresh block to `seq`'s table (a copy-on-write target); None if the pool is dry."""
+        if not self.num_free_blocks:
+            return None
+        block = self._allocate()
+        seq.block_table.append(block)
+        return block
+
+    def _allocate(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)  # the least recently used cached block
+            assert self.cache is not None
+            self.cache.forget(block)
+        self.ref_counts[block] = 1
+        return block
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on its blocks (finish, abort, preemption)."""
-        for block in seq.block_table:
+        # Last block first: of a freed sequence's blocks, its tail is the first to be evicted.
+        for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                self._put_back(block)
         seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def _put_back(self, block: int) -> None:
+        if self.cache is not None and self.cache.is_cached(block):
+            self._evictable[block] = None
+        else:
+            self._free.append(block)
 
     def share(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
         """Give `child` the first `num_blocks` blocks of `parent` (full blocks only, never written again)."""
@@ -68,20 +114,100 @@ class BlockManager:
         for block in shared:
             self.ref_counts[block] += 1
         child.block_table = list(shared)
+        child.block_hashes = parent.block_hashes[:num_blocks]
+        child.num_registered_blocks = min(num_blocks, parent.num_registered_blocks)
 
+    # ---- prefix caching ---------------------------------------------------------------------------
+    def _tokens(self, seq: Sequence, index: int) -> list[int]:
+        return seq.token_ids[index * self.block_size : (index + 1) * self.block_size]
+
+    def _block_hash(self, seq: Sequence, index: int) -> BlockHash:
+        """The content name of `seq`'s full block `index`; each is computed once per sequence, from
+        the previous one (tokens are only ever appended, so the names stay valid)."""
+        hashes = seq.block_hashes
+        while len(hashes) <= index:
+            parent = hashes[-1] if hashes else seq.cache_root
+            hashes.append(prefix_cache.hash_block(parent, self._tokens(seq, len(hashes))))
+        return hashes[index]
+
+    def _parent_hash(self, seq: Sequence, index: int) -> BlockHash:
+        return self._block_hash(seq, index - 1) if index else seq.cache_root
+
+    def _find(self, seq: Sequence, index: int) -> int | None:
+        assert self.cache is not None
+        return self.cache.find(self._block_hash(seq, index), self._parent_hash(seq, index), self._tokens(seq, index))
+
+    def _max_reusable_blocks(self, seq: Sequence) -> int:
+        return (seq.num_tokens - 1) // self.block_size  # the last token is always computed: logits
+
+    def num_cached_prefix_blocks(self, seq: Sequence) -> int:
+        """How many leading blocks of a block-less sequence are cached now (nothing is taken)."""
+        if self.cache is None or seq.block_table:
+            return 0
+        for k in range(self._max_reusable_blocks(seq)):
+            if self._find(seq, k) is None:
+                return k
+        return self._max_reusable_blocks(seq)
+
+    def take_cached_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix and mark
+        those tokens computed; returns how many tokens that is. Undo with `release`."""
+        if self.cache is None or seq.block_table:
+            return 0
+        for k in range(self._max_reusable_blocks(seq)):
+            block = self._find(seq, k)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self._evictable[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+        seq.num_registered_blocks = len(seq.block_table)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Name the blocks of `seq` that became full and computed since the last call (O(1) each)."""
+        if self.cache is None:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for k in range(seq.num_registered_blocks, full):
+            block_hash, parent = self._block_hash(seq, k), self._parent_hash(seq, k)
+            self.cache.register(seq.block_table[k], block_hash, parent, self._tokens(seq, k))
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    # ---- checking -----------------------------------------------------------------------------------
     def check_invariants(self, live_seqs: Iterable[Sequence]) -> None:
         """Raise AssertionError unless the pool's accounting is exact for the given live sequences."""
         owners: Counter[int] = Counter()
         for seq in live_seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} owns a block twice"
             owners.update(seq.block_table)
-        free = set(self.free_blocks)
-        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
-        assert len(free) + len(owners) == self.num_blocks, (
-            f"free ({len(free)}) + used ({len(owners)}) != total ({self.num_blocks})"
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        assert not free & evictable, "a block is both free and evictable"
+        assert len(free) + len(evictable) + len(owners) == self.num_blocks, (
+            f"free ({len(free)}) + evictable ({len(evictable)}) + used ({len(owners)}) != total ({self.num_blocks})"
         )
-        assert not free & owners.keys(), "a free block is still owned"
+        assert not (free | evictable) & owners.keys(), "a free block is still owned"
         for block in range(self.num_blocks):
             assert self.ref_counts[block] == owners.get(block, 0), (
                 f"block {block}: ref count {self.ref_counts[block]} but {owners.get(block, 0)} owners"
             )
+        self._check_cache(free, evictable)
+
+    def _check_cache(self, free: set[int], evictable: set[int]) -> None:
+        if self.cache is None:
+            assert not evictable, "evictable blocks without a prefix cache"
+            return
+        assert len(self.cache.by_hash) == len(self.cache.by_block), "the cache's two maps disagree"
+        for block_hash, block in self.cache.by_hash.items():
+            assert 0 <= block < self.num_blocks, f"the cache names block {block}, outside the pool"
+            assert self.cache.by_block[block].block_hash == block_hash, f"block {block} has two names"
+            assert block not in free, f"cached block {block} is on the unnamed free list"
+        for block in evictable:
+            assert self.cache.is_cached(block), f"evictable block {block} has no name"

@@ -20,6 +20,7 @@ from pathlib import Path
 from llmserve.config import EngineConfig
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.output_processor import StopChecker, completion_output
+from llmserve.engine.prefix_cache import hash_root
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sequence import Request, Sequence, SequenceStatus
 from llmserve.errors import ContextLengthExceededError, InvalidRequestError
@@ -46,6 +47,28 @@ class EngineStats:
     num_used_blocks: int
     kv_cache_usage: float
     num_preemptions: int
+    num_cached_blocks: int = 0  # blocks named in the prefix cache (held or evictable)
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admissions
+    prefix_cache_hits: int = 0  # of which found cached
+    num_steps: int = 0
+    num_pending_prefill_tokens: int = 0  # tokens still to prefill (waiting, and running prompt chunks)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did, with its timestamps (time.monotonic seconds); for metrics and load estimates."""
+
+    start_time: float
+    end_time: float
+    num_tokens: int  # tokens in the forward pass
+    num_prefill_tokens: int  # of which in prompt (or recompute) chunks
+    num_seqs: int
+    num_decodes: int  # sequences computing one token
+    num_preempted: int
+
+    @property
+    def duration(self) -> float:
+        return self.end_time - self.start_time
 
 
 class LLMEngine:
@@ -66,7 +89,14 @@ class LLMEngine:
                 f"The KV cache holds {pool_tokens} tokens, fewer than max_model_len={self.max_model_len}; "
                 "give it more memory (kv_cache_memory / num_kv_blocks) or lower max_model_len."
             )
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        # What else changes the KV of the same tokens; a LoRA adapter would join per request.
+        self._cache_identity = (str(self.model_dir), config.revision, str(self.runner.dtype))
+        self._pending_copies: list[tuple[Sequence, int, int]] = []  # (child, src, dst) copy-on-write
+        self.last_step: StepRecord | None = None
+        self.num_steps = 0
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy
         )
@@ -118,6 +148,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and queue a request. Raises InvalidRequestError; the engine state is untouched then."""
         if request_id in self.requests:
@@ -126,6 +157,8 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         if text == "":
             raise InvalidRequestError("The prompt is empty.", param="prompt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string.", param="cache_salt")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = self._validate(token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -138,6 +171,7 @@ class LLMEngine:
             arrival_order=next(self._arrivals),
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic()),
             priority=priority,
+            cache_root=hash_root(*self._cache_identity, cache_salt),
         )
         seq = self._new_sequence(request, 0, list(token_ids))
         request.seqs.append(seq)
@@ -200,21 +234,48 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and report every request that made progress."""
+        start = time.monotonic()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        now = time.monotonic()
         for seq in scheduled.admitted:
             if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
+                seq.request.metrics.first_scheduled_time = start
         # Decodes (one new token) lead the batch; sort is stable so scheduling order is kept.
         batch = sorted(scheduled.scheduled.items(), key=lambda item: item[1] != 1)
         logits_rows, rows, targets = self._sampling_plan(batch)
-        result = self.runner.execute(batch, logits_rows, rows)
+        result = self.runner.execute(batch, logits_rows, rows, self._take_copies())
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
+            self.block_manager.register_computed(seq)
         touched = self._apply_samples(targets, result) if result is not None else []
-        return [self._finish_if_done(request) for request in touched]
+        outputs = [self._finish_if_done(request) for request in touched]
+        self._record_step(start, batch, len(scheduled.preempted))
+        return outputs
+
+    def _take_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write blocks still wanted: their child still runs and still owns the target."""
+        copies = [
+            (src, dst)
+            for child, src, dst in self._pending_copies
+            if child.status is SequenceStatus.RUNNING and dst in child.block_table
+        ]
+        self._pending_copies.clear()
+        return copies
+
+    def _record_step(self, start: float, batch: list[tuple[Sequence, int]], num_preempted: int) -> None:
+        num_decodes = sum(1 for _, n in batch if n == 1)
+        num_tokens = sum(n for _, n in batch)
+        self.num_steps += 1
+        self.last_step = StepRecord(
+            start_time=start,
+            end_time=time.monotonic(),
+            num_tokens=num_tokens,
+            num_prefill_tokens=num_tokens - num_decodes,
+            num_seqs=len(batch),
+            num_decodes=num_decodes,
+            num_preempted=num_preempted,
+        )
 
     def _sampling_plan(
         self, batch: list[tuple[Sequence, int]]
@@ -276,13 +337,20 @@ class LLMEngine:
         return list(touched.values())
 
     def _fork(self, parent: Sequence, choice: int) -> Sequence:
-        """A new choice of an n > 1 request: it shares the prompt's full KV blocks with the parent and
-        recomputes only the partly filled last block (so no block is ever written by two sequences)."""
+        """A new choice of an n > 1 request. It shares the prompt's full KV blocks with the parent; the
+        partly filled last block, which both would write, is copied (copy-on-write: the runner copies
+        it before the next forward pass). With no block free for the copy, the child recomputes it."""
         request = parent.request
         child = self._new_sequence(request, choice, list(parent.prompt_token_ids))
-        shared = parent.num_computed_tokens // self.block_manager.block_size
-        self.block_manager.share(parent, child, shared)
-        child.num_computed_tokens = shared * self.block_manager.block_size
+        bm = self.block_manager
+        shared = parent.num_computed_tokens // bm.block_size
+        bm.share(parent, child, shared)
+        child.num_computed_tokens = shared * bm.block_size
+        if child.num_computed_tokens < parent.num_computed_tokens:
+            dst = bm.allocate_one(child)
+            if dst is not None:
+                self._pending_copies.append((child, parent.block_table[shared], dst))
+                child.num_computed_tokens = parent.num_computed_tokens
         request.seqs.append(child)
         self.scheduler.add_running(child)
         return child
@@ -318,6 +386,7 @@ class LLMEngine:
             outputs=[completion_output(s) for s in seqs],
             finished=request.is_finished,
             metrics=request.metrics,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     # ---- introspection --------------------------------------------------------------------------
@@ -332,7 +401,17 @@ class LLMEngine:
             num_used_blocks=bm.num_used_blocks,
             kv_cache_usage=bm.usage,
             num_preemptions=self.scheduler.num_preemptions,
+            num_cached_blocks=bm.num_cached_blocks,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_steps=self.num_steps,
+            num_pending_prefill_tokens=self._pending_prefill_tokens(),
         )
+
+    def _pending_prefill_tokens(self) -> int:
+        sched = self.scheduler
+        waiting = sum(s.num_uncomputed_tokens for s in sched.waiting)
+        return waiting + sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
 
     def live_sequences(self) -> list[Sequence]:
         return [s for r in self.requests.values() for s in r.seqs if s.status is not SequenceStatus.FINISHED]

@@ -6,6 +6,11 @@ chunk of them. Running sequences are served first, oldest first, so decodes are 
 long prompt; what is left of the step's token budget admits waiting sequences. When the KV pool runs
 dry, the running sequence that is last in scheduling order is preempted: its blocks are freed and it
 recomputes later from its tokens (which the sampler's counter-based randomness reproduces exactly).
+
+With prefix caching, a sequence being admitted first takes the cached blocks of its longest cached
+prefix and only computes the rest (a preempted sequence usually finds its own blocks still cached),
+and while the queue is short the waiting sequence with the longest cached prefix goes first among
+those ranking like the head of the queue, unless the head was overtaken too often already.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.sequence import Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "priority")
+LPM_MAX_QUEUE = 128  # past this many waiting, admission is in plain queue order
+MAX_OVERTAKES = 32  # a waiting sequence lets at most this many cache hits go first
 
 
 @dataclass
@@ -47,6 +54,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.lpm_max_queue = LPM_MAX_QUEUE
+        self.max_overtakes = MAX_OVERTAKES
         self.order: Callable[[Sequence], tuple] = (
             Sequence.sort_key if policy == "priority" else lambda s: s.sort_key()[1:]
         )
@@ -113,17 +122,58 @@ class Scheduler:
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             if budget <= 0:
                 break
-            seq = self.waiting[0]
+            index = self._pick_waiting()
+            seq = self.waiting[index]
+            reused = self.block_manager.take_cached_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
             total = seq.num_computed_tokens + num_new
             if not self.block_manager.can_grow(seq, total) and not self._evict_for(seq, total, out):
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.pop(0)
+                if reused:  # not admitted after all: give the cached blocks back
+                    self.block_manager.release(seq)
+                    seq.num_computed_tokens = 0
+                break  # nobody overtakes the sequence picked
+            for skipped in self.waiting[:index]:
+                skipped.times_overtaken += 1
+            self.waiting.pop(index)
             self.block_manager.grow(seq, total)
+            self._note_reuse(seq, reused)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled[seq] = num_new
             out.admitted.append(seq)
+
+    def _pick_waiting(self) -> int:
+        """Longest cached prefix first (SGLang's LPM), among the waiting sequences that rank like
+        the head of the queue; plain queue order when the queue is long (the lookups would cost
+        too much) or once the head was overtaken `max_overtakes` times (no starvation)."""
+        head = self.waiting[0]
+        if (
+            not self.block_manager.enable_prefix_caching
+            or not 1 < len(self.waiting) <= self.lpm_max_queue
+            or head.times_overtaken >= self.max_overtakes
+        ):
+            return 0
+        rank = self._rank(head)
+        best, best_blocks = 0, self.block_manager.num_cached_prefix_blocks(head)
+        for i in range(1, len(self.waiting)):
+            seq = self.waiting[i]
+            if self._rank(seq) != rank:
+                break  # the queue is sorted: nothing after ranks like the head
+            blocks = self.block_manager.num_cached_prefix_blocks(seq)
+            if blocks > best_blocks:
+                best, best_blocks = i, blocks
+        return best
+
+    def _rank(self, seq: Sequence) -> int:
+        return seq.request.priority if self.policy == "priority" else 0
+
+    def _note_reuse(self, seq: Sequence, reused: int) -> None:
+        seq.num_cached_tokens = reused
+        if self.block_manager.enable_prefix_caching:
+            self.block_manager.count_lookup(seq.num_tokens, reused)
+        request = seq.request
+        if seq.index == 0 and request.num_cached_tokens is None:
+            request.num_cached_tokens = reused
 
     def _evict_for(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Priority policy: a waiting sequence may preempt running ones that rank below it."""

@@ -29,6 +29,10 @@ class Sequence:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # content names of its first full blocks (prefix caching)
+        self.num_registered_blocks = 0  # leading blocks of block_table already named in the cache
+        self.num_cached_tokens = 0  # tokens reused from the prefix cache at its latest admission
+        self.times_overtaken = 0  # admissions of later sequences with a longer cached prefix
         self.status = SequenceStatus.WAITING
         self.seed = seed
         self.finish_reason: str | None = None
@@ -53,6 +57,10 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def cache_root(self) -> bytes:
+        return self.request.cache_root
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -85,6 +93,8 @@ class Request:
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
+    cache_root: bytes = b""  # the prefix cache namespace: model identity and the request's cache_salt
+    num_cached_tokens: int | None = None  # prompt tokens reused at first admission
 
     @property
     def is_finished(self) -> bool:

@@ -4,6 +4,7 @@ forward pass over its flattened tokens, and samples the next tokens."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence as Sequence_
 
 import torch
 
@@ -35,7 +36,8 @@ class ModelRunner:
         self.model = self._load_model(model_dir, max_model_len)
         backend_name = config.attention_backend or "torch"
         self.attn_backend = get_backend(backend_name)(
-            model_config.num_attention_heads, model_config.num_key_value_heads, model_config.head_dim, self.block_size
+            model_config.num_attention_heads, model_config.num_key_value_heads, model_config.head_dim, self.block_size,
+            self.dtype,
         )
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
@@ -79,10 +81,17 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(
-        self, batch: list[tuple[Sequence, int]], logits_rows: list[int], sampling_rows: list[SamplingRow]
+        self,
+        batch: list[tuple[Sequence, int]],
+        logits_rows: list[int],
+        sampling_rows: list[SamplingRow],
+        blocks_to_copy: Sequence_[tuple[int, int]] = (),
     ) -> SamplerOutput | None:
-        """Run `batch` (decodes first) and sample one token per entry of `logits_rows`
-        (an index into `batch`: that sequence's last scheduled token gives the logits)."""
+        """Copy the (src, dst) blocks of `blocks_to_copy`, run `batch` (decodes first) and sample one
+        token per entry of `logits_rows` (an index into `batch`: that sequence's last scheduled token
+        gives the logits)."""
+        if blocks_to_copy:
+            self.copy_blocks(blocks_to_copy)
         input_ids, positions, meta = self.prepare_inputs(batch)
         self.attn_backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_caches, self.attn_backend, meta)
@@ -93,6 +102,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last_token[rows].long()])
         sampling = SamplingMetadata.build(sampling_rows, logits.shape[-1], self.device)
         return self.sampler(logits, sampling)
+
+    def copy_blocks(self, blocks_to_copy: Sequence_[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, every layer's keys and values (block is the caches' first dimension)."""
+        src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.long, device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            key_cache[dst] = key_cache[src]
+            value_cache[dst] = value_cache[src]
 
     def prepare_inputs(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size

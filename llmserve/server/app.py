@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -12,7 +14,10 @@ import llmserve
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.server import chat, completions, health, metrics, models, tokens
 from llmserve.server.errors import install_error_handlers, shutting_down
+from llmserve.server.slo import SLO
 from llmserve.server.state import ServerState
+
+TELEMETRY_DRAIN_SECONDS = 1.0
 
 # Paths still answered while draining (monitoring keeps working until the process exits).
 _ALWAYS_SERVED = ("/metrics",)
@@ -35,12 +40,24 @@ class DrainMiddleware:
 def _lifespan(state: ServerState, owns_engine: bool, shutdown_timeout: float):
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        drainer = asyncio.create_task(_drain_telemetry(state))
         yield
+        drainer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await drainer
         state.draining = True
         if owns_engine:
             await state.engine.shutdown(shutdown_timeout)
 
     return lifespan
+
+
+async def _drain_telemetry(state: ServerState) -> None:
+    """Keep the engine event queue short even when nobody scrapes /metrics."""
+    while True:
+        await asyncio.sleep(TELEMETRY_DRAIN_SECONDS)
+        if state.telemetry is not None:
+            state.telemetry.drain()
 
 
 def build_app(
@@ -52,6 +69,7 @@ def build_app(
     max_waiting_requests: int = 1024,
     owns_engine: bool = False,
     shutdown_timeout: float = 30.0,
+    slo: SLO | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over `engine_client`.
 
@@ -74,6 +92,9 @@ def build_app(
     )
     app.state.llmserve = state
     app.state.metrics_registry = metrics.make_registry(engine_client, served_model_name)
+    state.telemetry = metrics.make_telemetry(
+        engine_client, app.state.metrics_registry, served_model_name, slo or SLO()
+    )
     install_error_handlers(app)
     app.add_middleware(DrainMiddleware, state=state)
     for module in (chat, completions, models, tokens, health, metrics):

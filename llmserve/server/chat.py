@@ -90,6 +90,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         params,
         body.priority,
         {"prompt": "messages", "max_tokens": max_tokens_param},
+        body.cache_salt,
     )
     ctx = _ChatContext(
         response_id=response_id,

@@ -52,7 +52,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         body, state.engine.default_sampling_params(), body.max_tokens, logprobs=body.logprobs
     )
     prompts = body.prompts()
-    response_id, streams = await start_requests(state, "cmpl", prompts, params, body.priority)
+    response_id, streams = await start_requests(
+        state, "cmpl", prompts, params, body.priority, cache_salt=body.cache_salt
+    )
     ctx = _CompletionContext(
         response_id=response_id,
         model=body.model or state.served_model_name,

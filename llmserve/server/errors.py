@@ -98,8 +98,8 @@ def reject_unsupported(found: Sequence[tuple[str, str]]) -> None:
         raise unsupported(*found[0])
 
 
-def overloaded(message: str = "The server is overloaded; retry later.") -> APIError:
-    return APIError(503, message, code="overloaded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+def overloaded(message: str = "The server is overloaded; retry later.", retry_after: int = RETRY_AFTER_SECONDS) -> APIError:
+    return APIError(503, message, code="overloaded", headers={"Retry-After": str(retry_after)})
 
 
 def shutting_down() -> APIError:

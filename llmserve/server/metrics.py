@@ -1,61 +1,200 @@
-"""GET /metrics: Prometheus text with vLLM's metric names, labelled with the served model's name.
+"""GET /metrics: Prometheus text with vLLM's metric names and `model_name` label, so dashboards and
+routers that scrape vLLM work unchanged, plus `llmserve:` metrics where vLLM has none.
 
-The values are read at scrape time from the engine's latest published stats, so the engine loop does
-no metric work at all.
+Gauges and the engine's own counters are read at scrape time from the stats the engine thread
+publishes. Per-request histograms and token counters come from `Telemetry`: the engine thread only
+puts each round's events (timestamps recorded by the engine) on a queue; they are turned into
+observations here, on the server's side, when /metrics is scraped, when a request is admitted, and
+periodically (so the queue stays short when nobody scrapes).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.async_llm import AsyncLLM, EngineEvents
+from llmserve.engine.llm_engine import StepRecord
+from llmserve.outputs import RequestOutput
+from llmserve.server.slo import SLO, LoadEstimator
 
 router = APIRouter()
 
+LABELS = ["model_name"]
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                         7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
 
 class EngineCollector(Collector):
+    """Scrape-time values from the engine's published stats."""
+
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(name, documentation, labels=["model_name"])
+        family = GaugeMetricFamily(name, documentation, labels=LABELS)
         family.add_metric([self.model_name], value)
         return family
 
     def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(name, documentation, labels=["model_name"])
+        family = CounterMetricFamily(name, documentation, labels=LABELS)
         family.add_metric([self.model_name], value)
         return family
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.last_stats
+        yield self._gauge("vllm:num_requests_running", "Number of requests in the running batch.", stats.num_running)
         yield self._gauge(
-            "vllm:num_requests_running", "Number of requests in the running batch.", stats.num_running
+            "vllm:num_requests_waiting", "Number of requests waiting to be scheduled.", self.engine.num_waiting
         )
-        yield self._gauge(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be scheduled.",
-            self.engine.num_waiting,
-        )
-        yield self._gauge(
-            "vllm:kv_cache_usage_perc", "KV cache usage (1 means 100 percent).", stats.kv_cache_usage
-        )
+        yield self._gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 means 100 percent).", stats.kv_cache_usage)
         yield self._gauge("llmserve:num_kv_blocks_used", "KV cache blocks in use.", stats.num_used_blocks)
+        yield self._gauge(
+            "llmserve:num_kv_blocks_cached", "KV cache blocks in the prefix cache.", stats.num_cached_blocks
+        )
+        yield self._counter("vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
         yield self._counter(
-            "vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
         )
         yield self._counter(
-            "llmserve:requests_finished", "Requests that ran to completion.", self.engine.num_finished
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
         )
-        yield self._counter(
-            "llmserve:requests_aborted", "Requests aborted (client gone).", self.engine.num_aborted
+        yield self._counter("llmserve:requests_finished", "Requests that ran to completion.", self.engine.num_finished)
+        yield self._counter("llmserve:requests_aborted", "Requests aborted (client gone).", self.engine.num_aborted)
+
+
+@dataclass
+class _Progress:
+    num_tokens: int
+    last_token_time: float | None
+
+
+class Telemetry:
+    """Engine events -> histograms, token counters, goodput and the SLO load estimate."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, slo: SLO) -> None:
+        self.model_name = model_name
+        self.slo = slo
+        self.estimator = LoadEstimator()
+        self._events: queue.SimpleQueue[EngineEvents] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._progress: dict[str, _Progress] = {}
+        self._make_metrics(registry)
+
+    def _make_metrics(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, labels: list[str] = LABELS) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=registry)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.request_success = counter(
+            "vllm:request_success", "Count of finished requests.", LABELS + ["finished_reason"]
         )
+        self.goodput = counter("llmserve:goodput_requests", "Finished requests that met every latency SLO set.")
+        self.rejected = counter(
+            "llmserve:requests_rejected", "Requests turned away at admission.", LABELS + ["reason"]
+        )
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds", "Decode time per output token.", TOKEN_LATENCY_BUCKETS
+        )
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Time spent waiting before first scheduled.", REQUEST_LATENCY_BUCKETS
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds", "Time from first scheduled to first token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds", "Time from first token to the last.", REQUEST_LATENCY_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Tokens per engine step.", ITERATION_TOKEN_BUCKETS
+        )
+        self.batch_size = histogram("llmserve:iteration_batch_size", "Sequences per engine step.", BATCH_SIZE_BUCKETS)
+
+    # ---- the engine thread's side: only a queue put ------------------------------------------------
+    def on_events(self, events: EngineEvents) -> None:
+        self._events.put(events)
+
+    # ---- the server's side -------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Turn every queued event into observations (any thread; serialised)."""
+        with self._lock:
+            while True:
+                try:
+                    events = self._events.get_nowait()
+                except queue.Empty:
+                    return
+                if events.step is not None:
+                    self._observe_step(events.step)
+                for output in events.outputs:
+                    self._observe_output(output)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def _observe_step(self, step: StepRecord) -> None:
+        self.iteration_tokens.labels(self.model_name).observe(step.num_tokens)
+        self.batch_size.labels(self.model_name).observe(step.num_seqs)
+        self.estimator.observe(step)
+
+    def _observe_output(self, output: RequestOutput) -> None:
+        name, metrics = self.model_name, output.metrics
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        progress = self._progress.get(output.request_id)
+        if progress is None:
+            progress = self._progress[output.request_id] = _Progress(0, None)
+            if metrics.first_scheduled_time is not None:
+                self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+            if metrics.time_to_first_token is not None:
+                self.ttft.labels(name).observe(metrics.time_to_first_token)
+        elif metrics.last_token_time is not None and num_tokens > progress.num_tokens:
+            self.itl.labels(name).observe(metrics.last_token_time - (progress.last_token_time or 0.0))
+        self.generation_tokens.labels(name).inc(max(0, num_tokens - progress.num_tokens))
+        progress.num_tokens = max(progress.num_tokens, num_tokens)
+        progress.last_token_time = metrics.last_token_time
+        if output.finished:
+            del self._progress[output.request_id]
+            self._observe_finished(output)
+
+    def _observe_finished(self, output: RequestOutput) -> None:
+        name, m = self.model_name, output.metrics
+        reason = output.outputs[0].finish_reason if output.outputs else "abort"
+        self.request_success.labels(name, reason or "abort").inc()
+        if m.finished_time is not None:
+            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+        if m.queue_time is not None:
+            self.queue_time.labels(name).observe(m.queue_time)
+        tpot = None
+        if m.first_token_time is not None and m.first_scheduled_time is not None:
+            self.prefill_time.labels(name).observe(m.first_token_time - m.first_scheduled_time)
+            decode = (m.last_token_time or m.first_token_time) - m.first_token_time
+            self.decode_time.labels(name).observe(decode)
+            num_tokens = max(len(c.token_ids) for c in output.outputs)
+            if num_tokens > 1:
+                tpot = decode / (num_tokens - 1)
+                self.tpot.labels(name).observe(tpot)
+        if reason != "abort" and self.slo.met(m.time_to_first_token, tpot):
+            self.goodput.labels(name).inc()
 
 
 def make_registry(engine: AsyncLLM, model_name: str) -> CollectorRegistry:
@@ -64,7 +203,14 @@ def make_registry(engine: AsyncLLM, model_name: str) -> CollectorRegistry:
     return registry
 
 
+def make_telemetry(engine: AsyncLLM, registry: CollectorRegistry, model_name: str, slo: SLO) -> Telemetry:
+    telemetry = Telemetry(registry, model_name, slo)
+    engine.add_listener(telemetry.on_events)
+    return telemetry
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
+    request.app.state.llmserve.telemetry.drain()
     registry: CollectorRegistry = request.app.state.metrics_registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

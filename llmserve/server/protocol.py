@@ -113,6 +113,7 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     priority: int = 0
     echo: bool = False
+    cache_salt: str | None = Field(None, min_length=1)  # keeps this request's prefix cache private
     # OpenAI parameters this server does not implement (a 400 names them when they are used)
     logit_bias: dict[str, float] | None = None
 

@@ -24,6 +24,7 @@ import uvicorn
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.server.app import build_app
+from llmserve.server.slo import SLO
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         owns_engine=True,
         shutdown_timeout=args.shutdown_timeout,
+        slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
     )
     config = uvicorn.Config(
         app,

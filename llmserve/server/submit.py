@@ -19,16 +19,17 @@ async def start_requests(
     params: SamplingParams,
     priority: int = 0,
     rename: Mapping[str, str] | None = None,
+    cache_salt: str | None = None,
 ) -> tuple[str, list[RequestStream]]:
     """Admit and add one engine request per prompt. Returns the response id and the streams; on any
     failure the requests already added are aborted and the error (params renamed) is raised."""
-    state.admit(len(prompts))
+    state.admit(prompts)
     response_id = random_id(id_prefix)
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
-            streams.append(await state.engine.add_request(request_id, prompt, params, priority))
+            streams.append(await state.engine.add_request(request_id, prompt, params, priority, cache_salt))
     except InvalidRequestError as exc:
         for stream in streams:
             stream.abort()

@@ -37,11 +37,16 @@ def test_single_prompt_matches_transformers(checkpoint):
     assert llm.engine.block_manager.num_free_blocks == 64
 
 
-def test_mixed_batch_with_chunked_prefill_and_preemption_matches_transformers(checkpoint):
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["cache", "nocache"])
+def test_mixed_batch_with_chunked_prefill_and_preemption_matches_transformers(checkpoint, prefix_caching):
     model_dir, reference = checkpoint
     # 18 prompts of 3-90 tokens, a 32-token step budget (long prompts take several chunks) and a pool
-    # of 24 blocks (384 tokens) that cannot hold them all at once: preemption must happen.
-    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=24, max_num_batched_tokens=32, max_model_len=256)
+    # of 24 blocks (384 tokens) that cannot hold them all at once: preemption must happen (and with
+    # prefix caching, preempted sequences come back through the cache).
+    llm = LLM(
+        str(model_dir), dtype="float32", num_kv_blocks=24, max_num_batched_tokens=32, max_model_len=256,
+        enable_prefix_caching=prefix_caching,
+    )
     prompts = _prompts(18, seed=2)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     assert llm.engine.stats().num_preemptions > 0
@@ -50,3 +55,21 @@ def test_mixed_batch_with_chunked_prefill_and_preemption_matches_transformers(ch
         assert out.outputs[0].token_ids == hf_reference.greedy(reference, prompt, MAX_NEW)
     llm.engine.check_invariants()
     assert llm.engine.block_manager.num_free_blocks == 24
+
+
+def test_shared_prefixes_and_a_follow_up_turn_reuse_the_cache_and_match_transformers(checkpoint):
+    model_dir, reference = checkpoint
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32, max_model_len=256)
+    system = _prompts(1, seed=3)[0][:3] + list(range(100, 140))  # 43 shared tokens
+    prompts = [system + suffix for suffix in _prompts(4, seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    first = llm.generate(prompts[:1], params)[0]
+    outs = [first] + llm.generate(prompts[1:], params)
+    follow_up = prompts[0] + first.outputs[0].token_ids + [7, 8, 9]
+    outs += llm.generate([follow_up], params)
+    assert [o.num_cached_tokens for o in outs[1:4]] == [32] * 3
+    assert outs[4].num_cached_tokens == (len(prompts[0]) + MAX_NEW - 1) // 16 * 16
+    for prompt, out in zip(prompts + [follow_up], outs, strict=True):
+        assert out.outputs[0].token_ids == hf_reference.greedy(reference, prompt, MAX_NEW)
+    llm.engine.check_invariants()
+    assert llm.engine.block_manager.num_free_blocks == 64

@@ -6,7 +6,8 @@ contiguous [context, head_dim] matrix, ready for a batched matmul without furthe
 into workspace buffers reused across layers and steps: fresh multi-megabyte allocations would be
 page-faulted in on every call, which costs more than the attention itself on CPU.
 
-Decodes (one query token each) are batched; prefill chunks run one sequence at a time, and a chunk
+Decodes (one query token each) go through a C kernel on CPU (`cpu_kernels`, built on first use) that
+reads the blocks in place; without it they are gathered and batched; prefill chunks run one sequence at a time, and a chunk
 that starts at position 0 attends to its own new keys without touching the cache.
 """
 
@@ -15,16 +16,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmserve.model.attention import cpu_kernels
 from llmserve.model.attention.base import AttentionBackend, AttentionMetadata
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype)
         self.group = num_heads // num_kv_heads
         self._workspace: dict[str, torch.Tensor] = {}
+        self._kernel_fits = cpu_kernels.supports(dtype, num_heads, num_kv_heads, head_dim)
+
+    def _use_kernel(self, meta: AttentionMetadata) -> bool:
+        """Decodes on CPU go through the C kernel when it built and handles this dtype and shape."""
+        return self._kernel_fits and meta.block_tables.device.type == "cpu" and cpu_kernels.load() is not None
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
@@ -35,7 +44,8 @@ class TorchAttentionBackend(AttentionBackend):
         data["slot_block"] = meta.slot_mapping // self.block_size
         data["slot_offset"] = meta.slot_mapping % self.block_size
         nd = meta.num_decodes
-        if nd:
+        data["decode_kernel"] = nd > 0 and self._use_kernel(meta)
+        if nd and not data["decode_kernel"]:
             max_len = max(meta.seq_lens_host[:nd])
             num_blocks = -(-max_len // self.block_size)
             tables = meta.block_tables[:nd, :num_blocks].long()
@@ -112,6 +122,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         data = meta.backend_data
+        if data["decode_kernel"]:
+            nd = q.shape[0]
+            return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale)
         nd, kvh, group, dim = q.shape[0], self.num_kv_heads, self.group, self.head_dim
         length = data["decode_len"]
         blocks = length // self.block_size

@@ -1,0 +1,67 @@
+"""The C decode kernel against the PyTorch path of the same backend, on random paged caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.model.attention import cpu_kernels
+from llmserve.model.attention.base import AttentionMetadata
+from llmserve.model.attention.torch_ref import TorchAttentionBackend
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernel could not be built here")
+
+
+def _decode_meta(lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
+    count = len(lens)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(count, dtype=torch.long),
+        query_start_loc=torch.arange(count + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=tables,
+        num_decodes=count,
+        num_decode_tokens=count,
+        max_seq_len=max(lens),
+        query_start_loc_host=list(range(count + 1)),
+        seq_lens_host=lens,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (8, 1), (16, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_matches_the_torch_path(dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(heads * 100 + kv_heads + head_dim)
+    block_size, num_blocks = 16, 64
+    lens = [1, 15, 16, 17, 100, 203]  # partial blocks, exact blocks, one token
+    max_blocks = -(-max(lens) // block_size)
+    # every sequence gets distinct, shuffled (non-contiguous) blocks; table padding points at block 0
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        need = -(-n // block_size)
+        tables[i, :need] = perm[used : used + need]
+        used += need
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+
+    reference = TorchAttentionBackend(heads, kv_heads, head_dim, block_size, dtype=torch.float16)  # no kernel
+    meta = _decode_meta(lens, tables)
+    reference.prepare(meta)
+    assert meta.backend_data["decode_kernel"] is False
+    expected = reference._decode(q.float(), k_cache.float(), v_cache.float(), meta)
+
+    out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, meta.seq_lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_backend_routes_cpu_decodes_through_the_kernel():
+    backend = TorchAttentionBackend(8, 2, 64, 16, dtype=torch.bfloat16)
+    meta = _decode_meta([5, 9], torch.tensor([[0], [1]], dtype=torch.int32))
+    backend.prepare(meta)
+    assert meta.backend_data["decode_kernel"] is True
