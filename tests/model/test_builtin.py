@@ -120,7 +120,7 @@ def test_tiny_qwen3_config(tiny_qwen3_dir: Path) -> None:
     )
 
 
-@pytest.mark.parametrize(("arch", "size"), itertools.product(["llama", "qwen3"], ["tiny", "small", "medium"]))
+@pytest.mark.parametrize(("arch", "size"), list(itertools.product(["llama", "qwen3"], ["tiny", "small", "medium"])))
 def test_config_values_per_size(arch: str, size: str) -> None:
     config = build_config(arch, size)
     spec = SIZES[size]
