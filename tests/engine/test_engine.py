@@ -244,3 +244,17 @@ def test_hub_id_offline_fails_with_a_clear_message(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelLoadError, match="could not be fetched from the Hugging Face hub"):
         LLM("meta-llama/Llama-3.1-8B-Instruct")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_engines_run_and_keep_greedy_tokens_on_the_tiny_model(tiny_llama_dir, dtype):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    half = LLM(str(tiny_llama_dir), dtype=dtype, num_kv_blocks=32, max_model_len=256)
+    assert str(half.engine.runner.dtype) == f"torch.{dtype}"
+    expected = reference.generate(PROMPTS[:2], params)
+    got = half.generate(PROMPTS[:2], params)
+    # Half precision may flip a near-tie later on, but the first greedy token of each prompt is clear-cut.
+    assert [o.outputs[0].token_ids[0] for o in got] == [o.outputs[0].token_ids[0] for o in expected]
+    assert all(len(o.outputs[0].token_ids) == 8 for o in got)
+    _assert_pool_empty(half)
