@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from llmserve.engine.async_llm import RequestStream
 from llmserve.errors import InvalidRequestError, LLMServeError
-from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.outputs import RequestOutput
 from llmserve.server import errors
 from llmserve.server.logprobs import TokenTexts, chat_logprobs
 from llmserve.server.protocol import (
@@ -27,7 +27,15 @@ from llmserve.server.protocol import (
 )
 from llmserve.server.sampling import to_sampling_params
 from llmserve.server.state import ServerState, get_state
-from llmserve.server.streaming import SSE_DONE, event_stream, final_output, sse, until_disconnect
+from llmserve.server.streaming import (
+    SSE_DONE,
+    Delta,
+    StreamCursor,
+    event_stream,
+    final_output,
+    sse,
+    until_disconnect,
+)
 from llmserve.server.submit import start_requests
 
 router = APIRouter()
@@ -135,38 +143,16 @@ def _chat_response(output: RequestOutput, ctx: _ChatContext) -> ChatCompletionRe
 # ---- streamed -------------------------------------------------------------------------------------
 
 
-class _ChoiceCursor:
-    """How much of one choice has been streamed; turns a cumulative output into the next delta."""
-
-    def __init__(self) -> None:
-        self.text_sent = 0
-        self.tokens_sent = 0
-        self.done = False
-
-    def advance(self, completion: CompletionOutput, ctx: _ChatContext) -> ChatChunkChoice | None:
-        if self.done:
-            return None
-        new_text = completion.text[self.text_sent :]
-        finished = completion.finish_reason is not None
-        if not new_text and not finished:
-            return None  # nothing to show yet (held-back text): keep the tokens for the next delta
-        logprobs = None
-        if ctx.top_logprobs is not None and completion.logprobs is not None:
-            end = len(completion.token_ids)
-            ids, lps = (
-                completion.token_ids[self.tokens_sent : end],
-                completion.logprobs[self.tokens_sent : end],
-            )
-            logprobs = chat_logprobs(ids, lps, ctx.top_logprobs, ctx.texts)
-        self.text_sent = max(self.text_sent, len(completion.text))
-        self.tokens_sent = len(completion.token_ids)
-        self.done = finished
-        return ChatChunkChoice(
-            index=completion.index,
-            delta=DeltaMessage(content=new_text or None),
-            logprobs=logprobs,
-            finish_reason=completion.finish_reason,
-        )
+def _chunk_choice(index: int, delta: Delta, ctx: _ChatContext) -> ChatChunkChoice:
+    logprobs = None
+    if ctx.top_logprobs is not None and delta.logprobs is not None:
+        logprobs = chat_logprobs(delta.token_ids, delta.logprobs, ctx.top_logprobs, ctx.texts)
+    return ChatChunkChoice(
+        index=index,
+        delta=DeltaMessage(content=delta.text or None),
+        logprobs=logprobs,
+        finish_reason=delta.finish_reason,
+    )
 
 
 async def _chat_events(stream: RequestStream, ctx: _ChatContext) -> AsyncIterator[str]:
@@ -188,11 +174,12 @@ async def _chat_events(stream: RequestStream, ctx: _ChatContext) -> AsyncIterato
             yield chunk(
                 [ChatChunkChoice(index=i, delta=DeltaMessage(content=ctx.echo)) for i in range(ctx.n)]
             )
-        cursors = [_ChoiceCursor() for _ in range(ctx.n)]
+        cursors = [StreamCursor() for _ in range(ctx.n)]
         last: RequestOutput | None = None
         async for output in stream:
             last = output
-            choices = [c for c in (cursors[o.index].advance(o, ctx) for o in output.outputs) if c is not None]
+            deltas = [(o.index, cursors[o.index].advance(o)) for o in output.outputs]
+            choices = [_chunk_choice(i, d, ctx) for i, d in deltas if d is not None]
             if choices:
                 yield chunk(choices)
         if ctx.include_usage and last is not None:

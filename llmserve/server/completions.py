@@ -26,7 +26,15 @@ from llmserve.server.protocol import (
 )
 from llmserve.server.sampling import to_sampling_params
 from llmserve.server.state import get_state
-from llmserve.server.streaming import SSE_DONE, event_stream, final_outputs, merged, sse, until_disconnect
+from llmserve.server.streaming import (
+    SSE_DONE,
+    StreamCursor,
+    event_stream,
+    final_outputs,
+    merged,
+    sse,
+    until_disconnect,
+)
 from llmserve.server.submit import start_requests
 
 router = APIRouter()
@@ -108,38 +116,23 @@ def _completion_response(outputs: Sequence[RequestOutput], ctx: _CompletionConte
 # ---- streamed -------------------------------------------------------------------------------------
 
 
-class _ChoiceCursor:
-    """How much of one choice has been streamed; turns a cumulative output into the next delta."""
+class _ChoiceCursor(StreamCursor):
+    """A completion choice's stream position, plus the text offset its logprobs report next."""
 
     def __init__(self, index: int, text_offset: int) -> None:
+        super().__init__()
         self.index = index
-        self.text_sent = 0
-        self.tokens_sent = 0
         self.offset = text_offset  # text_offset of the next token (after an echoed prompt)
-        self.done = False
 
-    def advance(self, completion: CompletionOutput, ctx: _CompletionContext) -> CompletionChoice | None:
-        if self.done:
-            return None
-        new_text = completion.text[self.text_sent :]
-        finished = completion.finish_reason is not None
-        if not new_text and not finished:
+    def next_choice(self, completion: CompletionOutput, ctx: _CompletionContext) -> CompletionChoice | None:
+        delta = self.advance(completion)
+        if delta is None:
             return None
         logprobs = None
-        if ctx.logprobs is not None and completion.logprobs is not None:
-            end = len(completion.token_ids)
-            ids, lps = (
-                completion.token_ids[self.tokens_sent : end],
-                completion.logprobs[self.tokens_sent : end],
-            )
-            logprobs = completion_logprobs(ids, lps, ctx.logprobs, ctx.texts, self.offset)
+        if ctx.logprobs is not None and delta.logprobs is not None:
+            logprobs = completion_logprobs(delta.token_ids, delta.logprobs, ctx.logprobs, ctx.texts, self.offset)
             self.offset += sum(len(t) for t in logprobs.tokens)
-        self.text_sent = max(self.text_sent, len(completion.text))
-        self.tokens_sent = len(completion.token_ids)
-        self.done = finished
-        return CompletionChoice(
-            index=self.index, text=new_text, logprobs=logprobs, finish_reason=completion.finish_reason
-        )
+        return CompletionChoice(index=self.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)
 
 
 async def _completion_events(streams: list[RequestStream], ctx: _CompletionContext) -> AsyncIterator[str]:
@@ -168,7 +161,7 @@ async def _completion_events(streams: list[RequestStream], ctx: _CompletionConte
             for completion in output.outputs:
                 index = position * ctx.n + completion.index
                 cursor = cursors.setdefault(index, _ChoiceCursor(index, len(ctx.echo_texts[position])))
-                choice = cursor.advance(completion, ctx)
+                choice = cursor.next_choice(completion, ctx)
                 if choice is not None:
                     choices.append(choice)
             if output.finished:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
@@ -12,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from llmserve.engine.async_llm import RequestStream
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.server.errors import ClientDisconnected
 
 T = TypeVar("T")
@@ -107,3 +108,38 @@ async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, R
             task.cancel()
         for stream in streams:
             stream.abort()
+
+
+@dataclass
+class Delta:
+    """What one choice gained since it was last streamed."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+class StreamCursor:
+    """How much of one choice has been streamed; turns its cumulative output into the next delta."""
+
+    def __init__(self) -> None:
+        self.text_sent = 0
+        self.tokens_sent = 0
+        self.done = False
+
+    def advance(self, completion: CompletionOutput) -> Delta | None:
+        """The new part of `completion`, or None when there is nothing to send yet (held-back text
+        keeps its tokens for the next delta) or the choice already finished."""
+        if self.done:
+            return None
+        new_text = completion.text[self.text_sent :]
+        finished = completion.finish_reason is not None
+        if not new_text and not finished:
+            return None
+        start = self.tokens_sent
+        logprobs = completion.logprobs[start:] if completion.logprobs is not None else None
+        self.text_sent = max(self.text_sent, len(completion.text))
+        self.tokens_sent = len(completion.token_ids)
+        self.done = finished
+        return Delta(new_text, completion.token_ids[start:], logprobs, completion.finish_reason)
