@@ -110,11 +110,40 @@ class CallableFilter(SafetyFilter):
         return self._verdict(text)
 
 
-@dataclass(frozen=True)
 class _Rule:
-    name: str
-    category: str
-    pattern: re.Pattern[str]
+    """One compiled rule; `name_for` names it in verdicts."""
+
+    def __init__(self, name: str, category: str, pattern: re.Pattern[str]) -> None:
+        self.name = name
+        self.category = category
+        self.pattern = pattern
+
+    def name_for(self, matched: str) -> str:
+        return self.name
+
+
+class _WordsRule(_Rule):
+    """Every word in one non-capturing alternation, matched whole. (A named group per word would
+    say which word matched, but makes each search about 100 times slower.)"""
+
+    def __init__(self, words: Sequence[str], flags: int) -> None:
+        alternation = "|".join(re.escape(word) for word in words)
+        # Lookarounds rather than \b, so words that start or end with punctuation ("c++") match too.
+        super().__init__("words", "word", re.compile(rf"(?<!\w)(?:{alternation})(?!\w)", flags))
+        self._words = list(words)
+        self._fold = str.casefold if flags & re.IGNORECASE else str
+        self._index: dict[str, int] = {}
+        for index, word in enumerate(words):
+            self._index.setdefault(self._fold(word), index)
+
+    def name_for(self, matched: str) -> str:
+        index = self._index.get(self._fold(matched))
+        if index is None:  # a case variant that re's IGNORECASE matches but casefold() keeps apart
+            index = next(
+                i for i, word in enumerate(self._words)
+                if re.fullmatch(re.escape(word), matched, self.pattern.flags)
+            )
+        return f"words[{index}]"
 
 
 @dataclass(frozen=True)
@@ -147,8 +176,7 @@ class RuleSetFilter(SafetyFilter):
         if max_regex_chars < 1:
             raise ValueError(f"max_regex_chars must be at least 1, got {max_regex_chars}.")
         flags = 0 if case_sensitive else re.IGNORECASE
-        self._word_rules = _compile_words(words, flags)
-        self._rules = ([self._word_rules] if self._word_rules else []) + _compile_regexes(regexes, flags)
+        self._rules = ([_WordsRule(words, flags)] if words else []) + _compile_regexes(regexes, flags)
         self.check_prompts = check_prompts
         self.check_outputs = check_outputs
         longest_word = max((len(word) for word in words), default=0)
@@ -190,16 +218,11 @@ def _first_match(rule: _Rule, text: str, pos: int, final: bool) -> tuple[_Hit | 
     match = rule.pattern.search(text, pos)
     while match is not None:
         if final or match.end() < len(text):
-            name = rule.name if match.lastgroup is None else _word_rule_name(match.lastgroup)
-            return _Hit(name, rule.category, match.start()), pending_start
+            return _Hit(rule.name_for(match.group()), rule.category, match.start()), pending_start
         if pending_start is None:
             pending_start = match.start()
         match = rule.pattern.search(text, match.start() + 1)
     return None, pending_start
-
-
-def _word_rule_name(group: str) -> str:
-    return f"words[{group.removeprefix('w')}]"
 
 
 def _clean_words(words: Iterable[str]) -> list[str]:
@@ -209,16 +232,6 @@ def _clean_words(words: Iterable[str]) -> list[str]:
             raise ValueError(f"Safety rule words[{index}] must be a non-empty string.")
         cleaned.append(word.strip())
     return cleaned
-
-
-def _compile_words(words: Sequence[str], flags: int) -> _Rule | None:
-    """All words as one pattern with a named group per word (`w<index>`), matched whole."""
-    if not words:
-        return None
-    alternatives = [f"(?P<w{index}>{re.escape(word)})" for index, word in enumerate(words)]
-    # Lookarounds rather than \b, so words that start or end with punctuation ("c++") match too.
-    pattern = re.compile(r"(?<!\w)(?:" + "|".join(alternatives) + r")(?!\w)", flags)
-    return _Rule("words", "word", pattern)
 
 
 def _compile_regexes(regexes: Sequence[str], flags: int) -> list[_Rule]:
@@ -336,9 +349,10 @@ class OutputGuard:
     Feed it the output text so far after every engine step; send each step's `releasable`. Until the
     output finishes, the last `holdback_chars` characters stay unsent, so a match of up to that many
     characters is checked whole before any of it could go out; so does everything from the start of
-    a possible match the filter reports (a regex match still growing). Once the filter blocks, the text from
-    the start of the match on (all unsent text when the filter cannot say where) is never released,
-    and the caller should stop generation with finish_reason "content_filter".
+    a possible match the filter reports (a regex match still growing). Once the filter blocks, the
+    text from the start of the match on (all unsent text when the filter cannot say where) is never
+    released, and the caller should stop generation with finish_reason "content_filter". Unsent text
+    may change between feeds (a detokenizer revising its tail); sent text may not.
 
     For a non-streamed response, `feed(full_text, finished=True)` once and return `released_text`."""
 
@@ -360,6 +374,7 @@ class OutputGuard:
         self.holdback_chars = holdback_chars
         self._on_block = on_block
         self._text = ""
+        self._released_text = ""
         self._released = 0
         self._checked = 0
         self._finished = False
@@ -369,7 +384,7 @@ class OutputGuard:
     @property
     def released_text(self) -> str:
         """Everything released so far (the concatenation of every step's `releasable`)."""
-        return self._text[: self._released]
+        return self._released_text
 
     @property
     def blocked(self) -> bool:
@@ -382,7 +397,7 @@ class OutputGuard:
     def feed(self, text_so_far: str, finished: bool = False) -> GuardStep:
         if self._verdict.blocked:
             return GuardStep("", True, self._verdict)
-        self._accept(text_so_far, finished)
+        self._accept(text_so_far)
         if len(text_so_far) > self._checked or (finished and not self._finished):
             verdict = self.safety_filter.check_output_stream(
                 text_so_far, checked_chars=self._checked, final=finished
@@ -398,8 +413,8 @@ class OutputGuard:
             end = min(end, self._hold_from)
         return GuardStep(self._release_to(end), False, ALLOW)
 
-    def _accept(self, text: str, finished: bool) -> None:
-        if not text.startswith(self.released_text):
+    def _accept(self, text: str) -> None:
+        if not text.startswith(self._released_text):
             raise ValueError("OutputGuard.feed needs the whole output so far; it no longer starts with the sent text.")
         if self._finished and len(text) > len(self._text):
             raise ValueError("OutputGuard.feed got more text after the output finished.")
@@ -420,6 +435,7 @@ class OutputGuard:
             return ""
         releasable = self._text[self._released : end]
         self._released = end
+        self._released_text += releasable
         return releasable
 
 

@@ -90,6 +90,15 @@ def test_case_sensitive_rules_only_match_the_given_case() -> None:
     assert strict.check_prompt("ass").blocked
 
 
+def test_the_verdict_names_the_word_that_matched() -> None:
+    many = RuleSetFilter(words=[f"bad{i}word" for i in range(200)])
+    assert many.check_prompt("x BAD137WORD y").rule == "words[137]"
+    assert RuleSetFilter(words=["Bad", "bad"], case_sensitive=True).check_prompt("so bad").rule == "words[1]"
+    # re's IGNORECASE matches dotless "ı" with "I", which casefold() keeps apart
+    assert RuleSetFilter(words=["kit", "kıt"]).check_prompt("a KIT").rule == "words[0]"
+    assert RuleSetFilter(words=["safe", "kıt"]).check_prompt("a KIT").rule == "words[1]"
+
+
 def test_the_earliest_match_wins_across_rules() -> None:
     verdict = rule_set().check_output("secret-1 then badword")
     assert (verdict.rule, verdict.start) == ("regexes[0]", 0)
