@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)  # `llmserve bench serve|plot`
+    from llmserve.platform.keys_cli import add_keys_parser
+
+    add_keys_parser(sub)  # `llmserve keys create|list|revoke`
     return parser
 
 

@@ -1,0 +1,298 @@
+"""Conversations owned by an API key, stored as a tree of messages.
+
+Each message points at its parent, and the conversation at its head (the newest message of the
+active branch). Appending with an earlier message as the parent, to regenerate a reply or edit a
+turn, starts a new branch and leaves the old one in place. Deleting is soft: the conversation is
+hidden at once and `purge()` removes it for good after the retention period.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, delete, literal, or_, select
+from sqlalchemy.orm import Session, aliased
+
+from llmserve.errors import LLMServeError
+from llmserve.store.db import Database
+from llmserve.store.schema import MODEL_NAME_LENGTH, NAME_LENGTH, ConversationRow, MessageRow, utcnow
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+DERIVED_TITLE_LENGTH = 60
+MAX_PAGE_SIZE = 100
+
+
+class ConversationNotFound(LLMServeError):
+    """No such conversation for this key: unknown, deleted, or another key's (all look the same: 404)."""
+
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(f"conversation {conversation_id!r} not found")
+        self.conversation_id = conversation_id
+
+
+@dataclass(frozen=True)
+class Message:
+    id: str
+    conversation_id: str
+    parent_id: str | None
+    role: str
+    content: str
+    token_count: int | None
+    created_at: datetime
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "conversation.message",
+            "parent_id": self.parent_id,
+            "role": self.role,
+            "content": self.content,
+            "token_count": self.token_count,
+            "created_at": int(self.created_at.timestamp()),
+        }
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    key_id: str | None
+    title: str | None
+    model: str | None
+    created_at: datetime
+    updated_at: datetime
+    head_message_id: str | None
+    messages: tuple[Message, ...] = ()  # the active branch, oldest first; empty in listings
+
+    def as_dict(self, with_messages: bool = True) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "id": self.id,
+            "object": "conversation",
+            "title": self.title,
+            "model": self.model,
+            "created_at": int(self.created_at.timestamp()),
+            "updated_at": int(self.updated_at.timestamp()),
+        }
+        if with_messages:
+            data["messages"] = [message.as_dict() for message in self.messages]
+        return data
+
+
+def _to_message(row: MessageRow) -> Message:
+    return Message(
+        id=row.id, conversation_id=row.conversation_id, parent_id=row.parent_id, role=row.role,
+        content=row.content, token_count=row.token_count, created_at=row.created_at,
+    )
+
+
+def _to_conversation(row: ConversationRow, messages: Iterable[MessageRow] = ()) -> Conversation:
+    return Conversation(
+        id=row.id, key_id=row.key_id, title=row.title, model=row.model, created_at=row.created_at,
+        updated_at=row.updated_at, head_message_id=row.head_message_id,
+        messages=tuple(_to_message(m) for m in messages),
+    )
+
+
+def derive_title(content: str) -> str | None:
+    """The first ~60 characters of a message, on one line."""
+    text = " ".join(content.split())
+    if len(text) <= DERIVED_TITLE_LENGTH:
+        return text or None
+    return text[: DERIVED_TITLE_LENGTH - 1].rstrip() + "…"
+
+
+def _checked_title(title: str | None) -> str | None:
+    if title is None:
+        return None
+    if not isinstance(title, str) or len(title) > NAME_LENGTH:
+        raise ValueError(f"title must be a string of at most {NAME_LENGTH} characters")
+    return title.strip() or None
+
+
+def _checked_model(model: str | None) -> str | None:
+    if model is not None and (not isinstance(model, str) or len(model) > MODEL_NAME_LENGTH):
+        raise ValueError(f"model must be a string of at most {MODEL_NAME_LENGTH} characters")
+    return model
+
+
+def _check_message(role: object, content: object, token_count: object) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
+    if not isinstance(content, str):
+        raise ValueError("message content must be a string")
+    if token_count is not None and (isinstance(token_count, bool) or not isinstance(token_count, int) or token_count < 0):
+        raise ValueError(f"token_count must be a non-negative integer, got {token_count!r}")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _owned_by(key_id: str | None) -> Any:
+    # Local mode (no keys) owns exactly the conversations created without a key.
+    return ConversationRow.key_id.is_(None) if key_id is None else ConversationRow.key_id == key_id
+
+
+class ConversationStore:
+    """Conversations and messages in the database. Every method is one short transaction; safe
+    from any thread. `key_id` is the caller's key (None in local mode); other keys' conversations
+    raise ConversationNotFound, exactly like unknown or deleted ones."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def create(
+        self,
+        key_id: str | None,
+        title: str | None = None,
+        model: str | None = None,
+        messages: Iterable[Mapping[str, Any]] | None = None,
+    ) -> Conversation:
+        """Create a conversation, optionally with messages ({"role", "content", "token_count"?}) as
+        its first turns, in order. Without a title, the first user message provides one."""
+        turns = [dict(m) for m in messages or ()]
+        for turn in turns:
+            _check_message(turn.get("role"), turn.get("content"), turn.get("token_count"))
+        title = _checked_title(title)
+        if title is None:
+            title = next((derive_title(t["content"]) for t in turns if t["role"] == "user"), None)
+        now = utcnow()
+        conversation = ConversationRow(
+            id=_new_id("conv"), key_id=key_id, title=title, model=_checked_model(model),
+            created_at=now, updated_at=now,
+        )
+        rows: list[MessageRow] = []
+        for turn in turns:
+            rows.append(MessageRow(
+                id=_new_id("msg"), conversation_id=conversation.id, parent_id=rows[-1].id if rows else None,
+                role=turn["role"], content=turn["content"], token_count=turn.get("token_count"), created_at=now,
+            ))
+        conversation.head_message_id = rows[-1].id if rows else None
+        with self._db.session(write=True) as session:
+            session.add(conversation)
+            session.flush()  # the conversation row first: the messages refer to it
+            session.add_all(rows)
+        return _to_conversation(conversation, rows)
+
+    def list(self, key_id: str | None, limit: int = 20, after: str | None = None) -> tuple[list[Conversation], bool]:
+        """One page of the key's conversations, newest first, without messages, and whether more follow.
+
+        `after` is the id of the last conversation of the previous page. Raises ValueError for a
+        limit outside 1..100 or an unknown `after`.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE_SIZE:
+            raise ValueError(f"limit must be between 1 and {MAX_PAGE_SIZE}")
+        conv = ConversationRow
+        query = (
+            select(conv)
+            .where(_owned_by(key_id), conv.deleted_at.is_(None))
+            .order_by(conv.created_at.desc(), conv.id.desc())
+            .limit(limit + 1)
+        )
+        with self._db.session() as session:
+            if after is not None:
+                cursor = session.scalars(select(conv).where(conv.id == after, _owned_by(key_id))).first()
+                if cursor is None:
+                    raise ValueError(f"unknown pagination cursor {after!r}")
+                query = query.where(or_(
+                    conv.created_at < cursor.created_at,
+                    and_(conv.created_at == cursor.created_at, conv.id < cursor.id),
+                ))
+            rows = list(session.scalars(query))
+        return [_to_conversation(row) for row in rows[:limit]], len(rows) > limit
+
+    def get(self, key_id: str | None, conversation_id: str) -> Conversation:
+        """The conversation with its active branch of messages, oldest first."""
+        with self._db.session() as session:
+            conversation = self._owned(session, key_id, conversation_id)
+            return _to_conversation(conversation, self._branch(session, conversation.head_message_id))
+
+    def history(self, key_id: str | None, conversation_id: str) -> list[Message]:
+        """The active branch's messages, oldest first: the context for the next turn."""
+        return list(self.get(key_id, conversation_id).messages)
+
+    def append(
+        self,
+        key_id: str | None,
+        conversation_id: str,
+        role: str,
+        content: str,
+        token_count: int | None = None,
+        parent_id: str | None = None,
+    ) -> Message:
+        """Add a message after `parent_id` (default: the head) and make it the head.
+
+        An earlier parent branches: the path from the root to the new message becomes the active
+        branch. Raises ConversationNotFound, or ValueError for bad input or a parent from elsewhere.
+        """
+        _check_message(role, content, token_count)
+        with self._db.session(write=True) as session:
+            # Locked so concurrent appends to one conversation chain up instead of forking.
+            conversation = self._owned(session, key_id, conversation_id, lock=True)
+            if parent_id is None:
+                parent_id = conversation.head_message_id
+            else:
+                parent = session.get(MessageRow, parent_id)
+                if parent is None or parent.conversation_id != conversation.id:
+                    raise ValueError(f"message {parent_id!r} is not in conversation {conversation_id!r}")
+            now = utcnow()
+            message = MessageRow(
+                id=_new_id("msg"), conversation_id=conversation.id, parent_id=parent_id, role=role,
+                content=content, token_count=token_count, created_at=now,
+            )
+            session.add(message)
+            conversation.head_message_id = message.id
+            conversation.updated_at = now
+            if conversation.title is None and role == "user":
+                conversation.title = derive_title(content)
+        return _to_message(message)
+
+    def delete(self, key_id: str | None, conversation_id: str) -> None:
+        """Hide the conversation at once; `purge()` removes it after the retention period."""
+        with self._db.session(write=True) as session:
+            self._owned(session, key_id, conversation_id, lock=True).deleted_at = utcnow()
+
+    def purge(self, older_than: timedelta, now: datetime | None = None) -> int:
+        """Remove, with their messages, conversations deleted more than `older_than` ago. Returns how many."""
+        cutoff = (now or utcnow()) - older_than
+        conv = ConversationRow
+        expired = select(conv.id).where(conv.deleted_at.is_not(None), conv.deleted_at < cutoff)
+        with self._db.session(write=True) as session:
+            ids = list(session.scalars(expired))
+            if not ids:
+                return 0
+            session.execute(delete(MessageRow).where(MessageRow.conversation_id.in_(ids)))
+            session.execute(delete(conv).where(conv.id.in_(ids)))
+        return len(ids)
+
+    @staticmethod
+    def _owned(session: Session, key_id: str | None, conversation_id: str, lock: bool = False) -> ConversationRow:
+        query = select(ConversationRow).where(
+            ConversationRow.id == conversation_id, _owned_by(key_id), ConversationRow.deleted_at.is_(None)
+        )
+        if lock:
+            query = query.with_for_update()
+        conversation = session.scalars(query).first()
+        if conversation is None:
+            raise ConversationNotFound(conversation_id)
+        return conversation
+
+    @staticmethod
+    def _branch(session: Session, head_id: str | None) -> list[MessageRow]:
+        """The messages from the root to `head_id`, oldest first, in one recursive query."""
+        if head_id is None:
+            return []
+        path = (
+            select(MessageRow.id, MessageRow.parent_id, literal(0).label("depth"))
+            .where(MessageRow.id == head_id)
+            .cte("path", recursive=True)
+        )
+        parent = aliased(MessageRow)
+        path = path.union_all(
+            select(parent.id, parent.parent_id, path.c.depth + 1).where(parent.id == path.c.parent_id)
+        )
+        query = select(MessageRow).join(path, MessageRow.id == path.c.id).order_by(path.c.depth.desc())
+        return list(session.scalars(query))

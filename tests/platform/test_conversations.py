@@ -1,0 +1,254 @@
+"""Conversations: per-key ownership, paginated listing, message trees with branches, soft delete and purge."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from itertools import pairwise
+
+import pytest
+from sqlalchemy import func, select
+
+from llmserve.platform.conversations import ConversationNotFound, ConversationStore, derive_title
+from llmserve.store.db import Database
+from llmserve.store.schema import ConversationRow, MessageRow, utcnow
+from tests.store.fixtures import db_fixture, shared_db_fixture  # noqa: F401
+
+KEY = "key_alice"
+OTHER = "key_bob"
+
+
+@pytest.fixture(name="store")
+def store_fixture(db: Database) -> ConversationStore:
+    return ConversationStore(db)
+
+
+def contents(messages) -> list[tuple[str, str]]:
+    return [(m.role, m.content) for m in messages]
+
+
+def count(db: Database, row_type: type) -> int:
+    with db.session() as session:
+        return session.scalar(select(func.count()).select_from(row_type))
+
+
+def test_create_with_messages_chains_them_and_derives_the_title(store: ConversationStore) -> None:
+    created = store.create(KEY, model="tiny-llama", messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is   paged\nattention?", "token_count": 7},
+        {"role": "assistant", "content": "Blocks.", "token_count": 2},
+    ])
+    assert created.id.startswith("conv_") and created.key_id == KEY and created.model == "tiny-llama"
+    assert created.title == "What is paged attention?"
+    system, user, assistant = created.messages
+    assert (system.parent_id, user.parent_id, assistant.parent_id) == (None, system.id, user.id)
+    assert created.head_message_id == assistant.id
+    assert (user.token_count, system.token_count) == (7, None)
+
+    fetched = store.get(KEY, created.id)
+    assert fetched == created
+
+
+def test_a_long_first_message_gives_a_60_character_title() -> None:
+    title = derive_title("word " * 40)
+    assert len(title) == 60 and title.endswith("…")
+    assert derive_title("   ") is None
+
+
+def test_an_explicit_title_wins_and_an_untitled_conversation_takes_its_first_user_turn(
+    store: ConversationStore,
+) -> None:
+    titled = store.create(KEY, title="  Mine  ", messages=[{"role": "user", "content": "ignored"}])
+    assert titled.title == "Mine"
+    untitled = store.create(KEY)
+    assert (untitled.title, untitled.messages, untitled.head_message_id) == (None, (), None)
+    store.append(KEY, untitled.id, "system", "rules")
+    assert store.get(KEY, untitled.id).title is None
+    store.append(KEY, untitled.id, "user", "hello there")
+    assert store.get(KEY, untitled.id).title == "hello there"
+
+
+def test_append_extends_the_head_and_history_follows_it(store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=[{"role": "user", "content": "hi"}])
+    reply = store.append(KEY, conversation.id, "assistant", "hello", token_count=1)
+    follow_up = store.append(KEY, conversation.id, "user", "how are you?")
+    assert reply.parent_id == conversation.head_message_id and follow_up.parent_id == reply.id
+    history = store.history(KEY, conversation.id)
+    assert contents(history) == [("user", "hi"), ("assistant", "hello"), ("user", "how are you?")]
+    after = store.get(KEY, conversation.id)
+    assert after.head_message_id == follow_up.id and after.updated_at >= conversation.updated_at
+
+
+def test_regenerating_a_reply_branches_and_keeps_the_old_one(db: Database, store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=[{"role": "user", "content": "joke?"}])
+    question = conversation.messages[0]
+    store.append(KEY, conversation.id, "assistant", "first joke")
+    store.append(KEY, conversation.id, "user", "another")
+
+    store.append(KEY, conversation.id, "assistant", "second joke", parent_id=question.id)
+    assert contents(store.history(KEY, conversation.id)) == [("user", "joke?"), ("assistant", "second joke")]
+    assert count(db, MessageRow) == 4  # the first branch is still stored
+
+
+def test_editing_a_turn_branches_from_its_parent(store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=[
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "typo"},
+        {"role": "assistant", "content": "huh?"},
+    ])
+    system = conversation.messages[0]
+    edited = store.append(KEY, conversation.id, "user", "fixed", parent_id=system.id)
+    store.append(KEY, conversation.id, "assistant", "answer")
+    history = store.history(KEY, conversation.id)
+    assert contents(history) == [("system", "sys"), ("user", "fixed"), ("assistant", "answer")]
+    assert history[1].id == edited.id
+
+
+def test_a_parent_from_elsewhere_is_refused(store: ConversationStore) -> None:
+    first = store.create(KEY, messages=[{"role": "user", "content": "a"}])
+    second = store.create(KEY, messages=[{"role": "user", "content": "b"}])
+    with pytest.raises(ValueError, match="is not in conversation"):
+        store.append(KEY, second.id, "assistant", "x", parent_id=first.messages[0].id)
+    with pytest.raises(ValueError, match="is not in conversation"):
+        store.append(KEY, second.id, "assistant", "x", parent_id="msg_unknown")
+    assert contents(store.history(KEY, second.id)) == [("user", "b")]
+
+
+@pytest.mark.parametrize(
+    ("role", "content", "token_count", "message"),
+    [
+        ("robot", "x", None, "role must be one of"),
+        ("user", None, None, "content must be a string"),
+        ("user", "x", -1, "token_count must be a non-negative integer"),
+    ],
+)
+def test_bad_messages_are_refused(store: ConversationStore, role, content, token_count, message: str) -> None:
+    conversation = store.create(KEY)
+    with pytest.raises(ValueError, match=message):
+        store.append(KEY, conversation.id, role, content, token_count=token_count)
+    with pytest.raises(ValueError, match=message):
+        store.create(KEY, messages=[{"role": role, "content": content, "token_count": token_count}])
+
+
+def test_list_pages_newest_first_with_titles_only(store: ConversationStore) -> None:
+    ids = [store.create(KEY, messages=[{"role": "user", "content": f"chat {i}"}]).id for i in range(5)]
+    store.create(OTHER, title="not mine")
+
+    page1, more1 = store.list(KEY, limit=2)
+    page2, more2 = store.list(KEY, limit=2, after=page1[-1].id)
+    page3, more3 = store.list(KEY, limit=2, after=page2[-1].id)
+    assert [c.id for c in page1 + page2 + page3] == ids[::-1]
+    assert (more1, more2, more3) == (True, True, False)
+    assert [c.title for c in page1] == ["chat 4", "chat 3"]
+    assert all(c.messages == () for c in page1 + page2 + page3)
+
+
+def test_list_orders_conversations_created_in_the_same_instant_by_id(db: Database, store: ConversationStore) -> None:
+    ids = [store.create(KEY).id for _ in range(3)]
+    same_instant = utcnow()
+    with db.session(write=True) as session:
+        for row in session.scalars(select(ConversationRow)):
+            row.created_at = same_instant
+    page1, _ = store.list(KEY, limit=2)
+    page2, more = store.list(KEY, limit=2, after=page1[-1].id)
+    assert [c.id for c in page1 + page2] == sorted(ids, reverse=True) and more is False
+
+
+def test_list_refuses_a_bad_limit_or_cursor(store: ConversationStore) -> None:
+    mine = store.create(OTHER)
+    for limit in (0, 101):
+        with pytest.raises(ValueError, match="limit must be between 1 and 100"):
+            store.list(KEY, limit=limit)
+    with pytest.raises(ValueError, match="unknown pagination cursor"):
+        store.list(KEY, after="conv_nope")
+    with pytest.raises(ValueError, match="unknown pagination cursor"):
+        store.list(KEY, after=mine.id)  # another key's conversation is no cursor either
+
+
+def test_another_key_cannot_see_or_touch_a_conversation(store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=[{"role": "user", "content": "private"}])
+    for key in (OTHER, None):
+        with pytest.raises(ConversationNotFound):
+            store.get(key, conversation.id)
+        with pytest.raises(ConversationNotFound):
+            store.history(key, conversation.id)
+        with pytest.raises(ConversationNotFound):
+            store.append(key, conversation.id, "user", "let me in")
+        with pytest.raises(ConversationNotFound):
+            store.delete(key, conversation.id)
+        assert store.list(key) == ([], False)
+    assert contents(store.history(KEY, conversation.id)) == [("user", "private")]
+
+
+def test_local_mode_sees_only_conversations_made_without_a_key(store: ConversationStore) -> None:
+    local = store.create(None, title="local")
+    store.create(KEY, title="keyed")
+    assert [c.id for c in store.list(None)[0]] == [local.id]
+    assert store.get(None, local.id).title == "local"
+    with pytest.raises(ConversationNotFound):
+        store.get(KEY, local.id)
+
+
+def test_delete_hides_at_once_but_keeps_the_rows_until_purged(db: Database, store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=[{"role": "user", "content": "bye"}])
+    store.delete(KEY, conversation.id)
+    with pytest.raises(ConversationNotFound, match=f"conversation '{conversation.id}' not found"):
+        store.get(KEY, conversation.id)
+    with pytest.raises(ConversationNotFound):
+        store.append(KEY, conversation.id, "user", "hello?")
+    with pytest.raises(ConversationNotFound):
+        store.delete(KEY, conversation.id)
+    assert store.list(KEY) == ([], False)
+    assert (count(db, ConversationRow), count(db, MessageRow)) == (1, 1)
+
+
+def test_purge_removes_conversations_deleted_before_the_retention_period(
+    db: Database, store: ConversationStore
+) -> None:
+    old = store.create(KEY, messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    recent = store.create(KEY, messages=[{"role": "user", "content": "c"}])
+    kept = store.create(KEY, messages=[{"role": "user", "content": "d"}])
+    store.delete(KEY, old.id)
+    with db.session(write=True) as session:
+        session.get(ConversationRow, old.id).deleted_at = utcnow() - timedelta(days=40)
+    store.delete(KEY, recent.id)
+
+    assert store.purge(timedelta(days=30)) == 1
+    assert (count(db, ConversationRow), count(db, MessageRow)) == (2, 2)
+    assert store.purge(timedelta(days=30)) == 0
+    assert store.purge(timedelta(days=30), now=utcnow() + timedelta(days=31)) == 1
+    assert [c.id for c in store.list(KEY)[0]] == [kept.id]
+    assert (count(db, ConversationRow), count(db, MessageRow)) == (1, 1)
+
+
+def test_concurrent_appends_chain_instead_of_forking(store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=[{"role": "user", "content": "start"}])
+    errors: list[BaseException] = []
+
+    def append_many(writer: int) -> None:
+        try:
+            for i in range(10):
+                store.append(KEY, conversation.id, "user", f"{writer}-{i}")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=append_many, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    history = store.history(KEY, conversation.id)
+    assert len(history) == 41
+    assert all(later.parent_id == earlier.id for earlier, later in pairwise(history))
+
+
+def test_as_dict_shapes(store: ConversationStore) -> None:
+    conversation = store.create(KEY, model="m", messages=[{"role": "user", "content": "hi", "token_count": 1}])
+    data = conversation.as_dict()
+    assert data["object"] == "conversation" and data["id"] == conversation.id
+    assert isinstance(data["created_at"], int)
+    assert data["messages"] == [{
+        "id": conversation.messages[0].id, "object": "conversation.message", "parent_id": None, "role": "user",
+        "content": "hi", "token_count": 1, "created_at": int(conversation.messages[0].created_at.timestamp()),
+    }]
+    assert "messages" not in conversation.as_dict(with_messages=False)
