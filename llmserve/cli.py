@@ -9,8 +9,14 @@ import sys
 from llmserve.errors import LLMServeError
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: built-in model)")
+def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
+    if several_models:
+        parser.add_argument(
+            "--model", action="append", default=None, metavar="[NAME=]MODEL",
+            help="checkpoint directory or hub id, optionally named; repeat to serve several (default: built-in)",
+        )
+    else:
+        parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: built-in model)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -85,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    _add_engine_args(serve)
+    _add_engine_args(serve, several_models=True)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: from --model)")
@@ -97,6 +103,29 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument(
         "--slo-tpot-ms", type=float, default=None, help="time-per-output-token target (counted in goodput)"
+    )
+    platform = serve.add_argument_group("platform (keys, rate limits, usage, conversations, safety)")
+    platform.add_argument("--config", default=None, help="YAML file: models, aliases, prices, safety rules")
+    platform.add_argument(
+        "--alias", action="append", default=[], metavar="ALIAS=MODEL[:WEIGHT,...]",
+        help="another name for a model, or a weighted canary between models (e.g. chat=v1:90,v2:10)",
+    )
+    platform.add_argument(
+        "--database-url", default=None,
+        help="SQLAlchemy URL for keys, usage and conversations (default: SQLite in the data directory; "
+        "postgresql+psycopg://... to share it between replicas)",
+    )
+    platform.add_argument(
+        "--redis-url", default=None, help="share rate limits between replicas through Redis (redis://host:6379/0)"
+    )
+    platform.add_argument(
+        "--no-platform", action="store_true",
+        help="serve without keys, rate limits, usage metering or conversations (no database)",
+    )
+    platform.add_argument("--safety-filter", default=None, metavar="MODULE:NAME", help="a safety filter plugin")
+    platform.add_argument(
+        "--conversation-retention-days", type=float, default=30.0,
+        help="deleted conversations are purged after this many days",
     )
     serve.set_defaults(func=cmd_serve)
 

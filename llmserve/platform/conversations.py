@@ -210,9 +210,18 @@ class ConversationStore:
             conversation = self._owned(session, key_id, conversation_id)
             return _to_conversation(conversation, self._branch(session, conversation.head_message_id))
 
-    def history(self, key_id: str | None, conversation_id: str) -> list[Message]:
-        """The active branch's messages, oldest first: the context for the next turn."""
-        return list(self.get(key_id, conversation_id).messages)
+    def history(self, key_id: str | None, conversation_id: str, up_to: str | None = None) -> list[Message]:
+        """The active branch's messages, oldest first: the context for the next turn. With `up_to`, the
+        path from the root to that message instead (to branch from it); ValueError if it is not in
+        this conversation."""
+        if up_to is None:
+            return list(self.get(key_id, conversation_id).messages)
+        with self._db.session() as session:
+            conversation = self._owned(session, key_id, conversation_id)
+            parent = session.get(MessageRow, up_to)
+            if parent is None or parent.conversation_id != conversation.id:
+                raise ValueError(f"message {up_to!r} is not in conversation {conversation_id!r}")
+            return [_to_message(row) for row in self._branch(session, up_to)]
 
     def append(
         self,

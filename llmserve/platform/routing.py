@@ -192,6 +192,35 @@ class ModelRouter(Generic[T]):
         with self._lock:
             return {alias: list(targets) for alias, targets in self._aliases.items()}
 
+    def default_name(self) -> str:
+        """The model a request that names none goes to: the first one added."""
+        with self._lock:
+            if not self._models:
+                raise ModelNotFound("")
+            return next(iter(self._models))
+
+    def _names_in(self, state: LoadState) -> list[str]:
+        with self._lock:
+            return [name for name, model in self._models.items() if model.state is state]
+
+    def loading_names(self) -> list[str]:
+        return self._names_in(LoadState.LOADING)
+
+    def failed_names(self) -> list[str]:
+        return self._names_in(LoadState.FAILED)
+
+    def ready_handles(self) -> list[T]:
+        """The handles of every ready model, in the order added."""
+        with self._lock:
+            return [m.handle for m in self._models.values() if m.state is LoadState.READY]  # type: ignore[misc]
+
+    def ready_names(self) -> list[str]:
+        """Names a request can use now: ready models, then aliases with a ready target."""
+        ready = set(self._names_in(LoadState.READY))
+        with self._lock:
+            aliases = [a for a, targets in self._aliases.items() if any(t in ready for t, _ in targets)]
+        return [name for name in self.model_names() if name in ready] + aliases
+
     def state(self, name: str) -> LoadState:
         with self._lock:
             return self._known_model(name).state
@@ -297,7 +326,7 @@ class Price(BaseModel):
 class ModelsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    models: list[ModelEntry] = Field(min_length=1)
+    models: list[ModelEntry] = Field(default_factory=list)  # may come from --model instead
     aliases: dict[str, str | dict[str, float]] = Field(default_factory=dict)
     prices: dict[str, Price] = Field(default_factory=dict)
     safety: SafetyConfig = Field(default_factory=SafetyConfig)
@@ -321,6 +350,8 @@ class ModelsConfig(BaseModel):
 
     @model_validator(mode="after")
     def _known_names(self) -> ModelsConfig:
+        if not self.models:  # the models come from the command line; the server checks the names
+            return self
         models = {entry.name for entry in self.models}
         for alias, targets in self.alias_targets().items():
             if alias in models:

@@ -4,20 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llmserve
 from llmserve.engine.async_llm import AsyncLLM
-from llmserve.server import chat, completions, health, metrics, models, tokens
+from llmserve.platform.routing import ModelRouter
+from llmserve.server import chat, completions, conversations, health, metrics, tokens, usage
+from llmserve.server import models as models_api
 from llmserve.server.errors import install_error_handlers, shutting_down
+from llmserve.server.gateway import AuthMiddleware, Platform
+from llmserve.server.metrics import ServerMetrics
 from llmserve.server.slo import SLO
-from llmserve.server.state import ServerState
+from llmserve.server.state import ModelEndpoint, ServerState
+
+logger = logging.getLogger(__name__)
 
 TELEMETRY_DRAIN_SECONDS = 1.0
+PURGE_INTERVAL_SECONDS = 3600.0
 
 # Paths still answered while draining (monitoring keeps working until the process exits).
 _ALWAYS_SERVED = ("/metrics",)
@@ -37,66 +46,134 @@ class DrainMiddleware:
         await self.app(scope, receive, send)
 
 
-def _lifespan(state: ServerState, owns_engine: bool, shutdown_timeout: float):
+@dataclass
+class ModelSpec:
+    """A model to serve: a running engine, or a `load` function run in a thread after the server starts
+    (requests for it get a 503 with Retry-After until it is ready)."""
+
+    name: str
+    engine: AsyncLLM | None = None
+    load: Callable[[], AsyncLLM] | None = None
+    root: str | None = None
+    max_waiting_requests: int = 1024
+
+
+def _lifespan(state: ServerState, specs: Sequence[ModelSpec], slo: SLO, owns_engine: bool, shutdown_timeout: float):
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         drainer = asyncio.create_task(_drain_telemetry(state))
+        loaders = [asyncio.create_task(_load(state, spec, slo)) for spec in specs if spec.engine is None]
+        platform = state.platform
+        if platform is not None and platform.conversations is not None and platform.conversation_retention:
+            loaders.append(asyncio.create_task(_purge_conversations(platform)))
         yield
         drainer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await drainer
         state.draining = True
+        for loader in loaders:
+            loader.cancel()
         if owns_engine:
-            await state.engine.shutdown(shutdown_timeout)
+            await asyncio.gather(*(e.engine.shutdown(shutdown_timeout) for e in state.endpoints()))
+        if state.platform is not None:
+            await state.platform.aclose()
 
     return lifespan
 
 
+async def _load(state: ServerState, spec: ModelSpec, slo: SLO) -> None:
+    assert spec.load is not None
+    try:
+        engine = await asyncio.to_thread(spec.load)
+    except Exception as exc:
+        logger.exception("could not load model %s", spec.name)
+        state.router.set_failed(spec.name, exc)
+    else:
+        state.router.set_ready(spec.name, _endpoint(state, spec, engine, slo))
+        logger.info("model %s is ready", spec.name)
+    state.model_settled()
+
+
+def _endpoint(state: ServerState, spec: ModelSpec, engine: AsyncLLM, slo: SLO) -> ModelEndpoint:
+    endpoint = ModelEndpoint(spec.name, engine, spec.root, spec.max_waiting_requests)
+    endpoint.telemetry = metrics.make_telemetry(engine, state.metrics, spec.name, slo)
+    return endpoint
+
+
+async def _purge_conversations(platform: Platform) -> None:
+    """Hard-delete conversations deleted longer ago than the retention period, now and every hour."""
+    assert platform.conversations is not None and platform.conversation_retention is not None
+    while True:
+        try:
+            purged = await asyncio.to_thread(platform.conversations.purge, platform.conversation_retention)
+            if purged:
+                logger.info("purged %d deleted conversations", purged)
+        except Exception:
+            logger.exception("could not purge deleted conversations")
+        await asyncio.sleep(PURGE_INTERVAL_SECONDS)
+
+
 async def _drain_telemetry(state: ServerState) -> None:
-    """Keep the engine event queue short even when nobody scrapes /metrics."""
+    """Keep the engine event queues short even when nobody scrapes /metrics."""
     while True:
         await asyncio.sleep(TELEMETRY_DRAIN_SECONDS)
-        if state.telemetry is not None:
-            state.telemetry.drain()
+        state.metrics.drain()
 
 
 def build_app(
-    engine_client: AsyncLLM,
-    served_model_name: str,
+    engine_client: AsyncLLM | None = None,
+    served_model_name: str | None = None,
     *,
+    models: Sequence[ModelSpec] = (),
+    aliases: Mapping[str, Sequence[tuple[str, float]]] | None = None,
     model_aliases: Sequence[str] = (),
     model_root: str | None = None,
     max_waiting_requests: int = 1024,
     owns_engine: bool = False,
     shutdown_timeout: float = 30.0,
     slo: SLO | None = None,
+    platform: Platform | None = None,
 ) -> FastAPI:
-    """An OpenAI-compatible app over `engine_client`.
+    """An OpenAI-compatible app over one engine (`engine_client` served as `served_model_name`, also
+    answering to `model_aliases`) or several (`models`, routed by name and `aliases`).
 
-    With `owns_engine`, the app's shutdown (after the HTTP server drained) stops the engine, giving
-    what still runs `shutdown_timeout` seconds; otherwise the caller closes the engine.
+    With `owns_engine`, the app's shutdown (after the HTTP server drained) stops the engines, giving
+    what still runs `shutdown_timeout` seconds; otherwise the caller closes them. `platform` adds API
+    keys, rate limits, usage metering, conversations and safety filters.
     """
-    state = ServerState(
-        engine=engine_client,
-        served_model_name=served_model_name,
-        model_aliases=tuple(a for a in model_aliases if a != served_model_name),
-        model_root=model_root,
-        max_waiting_requests=max_waiting_requests,
-    )
+    specs = list(models)
+    if engine_client is not None:
+        name = served_model_name or "default"
+        specs.insert(0, ModelSpec(name, engine_client, root=model_root, max_waiting_requests=max_waiting_requests))
+    if not specs:
+        raise ValueError("build_app needs an engine or at least one model spec.")
+    slo = slo or SLO()
+    router: ModelRouter[ModelEndpoint] = ModelRouter()
+    state = ServerState(router=router, metrics=ServerMetrics(router.ready_handles), platform=platform)
+    if platform is not None:
+        platform.metrics = state.metrics
+    for spec in specs:
+        if spec.engine is not None:
+            router.add_model(spec.name, _endpoint(state, spec, spec.engine, slo))
+        else:
+            router.add_loading(spec.name)
+    for alias in model_aliases:
+        if alias != specs[0].name and alias not in router.names():
+            router.add_alias(alias, [(specs[0].name, 1.0)])
+    for alias, targets in (aliases or {}).items():
+        router.add_alias(alias, list(targets))
     app = FastAPI(
         title="llmserve",
         version=llmserve.__version__,
-        lifespan=_lifespan(state, owns_engine, shutdown_timeout),
+        lifespan=_lifespan(state, specs, slo, owns_engine, shutdown_timeout),
         docs_url=None,
         redoc_url=None,
     )
     app.state.llmserve = state
-    app.state.metrics_registry = metrics.make_registry(engine_client, served_model_name)
-    state.telemetry = metrics.make_telemetry(
-        engine_client, app.state.metrics_registry, served_model_name, slo or SLO()
-    )
     install_error_handlers(app)
+    if platform is not None and platform.keys is not None:
+        app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=state.metrics)
     app.add_middleware(DrainMiddleware, state=state)
-    for module in (chat, completions, models, tokens, health, metrics):
+    for module in (chat, completions, models_api, tokens, health, metrics, usage, conversations):
         app.include_router(module.router)
     return app

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from llmserve.engine.async_llm import RequestStream
 from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.outputs import RequestOutput
 from llmserve.server import errors
+from llmserve.server.conversations import ConversationTurn, open_turn
+from llmserve.server.errors import ClientDisconnected
+from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, chat_logprobs
 from llmserve.server.protocol import (
     AssistantMessage,
@@ -36,7 +39,9 @@ from llmserve.server.streaming import (
     sse,
     until_disconnect,
 )
-from llmserve.server.submit import start_requests
+from llmserve.server.submit import Started, check_prompt, start_requests
+
+logger = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -52,6 +57,24 @@ class _ChatContext:
     echo: str
     include_usage: bool
     texts: TokenTexts
+    state: ServerState
+    started: Started
+    turn: ConversationTurn | None
+
+    def cursors(self) -> list[StreamCursor]:
+        return [StreamCursor(self.state.output_guard()) for _ in range(self.n)]
+
+    def count_blocks(self, cursors: list[StreamCursor]) -> bool:
+        """Count and log each choice the output filter stopped; whether any was."""
+        blocked = [c.blocked for c in cursors if c.blocked is not None]
+        for verdict in blocked:
+            self.state.metrics.safety_blocks.labels(self.model, "output", verdict.rule or "plugin").inc()
+            logger.warning("safety: stopped the output of %s (rule %s)", self.response_id, verdict.rule)
+        return bool(blocked)
+
+    async def save_turn(self, messages: list[ChatMessage], reply: str, reply_tokens: int) -> None:
+        if self.turn is not None:
+            await self.turn.save(template_messages(messages), reply, reply_tokens)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -68,12 +91,6 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return converted
 
 
-def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    return state.engine.tokenizer.apply_chat_template(
-        template_messages(body.messages), add_generation_prompt=body.add_generation_prompt, tokenize=True
-    )
-
-
 def _echo_text(body: ChatCompletionRequest) -> str:
     """vLLM's chat echo: the last message's content when it is the assistant's (a continuation)."""
     last = body.messages[-1]
@@ -83,16 +100,25 @@ def _echo_text(body: ChatCompletionRequest) -> str:
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
-    state.check_model(body.model)
+    key = request_key(request.state)
+    endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
     errors.reject_unsupported(body.unsupported_params())
-    prompt_ids = _prompt_ids(state, body)
+    new_messages = template_messages(body.messages)
+    check_prompt(state, endpoint, [m["content"] for m in new_messages], "messages")
+    turn = await open_turn(state, key, body.conversation_id, body.parent_message_id)
+    history = turn.history if turn is not None else []
+    prompt_ids = endpoint.engine.tokenizer.apply_chat_template(
+        history + new_messages, add_generation_prompt=body.add_generation_prompt, tokenize=True
+    )
     max_tokens, max_tokens_param = body.requested_max_tokens()
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = to_sampling_params(
-        body, state.engine.default_sampling_params(), max_tokens, max_tokens_param, logprobs=top_logprobs
+        body, endpoint.engine.default_sampling_params(), max_tokens, max_tokens_param, logprobs=top_logprobs
     )
-    response_id, [stream] = await start_requests(
+    started = await start_requests(
         state,
+        endpoint,
+        key,
         "chatcmpl",
         [prompt_ids],
         params,
@@ -101,18 +127,33 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body.cache_salt,
     )
     ctx = _ChatContext(
-        response_id=response_id,
-        model=body.model or state.served_model_name,
+        response_id=started.response_id,
+        model=endpoint.name,
         n=body.n,
         top_logprobs=top_logprobs,
         echo=_echo_text(body),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        texts=state.token_texts,
+        texts=endpoint.token_texts,
+        state=state,
+        started=started,
+        turn=turn,
     )
+    headers = {**started.headers, **(turn.headers() if turn is not None else {})}
     if body.stream:
-        return event_stream(_chat_events(stream, ctx))
-    output = await until_disconnect(request, final_output(stream))
-    return JSONResponse(_chat_response(output, ctx).model_dump())
+        return event_stream(_chat_events(ctx, body.messages), headers)
+    try:
+        output = await until_disconnect(request, final_output(started.streams[0], started.meter.observe))
+    except ClientDisconnected:
+        started.abort("disconnected")
+        raise
+    except BaseException:
+        started.abort("error")
+        raise
+    response, blocked = _chat_response(output, ctx)
+    started.meter.finish("content_filter" if blocked else "completed")
+    first = response.choices[0]
+    await ctx.save_turn(body.messages, first.message.content or "", len(output.outputs[0].token_ids))
+    return JSONResponse(response.model_dump(), headers=headers)
 
 
 # ---- non-streamed ---------------------------------------------------------------------------------
@@ -123,21 +164,24 @@ def _usage(output: RequestOutput) -> Usage:
     return Usage.of(len(output.prompt_token_ids), completion_tokens, output.num_cached_tokens)
 
 
-def _chat_response(output: RequestOutput, ctx: _ChatContext) -> ChatCompletionResponse:
+def _chat_response(output: RequestOutput, ctx: _ChatContext) -> tuple[ChatCompletionResponse, bool]:
     choices = []
+    cursors = ctx.cursors()
     for completion in output.outputs:
+        text, finish_reason = cursors[completion.index].visible(completion)
         logprobs = None
         if ctx.top_logprobs is not None and completion.logprobs is not None:
             logprobs = chat_logprobs(completion.token_ids, completion.logprobs, ctx.top_logprobs, ctx.texts)
         choices.append(
             ChatChoice(
                 index=completion.index,
-                message=AssistantMessage(content=ctx.echo + completion.text),
+                message=AssistantMessage(content=ctx.echo + text),
                 logprobs=logprobs,
-                finish_reason=completion.finish_reason,
+                finish_reason=finish_reason,
             )
         )
-    return ChatCompletionResponse(id=ctx.response_id, model=ctx.model, choices=choices, usage=_usage(output))
+    response = ChatCompletionResponse(id=ctx.response_id, model=ctx.model, choices=choices, usage=_usage(output))
+    return response, ctx.count_blocks(cursors)
 
 
 # ---- streamed -------------------------------------------------------------------------------------
@@ -155,8 +199,10 @@ def _chunk_choice(index: int, delta: Delta, ctx: _ChatContext) -> ChatChunkChoic
     )
 
 
-async def _chat_events(stream: RequestStream, ctx: _ChatContext) -> AsyncIterator[str]:
+async def _chat_events(ctx: _ChatContext, messages: list[ChatMessage]) -> AsyncIterator[str]:
     created = now()
+    stream, meter = ctx.started.streams[0], ctx.started.meter
+    status = "disconnected"  # unless the stream gets to its end
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse(
@@ -174,19 +220,28 @@ async def _chat_events(stream: RequestStream, ctx: _ChatContext) -> AsyncIterato
             yield chunk(
                 [ChatChunkChoice(index=i, delta=DeltaMessage(content=ctx.echo)) for i in range(ctx.n)]
             )
-        cursors = [StreamCursor() for _ in range(ctx.n)]
+        cursors = ctx.cursors()
         last: RequestOutput | None = None
         async for output in stream:
+            meter.observe(0, output)
             last = output
             deltas = [(o.index, cursors[o.index].advance(o)) for o in output.outputs]
             choices = [_chunk_choice(i, d, ctx) for i, d in deltas if d is not None]
             if choices:
                 yield chunk(choices)
+            if all(c.done for c in cursors) and not output.finished:
+                stream.abort()  # every choice was stopped by the output filter
+                break
+        status = "content_filter" if ctx.count_blocks(cursors) else "completed"
         if ctx.include_usage and last is not None:
             yield chunk([], _usage(last))
+        if last is not None:
+            reply = cursors[0].guard.released_text if cursors[0].guard is not None else last.outputs[0].text
+            await ctx.save_turn(messages, reply, len(last.outputs[0].token_ids))
         yield SSE_DONE
     except LLMServeError as exc:  # the engine died or is shutting down mid-stream
+        status = "error"
         yield sse(errors.from_exception(exc).body_json())
         yield SSE_DONE
     finally:
-        stream.abort()
+        ctx.started.abort(status)

@@ -6,16 +6,19 @@ as OpenAI numbers them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import logging
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from llmserve.engine.async_llm import RequestStream
-from llmserve.errors import LLMServeError
+from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.platform.safety import OutputGuard
 from llmserve.server import errors
+from llmserve.server.errors import ClientDisconnected
+from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, completion_logprobs
 from llmserve.server.protocol import (
     CompletionChoice,
@@ -25,7 +28,7 @@ from llmserve.server.protocol import (
     now,
 )
 from llmserve.server.sampling import to_sampling_params
-from llmserve.server.state import get_state
+from llmserve.server.state import ServerState, get_state
 from llmserve.server.streaming import (
     SSE_DONE,
     StreamCursor,
@@ -35,7 +38,10 @@ from llmserve.server.streaming import (
     sse,
     until_disconnect,
 )
-from llmserve.server.submit import start_requests
+from llmserve.server.submit import Started, check_prompt, start_requests
+from llmserve.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -49,33 +55,62 @@ class _CompletionContext:
     echo_texts: list[str]  # per prompt: the text echoed before its choices ("" without echo)
     include_usage: bool
     texts: TokenTexts
+    state: ServerState
+    started: Started
+
+    def count_blocks(self, cursors: Iterable[StreamCursor]) -> bool:
+        blocked = [c.blocked for c in cursors if c.blocked is not None]
+        for verdict in blocked:
+            self.state.metrics.safety_blocks.labels(self.model, "output", verdict.rule or "plugin").inc()
+            logger.warning("safety: stopped the output of %s (rule %s)", self.response_id, verdict.rule)
+        return bool(blocked)
 
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
-    state.check_model(body.model)
+    key = request_key(request.state)
+    endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
     errors.reject_unsupported(body.unsupported_params())
     params = to_sampling_params(
-        body, state.engine.default_sampling_params(), body.max_tokens, logprobs=body.logprobs
+        body, endpoint.engine.default_sampling_params(), body.max_tokens, logprobs=body.logprobs
     )
     prompts = body.prompts()
-    response_id, streams = await start_requests(
-        state, "cmpl", prompts, params, body.priority, cache_salt=body.cache_salt
+    check_prompt(state, endpoint, [_prompt_text(p, endpoint.token_texts) for p in prompts], "prompt")
+    prompt_ids = [_prompt_ids(p, endpoint.engine.tokenizer) for p in prompts]
+    started = await start_requests(
+        state, endpoint, key, "cmpl", prompt_ids, params, body.priority, cache_salt=body.cache_salt
     )
     ctx = _CompletionContext(
-        response_id=response_id,
-        model=body.model or state.served_model_name,
+        response_id=started.response_id,
+        model=endpoint.name,
         n=body.n,
         logprobs=body.logprobs,
-        echo_texts=[_prompt_text(p, state.token_texts) if body.echo else "" for p in prompts],
+        echo_texts=[_prompt_text(p, endpoint.token_texts) if body.echo else "" for p in prompts],
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        texts=state.token_texts,
+        texts=endpoint.token_texts,
+        state=state,
+        started=started,
     )
     if body.stream:
-        return event_stream(_completion_events(streams, ctx))
-    outputs = await until_disconnect(request, final_outputs(streams))
-    return JSONResponse(_completion_response(outputs, ctx).model_dump())
+        return event_stream(_completion_events(ctx), started.headers)
+    try:
+        outputs = await until_disconnect(request, final_outputs(started.streams, started.meter.observe))
+    except ClientDisconnected:
+        started.abort("disconnected")
+        raise
+    except BaseException:
+        started.abort("error")
+        raise
+    response, blocked = _completion_response(outputs, ctx)
+    started.meter.finish("content_filter" if blocked else "completed")
+    return JSONResponse(response.model_dump(), headers=started.headers)
+
+
+def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:
+    if prompt == "":
+        raise InvalidRequestError("The prompt is empty.", param="prompt")
+    return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
 
 def _prompt_text(prompt: str | list[int], texts: TokenTexts) -> str:
@@ -92,9 +127,10 @@ def _usage(outputs: Sequence[RequestOutput]) -> Usage:
 
 
 def _choice(
-    position: int, output: RequestOutput, completion: CompletionOutput, ctx: _CompletionContext
+    position: int, completion: CompletionOutput, ctx: _CompletionContext, cursor: StreamCursor
 ) -> CompletionChoice:
     prefix = ctx.echo_texts[position]
+    text, finish_reason = cursor.visible(completion)
     logprobs = None
     if ctx.logprobs is not None and completion.logprobs is not None:
         logprobs = completion_logprobs(
@@ -102,15 +138,23 @@ def _choice(
         )
     return CompletionChoice(
         index=position * ctx.n + completion.index,
-        text=prefix + completion.text,
+        text=prefix + text,
         logprobs=logprobs,
-        finish_reason=completion.finish_reason,
+        finish_reason=finish_reason,
     )
 
 
-def _completion_response(outputs: Sequence[RequestOutput], ctx: _CompletionContext) -> CompletionResponse:
-    choices = [_choice(i, o, c, ctx) for i, o in enumerate(outputs) for c in o.outputs]
-    return CompletionResponse(id=ctx.response_id, model=ctx.model, choices=choices, usage=_usage(outputs))
+def _completion_response(
+    outputs: Sequence[RequestOutput], ctx: _CompletionContext
+) -> tuple[CompletionResponse, bool]:
+    cursors: list[StreamCursor] = []
+    choices = []
+    for position, output in enumerate(outputs):
+        for completion in output.outputs:
+            cursors.append(StreamCursor(ctx.state.output_guard()))
+            choices.append(_choice(position, completion, ctx, cursors[-1]))
+    response = CompletionResponse(id=ctx.response_id, model=ctx.model, choices=choices, usage=_usage(outputs))
+    return response, ctx.count_blocks(cursors)
 
 
 # ---- streamed -------------------------------------------------------------------------------------
@@ -119,8 +163,8 @@ def _completion_response(outputs: Sequence[RequestOutput], ctx: _CompletionConte
 class _ChoiceCursor(StreamCursor):
     """A completion choice's stream position, plus the text offset its logprobs report next."""
 
-    def __init__(self, index: int, text_offset: int) -> None:
-        super().__init__()
+    def __init__(self, index: int, text_offset: int, guard: OutputGuard | None) -> None:
+        super().__init__(guard)
         self.index = index
         self.offset = text_offset  # text_offset of the next token (after an echoed prompt)
 
@@ -135,8 +179,10 @@ class _ChoiceCursor(StreamCursor):
         return CompletionChoice(index=self.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)
 
 
-async def _completion_events(streams: list[RequestStream], ctx: _CompletionContext) -> AsyncIterator[str]:
+async def _completion_events(ctx: _CompletionContext) -> AsyncIterator[str]:
     created = now()
+    streams, meter = ctx.started.streams, ctx.started.meter
+    status = "disconnected"  # unless the streams get to their end
 
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         return sse(
@@ -157,23 +203,33 @@ async def _completion_events(streams: list[RequestStream], ctx: _CompletionConte
                     ]
                 )
         async for position, output in merged(streams):
+            meter.observe(position, output)
             choices = []
             for completion in output.outputs:
                 index = position * ctx.n + completion.index
-                cursor = cursors.setdefault(index, _ChoiceCursor(index, len(ctx.echo_texts[position])))
+                cursor = cursors.get(index)
+                if cursor is None:
+                    offset = len(ctx.echo_texts[position])
+                    cursor = cursors[index] = _ChoiceCursor(index, offset, ctx.state.output_guard())
                 choice = cursor.next_choice(completion, ctx)
                 if choice is not None:
                     choices.append(choice)
-            if output.finished:
+            choice_cursors = [cursors.get(position * ctx.n + j) for j in range(ctx.n)]
+            if output.finished or all(c is not None and c.done for c in choice_cursors):
                 finals[position] = output
+                if not output.finished:
+                    streams[position].abort()  # every choice was stopped by the output filter
             if choices:
                 yield chunk(choices)
+            if len(finals) == len(streams):
+                break
+        status = "content_filter" if ctx.count_blocks(cursors.values()) else "completed"
         if ctx.include_usage:
             yield chunk([], _usage([finals[i] for i in sorted(finals)]))
         yield SSE_DONE
     except LLMServeError as exc:  # the engine died or is shutting down mid-stream
+        status = "error"
         yield sse(errors.from_exception(exc).body_json())
         yield SSE_DONE
     finally:
-        for stream in streams:
-            stream.abort()
+        ctx.started.abort(status)

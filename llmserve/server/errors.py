@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,6 +89,17 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+def model_loading(model: str, retry_after_s: float) -> APIError:
+    seconds = max(1, math.ceil(retry_after_s))
+    return APIError(
+        503,
+        f"The model `{model}` is still loading; retry in {seconds} s.",
+        param="model",
+        code="model_loading",
+        headers={"Retry-After": str(seconds)},
+    )
+
+
 def unsupported(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="unsupported_parameter")
 
@@ -126,7 +138,7 @@ def from_exception(exc: BaseException) -> APIError:
 
 def param_path(loc: Sequence[int | str]) -> str | None:
     """A pydantic error location as a parameter path: ("body", "messages", 0, "role") -> messages[0].role."""
-    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    parts = list(loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc)
     path = ""
     for part in parts:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))

@@ -14,10 +14,16 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    engine = get_state(request).engine
-    if not engine.is_healthy:
-        error = engine.dead_error or RuntimeError("the engine thread is not running")
-        raise errors.APIError(503, f"The engine is not running: {error}", code="engine_dead")
+    """200 once every model is loaded and its engine runs; 503 (with the reason) otherwise."""
+    state = get_state(request)
+    loading = state.router.loading_names()
+    if loading:
+        raise errors.model_loading(loading[0], 5.0)
+    for endpoint in state.endpoints():
+        engine = endpoint.engine
+        if not engine.is_healthy:
+            error = engine.dead_error or RuntimeError("the engine thread is not running")
+            raise errors.APIError(503, f"The engine of {endpoint.name} is not running: {error}", code="engine_dead")
     return Response(status_code=200)
 
 

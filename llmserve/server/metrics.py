@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -24,6 +25,9 @@ from llmserve.engine.async_llm import AsyncLLM, EngineEvents
 from llmserve.engine.llm_engine import StepRecord
 from llmserve.outputs import RequestOutput
 from llmserve.server.slo import SLO, LoadEstimator
+
+if TYPE_CHECKING:
+    from llmserve.server.state import ModelEndpoint
 
 router = APIRouter()
 
@@ -39,68 +43,56 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class EngineCollector(Collector):
-    """Scrape-time values from the engine's published stats."""
+    """Scrape-time values from each ready engine's published stats, one sample per model."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
-        self.engine = engine
-        self.model_name = model_name
-
-    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(name, documentation, labels=LABELS)
-        family.add_metric([self.model_name], value)
-        return family
-
-    def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(name, documentation, labels=LABELS)
-        family.add_metric([self.model_name], value)
-        return family
+    def __init__(self, endpoints: Callable[[], list[ModelEndpoint]]) -> None:
+        self.endpoints = endpoints
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.last_stats
-        yield self._gauge("vllm:num_requests_running", "Number of requests in the running batch.", stats.num_running)
-        yield self._gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be scheduled.", self.engine.num_waiting
-        )
-        yield self._gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 means 100 percent).", stats.kv_cache_usage)
-        yield self._gauge("llmserve:num_kv_blocks_used", "KV cache blocks in use.", stats.num_used_blocks)
-        yield self._gauge(
-            "llmserve:num_kv_blocks_cached", "KV cache blocks in the prefix cache.", stats.num_cached_blocks
-        )
-        yield self._counter("vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
-        yield self._counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
-        )
-        yield self._counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
-        )
-        yield self._counter("llmserve:requests_finished", "Requests that ran to completion.", self.engine.num_finished)
-        yield self._counter("llmserve:requests_aborted", "Requests aborted (client gone).", self.engine.num_aborted)
+        endpoints = self.endpoints()
+
+        def family(kind: type, name: str, documentation: str, value: Callable[[ModelEndpoint], float]) -> Metric:
+            metric = kind(name, documentation, labels=LABELS)
+            for endpoint in endpoints:
+                metric.add_metric([endpoint.name], value(endpoint))
+            return metric
+
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield family(gauge, "vllm:num_requests_running", "Number of requests in the running batch.",
+                     lambda e: e.engine.last_stats.num_running)
+        yield family(gauge, "vllm:num_requests_waiting", "Number of requests waiting to be scheduled.",
+                     lambda e: e.engine.num_waiting)
+        yield family(gauge, "vllm:kv_cache_usage_perc", "KV cache usage (1 means 100 percent).",
+                     lambda e: e.engine.last_stats.kv_cache_usage)
+        yield family(gauge, "llmserve:num_kv_blocks_used", "KV cache blocks in use.",
+                     lambda e: e.engine.last_stats.num_used_blocks)
+        yield family(gauge, "llmserve:num_kv_blocks_cached", "KV cache blocks in the prefix cache.",
+                     lambda e: e.engine.last_stats.num_cached_blocks)
+        yield family(counter, "vllm:num_preemptions", "Cumulative number of preemptions.",
+                     lambda e: e.engine.last_stats.num_preemptions)
+        yield family(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                     lambda e: e.engine.last_stats.prefix_cache_queries)
+        yield family(counter, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                     lambda e: e.engine.last_stats.prefix_cache_hits)
+        yield family(counter, "llmserve:requests_finished", "Requests that ran to completion.",
+                     lambda e: e.engine.num_finished)
+        yield family(counter, "llmserve:requests_aborted", "Requests aborted (client gone).",
+                     lambda e: e.engine.num_aborted)
 
 
-@dataclass
-class _Progress:
-    num_tokens: int
-    last_token_time: float | None
+class ServerMetrics:
+    """Every metric family the server exports, made once per app; per-model series carry `model_name`."""
 
+    def __init__(self, endpoints: Callable[[], list[ModelEndpoint]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(endpoints))
+        self._endpoints = endpoints
 
-class Telemetry:
-    """Engine events -> histograms, token counters, goodput and the SLO load estimate."""
-
-    def __init__(self, registry: CollectorRegistry, model_name: str, slo: SLO) -> None:
-        self.model_name = model_name
-        self.slo = slo
-        self.estimator = LoadEstimator()
-        self._events: queue.SimpleQueue[EngineEvents] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._progress: dict[str, _Progress] = {}
-        self._make_metrics(registry)
-
-    def _make_metrics(self, registry: CollectorRegistry) -> None:
         def counter(name: str, doc: str, labels: list[str] = LABELS) -> Counter:
-            return Counter(name, doc, labels, registry=registry)
+            return Counter(name, doc, labels, registry=self.registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=registry)
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
@@ -130,6 +122,37 @@ class Telemetry:
             "vllm:iteration_tokens_total", "Tokens per engine step.", ITERATION_TOKEN_BUCKETS
         )
         self.batch_size = histogram("llmserve:iteration_batch_size", "Sequences per engine step.", BATCH_SIZE_BUCKETS)
+        # The platform's own (no model label where the model may not be known yet).
+        self.auth_failures = counter("llmserve:auth_failures", "Requests refused for a missing or bad API key.",
+                                     ["reason"])
+        self.rate_limited = counter("llmserve:rate_limited_requests", "Requests refused by a rate limit (429).",
+                                    LABELS + ["limit"])
+        self.safety_blocks = counter("llmserve:safety_blocks", "Prompts or outputs blocked by the safety filter.",
+                                     LABELS + ["stage", "rule"])
+
+    def drain(self) -> None:
+        for endpoint in self._endpoints():
+            if endpoint.telemetry is not None:
+                endpoint.telemetry.drain()
+
+
+@dataclass
+class _Progress:
+    num_tokens: int
+    last_token_time: float | None
+
+
+class Telemetry:
+    """Engine events -> histograms, token counters, goodput and the SLO load estimate."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str, slo: SLO) -> None:
+        self.metrics = metrics
+        self.model_name = model_name
+        self.slo = slo
+        self.estimator = LoadEstimator()
+        self._events: queue.SimpleQueue[EngineEvents] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._progress: dict[str, _Progress] = {}
 
     # ---- the engine thread's side: only a queue put ------------------------------------------------
     def on_events(self, events: EngineEvents) -> None:
@@ -150,11 +173,11 @@ class Telemetry:
                     self._observe_output(output)
 
     def reject(self, reason: str) -> None:
-        self.rejected.labels(self.model_name, reason).inc()
+        self.metrics.rejected.labels(self.model_name, reason).inc()
 
     def _observe_step(self, step: StepRecord) -> None:
-        self.iteration_tokens.labels(self.model_name).observe(step.num_tokens)
-        self.batch_size.labels(self.model_name).observe(step.num_seqs)
+        self.metrics.iteration_tokens.labels(self.model_name).observe(step.num_tokens)
+        self.metrics.batch_size.labels(self.model_name).observe(step.num_seqs)
         self.estimator.observe(step)
 
     def _observe_output(self, output: RequestOutput) -> None:
@@ -164,12 +187,12 @@ class Telemetry:
         if progress is None:
             progress = self._progress[output.request_id] = _Progress(0, None)
             if metrics.first_scheduled_time is not None:
-                self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+                self.metrics.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
             if metrics.time_to_first_token is not None:
-                self.ttft.labels(name).observe(metrics.time_to_first_token)
+                self.metrics.ttft.labels(name).observe(metrics.time_to_first_token)
         elif metrics.last_token_time is not None and num_tokens > progress.num_tokens:
-            self.itl.labels(name).observe(metrics.last_token_time - (progress.last_token_time or 0.0))
-        self.generation_tokens.labels(name).inc(max(0, num_tokens - progress.num_tokens))
+            self.metrics.itl.labels(name).observe(metrics.last_token_time - (progress.last_token_time or 0.0))
+        self.metrics.generation_tokens.labels(name).inc(max(0, num_tokens - progress.num_tokens))
         progress.num_tokens = max(progress.num_tokens, num_tokens)
         progress.last_token_time = metrics.last_token_time
         if output.finished:
@@ -179,38 +202,32 @@ class Telemetry:
     def _observe_finished(self, output: RequestOutput) -> None:
         name, m = self.model_name, output.metrics
         reason = output.outputs[0].finish_reason if output.outputs else "abort"
-        self.request_success.labels(name, reason or "abort").inc()
+        self.metrics.request_success.labels(name, reason or "abort").inc()
         if m.finished_time is not None:
-            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+            self.metrics.e2e.labels(name).observe(m.finished_time - m.arrival_time)
         if m.queue_time is not None:
-            self.queue_time.labels(name).observe(m.queue_time)
+            self.metrics.queue_time.labels(name).observe(m.queue_time)
         tpot = None
         if m.first_token_time is not None and m.first_scheduled_time is not None:
-            self.prefill_time.labels(name).observe(m.first_token_time - m.first_scheduled_time)
+            self.metrics.prefill_time.labels(name).observe(m.first_token_time - m.first_scheduled_time)
             decode = (m.last_token_time or m.first_token_time) - m.first_token_time
-            self.decode_time.labels(name).observe(decode)
+            self.metrics.decode_time.labels(name).observe(decode)
             num_tokens = max(len(c.token_ids) for c in output.outputs)
             if num_tokens > 1:
                 tpot = decode / (num_tokens - 1)
-                self.tpot.labels(name).observe(tpot)
+                self.metrics.tpot.labels(name).observe(tpot)
         if reason != "abort" and self.slo.met(m.time_to_first_token, tpot):
-            self.goodput.labels(name).inc()
+            self.metrics.goodput.labels(name).inc()
 
 
-def make_registry(engine: AsyncLLM, model_name: str) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine, model_name))
-    return registry
-
-
-def make_telemetry(engine: AsyncLLM, registry: CollectorRegistry, model_name: str, slo: SLO) -> Telemetry:
-    telemetry = Telemetry(registry, model_name, slo)
+def make_telemetry(engine: AsyncLLM, metrics: ServerMetrics, model_name: str, slo: SLO) -> Telemetry:
+    telemetry = Telemetry(metrics, model_name, slo)
     engine.add_listener(telemetry.on_events)
     return telemetry
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    request.app.state.llmserve.telemetry.drain()
-    registry: CollectorRegistry = request.app.state.metrics_registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    server_metrics: ServerMetrics = request.app.state.llmserve.metrics
+    server_metrics.drain()
+    return Response(generate_latest(server_metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,4 +1,4 @@
-"""GET /v1/models and /v1/models/{id}: the one model this server runs."""
+"""GET /v1/models and /v1/models/{id}: the served models and aliases this key may use."""
 
 from __future__ import annotations
 
@@ -6,29 +6,35 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from llmserve.server import errors
+from llmserve.server.gateway import request_key
 from llmserve.server.protocol import ModelCard, ModelList
 from llmserve.server.state import ServerState, get_state
 
 router = APIRouter()
 
 
-def _card(state: ServerState) -> ModelCard:
+def _card(state: ServerState, name: str) -> ModelCard:
+    endpoint = state.endpoint(name)
     return ModelCard(
-        id=state.served_model_name,
-        created=state.created,
-        root=state.model_root,
-        max_model_len=state.engine.max_model_len,
+        id=name,
+        created=endpoint.created,
+        root=endpoint.root if endpoint.name == name else endpoint.name,
+        max_model_len=endpoint.engine.max_model_len,
     )
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse(ModelList(data=[_card(get_state(request))]).model_dump())
+    state = get_state(request)
+    key = request_key(request.state)
+    names = [n for n in state.router.ready_names() if key is None or key.allows_model(n)]
+    return JSONResponse(ModelList(data=[_card(state, n) for n in names]).model_dump())
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
     state = get_state(request)
-    if model_id != state.served_model_name and model_id not in state.model_aliases:
+    key = request_key(request.state)
+    if model_id not in state.router.names() or (key is not None and not key.allows_model(model_id)):
         raise errors.model_not_found(model_id)
-    return JSONResponse(_card(state).model_dump())
+    return JSONResponse(_card(state, model_id).model_dump())

@@ -182,6 +182,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # llmserve's extras: continue a stored conversation (its history is sent before `messages`), from
+    # its latest message or, to branch (regenerate or edit a turn), from `parent_message_id`.
+    conversation_id: str | None = Field(None, min_length=1)
+    parent_message_id: str | None = Field(None, min_length=1)
     # OpenAI parameters this server does not implement
     tools: list[Any] | None = None
     tool_choice: Any = None

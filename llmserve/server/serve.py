@@ -16,6 +16,8 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 
@@ -23,7 +25,10 @@ import uvicorn
 
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
-from llmserve.server.app import build_app
+from llmserve.platform.keys import KeyStore
+from llmserve.platform.routing import ModelsConfig
+from llmserve.server.app import ModelSpec, build_app
+from llmserve.server.gateway import Platform
 from llmserve.server.slo import SLO
 
 logger = logging.getLogger(__name__)
@@ -86,23 +91,122 @@ def resolve_model(model_arg: str | None) -> str:
     return str(ensure_default_model(DEFAULT_ARCH, DEFAULT_SIZE))
 
 
-def run_server(args: argparse.Namespace) -> int:
+@dataclass
+class ModelArg:
+    name: str
+    model: str | None  # None: the built-in model
+    engine_overrides: dict = field(default_factory=dict)
+    aliases: list[str] = field(default_factory=list)  # other names (the --model path as typed)
+
+
+def parse_model_args(values: list[str] | None, served_model_name: str | None) -> list[ModelArg]:
+    """`--model [NAME=]MODEL`, repeated; one unnamed model takes --served-model-name."""
+    if not values:
+        return [ModelArg(served_model_name or DEFAULT_SERVED_NAME, None)]
+    parsed = []
+    for value in values:
+        name, sep, model = value.partition("=")
+        if not sep:
+            name, model = "", value
+        if not model:
+            raise ValueError(f"--model {value!r}: give a checkpoint directory or hub id.")
+        aliases = [] if sep else [model]
+        parsed.append(ModelArg(name or served_name(model), model, aliases=aliases))
+    if served_model_name is not None:
+        if len(parsed) > 1:
+            raise ValueError("--served-model-name names one model; name several with --model NAME=MODEL.")
+        parsed[0].name = served_model_name
+    names = [m.name for m in parsed]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Two models have the same name: {names}. Name them with --model NAME=MODEL.")
+    return parsed
+
+
+def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Platform | None:
+    """Keys, usage and conversations in the database, rate limits in process or in Redis, safety rules."""
+    if args.no_platform:
+        return None
+    from llmserve.platform.conversations import ConversationStore
+    from llmserve.platform.keys import KeyCache, KeyStore
+    from llmserve.platform.ratelimit import make_rate_limiter
+    from llmserve.platform.safety import load_filter
+    from llmserve.platform.usage import Price, PriceTable, UsageRecorder
+    from llmserve.store.db import default_database_url, open_database
+
+    database = open_database(args.database_url or default_database_url())
+    key_store = KeyStore(database)
+    safety_config = config.safety if config is not None else None
+    spec = args.safety_filter or (safety_config.filter if safety_config is not None else None)
+    rules = safety_config.rules() if safety_config is not None else None
+    prices = PriceTable(
+        {
+            model: Price(p.input, p.cached_input, p.output)
+            for model, p in (config.prices.items() if config is not None else ())
+        }
+    )
+    return Platform(
+        keys=KeyCache(key_store),
+        limiter=make_rate_limiter(args.redis_url),
+        usage=UsageRecorder(database),
+        conversations=ConversationStore(database),
+        safety=load_filter(spec, rules),
+        holdback_chars=safety_config.holdback_chars if safety_config is not None else 32,
+        prices=prices,
+        database=database,
+        conversation_retention=timedelta(days=args.conversation_retention_days),
+    )
+
+
+def _model_specs(args: argparse.Namespace, config: ModelsConfig | None) -> list[ModelSpec]:
     from llmserve.cli import engine_kwargs
 
-    model = resolve_model(args.model)
-    name = args.served_model_name or served_name(args.model)
-    engine = AsyncLLM.from_config(EngineConfig(model=model, served_model_name=name, **engine_kwargs(args)))
+    models = parse_model_args(args.model, args.served_model_name)
+    if config is not None and config.models:
+        if args.model:
+            raise ValueError("Give the models either with --model or in --config, not both.")
+        models = [ModelArg(m.name, m.model, m.engine.model_dump(exclude_unset=True)) for m in config.models]
+    specs = []
+    for model in models:
+        kwargs = {**engine_kwargs(args), **model.engine_overrides}
+
+        def load(model: ModelArg = model, kwargs: dict = kwargs) -> AsyncLLM:
+            path = resolve_model(model.model)
+            return AsyncLLM.from_config(EngineConfig(model=path, served_model_name=model.name, **kwargs))
+
+        specs.append(ModelSpec(model.name, load=load, root=model.model, max_waiting_requests=args.max_waiting_requests))
+    return specs
+
+
+def _aliases(args: argparse.Namespace, config: ModelsConfig | None, specs: list[ModelSpec]) -> dict:
+    from llmserve.platform.routing import parse_alias
+
+    aliases: dict[str, list[tuple[str, float]]] = {}
+    if config is not None:
+        aliases.update(config.alias_targets())
+    for value in args.alias:
+        alias, targets = parse_alias(value)
+        aliases[alias] = targets
+    return aliases
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from llmserve.platform.routing import load_models_config
+
+    config = load_models_config(args.config) if args.config else None
+    specs = _model_specs(args, config)
+    model_aliases = [a for a in parse_model_args(args.model, args.served_model_name)[0].aliases] if (
+        args.model and len(args.model) == 1 and config is None) else []
+    platform = build_platform(args, config)
     app = build_app(
-        engine,
-        name,
-        model_aliases=[args.model] if args.model else [],
-        model_root=model,
-        max_waiting_requests=args.max_waiting_requests,
+        models=specs,
+        aliases=_aliases(args, config, specs),
+        model_aliases=model_aliases,
         owns_engine=True,
         shutdown_timeout=args.shutdown_timeout,
         slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
+        platform=platform,
     )
-    config = uvicorn.Config(
+    config_uv = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -111,18 +215,34 @@ def run_server(args: argparse.Namespace) -> int:
         timeout_keep_alive=5,
     )
     state = app.state.llmserve
+    names = ", ".join(spec.name for spec in specs)
 
     def on_signal() -> None:
         state.draining = True
         _announce("llmserve: shutting down, finishing in-flight requests")
 
     def on_listening(host: str, port: int) -> None:
-        _announce(f"llmserve: serving {name} at http://{host}:{port}/v1")
+        _announce(f"llmserve: listening at http://{host}:{port}/v1, loading {names}")
+        if platform is not None and platform.database is not None and not KeyStore(platform.database).has_active_keys():
+            _announce(
+                "llmserve: no API keys exist, so the server is open to anyone who can reach it (local mode); "
+                "`llmserve keys create --name NAME` turns on authentication"
+            )
+
+        async def announce_when_ready() -> None:
+            await state.wait_ready()
+            failed = state.router.failed_names()
+            if failed:
+                _announce(f"llmserve: could not load {', '.join(failed)} (requests for it get a 503)")
+            _announce(f"llmserve: serving {names} at http://{host}:{port}/v1")
+
+        state.background(announce_when_ready())
 
     try:
-        asyncio.run(GracefulServer(config, on_signal, on_listening).serve())
+        asyncio.run(GracefulServer(config_uv, on_signal, on_listening).serve())
     finally:
-        engine.close(timeout=args.shutdown_timeout)
+        for endpoint in state.endpoints():
+            endpoint.engine.close(timeout=args.shutdown_timeout)
     return 0
 
 

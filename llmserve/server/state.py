@@ -1,27 +1,36 @@
-"""What every endpoint shares: the engine client, the served model's names, admission control."""
+"""What every endpoint shares: the served models (one engine each, found by name or alias), admission
+control, and the platform services (keys, limits, metering, conversations, safety) when they are on."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.platform.routing import ModelFailed, ModelLoading, ModelRouter
+from llmserve.platform.safety import OutputGuard
 from llmserve.server import errors
 from llmserve.server.logprobs import TokenTexts
-from llmserve.server.metrics import Telemetry
 from llmserve.server.protocol import now
+
+if TYPE_CHECKING:
+    from llmserve.platform.keys import ApiKey
+    from llmserve.server.gateway import Platform
+    from llmserve.server.metrics import ServerMetrics, Telemetry
 
 
 @dataclass
-class ServerState:
+class ModelEndpoint:
+    """One served model: its engine and what the endpoints need to know about it."""
+
+    name: str
     engine: AsyncLLM
-    served_model_name: str
-    model_aliases: tuple[str, ...] = ()  # other names a request may use (e.g. the --model path)
-    model_root: str | None = None
+    root: str | None = None  # where the weights came from (shown in /v1/models)
     max_waiting_requests: int = 1024
-    draining: bool = False  # set on SIGTERM: new requests get a 503
     telemetry: Telemetry | None = None
     created: int = field(default_factory=now)
     token_texts: TokenTexts = field(init=False)
@@ -29,15 +38,10 @@ class ServerState:
     def __post_init__(self) -> None:
         self.token_texts = TokenTexts(self.engine.tokenizer)
 
-    def check_model(self, model: str | None) -> None:
-        """Raise a 404 unless `model` is unset or names the served model."""
-        if model is not None and model != self.served_model_name and model not in self.model_aliases:
-            raise errors.model_not_found(model)
-
-    def admit(self, prompts: Sequence[str | Sequence[int]] = ("",)) -> None:
+    def admit(self, prompts: Sequence[str | Sequence[int]] = ("",), draining: bool = False) -> None:
         """Admission control: refuse with 503 when draining, when the waiting queue is full, or when
         the TTFT target (--slo-ttft-ms) cannot be met at the current load."""
-        if self.draining or not self.engine.is_accepting:
+        if draining or not self.engine.is_accepting:
             if self.engine.dead_error is not None:
                 raise errors.from_exception(self.engine.dead_error)
             raise errors.shutting_down()
@@ -54,7 +58,7 @@ class ServerState:
         if telemetry is None or telemetry.slo.ttft_ms is None:
             return
         telemetry.drain()
-        prompt_tokens = sum(self._num_tokens(p) for p in prompts)
+        prompt_tokens = sum(self.num_tokens(p) for p in prompts)
         queued = self.engine.last_stats.num_pending_prefill_tokens
         predicted = telemetry.estimator.predict_ttft(queued, prompt_tokens)
         target = telemetry.slo.ttft_ms / 1000
@@ -67,12 +71,78 @@ class ServerState:
             retry_after=telemetry.estimator.retry_after(predicted, target),
         )
 
-    def _num_tokens(self, prompt: str | Sequence[int]) -> int:
+    def num_tokens(self, prompt: str | Sequence[int]) -> int:
         return len(self.engine.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
 
     def _reject(self, reason: str) -> None:
         if self.telemetry is not None:
             self.telemetry.reject(reason)
+
+
+@dataclass
+class ServerState:
+    router: ModelRouter[ModelEndpoint]
+    metrics: ServerMetrics
+    platform: Platform | None = None  # None: no keys, limits, metering or conversations
+    draining: bool = False  # set on SIGTERM: new requests get a 503
+    created: int = field(default_factory=now)
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+    _ready: asyncio.Event | None = None
+
+    def background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Run `work` on the event loop, holding on to the task until it ends."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _ready_event(self) -> asyncio.Event:
+        if self._ready is None:
+            self._ready = asyncio.Event()
+        return self._ready
+
+    def model_settled(self) -> None:
+        """A model finished loading (or failed to): wake whoever waits for them all."""
+        if not self.router.loading_names():
+            self._ready_event().set()
+
+    async def wait_ready(self) -> None:
+        """Return once no model is loading any more (ready or failed)."""
+        if self.router.loading_names():
+            await self._ready_event().wait()
+
+    def endpoint(
+        self, model: str | None, key: ApiKey | None = None, routing_key: str | None = None
+    ) -> ModelEndpoint:
+        """The endpoint a request for `model` goes to: by name or alias (a canary alias picks a version,
+        the same one for the same `routing_key`). Unset means the first model. 404 for an unknown model
+        or one the key may not use; 503 with Retry-After while it loads."""
+        name = model if model is not None else self.router.default_name()
+        if key is not None and not key.allows_model(name):
+            raise errors.model_not_found(name)
+        try:
+            _, endpoint = self.router.resolve(name, routing_key)
+        except KeyError:
+            raise errors.model_not_found(name) from None
+        except ModelLoading as exc:
+            raise errors.model_loading(name, exc.retry_after_s) from None
+        except ModelFailed as exc:
+            raise errors.APIError(503, f"The model `{name}` failed to load: {exc}", code="model_failed") from None
+        return endpoint
+
+    def endpoints(self) -> list[ModelEndpoint]:
+        """Every model that is ready, in the order they were given."""
+        return self.router.ready_handles()
+
+    @property
+    def default(self) -> ModelEndpoint:
+        return self.endpoint(None)
+
+    def output_guard(self) -> OutputGuard | None:
+        """A fresh streaming post-filter for one choice, when a safety filter is on."""
+        if self.platform is None or self.platform.safety is None:
+            return None
+        return OutputGuard(self.platform.safety, self.platform.holdback_chars)
 
 
 def get_state(request: Request) -> ServerState:

@@ -4,7 +4,7 @@ several request streams merged into one (a /v1/completions prompt list)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -14,9 +14,12 @@ from pydantic import BaseModel
 
 from llmserve.engine.async_llm import RequestStream
 from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.platform.safety import OutputGuard, Verdict
 from llmserve.server.errors import ClientDisconnected
 
 T = TypeVar("T")
+
+CONTENT_FILTER = "content_filter"
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -26,8 +29,8 @@ def sse(payload: BaseModel | str) -> str:
     return f"data: {data}\n\n"
 
 
-def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+def event_stream(events: AsyncIterator[str], headers: dict[str, str] | None = None) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
@@ -52,11 +55,20 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
-async def final_output(stream: RequestStream) -> RequestOutput:
-    """Run a request to its end and return its last output (abort it if interrupted)."""
+Observer = Callable[[int, RequestOutput], None]
+
+
+def _ignore(position: int, output: RequestOutput) -> None:
+    pass
+
+
+async def final_output(stream: RequestStream, observe: Observer = _ignore, position: int = 0) -> RequestOutput:
+    """Run a request to its end and return its last output (abort it if interrupted); `observe` sees
+    every output on the way (the usage meter counts what was generated even if the client leaves)."""
     last: RequestOutput | None = None
     try:
         async for output in stream:
+            observe(position, output)
             last = output
     finally:
         stream.abort()
@@ -64,9 +76,9 @@ async def final_output(stream: RequestStream) -> RequestOutput:
     return last
 
 
-async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+async def final_outputs(streams: Sequence[RequestStream], observe: Observer = _ignore) -> list[RequestOutput]:
     try:
-        return list(await asyncio.gather(*(final_output(s) for s in streams)))
+        return list(await asyncio.gather(*(final_output(s, observe, i) for i, s in enumerate(streams))))
     finally:
         for stream in streams:
             stream.abort()
@@ -121,25 +133,43 @@ class Delta:
 
 
 class StreamCursor:
-    """How much of one choice has been streamed; turns its cumulative output into the next delta."""
+    """How much of one choice has been streamed; turns its cumulative output into the next delta.
 
-    def __init__(self) -> None:
+    With a safety `guard`, only the text the guard releases is sent (it holds back a window of
+    characters until they are checked); once it blocks, the choice ends with finish_reason
+    "content_filter" and nothing after the last released character is ever sent."""
+
+    def __init__(self, guard: OutputGuard | None = None) -> None:
         self.text_sent = 0
         self.tokens_sent = 0
         self.done = False
+        self.guard = guard
+        self.blocked: Verdict | None = None
+
+    def visible(self, completion: CompletionOutput) -> tuple[str, str | None]:
+        """The text that may be shown so far and the finish reason (content_filter once blocked)."""
+        finish_reason = completion.finish_reason
+        if self.guard is None:
+            return completion.text, finish_reason
+        step = self.guard.feed(completion.text, finished=finish_reason is not None)
+        if step.blocked:
+            self.blocked = step.verdict
+            return self.guard.released_text, CONTENT_FILTER
+        return self.guard.released_text, finish_reason
 
     def advance(self, completion: CompletionOutput) -> Delta | None:
         """The new part of `completion`, or None when there is nothing to send yet (held-back text
         keeps its tokens for the next delta) or the choice already finished."""
         if self.done:
             return None
-        new_text = completion.text[self.text_sent :]
-        finished = completion.finish_reason is not None
+        text, finish_reason = self.visible(completion)
+        new_text = text[self.text_sent :]
+        finished = finish_reason is not None
         if not new_text and not finished:
             return None
         start = self.tokens_sent
         logprobs = completion.logprobs[start:] if completion.logprobs is not None else None
-        self.text_sent = max(self.text_sent, len(completion.text))
+        self.text_sent = max(self.text_sent, len(text))
         self.tokens_sent = len(completion.token_ids)
         self.done = finished
-        return Delta(new_text, completion.token_ids[start:], logprobs, completion.finish_reason)
+        return Delta(new_text, completion.token_ids[start:], logprobs, finish_reason)

@@ -1,43 +1,97 @@
-"""Admitting a request and handing its prompt(s) to the engine, with engine errors renamed to the
-request's own parameters."""
+"""From a validated request to running engine requests: the safety pre-filter, the key's rate limits,
+admission control, and the engine requests themselves, with engine errors renamed to the request's
+own parameters. What comes back carries the meter that records the request's usage at its end."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from llmserve.engine.async_llm import RequestStream
 from llmserve.errors import InvalidRequestError
+from llmserve.platform.keys import ApiKey
 from llmserve.sampling.params import SamplingParams
+from llmserve.server.errors import APIError
+from llmserve.server.gateway import Meter
 from llmserve.server.protocol import random_id
-from llmserve.server.state import ServerState
+from llmserve.server.state import ModelEndpoint, ServerState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Started:
+    response_id: str
+    streams: list[RequestStream]
+    meter: Meter
+    headers: dict[str, str]  # rate-limit headers for the response
+
+    def abort(self, status: str) -> None:
+        for stream in self.streams:
+            stream.abort()
+        self.meter.finish(status)
+
+
+def check_prompt(state: ServerState, endpoint: ModelEndpoint, texts: Sequence[str], param: str) -> None:
+    """The safety pre-filter: a blocked prompt is a 400 `content_filter`, before any engine work."""
+    platform = state.platform
+    if platform is None or platform.safety is None:
+        return
+    for text in texts:
+        verdict = platform.safety.check_prompt(text)
+        if verdict.blocked:
+            state.metrics.safety_blocks.labels(endpoint.name, "prompt", verdict.rule or "plugin").inc()
+            logger.warning("safety: blocked a prompt for %s (rule %s)", endpoint.name, verdict.rule)
+            raise APIError(
+                400,
+                "Your request was rejected by the content filter.",
+                param=param,
+                code="content_filter",
+            )
+
+
+def reserved_tokens(endpoint: ModelEndpoint, prompts: Sequence[Sequence[int]], params: SamplingParams) -> int:
+    """What a request may use at most: its prompts plus every choice's completion budget."""
+    limit = endpoint.engine.max_model_len
+    total = 0
+    for prompt in prompts:
+        budget = params.max_tokens if params.max_tokens is not None else max(0, limit - len(prompt))
+        total += len(prompt) + params.n * budget
+    return total
 
 
 async def start_requests(
     state: ServerState,
+    endpoint: ModelEndpoint,
+    key: ApiKey | None,
     id_prefix: str,
-    prompts: Sequence[str | Sequence[int]],
+    prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     priority: int = 0,
     rename: Mapping[str, str] | None = None,
     cache_salt: str | None = None,
-) -> tuple[str, list[RequestStream]]:
-    """Admit and add one engine request per prompt. Returns the response id and the streams; on any
-    failure the requests already added are aborted and the error (params renamed) is raised."""
-    state.admit(prompts)
+) -> Started:
+    """Rate-limit, admit and add one engine request per prompt (token ids). On any failure the
+    requests already added are aborted, the reservation is returned, and the error (params renamed)
+    is raised."""
+    admission = None
+    if state.platform is not None:
+        admission = await state.platform.admit(key, endpoint.name, reserved_tokens(endpoint, prompts, params))
     response_id = random_id(id_prefix)
     streams: list[RequestStream] = []
     try:
+        endpoint.admit(prompts, state.draining)
         for i, prompt in enumerate(prompts):
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
-            streams.append(await state.engine.add_request(request_id, prompt, params, priority, cache_salt))
-    except InvalidRequestError as exc:
+            streams.append(await endpoint.engine.add_request(request_id, prompt, params, priority, cache_salt))
+    except BaseException as exc:
         for stream in streams:
             stream.abort()
-        if rename and exc.param in rename:
+        if admission is not None:
+            admission.release()
+        if isinstance(exc, InvalidRequestError) and rename and exc.param in rename:
             exc.param = rename[exc.param]
         raise
-    except BaseException:
-        for stream in streams:
-            stream.abort()
-        raise
-    return response_id, streams
+    meter = Meter(state.platform, response_id, key, endpoint.name, admission, sum(len(p) for p in prompts))
+    return Started(response_id, streams, meter, admission.headers if admission is not None else {})

@@ -15,9 +15,8 @@ router = APIRouter()
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
-    state = get_state(request)
-    state.check_model(body.model)
-    tokenizer = state.engine.tokenizer
+    endpoint = get_state(request).endpoint(body.model)
+    tokenizer = endpoint.engine.tokenizer
     if body.messages is not None:
         messages = template_messages(body.messages)
         ids = tokenizer.apply_chat_template(
@@ -27,15 +26,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         raise InvalidRequestError("Give either 'prompt' or 'messages'.", param="prompt")
-    response = TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids)
+    response = TokenizeResponse(count=len(ids), max_model_len=endpoint.engine.max_model_len, tokens=ids)
     return JSONResponse(response.model_dump())
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
-    state = get_state(request)
-    state.check_model(body.model)
-    vocab = state.engine.vocab_size
+    endpoint = get_state(request).endpoint(body.model)
+    vocab = endpoint.engine.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="tokens")
-    return JSONResponse(DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens)).model_dump())
+    return JSONResponse(DetokenizeResponse(prompt=endpoint.engine.tokenizer.decode(body.tokens)).model_dump())

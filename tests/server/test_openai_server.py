@@ -616,7 +616,7 @@ def test_an_unexpected_failure_is_a_500_in_openai_shape_and_serving_goes_on(serv
     def broken(token_id: int) -> str:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(server.app.state.llmserve.token_texts, "text", broken)
+    monkeypatch.setattr(server.app.state.llmserve.default.token_texts, "text", broken)
     response = http.post(CHAT, json=_chat(max_tokens=2, logprobs=True))
     assert response.status_code == 500
     error = response.json()["error"]
@@ -661,7 +661,7 @@ def test_a_crashed_engine_fails_requests_and_health(tiny_llama_dir):
 
 
 def test_admission_control_is_a_503_with_retry_after(server, http):
-    state = server.app.state.llmserve
+    state = server.app.state.llmserve.default
     state.max_waiting_requests = 0
     try:
         for path, body in (

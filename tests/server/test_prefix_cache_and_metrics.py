@@ -175,7 +175,7 @@ def test_priority_field_orders_the_waiting_queue(priority_server):
 
 def test_slo_admission_turns_away_what_cannot_meet_the_ttft_target(priority_server):
     engine, app, base_url = priority_server
-    telemetry = app.state.llmserve.telemetry
+    telemetry = app.state.llmserve.default.telemetry
     # Teach the estimator a slow machine: 10 ms per prefill token, so a 100-token prompt needs 1 s.
     telemetry.on_events(EngineEvents(StepRecord(0.0, 0.64, 64, 64, 1, 0, 0), []))
     body = {"model": MODEL_NAME, "prompt": [5] * 100, "max_tokens": 2}

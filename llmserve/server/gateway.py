@@ -1,0 +1,264 @@
+"""The platform in front of the engines: API-key authentication, per-key rate limits, usage metering.
+
+Each service is optional (`Platform` fields left None are off). The request path never waits on the
+database: keys are looked up through a short-lived cache, usage records go to a buffer that a
+background thread writes in batches, and rate limits are one in-process or Redis call per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from llmserve.outputs import RequestOutput
+from llmserve.platform.keys import ApiKey, KeyCache, looks_like_key
+from llmserve.platform.ratelimit import Limits, RateLimiter, RateLimiterUnavailable, Reservation
+from llmserve.platform.usage import PriceTable, UsageRecord, UsageRecorder
+from llmserve.server.errors import APIError
+
+if TYPE_CHECKING:
+    from llmserve.platform.conversations import ConversationStore
+    from llmserve.platform.safety import SafetyFilter
+    from llmserve.server.metrics import ServerMetrics
+    from llmserve.store.db import Database
+
+logger = logging.getLogger(__name__)
+
+PROTECTED_PREFIX = "/v1/"
+
+
+@dataclass
+class Platform:
+    """The platform services a server runs with; any left None is off."""
+
+    keys: KeyCache | None = None
+    limiter: RateLimiter | None = None
+    usage: UsageRecorder | None = None
+    conversations: ConversationStore | None = None
+    safety: SafetyFilter | None = None
+    holdback_chars: int = 32
+    prices: PriceTable = field(default_factory=PriceTable)
+    database: Database | None = None
+    conversation_retention: timedelta | None = None  # deleted conversations are purged after this
+    metrics: ServerMetrics | None = None
+    _settling: set[asyncio.Task] = field(default_factory=set)
+
+    async def aclose(self) -> None:
+        """Settle what is in flight, write every buffered usage record, close connections."""
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+        if self.usage is not None:
+            await asyncio.to_thread(self.usage.close)
+        if self.limiter is not None:
+            await self.limiter.close()
+        if self.database is not None:
+            self.database.dispose()
+
+    # ---- rate limits ------------------------------------------------------------------------------
+    async def admit(self, key: ApiKey | None, model: str, reserve_tokens: int) -> Admission:
+        """Take one request and `reserve_tokens` from the key's limits (429 when they are spent)."""
+        limits = Limits(key.rpm, key.tpm) if key is not None else Limits(None, None)
+        if self.limiter is None or key is None or (limits.rpm is None and limits.tpm is None):
+            return Admission(self, None, {})
+        try:
+            result = await self.limiter.acquire(key.id, limits, reserve_tokens)
+        except RateLimiterUnavailable as exc:
+            # Limits keep tenants fair; they are not a security boundary, so an outage fails open.
+            logger.warning("rate limiter unavailable, admitting without a limit: %s", exc)
+            return Admission(self, None, {})
+        headers = result.headers()
+        if not result.allowed:
+            if self.metrics is not None:
+                self.metrics.rate_limited.labels(model, result.kind or "tokens").inc()
+            raise APIError(
+                429, result.message or "Rate limit reached.", code="rate_limit_exceeded",
+                type=result.kind or "tokens", headers=headers,
+            )
+        return Admission(self, result.reservation, headers)
+
+    def settle_later(self, reservation: Reservation, used_tokens: int, then: Callable[[], None] | None = None) -> None:
+        """Return a reservation's unused tokens, then run `then`, without making the caller wait (it
+        may be unwinding from a cancellation)."""
+        task = asyncio.ensure_future(self._settle(reservation, used_tokens, then))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, reservation: Reservation, used_tokens: int, then: Callable[[], None] | None) -> None:
+        try:
+            if self.limiter is not None:
+                await self.limiter.settle(reservation, used_tokens)
+        except Exception as exc:  # the reservation then simply expires with the bucket's refill
+            logger.warning("could not settle a rate-limit reservation: %s", exc)
+        finally:
+            if then is not None:
+                then()
+
+
+@dataclass
+class Admission:
+    """A request let through the rate limits: the headers to answer with and its token reservation."""
+
+    platform: Platform
+    reservation: Reservation | None
+    headers: dict[str, str]
+
+    def release(self) -> None:
+        """The request never reached the engine: give everything back."""
+        if self.reservation is not None:
+            self.platform.settle_later(self.reservation, 0)
+            self.reservation = None
+
+
+class Meter:
+    """One request's usage: token counts kept from the outputs it streamed, written once at its end
+    (completed, cut short by a disconnect, filtered or failed), settling its rate-limit reservation."""
+
+    def __init__(
+        self,
+        platform: Platform | None,
+        request_id: str,
+        key: ApiKey | None,
+        model: str,
+        admission: Admission | None,
+        prompt_tokens: int,
+    ) -> None:
+        self.platform = platform
+        self.prompt_tokens = prompt_tokens
+        self.request_id = request_id
+        self.key = key
+        self.model = model
+        self.admission = admission
+        self.started_wall = time.time()
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+        self._latest: dict[int, RequestOutput] = {}
+        self.finished = False
+
+    def observe(self, position: int, output: RequestOutput) -> None:
+        self._latest[position] = output
+        if self.first_token_at is None and any(c.token_ids for c in output.outputs):
+            self.first_token_at = time.monotonic()
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for o in self._latest.values() for c in o.outputs)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(o.num_cached_tokens for o in self._latest.values())
+
+    def finish(self, status: str) -> None:
+        """Record the usage and settle the reservation; later calls do nothing."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.platform is None:
+            return
+        usage = self.platform.usage
+        record = self._record(status)
+        write = (lambda: usage.record(record)) if usage is not None else None
+        if self.admission is not None and self.admission.reservation is not None:
+            # Settled before the record is written: once a request's usage is visible, so is its refund.
+            used = self.prompt_tokens + self.completion_tokens
+            self.platform.settle_later(self.admission.reservation, used, then=write)
+            self.admission.reservation = None
+        elif write is not None:
+            write()
+
+    def _record(self, status: str) -> UsageRecord:
+        ended = time.monotonic()
+        return UsageRecord(
+            request_id=self.request_id,
+            key_id=self.key.id if self.key is not None else None,
+            model=self.model,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            status=status,
+            created_at=datetime.fromtimestamp(self.started_wall, tz=timezone.utc),
+            ttft_ms=None if self.first_token_at is None else (self.first_token_at - self.started) * 1000,
+            latency_ms=(ended - self.started) * 1000,
+        )
+
+
+# ---- authentication -----------------------------------------------------------------------------
+
+
+def _auth_error(message: str, code: str) -> APIError:
+    return APIError(401, message, code=code, type="invalid_request_error")
+
+
+def _auth_unavailable(exc: Exception) -> APIError:
+    # The key store is unreachable: nobody can be let in, so say so rather than fail with a 500.
+    logger.error("API key lookup failed: %s", exc)
+    return APIError(503, "Authentication is unavailable; retry later.", code="auth_unavailable",
+                    headers={"Retry-After": "1"})
+
+
+def _bearer(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" and token.strip() else ""
+    return None
+
+
+def _masked(secret: str) -> str:
+    return secret[:8] + "***" + secret[-4:] if len(secret) > 16 else "***"
+
+
+class AuthMiddleware:
+    """Every /v1/ request needs a valid key once keys exist (401 otherwise); with none, the server is
+    open (local mode). The key found is left in the request's state as `api_key` (None when open)."""
+
+    def __init__(self, app: ASGIApp, keys: KeyCache, metrics: ServerMetrics | None = None) -> None:
+        self.app = app
+        self.keys = keys
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        try:
+            key = await self._authenticate(scope)
+        except Exception as exc:
+            error = exc if isinstance(exc, APIError) else _auth_unavailable(exc)
+            if self.metrics is not None:
+                self.metrics.auth_failures.labels(error.code or "invalid_api_key").inc()
+            await error.response()(scope, receive, send)
+            return
+        scope.setdefault("state", {})["api_key"] = key
+        await self.app(scope, receive, send)
+
+    async def _authenticate(self, scope: Scope) -> ApiKey | None:
+        secret = _bearer(scope)
+        if not await self.keys.has_active_keys():
+            return None
+        if not secret:
+            raise _auth_error(
+                "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
+                "(Authorization: Bearer YOUR_KEY).",
+                "missing_api_key",
+            )
+        if not looks_like_key(secret):
+            raise _auth_error(f"Malformed API key provided: {_masked(secret)}.", "invalid_api_key")
+        key = await self.keys.authenticate(secret)
+        if key is None:
+            raise _auth_error(
+                f"Incorrect API key provided: {_masked(secret)}. The key is unknown or was revoked.",
+                "invalid_api_key",
+            )
+        return key
+
+
+def request_key(scope_state: object) -> ApiKey | None:
+    """The API key the auth middleware found for this request (None in local mode or with auth off)."""
+    return getattr(scope_state, "api_key", None)

@@ -1,0 +1,132 @@
+"""A live server with the platform on (keys, rate limits, metering, conversations, safety) over the
+tiny model: one engine per test module, a fresh SQLite database and app per test."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from sqlalchemy import func, select
+
+from llmserve.config import EngineConfig
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.platform.conversations import ConversationStore
+from llmserve.platform.keys import ApiKey, KeyCache, KeyStore
+from llmserve.platform.ratelimit import InProcessRateLimiter
+from llmserve.platform.usage import PriceTable, UsageRecorder
+from llmserve.server.app import ModelSpec, build_app
+from llmserve.server.gateway import Platform
+from llmserve.store.db import Database, open_database
+from llmserve.store.schema import UsageRecordRow
+from tests.server.conftest import MAX_MODEL_LEN, start_server
+
+MODEL = "tiny-llama"
+
+
+class FrozenClock:
+    """A clock that moves only when told (key-cache expiry and rate-limit refill without sleeping)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class PlatformServer:
+    base_url: str
+    engine: AsyncLLM
+    platform: Platform
+    database: Database
+    keys: KeyStore
+    clock: FrozenClock
+    server: object = field(repr=False, default=None)
+
+    def client(self, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=60)
+
+    def new_key(self, name: str, **kwargs) -> tuple[ApiKey, str]:
+        return self.keys.create(name, **kwargs)
+
+    def usage_rows(self) -> list[UsageRecordRow]:
+        assert self.platform.usage is not None
+        self.platform.usage.flush()
+        with self.database.session() as session:
+            return list(session.scalars(select(UsageRecordRow).order_by(UsageRecordRow.created_at)))
+
+    def wait_for_usage_rows(self, count: int, timeout: float = 30.0) -> list[UsageRecordRow]:
+        """Poll (flushing) until `count` records are stored; a request's record is written when its
+        handler has unwound, which for a disconnected stream is after the client saw the end."""
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = self.usage_rows()
+            if len(rows) >= count or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.02)
+
+    def count_usage_rows(self) -> int:
+        with self.database.session() as session:
+            return session.scalar(select(func.count()).select_from(UsageRecordRow)) or 0
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_llama_dir: Path) -> Iterator[AsyncLLM]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = AsyncLLM.from_config(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            num_kv_blocks=1024,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=256,
+        )
+    )
+    yield engine
+    engine.close()
+    torch.set_num_threads(threads)
+
+
+def serve_platform(
+    engine: AsyncLLM,
+    directory: Path,
+    *,
+    models: list[ModelSpec] | None = None,
+    aliases: dict | None = None,
+    prices: PriceTable | None = None,
+) -> Iterator[PlatformServer]:
+    database = open_database(f"sqlite:///{directory / 'platform.db'}")
+    clock = FrozenClock()
+    keys = KeyStore(database)
+    platform = Platform(
+        keys=KeyCache(keys, ttl_seconds=2.0, clock=clock),
+        limiter=InProcessRateLimiter(clock=clock),
+        usage=UsageRecorder(database, flush_interval=0.2),
+        conversations=ConversationStore(database),
+        prices=prices or PriceTable(),
+        database=database,
+    )
+    if models is None:
+        app = build_app(engine, MODEL, platform=platform, aliases=aliases)
+    else:
+        app = build_app(models=models, platform=platform, aliases=aliases)
+    server, thread, base_url = start_server(app)
+    try:
+        yield PlatformServer(base_url, engine, platform, database, keys, clock, server)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def chat_body(content: str = "Hello there", max_tokens: int = 4, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}

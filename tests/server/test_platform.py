@@ -1,0 +1,437 @@
+"""The platform over HTTP: API keys, model permissions, RPM/TPM limits with OpenAI's headers, usage
+metering and /v1/usage, conversations, safety filters, and several models behind one server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.platform.safety import RuleSetFilter
+from llmserve.platform.usage import Price, PriceTable
+from llmserve.server.app import ModelSpec
+from tests.server.platform_fixtures import (
+    MODEL,
+    PlatformServer,
+    chat_body,
+    serve_platform,
+    tiny_engine,  # noqa: F401 - a fixture
+)
+
+
+@pytest.fixture
+def server(tiny_engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:  # noqa: F811
+    prices = PriceTable({MODEL: Price(input_per_million=2.0, cached_input_per_million=1.0, output_per_million=8.0)})
+    yield from serve_platform(tiny_engine, tmp_path, prices=prices)
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def metric_value(base_url: str, name: str, labels: dict[str, str]) -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+# ---- keys ------------------------------------------------------------------------------------------
+
+
+def test_without_keys_the_server_is_open_and_meters_requests_as_local(server: PlatformServer) -> None:
+    with server.client() as client:
+        response = client.post("/v1/chat/completions", json=chat_body())
+    assert response.status_code == 200
+    usage = response.json()["usage"]
+    [row] = server.wait_for_usage_rows(1)
+    assert row.key_id is None and row.model == MODEL and row.status == "completed"
+    assert (row.prompt_tokens, row.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
+
+
+def test_once_a_key_exists_every_v1_request_needs_a_valid_one(server: PlatformServer) -> None:
+    key, secret = server.new_key("alice")
+    server.new_key("bob")  # stays active: revoking alice's key must not reopen the server
+    server.clock.advance(3)  # past the cached "no keys exist"
+    with server.client() as anonymous:
+        missing = anonymous.post("/v1/chat/completions", json=chat_body())
+        models = anonymous.get("/v1/models")
+        assert anonymous.get("/health").status_code == 200  # outside /v1: no key needed
+    assert missing.status_code == 401 and error_of(missing)["code"] == "missing_api_key"
+    assert models.status_code == 401
+    with server.client("not-a-key") as client:
+        malformed = client.post("/v1/chat/completions", json=chat_body())
+    assert malformed.status_code == 401 and error_of(malformed)["code"] == "invalid_api_key"
+    with server.client("sk-llms-" + "x" * 43) as client:
+        unknown = client.post("/v1/chat/completions", json=chat_body())
+    assert unknown.status_code == 401 and error_of(unknown)["type"] == "invalid_request_error"
+    with server.client(secret) as client:
+        assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
+        server.keys.revoke(key.id)
+        assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200  # still cached
+        server.clock.advance(3)
+        revoked = client.post("/v1/chat/completions", json=chat_body())
+    assert revoked.status_code == 401 and error_of(revoked)["code"] == "invalid_api_key"
+    assert metric_value(server.base_url, "llmserve:auth_failures_total", {"reason": "invalid_api_key"}) == 3
+
+
+def test_a_key_limited_to_some_models_gets_404_for_the_others(tiny_engine: AsyncLLM, tmp_path: Path) -> None:  # noqa: F811
+    models = [ModelSpec("small", tiny_engine), ModelSpec("large", tiny_engine)]
+    for server in serve_platform(tiny_engine, tmp_path, models=models, aliases={"chat": [("small", 1.0)]}):
+        _, secret = server.new_key("bob", models=["small", "chat"])
+        with server.client(secret) as client:
+            assert client.post("/v1/chat/completions", json=chat_body(model="small")).status_code == 200
+            assert client.post("/v1/chat/completions", json=chat_body(model="chat")).status_code == 200
+            denied = client.post("/v1/chat/completions", json=chat_body(model="large"))
+            listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
+            hidden = client.get("/v1/models/large")
+        assert denied.status_code == 404 and error_of(denied)["code"] == "model_not_found"
+        assert listed == ["small", "chat"]
+        assert hidden.status_code == 404
+
+
+# ---- rate limits -----------------------------------------------------------------------------------
+
+
+def test_rpm_limit_answers_429_with_openai_headers(server: PlatformServer) -> None:
+    _, secret = server.new_key("rpm", rpm=2)
+    with server.client(secret) as client:
+        first = client.post("/v1/chat/completions", json=chat_body())
+        second = client.post("/v1/chat/completions", json=chat_body())
+        third = client.post("/v1/chat/completions", json=chat_body())
+    assert (first.status_code, second.status_code, third.status_code) == (200, 200, 429)
+    assert first.headers["x-ratelimit-limit-requests"] == "2"
+    assert first.headers["x-ratelimit-remaining-requests"] == "1"
+    assert first.headers["x-ratelimit-reset-requests"] == "30s"  # one request back at 2 per minute
+    assert second.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "x-ratelimit-limit-tokens" not in first.headers  # no token limit on this key
+    error = error_of(third)
+    assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+    assert third.headers["retry-after"] == "30" and third.headers["retry-after-ms"] == "30000"
+    assert third.headers["x-ratelimit-reset-requests"] == "1m0s"
+    assert metric_value(server.base_url, "llmserve:rate_limited_requests_total", {"limit": "requests"}) == 1
+    server.clock.advance(30)  # the frozen clock: exactly one request's worth refilled
+    with server.client(secret) as client:
+        assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
+
+
+def test_tpm_reserves_prompt_plus_max_tokens_and_settles_to_what_was_used(server: PlatformServer) -> None:
+    _, secret = server.new_key("tpm", tpm=600)
+    body = chat_body(max_tokens=250)
+    long_stream = {**body, "stream": True, "ignore_eos": True}
+    with server.client(secret) as client:
+        prompt_tokens = client.post("/tokenize", json={"model": MODEL, "messages": body["messages"]}).json()["count"]
+        reserve = prompt_tokens + 250
+        # Two streams held open hold two reservations, so a third request does not fit.
+        with client.stream("POST", "/v1/chat/completions", json=long_stream) as a:
+            with client.stream("POST", "/v1/chat/completions", json=long_stream) as b:
+                assert a.status_code == b.status_code == 200
+                assert int(a.headers["x-ratelimit-remaining-tokens"]) == 600 - reserve
+                assert int(b.headers["x-ratelimit-remaining-tokens"]) == 600 - 2 * reserve
+                third = client.post("/v1/chat/completions", json=body)
+                next(a.iter_lines()), next(b.iter_lines())  # then hang up on both
+        assert third.status_code == 429
+        error = error_of(third)
+        assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")
+        deficit = reserve - (600 - 2 * reserve)  # refilled at 600/60 = 10 tokens per second
+        assert third.headers["retry-after-ms"] == str(deficit * 100)
+        assert third.headers["retry-after"] == str(-(-deficit // 10))
+        assert third.headers["x-ratelimit-remaining-tokens"] == str(600 - 2 * reserve)
+        # Cut short, each stream settled to what it used: prompt plus the tokens generated.
+        rows = server.wait_for_usage_rows(2)
+        used = sum(r.prompt_tokens + r.completion_tokens for r in rows)
+        assert all(r.completion_tokens < 250 for r in rows)
+        fourth = client.post("/v1/chat/completions", json=chat_body(max_tokens=5))
+    assert fourth.status_code == 200
+    assert int(fourth.headers["x-ratelimit-remaining-tokens"]) == 600 - used - (prompt_tokens + 5)
+
+
+def test_a_request_larger_than_the_token_limit_is_refused_outright(server: PlatformServer) -> None:
+    _, secret = server.new_key("small-tpm", tpm=50)
+    with server.client(secret) as client:
+        response = client.post("/v1/chat/completions", json=chat_body(max_tokens=100))
+    assert response.status_code == 429
+    error = error_of(response)
+    assert error["type"] == "tokens" and "Request too large" in error["message"]
+    assert "retry-after" not in response.headers
+
+
+# ---- usage -----------------------------------------------------------------------------------------
+
+
+async def _drive_mixed_load(base_url: str, secret: str, count: int) -> tuple[list[dict], list[int]]:
+    """`count` concurrent requests: streamed, not streamed, and streams dropped after a few chunks.
+    Returns the usage of the finished ones and the tokens the dropped ones had received."""
+    finished: list[dict] = []
+    dropped: list[int] = []
+    headers = {"Authorization": f"Bearer {secret}"}
+    limits = httpx.Limits(max_connections=count)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120, limits=limits) as client:
+
+        async def one(i: int) -> None:
+            body = chat_body(f"Request number {i} says hello", max_tokens=6 + i % 7)
+            if i % 3 == 0:
+                response = await client.post("/v1/chat/completions", json=body)
+                assert response.status_code == 200
+                finished.append(response.json()["usage"])
+                return
+            stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            if i % 3 == 2:
+                stream_body.update(max_tokens=200, ignore_eos=True)
+            async with client.stream("POST", "/v1/chat/completions", json=stream_body) as response:
+                assert response.status_code == 200
+                chunks = 0
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        finished.append(event["usage"])
+                    chunks += 1
+                    if i % 3 == 2 and chunks == 4:  # the role chunk and three tokens, then hang up
+                        dropped.append(3)
+                        return
+
+        await asyncio.gather(*(one(i) for i in range(count)))
+    return finished, dropped
+
+
+def test_usage_records_equal_the_responses_usage_under_concurrent_load_with_disconnects(
+    server: PlatformServer,
+) -> None:
+    _, secret = server.new_key("load")
+    finished, dropped = asyncio.run(_drive_mixed_load(server.base_url, secret, 100))
+    assert len(finished) + len(dropped) == 100 and len(dropped) == 33
+    rows = server.wait_for_usage_rows(100)
+    assert len(rows) == 100 and len({r.request_id for r in rows}) == 100
+    completed = [r for r in rows if r.status == "completed"]
+    disconnected = [r for r in rows if r.status == "disconnected"]
+    assert (len(completed), len(disconnected)) == (67, 33)
+    assert sum(r.prompt_tokens for r in completed) == sum(u["prompt_tokens"] for u in finished)
+    assert sum(r.completion_tokens for r in completed) == sum(u["completion_tokens"] for u in finished)
+    # A dropped stream is billed for what was generated: at least what the client received, and less
+    # than it asked for (the abort came within a step or two of the hang-up).
+    assert all(3 <= r.completion_tokens < 200 for r in disconnected)
+    assert all(r.ttft_ms is not None and r.latency_ms >= r.ttft_ms for r in rows)
+
+
+def test_usage_endpoint_groups_totals_and_prices_them_and_keys_see_only_their_own(server: PlatformServer) -> None:
+    _, admin = server.new_key("admin", admin=True)
+    _, carol = server.new_key("carol")
+    _, dave = server.new_key("dave")
+    usages = {}
+    for name, secret, n in (("carol", carol, 2), ("dave", dave, 1)):
+        with server.client(secret) as client:
+            usages[name] = [
+                client.post("/v1/chat/completions", json=chat_body(max_tokens=3 + i)).json()["usage"] for i in range(n)
+            ]
+    server.wait_for_usage_rows(3)
+
+    def totals(usages_list: list[dict]) -> dict:
+        prompt = sum(u["prompt_tokens"] for u in usages_list)
+        cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages_list)
+        output = sum(u["completion_tokens"] for u in usages_list)
+        cost = ((prompt - cached) * 2.0 + cached * 1.0 + output * 8.0) / 1e6
+        return {"requests": len(usages_list), "input_tokens": prompt, "output_tokens": output,
+                "cached_tokens": cached, "cost_usd": cost}
+
+    with server.client(carol) as client:
+        own = client.get("/v1/usage", params={"group_by": "model"}).json()
+    expected = totals(usages["carol"])
+    assert [g["group"] for g in own["data"]] == [MODEL]
+    for field_name, value in expected.items():
+        assert own["total"][field_name] == pytest.approx(value)
+    with server.client(admin) as client:
+        everyone = client.get("/v1/usage", params={"group_by": "key"}).json()
+        by_day = client.get("/v1/usage", params={"group_by": "day"}).json()
+        empty = client.get("/v1/usage", params={"start": "2000-01-01", "end": "2000-01-02"}).json()
+        bad = client.get("/v1/usage", params={"start": "yesterday"})
+        bad_group = client.get("/v1/usage", params={"group_by": "colour"})
+    assert everyone["total"]["requests"] == 3 and len(everyone["data"]) == 2
+    assert by_day["total"]["output_tokens"] == totals(usages["carol"] + usages["dave"])["output_tokens"]
+    assert len(by_day["data"]) == 1
+    assert empty["total"]["requests"] == 0
+    assert bad.status_code == 400 and error_of(bad)["param"] == "start"
+    assert bad_group.status_code == 400 and error_of(bad_group)["param"] == "group_by"
+
+
+# ---- conversations ---------------------------------------------------------------------------------
+
+
+def test_a_conversation_keeps_its_turns_reuses_their_kv_and_belongs_to_its_key(server: PlatformServer) -> None:
+    _, erin = server.new_key("erin")
+    _, frank = server.new_key("frank")
+    with server.client(erin) as client:
+        created = client.post("/v1/conversations", json={"title": "Trip"})
+        assert created.status_code == 201
+        conversation_id = created.json()["id"]
+        first = client.post("/v1/chat/completions", json=chat_body(
+            "Plan a long weekend trip to the mountains with a friend, please, and mind the weather there.",
+            max_tokens=8, conversation_id=conversation_id))
+        second = client.post("/v1/chat/completions", json=chat_body(
+            "And what should we pack?", max_tokens=8, conversation_id=conversation_id))
+        stored = client.get(f"/v1/conversations/{conversation_id}").json()
+        listing = client.get("/v1/conversations").json()
+    assert first.status_code == second.status_code == 200
+    assert first.headers["x-conversation-id"] == conversation_id
+    assert [m["role"] for m in stored["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert stored["messages"][1]["content"] == first.json()["choices"][0]["message"]["content"]
+    assert stored["messages"][3]["token_count"] == second.json()["usage"]["completion_tokens"]
+    # The second turn's prompt starts with the first turn's (history, then the new message).
+    first_prompt = first.json()["usage"]["prompt_tokens"]
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (first_prompt // 16) * 16 > 0
+    assert [c["id"] for c in listing["data"]] == [conversation_id] and "messages" not in listing["data"][0]
+    with server.client(frank) as other:
+        assert other.get(f"/v1/conversations/{conversation_id}").status_code == 404
+        foreign = other.post("/v1/chat/completions", json=chat_body(conversation_id=conversation_id))
+        assert other.get("/v1/conversations").json()["data"] == []
+    assert foreign.status_code == 404 and error_of(foreign)["param"] == "conversation_id"
+    with server.client(erin) as client:
+        assert client.delete(f"/v1/conversations/{conversation_id}").status_code == 200
+        assert client.get(f"/v1/conversations/{conversation_id}").status_code == 404
+        assert client.get("/v1/conversations").json()["data"] == []
+        gone = client.post("/v1/chat/completions", json=chat_body(conversation_id=conversation_id))
+    assert gone.status_code == 404
+
+
+def test_regenerating_from_an_earlier_message_branches_the_conversation(server: PlatformServer) -> None:
+    with server.client() as client:
+        conversation_id = client.post("/v1/conversations", json={}).json()["id"]
+        client.post("/v1/chat/completions", json=chat_body("First question", conversation_id=conversation_id))
+        client.post("/v1/chat/completions", json=chat_body("Second question", conversation_id=conversation_id))
+        before = client.get(f"/v1/conversations/{conversation_id}").json()["messages"]
+        first_reply = before[1]["id"]
+        branched = client.post("/v1/chat/completions", json=chat_body(
+            "A different second question", conversation_id=conversation_id, parent_message_id=first_reply))
+        after = client.get(f"/v1/conversations/{conversation_id}").json()["messages"]
+        stranger = client.post("/v1/chat/completions", json=chat_body(
+            "x", conversation_id=conversation_id, parent_message_id="msg_unknown"))
+        unknown = client.post("/v1/chat/completions", json=chat_body(conversation_id="conv_unknown"))
+    assert branched.status_code == 200
+    assert [m["content"] for m in after[:2]] == [before[0]["content"], before[1]["content"]]
+    assert after[2]["content"] == "A different second question" and after[2]["parent_id"] == first_reply
+    assert len(after) == 4
+    assert stranger.status_code == 400 and error_of(stranger)["param"] == "parent_message_id"
+    assert unknown.status_code == 404 and error_of(unknown)["code"] == "conversation_not_found"
+
+
+# ---- safety ----------------------------------------------------------------------------------------
+
+
+def test_a_blocked_prompt_is_a_400_before_any_engine_work(server: PlatformServer) -> None:
+    server.platform.safety = RuleSetFilter(words=["forbidden"])
+    before = server.engine.last_stats.num_running
+    with server.client() as client:
+        response = client.post("/v1/chat/completions", json=chat_body("tell me the Forbidden thing"))
+        completion = client.post("/v1/completions", json={"model": MODEL, "prompt": "forbidden", "max_tokens": 2})
+    assert response.status_code == 400
+    error = error_of(response)
+    assert (error["code"], error["param"]) == ("content_filter", "messages")
+    assert completion.status_code == 400 and error_of(completion)["param"] == "prompt"
+    assert server.engine.last_stats.num_running == before
+    assert server.count_usage_rows() == 0
+    assert metric_value(server.base_url, "llmserve:safety_blocks_total", {"stage": "prompt"}) == 2
+
+
+def _reference_reply(server: PlatformServer, body: dict) -> str:
+    with server.client() as client:
+        return client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+
+def _blockable_word(text: str) -> tuple[str, int]:
+    """A whole word of at least 3 letters past the start of `text`, and where it first appears."""
+    import re
+
+    for match in re.finditer(r"\b[A-Za-z]{3,}\b", text):
+        if match.start() >= 8:
+            return match.group(), re.search(rf"\b{match.group()}\b", text, re.IGNORECASE).start()
+    pytest.skip("the reference reply has no usable word")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
+    server: PlatformServer, stream: bool
+) -> None:
+    body = chat_body("Write a long story about a cat.", max_tokens=60, ignore_eos=True, temperature=0)
+    reference = _reference_reply(server, body)
+    word, position = _blockable_word(reference)
+    server.platform.safety = RuleSetFilter(words=[word])
+    with server.client() as client:
+        if stream:
+            text, reasons = "", []
+            with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        choice = json.loads(line[6:])["choices"][0]
+                        text += choice["delta"].get("content") or ""
+                        reasons.append(choice["finish_reason"])
+            finish_reason = reasons[-1]
+            assert [r for r in reasons if r is not None] == ["content_filter"]
+        else:
+            choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+            text, finish_reason = choice["message"]["content"], choice["finish_reason"]
+    assert finish_reason == "content_filter"
+    assert word.lower() not in text.lower()
+    assert reference.startswith(text) and len(text) <= position
+    [row] = [r for r in server.wait_for_usage_rows(2) if r.status == "content_filter"]
+    assert metric_value(server.base_url, "llmserve:safety_blocks_total", {"stage": "output"}) == 1
+
+
+# ---- several models ----------------------------------------------------------------------------------
+
+
+def test_requests_route_by_name_alias_and_sticky_canary_and_a_loading_model_answers_503(
+    tiny_engine: AsyncLLM, tmp_path: Path  # noqa: F811
+) -> None:
+    release = threading.Event()
+
+    def slow_load() -> AsyncLLM:
+        release.wait(timeout=60)
+        return tiny_engine
+
+    models = [ModelSpec("v1", tiny_engine), ModelSpec("v2", tiny_engine), ModelSpec("late", load=slow_load)]
+    aliases = {"chat": [("v1", 0.5), ("v2", 0.5)], "mini": [("v1", 1.0)]}
+    for server in serve_platform(tiny_engine, tmp_path, models=models, aliases=aliases):
+        with server.client() as client:
+            listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
+            assert listed == ["v1", "v2", "chat", "mini"]
+            assert client.post("/v1/chat/completions", json=chat_body(model="mini")).json()["model"] == "v1"
+            picks = {
+                user: {client.post("/v1/chat/completions", json=chat_body(model="chat", user=user, max_tokens=1))
+                       .json()["model"] for _ in range(3)}
+                for user in ("u1", "u2", "u3", "u4", "u5", "u6")
+            }
+            assert all(len(models_seen) == 1 for models_seen in picks.values())  # sticky per user
+            assert set().union(*picks.values()) == {"v1", "v2"}  # both versions get traffic
+            loading = client.post("/v1/chat/completions", json=chat_body(model="late"))
+            health = client.get("/health")
+            release.set()
+            deadline = asyncio.run(_wait_until_ready(server))
+            ready = client.post("/v1/chat/completions", json=chat_body(model="late"))
+            unknown = client.post("/v1/chat/completions", json=chat_body(model="nope"))
+        assert loading.status_code == 503 and error_of(loading)["code"] == "model_loading"
+        assert int(loading.headers["retry-after"]) >= 1
+        assert health.status_code == 503
+        assert deadline and ready.status_code == 200 and ready.json()["model"] == "late"
+        assert unknown.status_code == 404
+
+
+async def _wait_until_ready(server: PlatformServer) -> bool:
+    async with httpx.AsyncClient(base_url=server.base_url) as client:
+        for _ in range(600):
+            if (await client.get("/health")).status_code == 200:
+                return True
+            await asyncio.sleep(0.05)
+    return False
