@@ -1,7 +1,9 @@
 from llmserve.model.attention.base import AttentionBackend, AttentionMetadata
 from llmserve.model.attention.torch_ref import TorchAttentionBackend
+from llmserve.model.attention.triton_backend import TritonAttentionBackend
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+# The triton backend imports triton (and compiles its kernels) only when constructed.
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
@@ -10,4 +12,4 @@ def get_backend(name: str) -> type[AttentionBackend]:
     return BACKENDS[name]
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "BACKENDS", "get_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "TritonAttentionBackend", "BACKENDS", "get_backend"]

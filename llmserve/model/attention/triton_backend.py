@@ -1,0 +1,205 @@
+"""Triton attention backend: paged decode with split-K, chunked prefill over the paged cache, KV write.
+
+The kernels live in `triton_kernels` and are imported when the backend is constructed, so importing
+llmserve needs no Triton. They run natively on CUDA tensors, and on CPU tensors in Triton's interpreter
+when TRITON_INTERPRET=1 is set before the first construction (slow: meant for tests).
+
+Cache layout is the torch reference's, [num_blocks, kv_heads, block_size, head_dim]: one KV head's slice
+of a block is a contiguous block_size x head_dim tile.
+
+Decode (one query token per sequence) launches a grid of (decodes, kv_heads, splits); each program
+attends one GQA group over one slice of the context, and a merge kernel combines the slices when there
+is more than one. The grid depends only on host ints (`num_decodes`, `max_seq_len`) and the decode
+path never reads a device value on the host, so it can be captured in a CUDA graph: capture with
+`max_seq_len` at its upper bound, and splits past a sequence's real length contribute nothing.
+
+Prefill chunks are cut into tiles of query tokens (a schedule built on the host from
+`query_start_loc_host`, once per step in `prepare`) and each (tile, kv head) program runs a
+flash-attention loop over the sequence's cached context.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from llmserve.model.attention.base import AttentionBackend, AttentionMetadata
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")  # as triton reads it
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    # Tuning knobs (instance attributes may override them, e.g. tests forcing many small splits).
+    decode_tile = 64  # context positions per decode iteration
+    prefill_tile = 64  # context positions per prefill iteration
+    prefill_rows = 64  # query rows (tokens x heads of a GQA group) per prefill program
+    min_split_tokens = 512  # a decode split covers at least this many positions
+    max_splits = 64
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype)
+        self.interpret = _interpreting()
+        if not torch.cuda.is_available() and not self.interpret:
+            raise RuntimeError(
+                "The 'triton' attention backend needs a CUDA GPU; without one, use attention_backend='torch', "
+                "or set TRITON_INTERPRET=1 (before llmserve loads the kernels) to run it in Triton's "
+                "interpreter on CPU, which is slow and meant for tests."
+            )
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+        try:
+            from llmserve.model.attention import triton_kernels
+        except ImportError as e:
+            raise RuntimeError(
+                "The 'triton' attention backend needs the triton package (pip install 'llmserve[gpu]')."
+            ) from e
+        self.kernels = triton_kernels
+        self.group = num_heads // num_kv_heads
+        self.d_pad = max(16, _next_pow2(head_dim))
+        self.kvh_pad = _next_pow2(num_kv_heads)
+        self.group_pad = max(16, _next_pow2(self.group))  # tl.dot wants M >= 16
+        self.prefill_group_pad = _next_pow2(self.group)
+        self._target_programs: int | None = None
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+    # ---- per step -------------------------------------------------------------------------------
+    def prepare(self, meta: AttentionMetadata) -> None:
+        device = meta.seq_lens.device
+        if device.type != "cuda" and not self.interpret:
+            raise RuntimeError(
+                f"The 'triton' attention backend runs on CUDA tensors (got {device.type}); "
+                "set TRITON_INTERPRET=1 to run it in Triton's interpreter on CPU."
+            )
+        data = meta.backend_data
+        data["triton_splits"] = self._decode_splits(meta.num_decodes, meta.max_seq_len, device)
+        data["triton_prefill_tiles"] = self._prefill_tiles(meta, device)
+
+    def _decode_splits(self, num_decodes: int, max_seq_len: int, device: torch.device) -> tuple[int, int]:
+        """(splits, positions per split) for a decode batch: enough programs to fill the GPU when the
+        batch alone does not, never splits shorter than `min_split_tokens`. Host ints only."""
+        tile = self.decode_tile
+        tiles = max(1, -(-max_seq_len // tile))
+        programs = max(1, num_decodes * self.num_kv_heads)
+        target = self._programs_to_fill(device)
+        splits = 1
+        if programs < target:
+            min_tiles = max(1, self.min_split_tokens // tile)
+            splits = max(1, min(-(-target // programs), tiles // min_tiles, self.max_splits))
+        tiles_per_split = -(-tiles // splits)
+        splits = -(-tiles // tiles_per_split)
+        return splits, tiles_per_split * tile
+
+    def _programs_to_fill(self, device: torch.device) -> int:
+        if self._target_programs is None:
+            if device.type == "cuda":
+                self._target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                self._target_programs = 16
+        return self._target_programs
+
+    def _prefill_tiles(self, meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, int] | None:
+        """The prefill schedule: [2, tiles] int32 (sequence, first query token within its chunk)."""
+        starts = meta.query_start_loc_host
+        block_q = self._prefill_block_q()
+        seqs: list[int] = []
+        firsts: list[int] = []
+        for i in range(meta.num_decodes, meta.num_seqs):
+            n = starts[i + 1] - starts[i]
+            for first in range(0, n, block_q):
+                seqs.append(i)
+                firsts.append(first)
+        if not seqs:
+            return None
+        return torch.tensor([seqs, firsts], dtype=torch.int32).to(device, non_blocking=True), len(seqs)
+
+    def _prefill_block_q(self) -> int:
+        return max(1, max(16, self.prefill_rows) // self.prefill_group_pad)
+
+    # ---- per layer ------------------------------------------------------------------------------
+    def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        tokens = key.shape[0]
+        if tokens == 0:
+            return
+        key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+        self.kernels.write_kv_kernel[(tokens,)](
+            key, value, k_cache, v_cache, meta.slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
+            KVH_PAD=self.kvh_pad, D_PAD=self.d_pad,
+        )
+
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        query = _last_dim_contiguous(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        data = meta.backend_data
+        precision = "ieee" if query.dtype == torch.float32 else "tf32"  # no TF32 rounding of float32
+        if "triton_splits" not in data:
+            self.prepare(meta)
+        if meta.num_decodes:
+            self._decode(query, k_cache, v_cache, out, meta, precision, *data["triton_splits"])
+        tiles = data["triton_prefill_tiles"]
+        if tiles is not None:
+            self._prefill(query, k_cache, v_cache, out, meta, precision, *tiles)
+        return out
+
+    def _decode(
+        self, query, k_cache, v_cache, out, meta: AttentionMetadata, precision: str, splits: int, split_len: int
+    ) -> None:
+        nd = meta.num_decodes
+        kernels = self.kernels
+        if splits > 1:
+            part_acc = torch.empty((nd, self.num_heads, splits, self.d_pad), dtype=torch.float32, device=query.device)
+            part_m = torch.empty((nd, self.num_heads, splits), dtype=torch.float32, device=query.device)
+            part_l = torch.empty_like(part_m)
+        else:
+            part_acc = part_m = part_l = out  # unused
+        kernels.decode_kernel[(nd, self.num_kv_heads, splits)](
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+            out, part_acc, part_m, part_l,
+            self.scale * _LOG2E, split_len,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+            NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
+            GROUP_PAD=self.group_pad, D_PAD=self.d_pad, TILE_N=self.decode_tile, NUM_SPLITS=splits,
+            DOT_PRECISION=precision,
+        )
+        if splits > 1:
+            kernels.merge_splits_kernel[(nd, self.num_heads)](
+                out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
+                NUM_HEADS=self.num_heads, HEAD_DIM=self.head_dim, D_PAD=self.d_pad,
+                NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits),
+            )
+
+    def _prefill(
+        self, query, k_cache, v_cache, out, meta: AttentionMetadata, precision: str, tiles: torch.Tensor, count: int
+    ) -> None:
+        self.kernels.prefill_kernel[(count, self.num_kv_heads)](
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles,
+            out, self.scale * _LOG2E, count,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+            GROUP=self.group, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
+            GROUP_PAD=self.prefill_group_pad, D_PAD=self.d_pad, BLOCK_Q=self._prefill_block_q(),
+            TILE_N=self.prefill_tile, DOT_PRECISION=precision,
+        )
+
+
+_LOG2E = 1.4426950408889634
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()

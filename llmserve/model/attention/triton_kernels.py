@@ -1,0 +1,217 @@
+"""Triton kernels for paged attention: KV write, split-K paged decode (+ split merge), and prefill /
+chunked prefill over the paged cache.
+
+Cache layout (shared with the torch reference): [num_blocks, kv_heads, block_size, head_dim], head dim
+contiguous. Tokens of a context are addressed one by one through the block table (token j lives in
+block `block_table[j // BLOCK_SIZE]` at offset `j % BLOCK_SIZE`), so a key tile may span several cache
+blocks and its length need not match the block size.
+
+Every kernel handles all query heads of one GQA group at once: the group's query rows are stacked into
+the M dimension of the score tile, so each key/value tile is loaded once per KV head, not once per query
+head. Scores are kept in the log2 domain (scale * log2(e) folded into the scores, `exp2` everywhere);
+softmax statistics and the accumulator are float32.
+
+Importing this module compiles nothing; with TRITON_INTERPRET=1 set before the import, the kernels run
+in Triton's interpreter on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Running maximum before any key was seen: finite, so rows whose keys are all masked in a tile (or a
+# split with no keys at all) never compute inf - inf.
+NEG_INIT = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ch, stride_ct,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KVH_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """One program per token: copies its [kv_heads, head_dim] keys and values into slot
+    `slot_mapping[token]`; a negative slot (padding) writes nothing."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, KVH_PAD)
+    dims = tl.arange(0, D_PAD)
+    # (the slot test broadcast to a vector first: the interpreter rejects scalar & tensor masks)
+    head_mask = (heads < NUM_KV_HEADS) & (tl.zeros([KVH_PAD], dtype=tl.int64) + slot >= 0)
+    mask = head_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    src_k = key_ptr + token.to(tl.int64) * stride_kt + heads[:, None] * stride_kh + dims[None, :]
+    src_v = value_ptr + token.to(tl.int64) * stride_vt + heads[:, None] * stride_vh + dims[None, :]
+    dst = block * stride_cb + offset * stride_ct + heads[:, None] * stride_ch + dims[None, :]
+    k = tl.load(src_k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    qk_scale, tokens_per_split,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ch, stride_ct, stride_bt,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (decodes, kv_heads, splits). The program for split s attends the GROUP query heads of KV
+    head h over context positions [s * tokens_per_split, (s + 1) * tokens_per_split) of its sequence.
+    With one split it writes the normalised output; otherwise it writes its unnormalised accumulator
+    and softmax statistics (running max m, sum l_sum) for `merge_splits_kernel`. A split that starts past
+    the sequence's length runs no iteration and leaves the neutral partial (m = NEG_INIT, l_sum = 0,
+    acc = 0), so the launch grid can be sized from an upper bound on the lengths."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, D_PAD)
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :], other=0.0,
+    )
+
+    m = tl.full([GROUP_PAD], NEG_INIT, dtype=tl.float32)
+    l_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, seq_len)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_base = kv_head.to(tl.int64) * stride_ch
+    for start in range(split_start, split_end, TILE_N):
+        pos = start + tl.arange(0, TILE_N)
+        pos_mask = pos < split_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+        kv_off = block[:, None] * stride_cb + head_base + (pos % BLOCK_SIZE)[:, None] * stride_ct + dims[None, :]
+        kv_mask = pos_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, TILE_N]
+        s = tl.where(pos_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials: [decodes, heads, splits] for m and l_sum, [decodes, heads, splits, D_PAD] for acc
+        stat = (seq.to(tl.int64) * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + stat, m, mask=row_mask)
+        tl.store(part_l_ptr + stat, l_sum, mask=row_mask)
+        tl.store(part_acc_ptr + stat[:, None] * D_PAD + dims[None, :], acc, mask=row_mask[:, None])
+
+
+@triton.jit
+def merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """Grid (decodes, heads): the log-sum-exp merge of one head's split partials. Neutral splits
+    (l_sum = 0) weigh nothing; a row with no key at all (length 0, padding) comes out as zeros."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, D_PAD)
+    split_mask = splits < NUM_SPLITS
+    stat = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(part_m_ptr + stat, mask=split_mask, other=NEG_INIT)
+    l_sum = tl.load(part_l_ptr + stat, mask=split_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + stat[:, None] * D_PAD + dims[None, :], mask=split_mask[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    weight = tl.exp2(m - m_max)
+    total = tl.sum(l_sum * weight, axis=0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dims
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, tiles_ptr,
+    out_ptr, qk_scale, num_tiles,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ch, stride_ct, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (query tiles, kv_heads). A tile is BLOCK_Q consecutive query tokens of one sequence
+    (`tiles_ptr` holds [sequence, first token within its chunk] per tile); its rows are those tokens
+    times the GROUP query heads of one KV head. The chunk's n tokens are the last n positions of a
+    context of seq_len tokens, all already in the cache; each row attends causally, flash-attention
+    style: key tiles of TILE_N positions, online softmax, no score matrix kept."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tiles_ptr + tile)
+    q_first = tl.load(tiles_ptr + num_tiles + tile)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_begin = tl.load(query_start_ptr + seq)
+    num_q = tl.load(query_start_ptr + seq + 1) - q_begin
+    context_start = seq_len - num_q  # position of the chunk's first token
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    dims = tl.arange(0, D_PAD)
+    q_idx = q_first + rows // GROUP_PAD  # token index within the chunk
+    g = rows % GROUP_PAD
+    row_mask = (q_idx < num_q) & (g < GROUP)
+    dim_mask = dims < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q_pos = context_start + q_idx
+    tokens = (q_begin + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :], other=0.0,
+    )
+
+    m = tl.full([BLOCK_Q * GROUP_PAD], NEG_INIT, dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], dtype=tl.float32)
+
+    # keys up to the tile's last query position (causal), within the context
+    kv_end = tl.minimum(seq_len, context_start + tl.minimum(q_first + BLOCK_Q, num_q))
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_base = kv_head.to(tl.int64) * stride_ch
+    for start in range(0, kv_end, TILE_N):
+        pos = start + tl.arange(0, TILE_N)
+        pos_mask = pos < kv_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+        kv_off = block[:, None] * stride_cb + head_base + (pos % BLOCK_SIZE)[:, None] * stride_ct + dims[None, :]
+        kv_mask = pos_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    o_ptrs = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])

@@ -1,0 +1,301 @@
+"""The Triton attention backend against the torch reference on random paged caches: decodes (one and
+several splits), fresh prompts, chunks continuing a cached context, mixed batches, the KV write (slot -1
+skipped), and the tiny model's greedy outputs. Without CUDA the kernels run in Triton's interpreter on
+CPU in float32; with CUDA the `gpu` class runs them natively in bfloat16."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels module imports triton
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from llmserve.model.attention.base import AttentionMetadata  # noqa: E402
+from llmserve.model.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from llmserve.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _batch(decode_lens, prefills, heads, kv_heads, head_dim, block_size, dtype, seed, device=DEVICE):
+    """A random step: decodes (context lengths, new token last), then prefill chunks (context, new
+    tokens). Each sequence owns shuffled, non-contiguous blocks; tables are padded with 0.
+    Returns (query, key, value, k_cache, v_cache, meta factory)."""
+    gen = torch.Generator().manual_seed(seed)
+    specs = [(n, 1) for n in decode_lens] + list(prefills)
+    blocks_needed = [-(-ctx // block_size) for ctx, _ in specs]
+    num_blocks = sum(blocks_needed) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots, starts, used = [], [], [0], 0
+    for (ctx, new), need in zip(specs, blocks_needed, strict=True):
+        table = perm[used : used + need]
+        used += need
+        tables.append(table)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - new, ctx))
+        starts.append(starts[-1] + new)
+    width = max(blocks_needed)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    tokens = starts[-1]
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen).to(dtype).to(device)
+
+    k_cache, v_cache = rand(*shape), rand(*shape)
+    query = rand(tokens, heads, head_dim)
+    key, value = rand(tokens, kv_heads, head_dim), rand(tokens, kv_heads, head_dim)
+    lens = [ctx for ctx, _ in specs]
+
+    def meta(max_seq_len=None):
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            num_decodes=len(decode_lens),
+            num_decode_tokens=len(decode_lens),
+            max_seq_len=max_seq_len or max(lens),
+            query_start_loc_host=starts,
+            seq_lens_host=lens,
+        )
+
+    return query, key, value, k_cache, v_cache, meta
+
+
+def _backend(heads, kv_heads, head_dim, block_size, dtype, many_splits=False):
+    backend = TritonAttentionBackend(heads, kv_heads, head_dim, block_size, dtype)
+    if many_splits:  # short splits and a large program target: several splits even for short contexts
+        backend.decode_tile = 16
+        backend.min_split_tokens = 16
+        backend._target_programs = 1 << 20
+    return backend
+
+
+def _compare(heads, kv_heads, head_dim, block_size, decode_lens, prefills, dtype=torch.float32, tol=2e-4,
+             many_splits=False, seed=0, max_seq_len=None):
+    query, key, value, k_cache, v_cache, meta = _batch(
+        decode_lens, prefills, heads, kv_heads, head_dim, block_size, dtype, seed
+    )
+    # reference in float32 on the host
+    reference = TorchAttentionBackend(heads, kv_heads, head_dim, block_size, torch.float32)
+    ref_meta = meta()
+    ref_meta = AttentionMetadata(**{**ref_meta.__dict__, **{
+        f: getattr(ref_meta, f).cpu() for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+    }, "backend_data": {}})
+    ref_k, ref_v = k_cache.float().cpu(), v_cache.float().cpu()
+    reference.prepare(ref_meta)
+    expected = reference.forward(query.float().cpu(), key.float().cpu(), value.float().cpu(), ref_k, ref_v, ref_meta)
+
+    backend = _backend(heads, kv_heads, head_dim, block_size, dtype, many_splits)
+    step = meta(max_seq_len)
+    backend.prepare(step)
+    out = backend.forward(query, key, value, k_cache, v_cache, step)
+    assert out.dtype == query.dtype and out.shape == query.shape
+    torch.testing.assert_close(k_cache.float().cpu(), ref_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache.float().cpu(), ref_v, atol=0, rtol=0)
+    torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
+    return step
+
+
+DECODES = [1, 16, 17, 45, 64, 100]  # one token, exact blocks, partial blocks, several splits
+FRESH = [(1, 1), (16, 16), (37, 37)]  # whole prompts (context == new tokens)
+CHUNKS = [(50, 10), (64, 32), (33, 1)]  # chunks continuing a cached context
+SHAPES = [(2, 2, 64, 16), (4, 1, 128, 32), (8, 1, 64, 16), (8, 2, 128, 16)]  # GQA 1, 4, 8, 4
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+@pytest.mark.parametrize("many_splits", [False, True])
+def test_decode_matches_the_reference(heads, kv_heads, head_dim, block_size, many_splits):
+    step = _compare(heads, kv_heads, head_dim, block_size, DECODES, [], many_splits=many_splits)
+    splits, _ = step.backend_data["triton_splits"]
+    assert (splits > 1) == many_splits
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+def test_prefill_fresh_prompts_and_chunks_match_the_reference(heads, kv_heads, head_dim, block_size):
+    _compare(heads, kv_heads, head_dim, block_size, [], FRESH + CHUNKS, seed=1)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES[:2])
+def test_mixed_batch_matches_the_reference(heads, kv_heads, head_dim, block_size):
+    _compare(heads, kv_heads, head_dim, block_size, [3, 40], [(20, 20), (70, 6)], many_splits=True, seed=2)
+
+
+def test_long_query_chunk_spans_several_query_tiles():
+    # 8 query heads per kv head: 8 tokens per 64-row tile, so a 40-token chunk takes 5 tiles
+    _compare(8, 1, 64, 16, [], [(90, 40), (40, 40)], seed=3)
+
+
+def test_decode_grid_sized_for_a_longer_bound_gives_the_same_result():
+    # what a CUDA graph captured at max_model_len sees: most splits lie past every sequence's end
+    step = _compare(4, 2, 64, 16, [5, 33, 60], [], many_splits=True, seed=4, max_seq_len=400)
+    assert step.backend_data["triton_splits"][0] >= 20
+
+
+def test_non_power_of_two_head_dim():
+    _compare(4, 2, 80, 16, [7, 50], [(30, 12)], seed=5)
+
+
+def test_write_kv_stores_each_slot_and_skips_minus_one():
+    heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
+    query, key, value, k_cache, v_cache, meta = _batch([], [(40, 40)], heads, kv_heads, head_dim, block_size,
+                                                       torch.float32, seed=6)
+    step = meta()
+    step.slot_mapping[::3] = -1  # padding tokens
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    backend = _backend(heads, kv_heads, head_dim, block_size, torch.float32)
+    backend.write_kv(key, value, k_cache, v_cache, step)
+    expected_k, expected_v = k_before.clone(), v_before.clone()
+    for token, slot in enumerate(step.slot_mapping.tolist()):
+        if slot >= 0:
+            expected_k[slot // block_size, :, slot % block_size] = key[token]
+            expected_v[slot // block_size, :, slot % block_size] = value[token]
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert not torch.equal(k_cache, k_before)
+
+
+def test_write_kv_reads_strided_views():
+    # the model passes k and v as views into one fused qkv projection
+    heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
+    _, _, _, k_cache, v_cache, meta = _batch([], [(20, 20)], heads, kv_heads, head_dim, block_size, torch.float32, 7)
+    fused = torch.randn(20, (heads + 2 * kv_heads) * head_dim, device=DEVICE)
+    _, k, v = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(20, kv_heads, head_dim), v.view(20, kv_heads, head_dim)
+    step = meta()
+    _backend(heads, kv_heads, head_dim, block_size, torch.float32).write_kv(k, v, k_cache, v_cache, step)
+    slots = step.slot_mapping.long()
+    assert torch.equal(k_cache[slots // block_size, :, slots % block_size], k)
+    assert torch.equal(v_cache[slots // block_size, :, slots % block_size], v)
+
+
+@pytest.mark.skipif(CUDA, reason="the error is for machines without CUDA")
+def test_without_cuda_or_interpreter_construction_says_so(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU.*TRITON_INTERPRET=1"):
+        TritonAttentionBackend(4, 2, 64, 16)
+
+
+# Compiles every kernel for an sm_90 GPU without one (Triton's bundled ptxas), in a process without
+# TRITON_INTERPRET: the interpreter accepts code that the compiler rejects (non-constexpr globals, dot
+# shapes below 16). Strides and pointers carry the divisibility the JIT would infer at launch.
+_AOT = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from llmserve.model.attention import triton_kernels as K
+
+    def build(fn, dtype, consts, floats=("qk_scale",), fp32_ptrs=()):
+        sig, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in consts:
+                sig[name] = "constexpr"
+                continue
+            if name.endswith("_ptr"):
+                int_ptr = name in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr", "tiles_ptr")
+                sig[name] = "*i32" if int_ptr else "*i64" if name == "slot_ptr" else (
+                    "*fp32" if name in fp32_ptrs else "*" + dtype)
+            else:
+                sig[name] = "fp32" if name in floats else "i32"
+            if name.endswith("_ptr") or name.startswith("stride_"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32))
+
+    for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+        shape = dict(HEAD_DIM=128, BLOCK_SIZE=16, D_PAD=128)
+        build(K.write_kv_kernel, dtype, dict(NUM_KV_HEADS=2, KVH_PAD=2, **shape))
+        for splits in (1, 4):
+            parts = ("part_acc_ptr", "part_m_ptr", "part_l_ptr") if splits > 1 else ()
+            build(K.decode_kernel, dtype, dict(NUM_KV_HEADS=2, GROUP=4, GROUP_PAD=16, TILE_N=64, NUM_SPLITS=splits,
+                                               DOT_PRECISION=precision, **shape), fp32_ptrs=parts)
+        build(K.merge_splits_kernel, dtype, dict(NUM_HEADS=8, HEAD_DIM=128, D_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8),
+              fp32_ptrs=("part_acc_ptr", "part_m_ptr", "part_l_ptr"))
+        build(K.prefill_kernel, dtype, dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, TILE_N=64, DOT_PRECISION=precision,
+                                            **shape))
+    print("compiled")
+""")
+
+
+def test_kernels_compile_for_a_cuda_gpu():
+    import importlib.util
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_backend_is_registered():
+    from llmserve.model.attention import get_backend
+
+    assert get_backend("triton") is TritonAttentionBackend
+
+
+def test_tiny_model_greedy_outputs_match_the_torch_backend(tiny_llama_dir):
+    from llmserve import LLM, SamplingParams
+
+    prompts = ["The quick brown fox", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    args = dict(dtype="float32", num_kv_blocks=16, max_model_len=128, max_num_batched_tokens=8)  # chunked
+    expected = LLM(str(tiny_llama_dir), attention_backend="torch", **args).generate(prompts, params)
+    got = LLM(str(tiny_llama_dir), attention_backend="triton", **args).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+class TestNativeBfloat16:
+    TOL = 2e-2
+
+    @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+    @pytest.mark.parametrize("many_splits", [False, True])
+    def test_decode(self, heads, kv_heads, head_dim, block_size, many_splits):
+        _compare(heads, kv_heads, head_dim, block_size, DECODES + [1000, 3000], [], torch.bfloat16, self.TOL,
+                 many_splits)
+
+    @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+    def test_prefill_and_mixed(self, heads, kv_heads, head_dim, block_size):
+        _compare(heads, kv_heads, head_dim, block_size, [], FRESH + CHUNKS + [(700, 300), (513, 513)],
+                 torch.bfloat16, self.TOL, seed=1)
+        _compare(heads, kv_heads, head_dim, block_size, [3, 40, 2000], [(20, 20), (700, 60)], torch.bfloat16,
+                 self.TOL, seed=2)
+
+    def test_long_context_split_decode(self):
+        # one long sequence, small batch: the case splits are for (default split policy)
+        step = _compare(32, 8, 128, 16, [30000, 17], [], torch.bfloat16, self.TOL, seed=3)
+        assert step.backend_data["triton_splits"][0] > 1
+
+    def test_decode_in_a_cuda_graph(self):
+        heads, kv_heads, head_dim, block_size = 8, 2, 128, 16
+        query, key, value, k_cache, v_cache, meta = _batch([10, 200, 1000], [], heads, kv_heads, head_dim,
+                                                           block_size, torch.bfloat16, seed=4)
+        backend = _backend(heads, kv_heads, head_dim, block_size, torch.bfloat16)
+        step = meta(max_seq_len=4096)  # capture at the upper bound
+        backend.prepare(step)
+        eager = backend.forward(query, key, value, k_cache.clone(), v_cache.clone(), step)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up (compile) outside the capture
+            backend.forward(query, key, value, k_cache, v_cache, step)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = backend.forward(query, key, value, k_cache, v_cache, step)
+        graph.replay()
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+        # other lengths, same graph: equal to an eager run over the same caches and lengths
+        step.seq_lens.copy_(torch.tensor([11, 150, 900], device="cuda", dtype=torch.int32))
+        graph.replay()
+        eager = backend.forward(query, key, value, k_cache.clone(), v_cache.clone(), step)
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
