@@ -19,3 +19,11 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in tiny qwen3 checkpoint, written once per test session."""
     return make_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", "tiny", 0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_data_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Servers started by tests (in process or not) keep their default database out of the home directory."""
+    import os
+
+    os.environ["LLMSERVE_DATA_DIR"] = str(tmp_path_factory.mktemp("llmserve-data"))

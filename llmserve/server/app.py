@@ -64,6 +64,8 @@ def _lifespan(state: ServerState, specs: Sequence[ModelSpec], slo: SLO, owns_eng
         drainer = asyncio.create_task(_drain_telemetry(state))
         loaders = [asyncio.create_task(_load(state, spec, slo)) for spec in specs if spec.engine is None]
         platform = state.platform
+        if platform is not None and platform.limiter is not None:
+            await _check_limiter(platform)
         if platform is not None and platform.conversations is not None and platform.conversation_retention:
             loaders.append(asyncio.create_task(_purge_conversations(platform)))
         yield
@@ -98,6 +100,14 @@ def _endpoint(state: ServerState, spec: ModelSpec, engine: AsyncLLM, slo: SLO) -
     endpoint = ModelEndpoint(spec.name, engine, spec.root, spec.max_waiting_requests)
     endpoint.telemetry = metrics.make_telemetry(engine, state.metrics, spec.name, slo)
     return endpoint
+
+
+async def _check_limiter(platform: Platform) -> None:
+    assert platform.limiter is not None
+    try:
+        await platform.limiter.check()
+    except Exception as exc:  # serve anyway: limits fail open until the store is back
+        logger.warning("the rate limiter's store is unreachable (limits are not enforced until it is): %s", exc)
 
 
 async def _purge_conversations(platform: Platform) -> None:

@@ -1,0 +1,181 @@
+"""The platform across real server processes: two replicas sharing Redis enforce one token limit, and
+a SIGTERM in the middle of load loses no usage record."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from sqlalchemy import select
+
+from llmserve.platform.keys import KeyStore
+from llmserve.store.db import open_database
+from llmserve.store.schema import UsageRecordRow
+from tests.server.test_serve_cli import _Lines
+from tests.store.fixtures import postgres_schema, postgres_url
+
+REDIS_URL = os.environ.get("LLMSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _redis_or_skip() -> redis.Redis:
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"Redis at {REDIS_URL} is unreachable: {exc}")
+    return client
+
+
+@contextmanager
+def serve(model_dir: Path, database_url: str, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    command = [
+        sys.executable, "-m", "llmserve.cli", "serve", "--model", str(model_dir), "--port", "0",
+        "--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "512",
+        "--database-url", database_url, *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        output = _Lines(proc)
+        yield proc, output.wait_for(r"serving \S+ at (http://\S+)/v1").group(1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_two_replicas_sharing_redis_admit_no_more_tokens_than_one_limit(tiny_llama_dir: Path) -> None:
+    redis_client = _redis_or_skip()
+    tpm, max_tokens, burst = 800, 40, 24
+    with postgres_schema() as schema:
+        database_url = postgres_url(schema)
+        database = open_database(database_url)
+        key, secret = KeyStore(database).create("shared", tpm=tpm)
+        try:
+            with serve(tiny_llama_dir, database_url, "--redis-url", REDIS_URL) as (_, first), \
+                    serve(tiny_llama_dir, database_url, "--redis-url", REDIS_URL) as (_, second):
+                body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
+                        "ignore_eos": True}
+                headers = {"Authorization": f"Bearer {secret}"}
+                prompt_tokens = httpx.post(f"{first}/tokenize", json={"messages": body["messages"]}).json()["count"]
+                reserve = prompt_tokens + max_tokens
+
+                async def burst_on_both() -> list[int]:
+                    async with httpx.AsyncClient(headers=headers, timeout=120) as client:
+                        calls = [client.post(f"{(first, second)[i % 2]}/v1/chat/completions", json=body)
+                                 for i in range(burst)]
+                        return [r.status_code for r in await asyncio.gather(*calls)]
+
+                started = time.monotonic()
+                statuses = asyncio.run(burst_on_both())
+                elapsed = time.monotonic() - started
+        finally:
+            redis_client.delete(f"llmserve:rl:{key.id}")
+            database.dispose()
+    admitted = statuses.count(200)
+    assert set(statuses) == {200, 429}
+    refill = tpm / 60 * elapsed  # every admitted request used its whole reservation: nothing came back
+    assert admitted * reserve <= tpm + reserve + refill
+    assert admitted >= tpm // reserve  # the limit, not something else, decided
+
+
+def test_sigterm_under_load_loses_no_usage_record(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    database_url = f"sqlite:///{tmp_path / 'usage.db'}"
+    count = 24
+    with serve(tiny_llama_dir, database_url, "--shutdown-timeout", "60") as (proc, base_url):
+
+        async def load() -> tuple[list[str], list[int]]:
+            ids: list[str] = []
+            async with httpx.AsyncClient(base_url=base_url, timeout=120,
+                                         limits=httpx.Limits(max_connections=count)) as client:
+                first_chunk = asyncio.Semaphore(0)
+
+                async def one(i: int) -> None:
+                    body = {"messages": [{"role": "user", "content": f"Hello {i}"}], "max_tokens": 60,
+                            "ignore_eos": True, "stream": True}
+                    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                        assert response.status_code == 200
+                        signalled = False
+                        async for line in response.aiter_lines():
+                            if line.startswith("data: {") and not signalled:
+                                ids.append(line.split('"id":"', 1)[1].split('"', 1)[0])
+                                first_chunk.release()
+                                signalled = True
+
+                tasks = [asyncio.ensure_future(one(i)) for i in range(count)]
+                for _ in range(count):  # every request is in flight before the signal
+                    await first_chunk.acquire()
+                proc.send_signal(signal.SIGTERM)
+                late = []
+                for _ in range(3):  # draining: refused, and not metered
+                    try:
+                        late.append((await client.post("/v1/chat/completions", json={
+                            "messages": [{"role": "user", "content": "late"}], "max_tokens": 2})).status_code)
+                    except httpx.TransportError:
+                        late.append(0)  # the listener already closed
+                await asyncio.gather(*tasks)
+                return ids, late
+
+        ids, late = asyncio.run(load())
+        assert proc.wait(timeout=120) == 0
+    assert all(status in (503, 0) for status in late)
+    database = open_database(database_url)
+    with database.session() as session:
+        rows = list(session.scalars(select(UsageRecordRow)))
+    database.dispose()
+    assert sorted(r.request_id for r in rows) == sorted(ids)
+    assert all(r.status == "completed" and r.completion_tokens == 60 for r in rows)
+
+
+def test_serve_takes_named_models_aliases_and_a_config_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    config = tmp_path / "platform.yaml"
+    config.write_text(
+        "prices: {small: {input: 1.0, output: 2.0}}\n"
+        "safety: {words: [forbidden], holdback_chars: 16}\n"
+    )
+    database_url = f"sqlite:///{tmp_path / 'cli.db'}"
+    command_models = ["--model", f"small={tiny_llama_dir}", "--model", f"large={tiny_llama_dir}"]
+    with serve_models(command_models, database_url, "--config", str(config),
+                      "--alias", "chat=small:50,large:50") as base_url:
+        with httpx.Client(base_url=base_url, timeout=60) as client:
+            listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
+            chat = client.post("/v1/chat/completions", json={
+                "model": "chat", "user": "u1", "max_tokens": 3,
+                "messages": [{"role": "user", "content": "Hello"}]})
+            blocked = client.post("/v1/chat/completions", json={
+                "model": "small", "messages": [{"role": "user", "content": "a forbidden word"}]})
+            small = client.post("/v1/completions", json={"model": "small", "prompt": "Hi", "max_tokens": 2})
+            report = client.get("/v1/usage", params={"group_by": "model"}).json()
+    assert listed == ["small", "large", "chat"]
+    assert chat.status_code == 200 and chat.json()["model"] in ("small", "large")
+    assert blocked.status_code == 400 and blocked.json()["error"]["code"] == "content_filter"
+    usage = small.json()["usage"]
+    [small_group] = [g for g in report["data"] if g["group"] == "small"]
+    small_usages = [usage] + ([chat.json()["usage"]] if chat.json()["model"] == "small" else [])
+    expected = sum(u["prompt_tokens"] * 1.0 + u["completion_tokens"] * 2.0 for u in small_usages) / 1e6
+    assert small_group["cost_usd"] == pytest.approx(expected)
+
+
+@contextmanager
+def serve_models(model_args: list[str], database_url: str, *extra: str) -> Iterator[str]:
+    command = [
+        sys.executable, "-m", "llmserve.cli", "serve", *model_args, "--port", "0", "--dtype", "float32",
+        "--num-kv-blocks", "128", "--max-model-len", "512", "--database-url", database_url, *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        yield _Lines(proc).wait_for(r"serving .+ at (http://\S+)/v1").group(1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
