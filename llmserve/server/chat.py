@@ -29,7 +29,7 @@ from llmserve.server.protocol import (
     now,
 )
 from llmserve.server.sampling import to_sampling_params
-from llmserve.server.state import ServerState, get_state
+from llmserve.server.state import ModelEndpoint, ServerState, get_state
 from llmserve.server.streaming import (
     SSE_DONE,
     Delta,
@@ -60,6 +60,9 @@ class _ChatContext:
     state: ServerState
     started: Started
     turn: ConversationTurn | None
+    endpoint: ModelEndpoint
+    prompt_text: str
+    cache_salt: str | None
 
     def cursors(self) -> list[StreamCursor]:
         return [StreamCursor(self.state.output_guard()) for _ in range(self.n)]
@@ -71,6 +74,15 @@ class _ChatContext:
             self.state.metrics.safety_blocks.labels(self.model, "output", verdict.rule or "plugin").inc()
             logger.warning("safety: stopped the output of %s (rule %s)", self.response_id, verdict.rule)
         return bool(blocked)
+
+    def remember_replies(self, output: RequestOutput) -> None:
+        """Let the next turn of this conversation reuse the replies' exact tokens (and so their KV)."""
+        for completion in output.outputs:
+            if completion.finish_reason in ("stop", "length"):
+                self.endpoint.continuations.remember(
+                    self.prompt_text, output.prompt_token_ids, completion.text, completion.token_ids,
+                    self.cache_salt,
+                )
 
     async def save_turn(self, messages: list[ChatMessage], reply: str, reply_tokens: int) -> None:
         if self.turn is not None:
@@ -107,9 +119,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_prompt(state, endpoint, [m["content"] for m in new_messages], "messages")
     turn = await open_turn(state, key, body.conversation_id, body.parent_message_id)
     history = turn.history if turn is not None else []
-    prompt_ids = endpoint.engine.tokenizer.apply_chat_template(
-        history + new_messages, add_generation_prompt=body.add_generation_prompt, tokenize=True
+    prompt_text = endpoint.engine.tokenizer.apply_chat_template(
+        history + new_messages, add_generation_prompt=body.add_generation_prompt
     )
+    prompt_ids = endpoint.continuations.encode(prompt_text, body.cache_salt)
     max_tokens, max_tokens_param = body.requested_max_tokens()
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = to_sampling_params(
@@ -137,6 +150,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         state=state,
         started=started,
         turn=turn,
+        endpoint=endpoint,
+        prompt_text=prompt_text,
+        cache_salt=body.cache_salt,
     )
     headers = {**started.headers, **(turn.headers() if turn is not None else {})}
     if body.stream:
@@ -151,6 +167,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise
     response, blocked = _chat_response(output, ctx)
     started.meter.finish("content_filter" if blocked else "completed")
+    if not blocked:
+        ctx.remember_replies(output)
     first = response.choices[0]
     await ctx.save_turn(body.messages, first.message.content or "", len(output.outputs[0].token_ids))
     return JSONResponse(response.model_dump(), headers=headers)
@@ -233,6 +251,8 @@ async def _chat_events(ctx: _ChatContext, messages: list[ChatMessage]) -> AsyncI
                 stream.abort()  # every choice was stopped by the output filter
                 break
         status = "content_filter" if ctx.count_blocks(cursors) else "completed"
+        if status == "completed" and last is not None and last.finished:
+            ctx.remember_replies(last)
         if ctx.include_usage and last is not None:
             yield chunk([], _usage(last))
         if last is not None:

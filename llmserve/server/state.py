@@ -16,6 +16,7 @@ from llmserve.platform.safety import OutputGuard
 from llmserve.server import errors
 from llmserve.server.logprobs import TokenTexts
 from llmserve.server.protocol import now
+from llmserve.tokenizer.continuations import ContinuationCache
 
 if TYPE_CHECKING:
     from llmserve.platform.keys import ApiKey
@@ -34,9 +35,11 @@ class ModelEndpoint:
     telemetry: Telemetry | None = None
     created: int = field(default_factory=now)
     token_texts: TokenTexts = field(init=False)
+    continuations: ContinuationCache = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_texts = TokenTexts(self.engine.tokenizer)
+        self.continuations = ContinuationCache(self.engine.tokenizer)
 
     def admit(self, prompts: Sequence[str | Sequence[int]] = ("",), draining: bool = False) -> None:
         """Admission control: refuse with 503 when draining, when the waiting queue is full, or when

@@ -60,7 +60,7 @@ def test_second_turn_reports_the_reused_prefix_in_whole_blocks(live_server, http
     first = client.chat.completions.create(model=MODEL_NAME, messages=turn1, max_tokens=1, extra_body=NO_EOS)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     turn2 = turn1 + [
-        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "assistant", "content": "Blue."},  # not what it generated: tokenized as any text
         {"role": "user", "content": "Another one."},
     ]
     second = client.chat.completions.create(model=MODEL_NAME, messages=turn2, max_tokens=4, extra_body=NO_EOS)
@@ -71,6 +71,22 @@ def test_second_turn_reports_the_reused_prefix_in_whole_blocks(live_server, http
     reusable = min(_common_prefix(prompt1, prompt2), len(prompt2) - 1)
     assert reusable >= 3 * BLOCK
     assert second.usage.prompt_tokens_details.cached_tokens == reusable // BLOCK * BLOCK
+    live_server.idle_stats()
+
+
+def test_a_follow_up_turn_reuses_the_previous_reply_kv_even_when_it_re_tokenizes_differently(live_server, http):
+    client = live_server.client()
+    turn1 = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+    first = client.chat.completions.create(model=MODEL_NAME, messages=turn1, max_tokens=40, extra_body=NO_EOS)
+    reply = first.choices[0].message.content
+    turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
+    second = client.chat.completions.create(model=MODEL_NAME, messages=turn2, max_tokens=2, extra_body=NO_EOS)
+    # Turn 1 computed KV for its prompt and every generated token but the last; turn 2's prompt starts
+    # with exactly those tokens (the reply as generated, not as its text re-tokenizes), so all their
+    # full blocks are reused.
+    computed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens == computed // BLOCK * BLOCK
+    assert second.usage.prompt_tokens > computed
     live_server.idle_stats()
 
 
