@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -24,8 +23,6 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors,
 from tokenizers import Tokenizer as HFTokenizer
 
 from llmserve.model.corpus import generate_corpus
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_ARCH = "llama"
 DEFAULT_SIZE = "small"
@@ -454,8 +451,6 @@ def make_model(
     config = build_config(arch, size)
     if with_weights is None:
         with_weights = size not in SIZES_WITHOUT_DEFAULT_WEIGHTS
-    elif with_weights and size in SIZES_WITHOUT_DEFAULT_WEIGHTS:
-        logger.warning("writing %.1f GB of random weights for size %s", checkpoint_bytes(config) / 1e9, size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_json = train_tokenizer(tokenizer_vocab_size(size))

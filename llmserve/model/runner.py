@@ -113,7 +113,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.graphs: DecodeGraphs | None = None
         if self._use_cuda_graphs():
-            self.capture_decode_graphs(CudaGraphCapture())
+            self._capture_or_run_eagerly()
 
     # ---- setup ----------------------------------------------------------------------------------
     def _load_model(self, model_dir, max_model_len: int) -> torch.nn.Module:
@@ -204,6 +204,15 @@ class ModelRunner:
             logger.warning("CUDA graphs are off: the %r attention backend is not graph-safe", self.attn_backend.name)
             return False
         return True
+
+    def _capture_or_run_eagerly(self) -> None:
+        try:
+            self.capture_decode_graphs(CudaGraphCapture())
+        except RuntimeError as exc:  # e.g. the backend syncs or copies from pageable memory during capture
+            self.graphs = None
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
 
     @torch.inference_mode()
     def capture_decode_graphs(self, capture: GraphCapture) -> None:

@@ -367,3 +367,18 @@ def test_cuda_step_reads_nothing_back_until_the_sampled_ids(small_llama_dir: Pat
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert output is not None and output.token_ids.shape == (4,)
+
+
+def test_cli_engine_flags_for_the_gpu_path() -> None:
+    from llmserve.cli import build_parser, engine_kwargs
+
+    parse = build_parser().parse_args
+    kwargs = engine_kwargs(parse(["generate", "--prompt", "x", "--enforce-eager", "--gpu-memory-utilization", "0.8",
+                                  "--attention-backend", "torch"]))
+    assert (kwargs["enforce_eager"], kwargs["gpu_memory_utilization"], kwargs["attention_backend"]) == (True, 0.8, "torch")
+    defaults = engine_kwargs(parse(["serve"]))
+    assert (defaults["enforce_eager"], defaults["gpu_memory_utilization"], defaults["attention_backend"]) == (
+        False, 0.9, None)
+    assert EngineConfig(model="m", **defaults).enforce_eager is False
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        EngineConfig(model="m", cuda_graph_sizes=[0, 8]).validate()
