@@ -33,8 +33,13 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
         "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
         help="turn off the reuse of cached KV blocks across requests with the same prefix",
     )
-    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights from config.json, no checkpoint read")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="CUDA: fraction of device memory for weights, activations and the KV cache")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: never use CUDA graphs")
+    parser.add_argument("--attention-backend", default=None, help="default: triton on CUDA, torch elsewhere")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -51,14 +56,27 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": args.enable_prefix_caching,
         "load_format": args.load_format,
         "seed": args.seed,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "enforce_eager": args.enforce_eager,
+        "attention_backend": args.attention_backend,
     }
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from llmserve.model.builtin import make_model
+    from llmserve.model.builtin import (
+        SIZES_WITHOUT_DEFAULT_WEIGHTS,
+        build_config,
+        checkpoint_bytes,
+        make_model,
+    )
 
-    path = make_model(args.dir, arch=args.arch, size=args.size, seed=args.seed, with_weights=not args.no_weights)
-    print(f"wrote {args.arch}-{args.size} (seed {args.seed}) to {path}")
+    with_weights = args.with_weights or (not args.no_weights and args.size not in SIZES_WITHOUT_DEFAULT_WEIGHTS)
+    if with_weights and args.size in SIZES_WITHOUT_DEFAULT_WEIGHTS:
+        size_gb = checkpoint_bytes(build_config(args.arch, args.size)) / 1e9
+        print(f"warning: writing {size_gb:.1f} GB of random weights; this takes a while", file=sys.stderr)
+    path = make_model(args.dir, arch=args.arch, size=args.size, seed=args.seed, with_weights=with_weights)
+    what = "" if with_weights else " (config and tokenizer only: serve it with --load-format dummy)"
+    print(f"wrote {args.arch}-{args.size} (seed {args.seed}) to {path}{what}")
     return 0
 
 
@@ -138,9 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     make = sub.add_parser("make-model", help="write a random-weight checkpoint with a locally trained tokenizer")
     make.add_argument("dir")
     make.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
-    make.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
+    make.add_argument(
+        "--size", default="tiny", choices=["tiny", "small", "medium", "8b"],
+        help="8b: Llama-3.1-8B's configuration (llama only), written without weights unless --with-weights",
+    )
     make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--no-weights", action="store_true", help="config and tokenizer only")
+    weights = make.add_mutually_exclusive_group()
+    weights.add_argument("--no-weights", action="store_true", help="config and tokenizer only")
+    weights.add_argument("--with-weights", action="store_true", help="write weights even for 8b (about 16 GB)")
     make.set_defaults(func=cmd_make_model)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")

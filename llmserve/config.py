@@ -12,7 +12,7 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None  # defaults to the model directory
     revision: str | None = None
-    dtype: str = "auto"  # auto follows the checkpoint's config
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CPU; bfloat16 on CUDA unless the checkpoint is float16
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
     load_format: str = "auto"  # auto | dummy (random weights from the config, no checkpoint read)
@@ -25,7 +25,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True  # share full KV blocks by content across requests
-    attention_backend: str | None = None  # None: the best for the device
+    attention_backend: str | None = None  # None: the best for the device ("triton" on CUDA, else "torch")
+    enforce_eager: bool = False  # never use CUDA graphs (they are only used on CUDA anyway)
+    cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, 32, ...
     served_model_name: str | None = None
 
     def validate(self) -> None:
@@ -39,3 +41,5 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
+        if self.cuda_graph_sizes is not None and any(size < 1 for size in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}.")

@@ -85,7 +85,43 @@ SIZES: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0,
         "torch_dtype": "bfloat16",
     },
+    # Llama-3.1-8B's shape, for GPU benchmarks: its other settings are in REAL_MODEL_SETTINGS.
+    "8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "torch_dtype": "bfloat16",
+    },
 }
+
+# Sizes that copy a released model: config.json fields that differ from the built-in defaults (the
+# released special token ids among them), and the generation_config.json eos ids.
+REAL_MODEL_SETTINGS: dict[str, dict[str, Any]] = {
+    "8b": {
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": {
+            "factor": 8.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": False,
+    },
+}
+REAL_MODEL_ARCH: dict[str, str] = {"8b": "llama"}
+# The tokenizer is trained locally for every size; for the 8b it is smaller than the embedding (the
+# extra rows are simply never produced by the tokenizer).
+TOKENIZER_VOCAB_SIZES: dict[str, int] = {"8b": 32000}
+SIZES_WITHOUT_DEFAULT_WEIGHTS: frozenset[str] = frozenset({"8b"})  # 16 GB: pair with --load-format dummy
 
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -132,9 +168,21 @@ def _arch_name(arch: str) -> str:
     return ARCHITECTURES[arch]
 
 
+def _check_arch_for_size(arch: str, size: str) -> None:
+    required = REAL_MODEL_ARCH.get(size)
+    if required is not None and arch != required:
+        raise ValueError(f"built-in size {size!r} is a {required} model; it has no {arch!r} variant")
+
+
+def tokenizer_vocab_size(size: str) -> int:
+    """How many tokens the size's locally trained tokenizer has."""
+    return TOKENIZER_VOCAB_SIZES.get(size, _size_spec(size)["vocab_size"])
+
+
 def build_config(arch: str, size: str) -> dict[str, Any]:
     """config.json as a plain dict, in the layout transformers 4.x writes."""
     spec = _size_spec(size)
+    _check_arch_for_size(arch, size)
     ids = special_token_ids(spec["vocab_size"])
     config: dict[str, Any] = {
         "architectures": [_arch_name(arch)],
@@ -162,6 +210,7 @@ def build_config(arch: str, size: str) -> dict[str, Any]:
         "use_cache": True,
         "vocab_size": spec["vocab_size"],
     }
+    config.update(REAL_MODEL_SETTINGS.get(size, {}))
     if arch == "llama":
         config["pretraining_tp"] = 1
     else:
@@ -173,10 +222,11 @@ def build_config(arch: str, size: str) -> dict[str, Any]:
 
 def build_generation_config(size: str) -> dict[str, Any]:
     ids = special_token_ids(_size_spec(size)["vocab_size"])
+    real = REAL_MODEL_SETTINGS.get(size, {})
     return {
-        "bos_token_id": ids[BOS_TOKEN],
+        "bos_token_id": real.get("bos_token_id", ids[BOS_TOKEN]),
         "do_sample": False,
-        "eos_token_id": [ids[EOS_TOKEN], ids[IM_END_TOKEN]],
+        "eos_token_id": real.get("eos_token_id", [ids[EOS_TOKEN], ids[IM_END_TOKEN]]),
         "transformers_version": TRANSFORMERS_VERSION,
     }
 
@@ -327,6 +377,12 @@ def plan_shards(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, shard_si
     return shards
 
 
+def checkpoint_bytes(config: dict[str, Any]) -> int:
+    """Size of the weights `make_model` would write for `config`."""
+    itemsize = torch.empty((), dtype=_DTYPES[config["torch_dtype"]]).element_size()
+    return itemsize * sum(_numel(shape) for shape in weight_shapes(config).values())
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     count = 1
     for dim in shape:
@@ -385,14 +441,19 @@ def make_model(
     arch: str = "llama",
     size: str = "tiny",
     seed: int = 0,
-    with_weights: bool = True,
+    with_weights: bool | None = None,
     shard_size: int = DEFAULT_SHARD_SIZE,
 ) -> Path:
-    """Write a random-weight Hugging Face checkpoint for `arch`/`size` into `out_dir` and return it."""
+    """Write a random-weight Hugging Face checkpoint for `arch`/`size` into `out_dir` and return it.
+
+    `with_weights` None: weights for every size but the 8b (config and tokenizer only; load it with
+    load_format="dummy")."""
     config = build_config(arch, size)
+    if with_weights is None:
+        with_weights = size not in SIZES_WITHOUT_DEFAULT_WEIGHTS
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer_json = train_tokenizer(config["vocab_size"])
+    tokenizer_json = train_tokenizer(tokenizer_vocab_size(size))
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", build_generation_config(size))
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")

@@ -407,9 +407,15 @@ def _sorted_values(scores: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Samples one token per logits row. Not re-entrant: it keeps scratch buffers between calls."""
+    """Samples one token per logits row. Not re-entrant: it keeps scratch buffers between calls.
 
-    def __init__(self) -> None:
+    `sync_free` (default: on any device but the CPU) never reads a device value back mid-sampling: it
+    trades the candidate shortcut of top-p rows for a full sort, whose thresholds are exact as they are.
+    The draws are the same either way.
+    """
+
+    def __init__(self, sync_free: bool | None = None) -> None:
+        self._sync_free = sync_free
         self._ws = _Workspace()
         self._counter_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -491,17 +497,28 @@ class Sampler:
             sub = self._buffer("kp", (rand.kp_rows.numel(), scaled.shape[1]), scaled)
             torch.index_select(scaled, 0, rand.kp_rows, out=sub)
         width = rand.num_candidates
+        sync_free = self._sync_free if self._sync_free is not None else sub.device.type != "cpu"
+        if sync_free and rand.top_p is not None:
+            # Asking whether each nucleus fit in the candidates would read a device value back mid-step;
+            # a full sort makes every threshold exact without asking.
+            width = sub.shape[1]
         vals, idx = _candidates(sub, width)
         row_total = self._row_total(sub, vals[:, :1]) if rand.needs_row_total else None
         complete = width >= sub.shape[1]
         threshold, covered, exact = _thresholds_from_sorted(vals, rand.top_k, rand.top_p, row_total, complete)
-        all_exact = bool(exact.all())
-        if not all_exact:
-            threshold = _widen_nucleus(sub, threshold, exact, rand, row_total)
+        if complete or sync_free:
+            # Exact by construction: a full sort, or top-k alone (whose threshold is the k-th candidate).
+            # Only a full sort is known to cover every kept token without reading `covered` back.
+            use_candidates = complete
+        else:
+            all_exact = bool(exact.all())
+            if not all_exact:
+                threshold = _widen_nucleus(sub, threshold, exact, rand, row_total)
+            use_candidates = all_exact and bool(covered.all())
         if rand.kp_rows is not None:
             full = torch.full((scaled.shape[0], 1), -math.inf, device=scaled.device)
             return full.index_copy_(0, rand.kp_rows, threshold), None
-        return threshold, ((vals, idx) if all_exact and bool(covered.all()) else None)
+        return threshold, ((vals, idx) if use_candidates else None)
 
     def _row_total(self, sub: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
         """sum(exp(x - max)) over the whole row: the top-p normaliser of rows without top-k."""

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU checks and figures in one call. Installs nothing: the Python it runs ($PYTHON, default
+# `python`) needs CUDA torch and the project's test extras (pytest, triton, transformers).
+#
+#   bash benchmarks/gpu.sh                                  # everything; results in bench_out/gpu
+#   OUT_DIR=/tmp/gpu STEPS="gpu-tests parity" bash benchmarks/gpu.sh
+#
+# Steps, in order (STEPS picks a subset):
+#   gpu-tests     pytest -m gpu (the CUDA-only tests of the whole suite)
+#   triton-tests  tests/model/test_triton_attention.py, natively on the GPU
+#   parity        float32 greedy outputs: torch backend = triton backend = triton + CUDA graphs
+#   decode        batch-1 decode on the Llama-3.1-8B shape, bf16: tok/s and % of copy bandwidth (goal >= 80%)
+#   throughput    1,000 requests (in/out 100-1,024 tokens) against transformers static batches (goal >= 10x)
+#   overhead      scheduling + input preparation as a share of the step at batch 256 (goal < 10%)
+# Each step's output goes to OUT_DIR/<step>.log (and .json for the benchmarks); a summary table is last.
+# Expected on one H200: roughly 1-2 min of tests and parity, 1 min decode, 4-5 min throughput (most
+# of it the transformers baseline), 1 min overhead. Where one call must stay under 10 minutes, split
+# it: STEPS="gpu-tests triton-tests parity decode overhead", then STEPS=throughput (same OUT_DIR).
+# The 8B runs use `make-model --size 8b` (config and tokenizer only) with --load-format dummy.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+OUT_DIR=${OUT_DIR:-bench_out/gpu}
+STEPS=${STEPS:-gpu-tests triton-tests parity decode throughput overhead}
+MODEL_8B=${MODEL_8B:-$OUT_DIR/llama-3.1-8b}
+NUM_PROMPTS=${NUM_PROMPTS:-1000}
+HF_SAMPLE_BATCHES=${HF_SAMPLE_BATCHES:-2}  # transformers static batches of 128 actually timed
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUT_DIR"
+# steps.tsv keeps each step's latest status, so a run split over several calls sums up as one.
+touch "$OUT_DIR/steps.tsv"
+grep -v -E "^($(echo $STEPS | tr ' ' '|'))"$'\t' "$OUT_DIR/steps.tsv" > "$OUT_DIR/steps.tsv.new" || true
+mv "$OUT_DIR/steps.tsv.new" "$OUT_DIR/steps.tsv"
+FAILED=0
+
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "error: $PYTHON sees no CUDA device" >&2
+  exit 1
+fi
+"$PYTHON" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"{p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}")'
+
+wanted() { [[ " $STEPS " == *" $1 "* ]]; }
+
+run_step() {  # name command...: run it, keep its output in OUT_DIR/name.log, record exit status and seconds
+  local name=$1 start=$SECONDS rc
+  shift
+  echo
+  echo "=== $name: $*"
+  "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || FAILED=1
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >> "$OUT_DIR/steps.tsv"
+}
+
+if wanted gpu-tests; then
+  run_step gpu-tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rs tests
+fi
+if wanted triton-tests; then
+  if [ -f tests/model/test_triton_attention.py ]; then
+    run_step triton-tests "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/model/test_triton_attention.py
+  else
+    echo "triton-tests: tests/model/test_triton_attention.py is missing" >&2
+    printf 'triton-tests\tmissing\t0\n' >> "$OUT_DIR/steps.tsv"
+    FAILED=1
+  fi
+fi
+if wanted parity; then
+  run_step parity "$PYTHON" benchmarks/gpu_parity.py --json "$OUT_DIR/parity.json"
+fi
+if wanted decode || wanted throughput || wanted overhead; then
+  [ -f "$MODEL_8B/config.json" ] || "$PYTHON" -m llmserve.cli make-model "$MODEL_8B" --size 8b
+fi
+if wanted decode; then
+  run_step decode "$PYTHON" benchmarks/gpu_decode.py --model "$MODEL_8B" --json "$OUT_DIR/decode.json"
+fi
+if wanted throughput; then
+  run_step throughput "$PYTHON" benchmarks/gpu_throughput.py --model "$MODEL_8B" --num-prompts "$NUM_PROMPTS" \
+    --hf-sample-batches "$HF_SAMPLE_BATCHES" --json "$OUT_DIR/throughput.json"
+fi
+if wanted overhead; then
+  run_step overhead "$PYTHON" benchmarks/gpu_overhead.py --model "$MODEL_8B" --json "$OUT_DIR/overhead.json"
+fi
+
+echo
+"$PYTHON" benchmarks/gpu_summary.py "$OUT_DIR"
+exit $FAILED

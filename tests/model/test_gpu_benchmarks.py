@@ -1,0 +1,74 @@
+"""The GPU benchmark scripts run end to end in their CPU smoke mode and print their tables;
+`gpu.sh` refuses to run without CUDA."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+
+    def load(name: str) -> ModuleType:
+        return importlib.import_module(name)
+
+    return load
+
+
+def test_smoke_runs_print_tables_and_feed_the_summary(
+    bench, tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    model = ["--smoke", "--model", str(tiny_llama_dir)]
+
+    decode = bench("gpu_decode").main([*model, "--json", str(tmp_path / "decode.json")])
+    printed = capsys.readouterr().out
+    assert "| mode | CUDA graphs | attention | ms/step |" in printed and "goal >= 80% of copy bandwidth" in printed
+    run = decode["runs"][0]
+    assert (run["mode"], run["cuda_graphs"], run["steps"]) == ("eager", False, 6)
+    assert run["kv_bytes_per_step"] == (17 + 2 + 2.5) * 2 * 2 * 2 * 16 * 4  # mean context * layers * K,V * heads * dim * 4 B
+
+    throughput = bench("gpu_throughput").main([*model, "--json", str(tmp_path / "throughput.json")])
+    printed = capsys.readouterr().out
+    assert "transformers generate, static batches of 2" in printed and "1 of 3 batches timed" in printed
+    ours = throughput["llmserve"]
+    assert ours["output_tokens"] == sum(bench("gpu_throughput").output_lengths(6, (2, 8), 0))
+    assert throughput["transformers_static"]["extrapolated"] is True
+
+    overhead = bench("gpu_overhead").main([*model, "--json", str(tmp_path / "overhead.json")])
+    printed = capsys.readouterr().out
+    assert "schedule+prepare % of step" in printed
+    result = overhead["run"]
+    assert (result["batch"], result["steps"]) == (4, 4)
+    assert 0 < result["schedule_ms"] + result["prepare_ms"] + result["gpu_ms"] < result["step_ms"]
+
+    parity = bench("gpu_parity").main([*model, "--json", str(tmp_path / "parity.json")])
+    assert parity["passed"] and [r["identical"] for r in parity["runs"]] == [4, 4]
+    assert "parity: passed" in capsys.readouterr().out
+
+    (tmp_path / "steps.tsv").write_text("gpu-tests\t0\t12\nparity\t1\t30\ntriton-tests\tmissing\t0\n")
+    assert bench("gpu_summary").main([str(tmp_path)]) == 0
+    summary = capsys.readouterr().out
+    assert "| gpu-tests | ok | 12 |" in summary and "| parity | FAILED (exit 1) | 30 |" in summary
+    assert "| triton-tests | MISSING | 0 |" in summary
+    assert summary.count("| met |") + summary.count("| NOT met |") == 4
+    assert json.loads((tmp_path / "decode.json").read_text())["runs"][0]["mode"] == "eager"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_gpu_sh_refuses_without_cuda(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "OUT_DIR": str(tmp_path)}
+    proc = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh")], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "sees no CUDA device" in proc.stderr
