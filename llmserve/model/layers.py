@@ -1,13 +1,75 @@
-"""Building blocks shared by the decoder architectures: norms, rotary embeddings, linear layers."""
+"""Building blocks shared by the decoder architectures: norms, rotary embeddings, linear layers.
+
+On CUDA the norms (with the residual add), rotary embedding and SiLU-and-multiply run as fused Triton
+kernels (`fused_kernels`) when triton is installed; elsewhere, and when LLMSERVE_FUSED_KERNELS=0, they
+run as the plain torch code below, whose numerics the kernels reproduce.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from llmserve.model.config import RopeConfig
+
+logger = logging.getLogger(__name__)
+
+FUSED_KERNELS_ENV = "LLMSERVE_FUSED_KERNELS"
+
+
+def _fused_setting_from_env() -> bool | None:
+    value = os.environ.get(FUSED_KERNELS_ENV, "auto").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{FUSED_KERNELS_ENV} must be auto, 1 or 0 (got {value!r})")
+
+
+# None: fused kernels on CUDA tensors when triton imports; True: always (CPU tensors need TRITON_INTERPRET=1,
+# for tests); False: never. Read once at import; tests set it directly.
+use_fused_kernels: bool | None = _fused_setting_from_env()
+_fused_module: ModuleType | None = None
+_fused_import_failed = False
+
+
+def fused_kernels_for(x: torch.Tensor) -> ModuleType | None:
+    """The `fused_kernels` module when the fused path should run on x, else None (the torch path)."""
+    setting = use_fused_kernels
+    if setting is False or (setting is None and not x.is_cuda):
+        return None
+    kernels = _import_fused_kernels()
+    if kernels is None:
+        if setting:
+            raise RuntimeError(f"{FUSED_KERNELS_ENV}=1 forces the fused kernels, but triton does not import")
+        return None
+    if not kernels.available(x):
+        raise RuntimeError(
+            f"{FUSED_KERNELS_ENV}=1 forces the fused kernels on {x.device.type} tensors, which needs CUDA "
+            "or TRITON_INTERPRET=1 (set before the kernels are first used)"
+        )
+    return kernels
+
+
+def _import_fused_kernels() -> ModuleType | None:
+    # Imported on first use, not with this module: TRITON_INTERPRET is read when the kernels are defined.
+    global _fused_module, _fused_import_failed
+    if _fused_module is None and not _fused_import_failed:
+        try:
+            from llmserve.model import fused_kernels
+        except ImportError as exc:
+            _fused_import_failed = True
+            logger.warning("fused kernels are off: %s; the GPU path runs unfused torch ops", exc)
+            return None
+        _fused_module = fused_kernels
+    return _fused_module
 
 
 class Linear(nn.Module):
@@ -28,7 +90,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, the residual stream's add first: (norm(x + residual), x + residual)."""
+        kernels = fused_kernels_for(x)
+        if residual is None:
+            return self._norm(x) if kernels is None else kernels.rms_norm(x, self.weight, self.eps)
+        if kernels is not None:
+            return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and cast back before the scale, as the reference implementation does.
         dtype = x.dtype
         x32 = x.float()
@@ -79,6 +153,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (q, k). On the fused path q and k are rotated in place (callers pass fresh projections)."""
+        kernels = fused_kernels_for(q)
+        if kernels is not None:
+            return kernels.apply_rotary(positions, q, k, self.cos_cache, self.sin_cache, inplace=True)
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -89,3 +167,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     sin = sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, where gate_up [T, 2I] holds the gate projection's outputs then the up projection's."""
+    kernels = fused_kernels_for(gate_up)
+    if kernels is not None:
+        return kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return nn.functional.silu(gate) * up

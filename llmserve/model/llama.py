@@ -15,7 +15,7 @@ from torch import nn
 from llmserve.errors import ModelLoadError
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
 from llmserve.model.config import ModelConfig
-from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
 
 class Attention(nn.Module):
@@ -52,13 +52,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, cfg.dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, cfg.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -69,9 +67,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions, x, kv_cache, backend, meta) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, backend, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the caller adds them, fused into the
+        next norm. `residual` is None for the first layer, whose input is the residual stream itself."""
+        if residual is None:
+            residual, hidden = x, self.input_layernorm(x)
+        else:
+            hidden, residual = self.input_layernorm(x, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, backend, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -101,9 +109,13 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend, meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, backend, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, backend, meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        x, _ = self.norm(x, residual)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
