@@ -4,6 +4,7 @@
 # rate and the prompt tokens actually computed (from /metrics before/after), TTFT p50/p99 and throughput.
 #   bash benchmarks/prefix_cache.sh [MODEL_DIR] [OUT_DIR]
 # Smaller smoke run: NUM_PROMPTS=4 CONVERSATIONS=2 SHARED_PREFIX_LEN=100 bash benchmarks/prefix_cache.sh DIR
+# Multi-turn as N users chatting: DATASETS=multi-turn RATE=inf MAX_CONCURRENCY=6 CONVERSATIONS=24 bash ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-$(python -c "from llmserve.model.builtin import ensure_default_model; print(ensure_default_model('llama','medium'))")}
@@ -17,6 +18,8 @@ QUESTION_LEN=${QUESTION_LEN:-50}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 NUM_TURNS=${NUM_TURNS:-5}
 SERVE_ARGS=${SERVE_ARGS:-}
+DATASETS=${DATASETS:-"shared-prefix multi-turn"}
+MAX_CONCURRENCY=${MAX_CONCURRENCY:-}  # set: a closed loop of that many clients (conversations) instead of arrivals at RATE
 URL="http://127.0.0.1:$PORT"
 mkdir -p "$OUT"
 
@@ -58,8 +61,8 @@ for mode in on off; do
   llmserve serve --model "$MODEL" --port "$PORT" --served-model-name bench "${flags[@]}" $SERVE_ARGS \
     >"$OUT/server-$mode.log" 2>&1 &
   SERVER=$!
-  for _ in $(seq 300); do curl -sf "$URL/v1/models" >/dev/null && break; sleep 1; done
-  for dataset in shared-prefix multi-turn; do
+  for _ in $(seq 300); do curl -sf "$URL/health" >/dev/null && break; sleep 1; done
+  for dataset in $DATASETS; do
     if [ "$dataset" = shared-prefix ]; then
       args=(--dataset shared-prefix --shared-prefix-len "$SHARED_PREFIX_LEN" --question-len "$QUESTION_LEN"
             --output-len "$OUTPUT_LEN" --num-prompts "$NUM_PROMPTS")
@@ -67,6 +70,7 @@ for mode in on off; do
       args=(--dataset multi-turn --num-turns "$NUM_TURNS" --num-prompts "$CONVERSATIONS"
             --endpoint /v1/chat/completions)
     fi
+    [ -n "$MAX_CONCURRENCY" ] && args+=(--max-concurrency "$MAX_CONCURRENCY")
     scrape >"$OUT/$dataset-$mode.before.json"
     llmserve bench serve --base-url "$URL" --tokenizer "$MODEL" "${args[@]}" --request-rate "$RATE" \
       --exact-output-len --seed 0 --no-progress --label "$dataset-cache-$mode" \

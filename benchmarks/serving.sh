@@ -23,7 +23,7 @@ llmserve serve --model "$MODEL" --port 8002 --served-model-name medium $SERVE_AR
 OURS=$!
 trap 'kill $BASE $OURS 2>/dev/null || true' EXIT
 for port in 8001 8002; do
-  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break; sleep 1; done
+  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
 done
 
 # The baseline serves one request at a time, so its saturated throughput needs few requests; llmserve

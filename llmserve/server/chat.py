@@ -13,7 +13,6 @@ from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.outputs import RequestOutput
 from llmserve.server import errors
 from llmserve.server.conversations import ConversationTurn, open_turn
-from llmserve.server.errors import ClientDisconnected
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, chat_logprobs
 from llmserve.server.protocol import (
@@ -37,7 +36,6 @@ from llmserve.server.streaming import (
     event_stream,
     final_output,
     sse,
-    until_disconnect,
 )
 from llmserve.server.submit import Started, check_prompt, start_requests
 
@@ -157,14 +155,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     headers = {**started.headers, **(turn.headers() if turn is not None else {})}
     if body.stream:
         return event_stream(_chat_events(ctx, body.messages), headers)
-    try:
-        output = await until_disconnect(request, final_output(started.streams[0], started.meter.observe))
-    except ClientDisconnected:
-        started.abort("disconnected")
-        raise
-    except BaseException:
-        started.abort("error")
-        raise
+    output = await started.run_to_end(request, final_output(started.streams[0], started.meter.observe))
     response, blocked = _chat_response(output, ctx)
     started.meter.finish("content_filter" if blocked else "completed")
     if not blocked:

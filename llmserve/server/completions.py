@@ -17,7 +17,6 @@ from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.safety import OutputGuard
 from llmserve.server import errors
-from llmserve.server.errors import ClientDisconnected
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, completion_logprobs
 from llmserve.server.protocol import (
@@ -36,7 +35,6 @@ from llmserve.server.streaming import (
     final_outputs,
     merged,
     sse,
-    until_disconnect,
 )
 from llmserve.server.submit import Started, check_prompt, start_requests
 from llmserve.tokenizer.tokenizer import Tokenizer
@@ -94,14 +92,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     )
     if body.stream:
         return event_stream(_completion_events(ctx), started.headers)
-    try:
-        outputs = await until_disconnect(request, final_outputs(started.streams, started.meter.observe))
-    except ClientDisconnected:
-        started.abort("disconnected")
-        raise
-    except BaseException:
-        started.abort("error")
-        raise
+    outputs = await started.run_to_end(request, final_outputs(started.streams, started.meter.observe))
     response, blocked = _completion_response(outputs, ctx)
     started.meter.finish("content_filter" if blocked else "completed")
     return JSONResponse(response.model_dump(), headers=started.headers)

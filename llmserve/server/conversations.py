@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmserve.platform.conversations import Conversation, ConversationNotFound, ConversationStore, Message
+from llmserve.platform.conversations import Conversation, ConversationNotFound, ConversationStore
 from llmserve.platform.keys import ApiKey
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import request_key
@@ -110,30 +110,10 @@ class CreateConversation(BaseModel):
     messages: list[NewMessage] = Field(default_factory=list)
 
 
-def _message_json(message: Message) -> dict[str, Any]:
-    return {
-        "id": message.id,
-        "object": "conversation.message",
-        "parent_id": message.parent_id,
-        "role": message.role,
-        "content": message.content,
-        "token_count": message.token_count,
-        "created_at": int(message.created_at.timestamp()),
-    }
-
-
-def _conversation_json(conversation: Conversation, messages: list[Message] | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": conversation.id,
-        "object": "conversation",
-        "title": conversation.title,
-        "model": conversation.model,
-        "created_at": int(conversation.created_at.timestamp()),
-        "updated_at": int(conversation.updated_at.timestamp()),
-    }
-    if messages is not None:
-        body["messages"] = [_message_json(m) for m in messages]
-        body["total_tokens"] = sum(m.token_count or 0 for m in messages)
+def _conversation_json(conversation: Conversation, with_messages: bool = True) -> dict[str, Any]:
+    body = conversation.as_dict(with_messages)
+    if with_messages:
+        body["total_tokens"] = sum(m.token_count or 0 for m in conversation.messages)
     return body
 
 
@@ -144,7 +124,7 @@ async def create_conversation(body: CreateConversation, request: Request) -> JSO
     key_id = _key_id(request_key(request.state))
     conversation = await asyncio.to_thread(store.create, key_id, body.title, body.model, messages)
     stored = await asyncio.to_thread(store.get, key_id, conversation.id)
-    return JSONResponse(_conversation_json(stored, stored.messages), status_code=201)
+    return JSONResponse(_conversation_json(stored), status_code=201)
 
 
 @router.get("/v1/conversations")
@@ -154,7 +134,7 @@ async def list_conversations(
     store = _store(get_state(request))
     key_id = _key_id(request_key(request.state))
     items, has_more = await asyncio.to_thread(store.list, key_id, limit, after)
-    data = [_conversation_json(c) for c in items]
+    data = [_conversation_json(c, with_messages=False) for c in items]
     return JSONResponse(
         {
             "object": "list",
@@ -173,7 +153,7 @@ async def get_conversation(conversation_id: str, request: Request) -> JSONRespon
         conversation = await asyncio.to_thread(store.get, _key_id(request_key(request.state)), conversation_id)
     except ConversationNotFound:
         raise _not_found(conversation_id) from None
-    return JSONResponse(_conversation_json(conversation, conversation.messages))
+    return JSONResponse(_conversation_json(conversation))
 
 
 @router.delete("/v1/conversations/{conversation_id}")

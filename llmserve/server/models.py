@@ -27,6 +27,9 @@ def _card(state: ServerState, name: str) -> ModelCard:
 async def list_models(request: Request) -> JSONResponse:
     state = get_state(request)
     key = request_key(request.state)
+    loading = state.router.loading_names()
+    if loading and not state.endpoints():  # nothing to offer yet: say when to come back
+        raise errors.model_loading(loading[0], 5.0)
     names = [n for n in state.router.ready_names() if key is None or key.allows_model(n)]
     return JSONResponse(ModelList(data=[_card(state, n) for n in names]).model_dump())
 

@@ -5,17 +5,23 @@ own parameters. What comes back carries the meter that records the request's usa
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
 
 from llmserve.engine.async_llm import RequestStream
 from llmserve.errors import InvalidRequestError
 from llmserve.platform.keys import ApiKey
 from llmserve.sampling.params import SamplingParams
-from llmserve.server.errors import APIError
+from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Meter
 from llmserve.server.protocol import random_id
 from llmserve.server.state import ModelEndpoint, ServerState
+from llmserve.server.streaming import until_disconnect
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +37,18 @@ class Started:
         for stream in self.streams:
             stream.abort()
         self.meter.finish(status)
+
+    async def run_to_end(self, request: Request, work: Awaitable[T]) -> T:
+        """Await a non-streamed request's `work`; on a disconnect or failure, abort the engine requests
+        and record the usage (what was generated) before re-raising."""
+        try:
+            return await until_disconnect(request, work)
+        except ClientDisconnected:
+            self.abort("disconnected")
+            raise
+        except BaseException:
+            self.abort("error")
+            raise
 
 
 def check_prompt(state: ServerState, endpoint: ModelEndpoint, texts: Sequence[str], param: str) -> None:
