@@ -17,6 +17,7 @@ SHARED_PREFIX_LEN=${SHARED_PREFIX_LEN:-1000}
 QUESTION_LEN=${QUESTION_LEN:-50}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 NUM_TURNS=${NUM_TURNS:-5}
+TURN_OUTPUT_LEN=${TURN_OUTPUT_LEN:-32}  # N or LOW:HIGH (varied replies keep conversations out of lockstep)
 SERVE_ARGS=${SERVE_ARGS:-}
 DATASETS=${DATASETS:-"shared-prefix multi-turn"}
 MAX_CONCURRENCY=${MAX_CONCURRENCY:-}  # set: a closed loop of that many clients (conversations) instead of arrivals at RATE
@@ -67,7 +68,7 @@ for mode in on off; do
       args=(--dataset shared-prefix --shared-prefix-len "$SHARED_PREFIX_LEN" --question-len "$QUESTION_LEN"
             --output-len "$OUTPUT_LEN" --num-prompts "$NUM_PROMPTS")
     else
-      args=(--dataset multi-turn --num-turns "$NUM_TURNS" --num-prompts "$CONVERSATIONS"
+      args=(--dataset multi-turn --num-turns "$NUM_TURNS" --num-prompts "$CONVERSATIONS" --turn-output-len "$TURN_OUTPUT_LEN"
             --endpoint /v1/chat/completions)
     fi
     [ -n "$MAX_CONCURRENCY" ] && args+=(--max-concurrency "$MAX_CONCURRENCY")

@@ -38,7 +38,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--output-len", type=int, default=64, help="output tokens (shared-prefix)")
     data.add_argument("--num-turns", type=int, default=5, help="turns per conversation (multi-turn)")
     data.add_argument("--turn-input-len", type=int, default=50, help="tokens of each user turn (multi-turn)")
-    data.add_argument("--turn-output-len", type=int, default=32, help="output tokens per turn (multi-turn)")
+    data.add_argument("--turn-output-len", default="32",
+                      help="output tokens per turn, N or LOW:HIGH drawn per turn (multi-turn)")
 
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", default="inf",

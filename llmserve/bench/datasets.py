@@ -281,18 +281,22 @@ def multi_turn_dataset(
     num_conversations: int,
     num_turns: int,
     turn_input_len: int,
-    turn_output_len: int,
+    turn_output_len: int | tuple[int, int],
     prompt_format: str,
     rng: random.Random,
 ) -> list[Conversation]:
-    """Conversations of num_turns user messages; the history is assembled while they run."""
+    """Conversations of num_turns user messages; the history is assembled while they run. Reply lengths
+    are fixed or drawn per turn from an inclusive (low, high) range (varied lengths keep concurrent
+    conversations from moving in lockstep)."""
+    low, high = (turn_output_len, turn_output_len) if isinstance(turn_output_len, int) else turn_output_len
     if prompt_format != "text":
         raise ValueError("the multi-turn dataset sends the server's text replies back, so it needs --prompt-format text")
     if num_turns < 1:
         raise ValueError("--num-turns must be >= 1")
     conversations = []
     for _ in range(num_conversations):
-        turns = [Turn(*source.text(turn_input_len, rng), turn_output_len) for _ in range(num_turns)]
+        turns = [Turn(*source.text(turn_input_len, rng), low if low == high else rng.randint(low, high))
+                 for _ in range(num_turns)]
         conversations.append(Conversation(turns, meta={"multi_turn": True}))
     return conversations
 

@@ -131,7 +131,8 @@ def build_workload(config: BenchConfig, source: TokenSource, seed: int) -> list[
             config.prompt_format, rng,
         )
     return datasets.multi_turn_dataset(
-        source, config.num_prompts, extra["num_turns"], extra["turn_input_len"], extra["turn_output_len"],
+        source, config.num_prompts, extra["num_turns"], extra["turn_input_len"],
+        datasets.parse_len_range(str(extra["turn_output_len"])),
         config.prompt_format, rng,
     )
 

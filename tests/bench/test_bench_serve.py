@@ -190,3 +190,14 @@ def test_helpers() -> None:
     second = completion_prompt(conversation, 1, [" ok fine"])
     assert second.startswith(first + " ok fine\n")  # each turn extends the previous prompt verbatim
     assert WordSource().count("a b  c") == 3
+
+
+def test_multi_turn_reply_lengths_can_vary_per_turn(tmp_path: Path) -> None:
+    state = FakeState()
+    with run_fake_server(state) as url:
+        run_bench(tmp_path, url, "--dataset", "multi-turn", "--endpoint", "/v1/chat/completions",
+                  "--num-prompts", "4", "--num-turns", "3", "--turn-input-len", "6", "--turn-output-len", "2:9",
+                  "--request-rate", "inf")
+    lengths = [body["max_tokens"] for body in state.requests]
+    assert len(lengths) == 12 and all(2 <= n <= 9 for n in lengths)
+    assert len(set(lengths)) > 1
