@@ -10,6 +10,11 @@ when its last owner lets go it is not wiped: it waits, still named, on an LRU li
 blocks. A new sequence starting with the same tokens takes it back instead of recomputing it. Blocks
 are allocated from the never-named free blocks first, then from the evictable ones, least recently
 used first; everything is O(1) per block.
+
+A sequence's last, partly filled block is kept too when it lets go (a "tail": the computed tokens past
+its last full block, named by the hash of the prefix before them). It cannot be shared, since its free
+slots would be written, so it is handed whole to the first new sequence that continues those tokens
+(the next turn of a conversation): reuse to the token, not just to the block.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))  # unreferenced and unnamed
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, named; LRU first
         self.cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
+        self._tails: dict[BlockHash, tuple[int, tuple[int, ...]]] = {}  # prefix name -> (block, its tokens)
+        # Tail block -> the prefix name it is filed under, least recently kept first. Tails serve one
+        # successor at most, so they are evicted before named full blocks.
+        self._tail_prefix: OrderedDict[int, BlockHash] = OrderedDict()
         self.prefix_queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.prefix_hits = 0  # of which found cached
 
@@ -42,7 +51,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks a sequence can take now: the unused ones and the cached ones nobody holds."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._tail_prefix) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
@@ -85,6 +94,9 @@ class BlockManager:
     def _allocate(self) -> int:
         if self._free:
             block = self._free.popleft()
+        elif self._tail_prefix:
+            block = next(iter(self._tail_prefix))  # the oldest tail
+            self._drop_tail(block)
         else:
             block, _ = self._evictable.popitem(last=False)  # the least recently used cached block
             assert self.cache is not None
@@ -94,6 +106,7 @@ class BlockManager:
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on its blocks (finish, abort, preemption)."""
+        self._keep_tail(seq)
         # Last block first: of a freed sequence's blocks, its tail is the first to be evicted.
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
@@ -103,6 +116,8 @@ class BlockManager:
         seq.num_registered_blocks = 0
 
     def _put_back(self, block: int) -> None:
+        if block in self._tail_prefix:
+            return  # filed as a tail already
         if self.cache is not None and self.cache.is_cached(block):
             self._evictable[block] = None
         else:
@@ -163,8 +178,55 @@ class BlockManager:
             self.ref_counts[block] += 1
             seq.block_table.append(block)
         seq.num_registered_blocks = len(seq.block_table)
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size + self._take_tail(seq)
         return seq.num_computed_tokens
+
+    def _keep_tail(self, seq: Sequence) -> None:
+        """File `seq`'s partly filled, computed last block as a tail, if nobody else holds it."""
+        if self.cache is None:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        filled = seq.num_computed_tokens - full * self.block_size
+        if not filled or full >= len(seq.block_table) or self.ref_counts[seq.block_table[full]] != 1:
+            return
+        block = seq.block_table[full]
+        if self.cache.is_cached(block) or block in self._tail_prefix:
+            return
+        prefix = self._parent_hash(seq, full)
+        replaced = self._tails.get(prefix)
+        if replaced is not None:  # one tail per prefix: the newest wins, the older block is plain free
+            self._drop_tail(replaced[0])
+            self._free.append(replaced[0])
+        tokens = tuple(seq.token_ids[full * self.block_size : seq.num_computed_tokens])
+        self._tails[prefix] = (block, tokens)
+        self._tail_prefix[block] = prefix
+
+    def _drop_tail(self, block: int) -> bool:
+        prefix = self._tail_prefix.pop(block, None)
+        if prefix is None:
+            return False
+        del self._tails[prefix]
+        return True
+
+    def _take_tail(self, seq: Sequence) -> int:
+        """After `seq` took its cached full blocks, take the tail that continues them: the block
+        becomes `seq`'s own (its free slots are written next). Returns the tokens it holds for `seq`."""
+        index = len(seq.block_table)
+        entry = self._tails.get(self._parent_hash(seq, index))
+        if entry is None:
+            return 0
+        block, tokens = entry
+        start = index * self.block_size
+        limit = min(len(tokens), seq.num_tokens - 1 - start)  # the last token is always computed
+        matched = 0
+        while matched < limit and seq.token_ids[start + matched] == tokens[matched]:
+            matched += 1
+        if not matched:
+            return 0
+        self._drop_tail(block)
+        self.ref_counts[block] = 1
+        seq.block_table.append(block)
+        return matched
 
     def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
@@ -187,13 +249,15 @@ class BlockManager:
         for seq in live_seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} owns a block twice"
             owners.update(seq.block_table)
-        free, evictable = set(self._free), set(self._evictable)
+        free, evictable, tails = set(self._free), set(self._evictable), set(self._tail_prefix)
         assert len(free) == len(self._free), "a block is on the free list twice"
-        assert not free & evictable, "a block is both free and evictable"
-        assert len(free) + len(evictable) + len(owners) == self.num_blocks, (
-            f"free ({len(free)}) + evictable ({len(evictable)}) + used ({len(owners)}) != total ({self.num_blocks})"
+        assert not free & evictable and not (free | evictable) & tails, "a block is on two free lists"
+        unheld = len(free) + len(evictable) + len(tails)
+        assert unheld + len(owners) == self.num_blocks, (
+            f"free ({len(free)}) + evictable ({len(evictable)}) + tails ({len(tails)}) + used ({len(owners)}) "
+            f"!= total ({self.num_blocks})"
         )
-        assert not (free | evictable) & owners.keys(), "a free block is still owned"
+        assert not (free | evictable | tails) & owners.keys(), "a free block is still owned"
         for block in range(self.num_blocks):
             assert self.ref_counts[block] == owners.get(block, 0), (
                 f"block {block}: ref count {self.ref_counts[block]} but {owners.get(block, 0)} owners"
@@ -202,7 +266,7 @@ class BlockManager:
 
     def _check_cache(self, free: set[int], evictable: set[int]) -> None:
         if self.cache is None:
-            assert not evictable, "evictable blocks without a prefix cache"
+            assert not evictable and not self._tails, "cached blocks without a prefix cache"
             return
         assert len(self.cache.by_hash) == len(self.cache.by_block), "the cache's two maps disagree"
         for block_hash, block in self.cache.by_hash.items():
@@ -211,3 +275,7 @@ class BlockManager:
             assert block not in free, f"cached block {block} is on the unnamed free list"
         for block in evictable:
             assert self.cache.is_cached(block), f"evictable block {block} has no name"
+        assert len(self._tails) == len(self._tail_prefix), "the tail maps disagree"
+        for prefix, (block, _) in self._tails.items():
+            assert self._tail_prefix.get(block) == prefix, f"tail block {block} is filed twice"
+            assert not self.cache.is_cached(block), f"tail block {block} also has a full-block name"

@@ -103,6 +103,64 @@ def test_cached_blocks_are_evicted_least_recently_used_first_and_only_when_neede
     assert bm.num_free_blocks == 6
 
 
+def test_a_partly_filled_last_block_is_handed_whole_to_the_one_sequence_that_continues_it():
+    bm = BlockManager(8, BS, enable_prefix_caching=True)
+    first = _seq(PROMPT)  # two full blocks, then 2 computed tokens in a third
+    _admit(bm, first)
+    tail_block = first.block_table[2]
+    bm.release(first)
+    assert bm.num_free_blocks == 8 and bm.num_cached_blocks == 2
+    follow_up = _seq(PROMPT + [1, 2, 3])
+    assert bm.take_cached_prefix(follow_up) == 10  # both full blocks, then the tail's 2 tokens
+    assert follow_up.block_table[2] == tail_block and bm.ref_counts[tail_block] == 1
+    other = _seq(PROMPT + [1, 2, 3])
+    assert bm.take_cached_prefix(other) == 8  # the tail went to the first taker; full blocks are shared
+    _compute(bm, follow_up)
+    _compute(bm, other)
+    bm.check_invariants([follow_up, other])
+    assert follow_up.block_table[2] != other.block_table[2]
+    for seq in (follow_up, other):
+        bm.release(seq)
+    bm.check_invariants([])
+    assert bm.num_free_blocks == 8
+
+
+def test_a_tail_serves_a_prompt_that_diverges_inside_it_and_never_the_last_token():
+    bm = BlockManager(8, BS, enable_prefix_caching=True)
+    first = _seq(PROMPT + [1])  # 3 computed tokens in the third block: 108, 109, 1
+    _admit(bm, first)
+    bm.release(first)
+    same = _seq(PROMPT + [1])  # the whole tail matches, but its own last token must be computed
+    assert bm.take_cached_prefix(same) == 10
+    bm.release(same)  # taken back without computing: filed again with the 2 tokens it holds for sure
+    diverging = _seq(PROMPT + [2, 3])  # shares 108, 109, then differs
+    assert bm.take_cached_prefix(diverging) == 10
+    _compute(bm, diverging)  # writes its own tokens into the rest of the block
+    bm.check_invariants([diverging])
+    bm.release(diverging)
+    bm.check_invariants([])
+    assert bm.num_free_blocks == 8
+
+
+def test_tails_are_evicted_before_named_full_blocks():
+    bm = BlockManager(4, BS, enable_prefix_caching=True)
+    a, b = _seq([1] * 6), _seq([2] * 6)  # one full block and a tail each
+    _admit(bm, a)
+    _admit(bm, b)
+    for seq in (a, b):
+        bm.release(seq)
+    filler = _seq(list(range(300, 308)))
+    bm.grow(filler, 8)  # two blocks: both tails go, the named blocks stay
+    assert bm.num_cached_blocks == 2
+    again = _seq([1] * 6)
+    assert bm.take_cached_prefix(again) == 4  # the full block only: its tail was evicted
+    bm.check_invariants([filler, again])
+    for seq in (filler, again):
+        bm.release(seq)
+    bm.check_invariants([])
+    assert bm.num_free_blocks == 4
+
+
 def test_a_hash_collision_is_a_miss_not_a_wrong_hit(monkeypatch):
     monkeypatch.setattr(prefix_cache, "hash_block", lambda parent, tokens: b"same-for-everything")
     bm = BlockManager(8, BS, enable_prefix_caching=True)
@@ -254,8 +312,9 @@ def test_second_turn_reuses_the_first_turns_kv_and_outputs_do_not_change(engines
     history = turn1 + first.outputs[0].token_ids
     turn2 = history + [8, 9, 10, 11]
     second = cached.generate([turn2], GREEDY)[0]
-    # Every full block of what turn 1 computed (its prompt and all but its last sampled token).
-    assert second.num_cached_tokens == (len(history) - 1) // 16 * 16 == 48
+    # Everything turn 1 computed (its prompt and all but its last sampled token): three full blocks
+    # and the four tokens of its partly filled last block, handed over whole.
+    assert second.num_cached_tokens == len(history) - 1 == 48 + 4
     assert second.outputs[0].token_ids == plain.generate([turn2], GREEDY)[0].outputs[0].token_ids
     assert plain.generate([turn2], GREEDY)[0].num_cached_tokens == 0
     others = [system + [t] * 9 for t in range(3, 9)]
@@ -265,7 +324,7 @@ def test_second_turn_reuses_the_first_turns_kv_and_outputs_do_not_change(engines
         o.outputs[0].token_ids for o in plain.generate(others, GREEDY)
     ]
     stats = cached.engine.stats()
-    assert stats.prefix_cache_hits == 48 + 6 * 32
+    assert stats.prefix_cache_hits == 52 + 6 * 32
     assert stats.prefix_cache_queries == len(turn1) + len(turn2) + sum(len(p) for p in others)
     _assert_pool_empty(cached)
     _assert_pool_empty(plain)

@@ -197,9 +197,10 @@ def test_chat_logprobs_shape_streamed_and_not(client):
         for choice in chunk.choices:
             if choice.logprobs is not None:
                 streamed.extend(choice.logprobs.content)
-    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [
-        (e.token, round(e.logprob, 5)) for e in content
-    ]
+    # The streamed request reuses the first one's cached KV, computed by another kernel path: the
+    # same tokens, logprobs equal to float32 rounding.
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
 
 
 def test_chat_content_parts_developer_role_and_echo(client, http):

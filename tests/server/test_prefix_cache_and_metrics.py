@@ -53,7 +53,7 @@ def _value(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted({"model_name": MODEL_NAME, **labels}.items()))), 0.0)
 
 
-def test_second_turn_reports_the_reused_prefix_in_whole_blocks(live_server, http):
+def test_second_turn_reports_the_reused_prefix(live_server, http):
     client = live_server.client()
     system = "You are a terse assistant that answers in one word. " * 6
     turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]
@@ -66,11 +66,12 @@ def test_second_turn_reports_the_reused_prefix_in_whole_blocks(live_server, http
     second = client.chat.completions.create(model=MODEL_NAME, messages=turn2, max_tokens=4, extra_body=NO_EOS)
     prompt1, prompt2 = _tokens(http, turn1), _tokens(http, turn2)
     assert second.usage.prompt_tokens == len(prompt2)
-    # Turn 1 computed its whole prompt (one output token: nothing else); turn 2 reuses the full
-    # blocks of what both prompts start with, keeping at least its own last token to compute.
+    # Turn 1 computed its whole prompt (one output token: nothing else); turn 2 reuses what both
+    # prompts start with, keeping at least its own last token to compute: the full blocks by content,
+    # and the rest of the common part from turn 1's partly filled last block (handed over whole).
     reusable = min(_common_prefix(prompt1, prompt2), len(prompt2) - 1)
-    assert reusable >= 3 * BLOCK
-    assert second.usage.prompt_tokens_details.cached_tokens == reusable // BLOCK * BLOCK
+    assert reusable >= 3 * BLOCK and reusable % BLOCK
+    assert second.usage.prompt_tokens_details.cached_tokens == reusable
     live_server.idle_stats()
 
 
@@ -82,10 +83,10 @@ def test_a_follow_up_turn_reuses_the_previous_reply_kv_even_when_it_re_tokenizes
     turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
     second = client.chat.completions.create(model=MODEL_NAME, messages=turn2, max_tokens=2, extra_body=NO_EOS)
     # Turn 1 computed KV for its prompt and every generated token but the last; turn 2's prompt starts
-    # with exactly those tokens (the reply as generated, not as its text re-tokenizes), so all their
-    # full blocks are reused.
+    # with exactly those tokens (the reply as generated, not as its text re-tokenizes), so all of them
+    # are reused: the full blocks and the partly filled last one.
     computed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
-    assert second.usage.prompt_tokens_details.cached_tokens == computed // BLOCK * BLOCK
+    assert second.usage.prompt_tokens_details.cached_tokens == computed
     assert second.usage.prompt_tokens > computed
     live_server.idle_stats()
 
