@@ -759,6 +759,7 @@ def test_clients_that_disconnect_free_everything(server):
         async with httpx.AsyncClient(base_url=server.base_url, limits=limits, timeout=120) as http:
             counts = await asyncio.gather(*(read_then_hang_up(http) for _ in range(50)))
             assert counts == [3] * 50
+            await engine.wait_idle()  # the hung-up streams are gone, so "running" below means these four
             # non-streaming: the client gives up once its request is running
             pending = [asyncio.ensure_future(http.post(CHAT, json=body)) for _ in range(4)]
             while (await engine.stats()).num_running < 4:
