@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import openai
@@ -68,26 +69,35 @@ def start_server(app: FastAPI) -> tuple[GracefulServer, threading.Thread, str]:
     return server, thread, address[0]
 
 
-@pytest.fixture(scope="module")
-def live_server(tiny_llama_dir) -> Iterator[LiveServer]:
-    # One intra-op thread: on a shared 2-core machine OpenMP's spinning threads make step times erratic.
+@contextmanager
+def tiny_engine_running(model_dir, num_kv_blocks: int, max_num_batched_tokens: int) -> Iterator[AsyncLLM]:
+    """The tiny model's engine in float32, with one intra-op thread while it runs: on a shared 2-core
+    machine OpenMP's spinning threads make step times erratic."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     engine = AsyncLLM.from_config(
         EngineConfig(
-            model=str(tiny_llama_dir),
+            model=str(model_dir),
             dtype="float32",
-            num_kv_blocks=NUM_KV_BLOCKS,
+            num_kv_blocks=num_kv_blocks,
             max_model_len=MAX_MODEL_LEN,
-            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
     )
-    app = build_app(engine, MODEL_NAME, model_root=str(tiny_llama_dir), max_waiting_requests=1024)
-    server, thread, base_url = start_server(app)
     try:
-        yield LiveServer(base_url=base_url, engine=engine, app=app)
+        yield engine
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
         engine.close()
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_llama_dir) -> Iterator[LiveServer]:
+    with tiny_engine_running(tiny_llama_dir, NUM_KV_BLOCKS, MAX_NUM_BATCHED_TOKENS) as engine:
+        app = build_app(engine, MODEL_NAME, model_root=str(tiny_llama_dir), max_waiting_requests=1024)
+        server, thread, base_url = start_server(app)
+        try:
+            yield LiveServer(base_url=base_url, engine=engine, app=app)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from sqlalchemy import func, select
 
-from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.conversations import ConversationStore
 from llmserve.platform.keys import ApiKey, KeyCache, KeyStore
@@ -23,7 +21,7 @@ from llmserve.server.app import ModelSpec, build_app
 from llmserve.server.gateway import Platform
 from llmserve.store.db import Database, open_database
 from llmserve.store.schema import UsageRecordRow
-from tests.server.conftest import MAX_MODEL_LEN, start_server
+from tests.server.conftest import start_server, tiny_engine_running
 
 MODEL = "tiny-llama"
 
@@ -81,20 +79,8 @@ class PlatformServer:
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_llama_dir: Path) -> Iterator[AsyncLLM]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = AsyncLLM.from_config(
-        EngineConfig(
-            model=str(tiny_llama_dir),
-            dtype="float32",
-            num_kv_blocks=1024,
-            max_model_len=MAX_MODEL_LEN,
-            max_num_batched_tokens=256,
-        )
-    )
-    yield engine
-    engine.close()
-    torch.set_num_threads(threads)
+    with tiny_engine_running(tiny_llama_dir, num_kv_blocks=1024, max_num_batched_tokens=256) as engine:
+        yield engine
 
 
 def serve_platform(
