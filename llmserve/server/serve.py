@@ -157,14 +157,17 @@ def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Pla
     )
 
 
-def _model_specs(args: argparse.Namespace, config: ModelsConfig | None) -> list[ModelSpec]:
-    from llmserve.cli import engine_kwargs
-
-    models = parse_model_args(args.model, args.served_model_name)
+def _model_args(args: argparse.Namespace, config: ModelsConfig | None) -> list[ModelArg]:
     if config is not None and config.models:
         if args.model:
             raise ValueError("Give the models either with --model or in --config, not both.")
-        models = [ModelArg(m.name, m.model, m.engine.model_dump(exclude_unset=True)) for m in config.models]
+        return [ModelArg(m.name, m.model, m.engine.model_dump(exclude_unset=True)) for m in config.models]
+    return parse_model_args(args.model, args.served_model_name)
+
+
+def _model_specs(args: argparse.Namespace, models: list[ModelArg]) -> list[ModelSpec]:
+    from llmserve.cli import engine_kwargs
+
     specs = []
     for model in models:
         kwargs = {**engine_kwargs(args), **model.engine_overrides}
@@ -177,10 +180,14 @@ def _model_specs(args: argparse.Namespace, config: ModelsConfig | None) -> list[
     return specs
 
 
-def _aliases(args: argparse.Namespace, config: ModelsConfig | None, specs: list[ModelSpec]) -> dict:
+def _aliases(args: argparse.Namespace, config: ModelsConfig | None, models: list[ModelArg]) -> dict:
+    """--alias and the config's aliases, plus each unnamed --model as typed (clients may send the path)."""
     from llmserve.platform.routing import parse_alias
 
-    aliases: dict[str, list[tuple[str, float]]] = {}
+    names = {m.name for m in models}
+    aliases: dict[str, list[tuple[str, float]]] = {
+        typed: [(m.name, 1.0)] for m in models for typed in m.aliases if typed not in names
+    }
     if config is not None:
         aliases.update(config.alias_targets())
     for value in args.alias:
@@ -193,14 +200,12 @@ def run_server(args: argparse.Namespace) -> int:
     from llmserve.platform.routing import load_models_config
 
     config = load_models_config(args.config) if args.config else None
-    specs = _model_specs(args, config)
-    model_aliases = [a for a in parse_model_args(args.model, args.served_model_name)[0].aliases] if (
-        args.model and len(args.model) == 1 and config is None) else []
+    models = _model_args(args, config)
+    specs = _model_specs(args, models)
     platform = build_platform(args, config)
     app = build_app(
         models=specs,
-        aliases=_aliases(args, config, specs),
-        model_aliases=model_aliases,
+        aliases=_aliases(args, config, models),
         owns_engine=True,
         shutdown_timeout=args.shutdown_timeout,
         slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),

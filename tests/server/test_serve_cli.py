@@ -111,3 +111,29 @@ def test_sigterm_finishes_in_flight_refuses_new_and_exits_0(server_process, tiny
                             finish_reasons[choice["index"]] = choice["finish_reason"]
     assert done and finish_reasons == {i: "length" for i in range(4)}
     assert proc.wait(timeout=60) == 0
+
+
+def test_model_arguments_name_models_and_keep_the_typed_path_as_an_alias(tmp_path):
+    import argparse
+
+    from llmserve.server.serve import _aliases, parse_model_args
+
+    (tmp_path / "second").mkdir()
+    models = parse_model_args(["first=/models/one", str(tmp_path / "second")], None)
+    assert [(m.name, m.model, m.aliases) for m in models] == [
+        ("first", "/models/one", []),
+        ("second", str(tmp_path / "second"), [str(tmp_path / "second")]),
+    ]
+    args = argparse.Namespace(alias=["chat=first:3,second:1"])
+    assert _aliases(args, None, models) == {
+        str(tmp_path / "second"): [("second", 1.0)],
+        "chat": [("first", 0.75), ("second", 0.25)],
+    }
+    assert [m.name for m in parse_model_args(None, None)] == ["llmserve-default"]
+    assert [m.name for m in parse_model_args(["hub/model-id"], "custom")] == ["custom"]
+    with pytest.raises(ValueError, match="same name"):
+        parse_model_args(["a=/x", "a=/y"], None)
+    with pytest.raises(ValueError, match="names one model"):
+        parse_model_args(["/x", "/y"], "custom")
+    with pytest.raises(ValueError, match="checkpoint directory or hub id"):
+        parse_model_args(["a="], None)
