@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
@@ -37,9 +36,7 @@ from llmserve.server.streaming import (
     final_output,
     sse,
 )
-from llmserve.server.submit import Started, check_prompt, start_requests
-
-logger = logging.getLogger(__name__)
+from llmserve.server.submit import Started, check_prompt, count_output_blocks, start_requests
 
 router = APIRouter()
 
@@ -65,13 +62,8 @@ class _ChatContext:
     def cursors(self) -> list[StreamCursor]:
         return [StreamCursor(self.state.output_guard()) for _ in range(self.n)]
 
-    def count_blocks(self, cursors: list[StreamCursor]) -> bool:
-        """Count and log each choice the output filter stopped; whether any was."""
-        blocked = [c.blocked for c in cursors if c.blocked is not None]
-        for verdict in blocked:
-            self.state.metrics.safety_blocks.labels(self.model, "output", verdict.rule or "plugin").inc()
-            logger.warning("safety: stopped the output of %s (rule %s)", self.response_id, verdict.rule)
-        return bool(blocked)
+    def count_blocks(self, cursors: Iterable[StreamCursor]) -> bool:
+        return count_output_blocks(self.state, self.model, self.response_id, cursors)
 
     def remember_replies(self, output: RequestOutput) -> None:
         """Let the next turn of this conversation reuse the replies' exact tokens (and so their KV)."""

@@ -6,7 +6,6 @@ as OpenAI numbers them.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -36,10 +35,8 @@ from llmserve.server.streaming import (
     merged,
     sse,
 )
-from llmserve.server.submit import Started, check_prompt, start_requests
+from llmserve.server.submit import Started, check_prompt, count_output_blocks, start_requests
 from llmserve.tokenizer.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -57,11 +54,7 @@ class _CompletionContext:
     started: Started
 
     def count_blocks(self, cursors: Iterable[StreamCursor]) -> bool:
-        blocked = [c.blocked for c in cursors if c.blocked is not None]
-        for verdict in blocked:
-            self.state.metrics.safety_blocks.labels(self.model, "output", verdict.rule or "plugin").inc()
-            logger.warning("safety: stopped the output of %s (rule %s)", self.response_id, verdict.rule)
-        return bool(blocked)
+        return count_output_blocks(self.state, self.model, self.response_id, cursors)
 
 
 @router.post("/v1/completions", response_model=None)

@@ -5,7 +5,7 @@ own parameters. What comes back carries the meter that records the request's usa
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -19,7 +19,7 @@ from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Meter
 from llmserve.server.protocol import random_id
 from llmserve.server.state import ModelEndpoint, ServerState
-from llmserve.server.streaming import until_disconnect
+from llmserve.server.streaming import StreamCursor, until_disconnect
 
 T = TypeVar("T")
 
@@ -67,6 +67,17 @@ def check_prompt(state: ServerState, endpoint: ModelEndpoint, texts: Sequence[st
                 param=param,
                 code="content_filter",
             )
+
+
+def count_output_blocks(
+    state: ServerState, model: str, response_id: str, cursors: Iterable[StreamCursor]
+) -> bool:
+    """The safety post-filter's bookkeeping: count and log each choice it stopped; whether any was."""
+    blocked = [c.blocked for c in cursors if c.blocked is not None]
+    for verdict in blocked:
+        state.metrics.safety_blocks.labels(model, "output", verdict.rule or "plugin").inc()
+        logger.warning("safety: stopped the output of %s (rule %s)", response_id, verdict.rule)
+    return bool(blocked)
 
 
 def reserved_tokens(endpoint: ModelEndpoint, prompts: Sequence[Sequence[int]], params: SamplingParams) -> int:
