@@ -27,13 +27,15 @@ def _decode_meta(lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
     )
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (8, 1), (16, 2)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_kernel_matches_the_torch_path(dtype, heads, kv_heads, head_dim):
-    gen = torch.Generator().manual_seed(heads * 100 + kv_heads + head_dim)
-    block_size, num_blocks = 16, 64
-    lens = [1, 15, 16, 17, 100, 203]  # partial blocks, exact blocks, one token
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (8, 1), (16, 2), (32, 8)])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 16), (48, 16), (40, 8), (64, 32), (64, 128)])
+def test_kernel_matches_the_torch_path(portable, dtype, heads, kv_heads, head_dim, block_size):
+    # head_dim 48 takes the AVX-512 path without the bf16 dot product, 40 and block 128 the portable one
+    gen = torch.Generator().manual_seed(heads * 100 + kv_heads + head_dim + block_size)
+    lens = [1, 15, 16, 17, 100, 203, 700]  # partial blocks, exact blocks, one token, many blocks
+    num_blocks = sum(-(-n // block_size) for n in lens) + 4
     max_blocks = -(-max(lens) // block_size)
     # every sequence gets distinct, shuffled (non-contiguous) blocks; table padding points at block 0
     perm = torch.randperm(num_blocks, generator=gen)
@@ -55,7 +57,7 @@ def test_kernel_matches_the_torch_path(dtype, heads, kv_heads, head_dim):
     assert meta.backend_data["decode_kernel"] is False
     expected = reference._decode(q.float(), k_cache.float(), v_cache.float(), meta)
 
-    out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, meta.seq_lens, scale)
+    out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, meta.seq_lens, scale, portable=portable)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 

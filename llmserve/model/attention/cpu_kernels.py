@@ -59,9 +59,9 @@ def load() -> ctypes.CDLL | None:
     except (OSError, subprocess.CalledProcessError) as exc:
         logger.warning("building the CPU attention kernel failed (%s); using the PyTorch path", exc)
         return None
-    fn = lib.llmserve_paged_decode
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    for fn in (lib.llmserve_paged_decode, lib.llmserve_paged_decode_portable):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -79,9 +79,10 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
 
 def paged_decode(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, portable: bool = False,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence ([B, H, D]) over its paged context."""
+    """Attention of one query token per sequence ([B, H, D]) over its paged context. `portable` forces the
+    plain-C implementation where the AVX-512 one would be used (for tests)."""
     lib = load()
     assert lib is not None, "call supports()/load() first"
     query = query.contiguous()
@@ -90,7 +91,8 @@ def paged_decode(
     out = torch.empty_like(query)
     batch, heads, dim = query.shape
     _, kv_heads, block_size, _ = k_cache.shape
-    status = lib.llmserve_paged_decode(
+    fn = lib.llmserve_paged_decode_portable if portable else lib.llmserve_paged_decode
+    status = fn(
         _DTYPE_CODES[query.dtype], query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim, block_size, tables.shape[1], scale,
         torch.get_num_threads(),

@@ -2,9 +2,15 @@
  * Paged-attention decode on the CPU: one query token per sequence, keys and values read straight from
  * their cache blocks through the block table (no gathered copy), one pass over each sequence's KV.
  *
- * Cache layout [num_blocks, kv_heads, block_size, head_dim]. Work is split over (sequence, kv head);
- * the `group` query heads that share a kv head are scored together, so each key/value row is loaded
- * once. Scores and accumulators are float32 whatever the storage type.
+ * Cache layout [num_blocks, kv_heads, block_size, head_dim]. Scores and accumulators are float32 whatever
+ * the storage type. Two implementations:
+ *  - AVX-512 (compiled where the build machine has it, used when head_dim is a multiple of 16 and the
+ *    block size at most 64): a task is one sequence and a run of its kv heads, so each cache block is read
+ *    as one contiguous stretch; an online softmax per block (no score buffer); 16-lane exp; bf16 keys are
+ *    dotted with the bf16 query by the AVX512-BF16 instruction where present (bf16 products are exact in
+ *    float32, so only the summation order differs).
+ *  - Portable C for everything else: work split over (sequence, kv head), the `group` query heads that
+ *    share a kv head scored together so each key/value row is loaded once.
  *
  * Built on first use by llmserve/model/attention/cpu_kernels.py with the system C compiler and called
  * through ctypes with raw pointers, so it needs no PyTorch headers.
@@ -13,6 +19,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -104,21 +113,191 @@ static inline void bf16_store(uint16_t *p, float v) { *p = float_to_bf16(v); }
         }                                                                                                 \
     }
 
-DEFINE_DECODE(decode_f32, float, f32_load, f32_store)
-DEFINE_DECODE(decode_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_DECODE(portable_f32, float, f32_load, f32_store)
+DEFINE_DECODE(portable_bf16, uint16_t, bf16_load, bf16_store)
+
+#if defined(__AVX512F__)
+#define MAX_BLOCK 64
+#define MAX_QUERIES_PER_TASK 16
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+/* exp(x) for x <= 0 on 16 lanes: 2^t with t = x log2(e), split as 2^floor(t) * 2^frac(t), the second by a
+   degree-6 polynomial (relative error ~2e-7); scalef applies the power of two and flushes to 0 below range. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(1.44269504088896341f));
+    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, fi);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, fi);
+}
+
+
+
+/* Scores of one key row against the query heads of kv head HH, the key converted to float32 first. */
+#define DOT_CONVERTED(LOAD16, KROW, HH, R)                                                              \
+    {                                                                                                   \
+        __m512 kr[MAX_DIM / 16];                                                                        \
+        for (int c = 0; c < chunks; c++) kr[c] = LOAD16((KROW) + c * 16);                               \
+        for (int g = 0; g < group; g++) {                                                               \
+            const float *qg = qf + ((HH) * group + g) * dim;                                            \
+            __m512 d0 = _mm512_mul_ps(_mm512_load_ps(qg), kr[0]);                                       \
+            for (int c = 1; c < chunks; c++) d0 = _mm512_fmadd_ps(_mm512_load_ps(qg + c * 16), kr[c], d0); \
+            s[((HH) * group + g) * MAX_BLOCK + (R)] = _mm512_reduce_add_ps(d0);                         \
+        }                                                                                               \
+    }
+/* bf16 keys against the bf16 query: with AVX512-BF16 by the dot-product instruction (bf16 x bf16 products are
+   exact in float32, so only the summation order differs from converting first), else converted to float32. */
+#if defined(__AVX512BF16__)
+#define DOT_BF16(KROW, HH, R)                                                                           \
+    if (dim % 32 == 0) {                                                                                \
+        __m512bh kr[MAX_DIM / 32];                                                                      \
+        for (int c = 0; c < dim / 32; c++) kr[c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)(KROW) + c * 32); \
+        for (int g = 0; g < group; g++) {                                                               \
+            const uint16_t *qg = (const uint16_t *)qraw + ((HH) * group + g) * dim;                     \
+            __m512 d0 = _mm512_setzero_ps();                                                            \
+            for (int c = 0; c < dim / 32; c++)                                                          \
+                d0 = _mm512_dpbf16_ps(d0, (__m512bh)_mm512_loadu_si512(qg + c * 32), kr[c]);             \
+            s[((HH) * group + g) * MAX_BLOCK + (R)] = _mm512_reduce_add_ps(d0) * scale;                 \
+        }                                                                                               \
+    } else                                                                                              \
+        DOT_CONVERTED(load16_bf16, KROW, HH, R)
+#else
+#define DOT_BF16(KROW, HH, R) DOT_CONVERTED(load16_bf16, KROW, HH, R)
+#endif
+#define DOT_F32(KROW, HH, R) DOT_CONVERTED(load16_f32, KROW, HH, R)
+
+#define DEFINE_DECODE_AVX512(NAME, T, LOAD16, STORE, DOT_ROWS)                                                    \
+static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *tables, const int32_t *lens, \
+                 T *out, int batch, int heads, int kv_heads, int dim, int block_size, int max_blocks,    \
+                 float scale, int threads) {                                                            \
+    const int group = heads / kv_heads, chunks = dim / 16;                                              \
+    /* kv heads per task: as many as fit (whole blocks are read contiguously), fewer when that would leave \
+       too few tasks to keep every thread busy. */                                                      \
+    int per_task = kv_heads;                                                                            \
+    while ((per_task * group > MAX_QUERIES_PER_TASK || (long)batch * (kv_heads / per_task) < 4L * threads) \
+           && per_task % 2 == 0)                                                                        \
+        per_task /= 2;                                                                                  \
+    if (per_task * group > MAX_QUERIES_PER_TASK) per_task = 1;                                          \
+    const int splits = kv_heads / per_task;                                                             \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                                \
+    for (int task = 0; task < batch * splits; task++) {                                                 \
+        const int b = task / splits, h0 = (task % splits) * per_task, len = lens[b];                    \
+        const int nq = per_task * group;                                                                \
+        __attribute__((aligned(64))) float qf[MAX_QUERIES_PER_TASK * MAX_DIM];              \
+        __attribute__((aligned(64))) float acc[MAX_QUERIES_PER_TASK * MAX_DIM];             \
+        __attribute__((aligned(64))) float s[MAX_QUERIES_PER_TASK * MAX_BLOCK];             \
+        float m[MAX_QUERIES_PER_TASK], l[MAX_QUERIES_PER_TASK];                \
+        const T *qraw = q + ((size_t)b * heads + h0 * group) * dim;                                     \
+        (void)qraw; /* read by the bf16 dot product only */                                             \
+        const __m512 vscale = _mm512_set1_ps(scale);                                                    \
+        for (int i = 0; i < nq; i++) {                                                                  \
+            const T *qi = q + ((size_t)b * heads + h0 * group + i) * dim;                               \
+            for (int c = 0; c < chunks; c++) {                                                          \
+                _mm512_store_ps(qf + i * dim + c * 16, _mm512_mul_ps(LOAD16(qi + c * 16), vscale));     \
+                _mm512_store_ps(acc + i * dim + c * 16, _mm512_setzero_ps());                           \
+            }                                                                                           \
+            m[i] = -INFINITY;                                                                           \
+            l[i] = 0.0f;                                                                                \
+        }                                                                                               \
+        for (int first = 0; first < len; first += block_size) {                                         \
+            const size_t block = (size_t)tables[(size_t)b * max_blocks + first / block_size];           \
+            const int rows = len - first < block_size ? len - first : block_size;                       \
+            for (int hh = 0; hh < per_task; hh++) {                                                     \
+                const T *kb = k_cache + ((block * kv_heads + h0 + hh) * block_size) * dim;              \
+                for (int r = 0; r < rows; r++) {                                                        \
+                    DOT_ROWS(kb + (size_t)r * dim, hh, r)                                               \
+                }                                                                                       \
+            }                                                                                           \
+            for (int i = 0; i < nq; i++) {                                                              \
+                float *si = s + i * MAX_BLOCK;                                                          \
+                float bm = m[i];                                                                        \
+                for (int r = 0; r < rows; r++) bm = si[r] > bm ? si[r] : bm;                            \
+                const float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - bm);                         \
+                __m512 vsum = _mm512_setzero_ps();                                                      \
+                const __m512 vbm = _mm512_set1_ps(bm);                                                  \
+                for (int r = 0; r < rows; r += 16) {                                                    \
+                    const __mmask16 mask = rows - r >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rows - r)) - 1u); \
+                    __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, si + r), vbm));           \
+                    p = _mm512_maskz_mov_ps(mask, p);                                                   \
+                    _mm512_storeu_ps(si + r, p);                                                        \
+                    vsum = _mm512_add_ps(vsum, p);                                                      \
+                }                                                                                       \
+                l[i] = l[i] * alpha + _mm512_reduce_add_ps(vsum);                                       \
+                m[i] = bm;                                                                              \
+                if (alpha != 1.0f) {                                                                    \
+                    const __m512 va = _mm512_set1_ps(alpha);                                            \
+                    for (int c = 0; c < chunks; c++)                                                    \
+                        _mm512_store_ps(acc + i * dim + c * 16, _mm512_mul_ps(_mm512_load_ps(acc + i * dim + c * 16), va)); \
+                }                                                                                       \
+            }                                                                                           \
+            for (int hh = 0; hh < per_task; hh++) {                                                     \
+                const T *vb = v_cache + ((block * kv_heads + h0 + hh) * block_size) * dim;              \
+                for (int r = 0; r < rows; r++) {                                                        \
+                    __m512 vr[MAX_DIM / 16];                                                            \
+                    for (int c = 0; c < chunks; c++) vr[c] = LOAD16(vb + (size_t)r * dim + c * 16);    \
+                    for (int g = 0; g < group; g++) {                                                   \
+                        const __m512 p = _mm512_set1_ps(s[(hh * group + g) * MAX_BLOCK + r]);           \
+                        float *ag = acc + (hh * group + g) * dim;                                       \
+                        for (int c = 0; c < chunks; c++)                                                \
+                            _mm512_store_ps(ag + c * 16, _mm512_fmadd_ps(p, vr[c], _mm512_load_ps(ag + c * 16))); \
+                    }                                                                                   \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        for (int i = 0; i < nq; i++) {                                                                  \
+            const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;                                         \
+            T *o = out + ((size_t)b * heads + h0 * group + i) * dim;                                    \
+            for (int d = 0; d < dim; d++) STORE(o + d, acc[i * dim + d] * inv);                         \
+        }                                                                                               \
+    }                                                                                                   \
+}
+
+DEFINE_DECODE_AVX512(avx512_f32, float, load16_f32, f32_store, DOT_F32)
+DEFINE_DECODE_AVX512(avx512_bf16, uint16_t, load16_bf16, bf16_store, DOT_BF16)
+#endif
+
+typedef void (*decode_fn)(const void *, const void *, const void *, const int32_t *, const int32_t *, void *, int,
+                          int, int, int, int, int, float, int);
+
+static int dispatch(int dtype, int allow_avx512, const void *q, const void *k_cache, const void *v_cache,
+                    const int32_t *tables, const int32_t *lens, void *out, int batch, int heads, int kv_heads,
+                    int dim, int block_size, int max_blocks, float scale, int threads) {
+    if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim > MAX_DIM) return -1;
+    if (dtype != 0 && dtype != 1) return -1;
+    decode_fn fn = dtype == 0 ? (decode_fn)portable_f32 : (decode_fn)portable_bf16;
+#if defined(__AVX512F__)
+    if (allow_avx512 && dim % 16 == 0 && block_size <= MAX_BLOCK)
+        fn = dtype == 0 ? (decode_fn)avx512_f32 : (decode_fn)avx512_bf16;
+#else
+    (void)allow_avx512;
+#endif
+    fn(q, k_cache, v_cache, tables, lens, out, batch, heads, kv_heads, dim, block_size, max_blocks, scale, threads);
+    return 0;
+}
 
 /* dtype: 0 float32, 1 bfloat16. Returns 0 on success, -1 for an unsupported shape or dtype. */
 int llmserve_paged_decode(int dtype, const void *q, const void *k_cache, const void *v_cache,
                           const int32_t *tables, const int32_t *lens, void *out, int batch, int heads,
                           int kv_heads, int dim, int block_size, int max_blocks, float scale, int threads) {
-    if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim > MAX_DIM) return -1;
-    if (dtype == 0)
-        decode_f32((const float *)q, (const float *)k_cache, (const float *)v_cache, tables, lens, (float *)out,
-                   batch, heads, kv_heads, dim, block_size, max_blocks, scale, threads);
-    else if (dtype == 1)
-        decode_bf16((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, tables, lens,
-                    (uint16_t *)out, batch, heads, kv_heads, dim, block_size, max_blocks, scale, threads);
-    else
-        return -1;
-    return 0;
+    return dispatch(dtype, 1, q, k_cache, v_cache, tables, lens, out, batch, heads, kv_heads, dim, block_size,
+                    max_blocks, scale, threads);
+}
+
+/* The portable implementation alone, so tests can check it on machines that have AVX-512. */
+int llmserve_paged_decode_portable(int dtype, const void *q, const void *k_cache, const void *v_cache,
+                                   const int32_t *tables, const int32_t *lens, void *out, int batch, int heads,
+                                   int kv_heads, int dim, int block_size, int max_blocks, float scale,
+                                   int threads) {
+    return dispatch(dtype, 0, q, k_cache, v_cache, tables, lens, out, batch, heads, kv_heads, dim, block_size,
+                    max_blocks, scale, threads);
 }
