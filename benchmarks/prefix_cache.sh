@@ -5,6 +5,8 @@
 #   bash benchmarks/prefix_cache.sh [MODEL_DIR] [OUT_DIR]
 # Smaller smoke run: NUM_PROMPTS=4 CONVERSATIONS=2 SHARED_PREFIX_LEN=100 bash benchmarks/prefix_cache.sh DIR
 # Multi-turn as N users chatting: DATASETS=multi-turn RATE=inf MAX_CONCURRENCY=6 CONVERSATIONS=24 bash ...
+# vLLM's multi-turn shape (shared system prompt, a document opening each chat): add
+#   SYSTEM_PROMPT_LEN=100 FIRST_TURN_CONTEXT_LEN=200:400
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-$(python -c "from llmserve.model.builtin import ensure_default_model; print(ensure_default_model('llama','medium'))")}
@@ -18,6 +20,8 @@ QUESTION_LEN=${QUESTION_LEN:-50}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 NUM_TURNS=${NUM_TURNS:-5}
 TURN_OUTPUT_LEN=${TURN_OUTPUT_LEN:-32}  # N or LOW:HIGH (varied replies keep conversations out of lockstep)
+SYSTEM_PROMPT_LEN=${SYSTEM_PROMPT_LEN:-0}  # multi-turn: a system prompt shared by all conversations
+FIRST_TURN_CONTEXT_LEN=${FIRST_TURN_CONTEXT_LEN:-0}  # multi-turn: N or LOW:HIGH tokens of a document opening each chat
 SERVE_ARGS=${SERVE_ARGS:-}
 DATASETS=${DATASETS:-"shared-prefix multi-turn"}
 MAX_CONCURRENCY=${MAX_CONCURRENCY:-}  # set: a closed loop of that many clients (conversations) instead of arrivals at RATE
@@ -69,6 +73,7 @@ for mode in on off; do
             --output-len "$OUTPUT_LEN" --num-prompts "$NUM_PROMPTS")
     else
       args=(--dataset multi-turn --num-turns "$NUM_TURNS" --num-prompts "$CONVERSATIONS" --turn-output-len "$TURN_OUTPUT_LEN"
+            --system-prompt-len "$SYSTEM_PROMPT_LEN" --first-turn-context-len "$FIRST_TURN_CONTEXT_LEN"
             --endpoint /v1/chat/completions)
     fi
     [ -n "$MAX_CONCURRENCY" ] && args+=(--max-concurrency "$MAX_CONCURRENCY")

@@ -40,6 +40,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--turn-input-len", type=int, default=50, help="tokens of each user turn (multi-turn)")
     data.add_argument("--turn-output-len", default="32",
                       help="output tokens per turn, N or LOW:HIGH drawn per turn (multi-turn)")
+    data.add_argument("--system-prompt-len", type=int, default=0,
+                      help="tokens of a system prompt shared by every conversation (multi-turn)")
+    data.add_argument("--first-turn-context-len", default="0",
+                      help="tokens of a context (a document) of its own before each conversation's first user "
+                           "message, N or LOW:HIGH drawn per conversation (multi-turn; vLLM's multi-turn "
+                           "benchmark opens with ~1,000)")
 
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", default="inf",

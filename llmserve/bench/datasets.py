@@ -56,6 +56,11 @@ def parse_len_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def parse_optional_len_range(text: str) -> tuple[int, int]:
+    """As `parse_len_range`, and "0" for none."""
+    return (0, 0) if text.strip() == "0" else parse_len_range(text)
+
+
 # ---------------------------------------------------------------------------------------------
 # token sources
 # ---------------------------------------------------------------------------------------------
@@ -284,20 +289,34 @@ def multi_turn_dataset(
     turn_output_len: int | tuple[int, int],
     prompt_format: str,
     rng: random.Random,
+    system_prompt_len: int = 0,
+    first_turn_context_len: tuple[int, int] = (0, 0),
 ) -> list[Conversation]:
     """Conversations of num_turns user messages; the history is assembled while they run. Reply lengths
     are fixed or drawn per turn from an inclusive (low, high) range (varied lengths keep concurrent
-    conversations from moving in lockstep)."""
+    conversations from moving in lockstep).
+
+    The shape of vLLM's multi-turn benchmark can be added: a system prompt shared by every conversation
+    (`system_prompt_len`) and a context of its own in each conversation's first user message, as a chat
+    that starts from a document (`first_turn_context_len`, drawn per conversation)."""
     low, high = (turn_output_len, turn_output_len) if isinstance(turn_output_len, int) else turn_output_len
     if prompt_format != "text":
         raise ValueError("the multi-turn dataset sends the server's text replies back, so it needs --prompt-format text")
     if num_turns < 1:
         raise ValueError("--num-turns must be >= 1")
+    if system_prompt_len < 0:
+        raise ValueError("--system-prompt-len must be >= 0")
+    system, measured_system = source.text(system_prompt_len, rng) if system_prompt_len > 0 else (None, 0)
     conversations = []
     for _ in range(num_conversations):
         turns = [Turn(*source.text(turn_input_len, rng), low if low == high else rng.randint(low, high))
                  for _ in range(num_turns)]
-        conversations.append(Conversation(turns, meta={"multi_turn": True}))
+        context_len = rng.randint(*first_turn_context_len)
+        if context_len > 0:
+            context, measured = source.text(context_len, rng)
+            first = turns[0]
+            turns[0] = Turn(_concat(context, first.user), measured + first.input_len, first.output_len)
+        conversations.append(Conversation(turns, system, measured_system, meta={"multi_turn": True}))
     return conversations
 
 

@@ -114,7 +114,8 @@ def dataset_args(args: argparse.Namespace) -> dict[str, Any]:
         return {"shared_prefix_len": args.shared_prefix_len, "question_len": args.question_len,
                 "output_len": args.output_len}
     return {"num_turns": args.num_turns, "turn_input_len": args.turn_input_len,
-            "turn_output_len": args.turn_output_len}
+            "turn_output_len": args.turn_output_len, "system_prompt_len": args.system_prompt_len,
+            "first_turn_context_len": args.first_turn_context_len}
 
 
 def build_workload(config: BenchConfig, source: TokenSource, seed: int) -> list[Conversation]:
@@ -134,6 +135,8 @@ def build_workload(config: BenchConfig, source: TokenSource, seed: int) -> list[
         source, config.num_prompts, extra["num_turns"], extra["turn_input_len"],
         datasets.parse_len_range(str(extra["turn_output_len"])),
         config.prompt_format, rng,
+        system_prompt_len=extra.get("system_prompt_len", 0),
+        first_turn_context_len=datasets.parse_optional_len_range(str(extra.get("first_turn_context_len", "0"))),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from llmserve.bench.datasets import (
     Turn,
     WordSource,
     completion_prompt,
+    multi_turn_dataset,
     parse_len_range,
 )
 from tests.bench.fake_server import FakeState, run_fake_server
@@ -201,3 +203,29 @@ def test_multi_turn_reply_lengths_can_vary_per_turn(tmp_path: Path) -> None:
     lengths = [body["max_tokens"] for body in state.requests]
     assert len(lengths) == 12 and all(2 <= n <= 9 for n in lengths)
     assert len(set(lengths)) > 1
+
+
+def test_multi_turn_with_shared_system_prompt_and_first_turn_context(tmp_path: Path) -> None:
+    state = FakeState()
+    with run_fake_server(state) as url:
+        run_bench(tmp_path, url, "--dataset", "multi-turn", "--endpoint", "/v1/chat/completions",
+                  "--num-prompts", "3", "--num-turns", "2", "--turn-input-len", "6", "--turn-output-len", "2",
+                  "--system-prompt-len", "8", "--first-turn-context-len", "20:30", "--request-rate", "inf")
+    assert len(state.requests) == 6
+    systems = {body["messages"][0]["content"] for body in state.requests}
+    assert len(systems) == 1 and all(body["messages"][0]["role"] == "system" for body in state.requests)
+    assert len(systems.pop().split()) == 8
+    first_turns = [body["messages"] for body in state.requests if len(body["messages"]) == 2]
+    later_turns = [body["messages"] for body in state.requests if len(body["messages"]) == 4]
+    assert len(first_turns) == len(later_turns) == 3
+    openers = {messages[1]["content"] for messages in first_turns}
+    assert len(openers) == 3  # each conversation opens with a context of its own
+    assert all(26 <= len(text.split()) <= 36 for text in openers)  # 20-30 words of context + the 6-word question
+    for messages in later_turns:
+        assert messages[1]["content"] in openers  # the history repeats the opener verbatim
+        assert len(messages[3]["content"].split()) == 6  # later user turns are short
+
+
+def test_multi_turn_rejects_a_negative_system_prompt(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="system-prompt-len"):
+        multi_turn_dataset(WordSource(), 1, 2, 6, 2, "text", random.Random(0), system_prompt_len=-1)
