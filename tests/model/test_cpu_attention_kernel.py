@@ -67,3 +67,22 @@ def test_backend_routes_cpu_decodes_through_the_kernel():
     meta = _decode_meta([5, 9], torch.tensor([[0], [1]], dtype=torch.int32))
     backend.prepare(meta)
     assert meta.backend_data["decode_kernel"] is True
+
+
+def test_use_portable_switches_every_later_call():
+    gen = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(8, 2, 16, 64, generator=gen)
+    v_cache = torch.randn(8, 2, 16, 64, generator=gen)
+    tables = torch.arange(8, dtype=torch.int32).view(2, 4)
+    lens = torch.tensor([60, 33], dtype=torch.int32)
+    q = torch.randn(2, 8, 64, generator=gen)
+    portable = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, portable=True)
+    best = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    if torch.equal(portable, best):
+        pytest.skip("both implementations give the same bits here (no AVX-512 build)")
+    try:
+        cpu_kernels.use_portable(True)
+        assert torch.equal(cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125), portable)
+    finally:
+        cpu_kernels.use_portable(False)
+    assert torch.equal(cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125), best)

@@ -3,7 +3,8 @@
 The build needs only a C compiler with OpenMP (gcc or clang); the shared object is cached under the
 llmserve cache directory, keyed by the source, the flags and the machine. When no compiler is present or
 the build fails, `load()` returns None and the torch backend keeps its pure-PyTorch path.
-Set LLMSERVE_CPU_KERNELS=0 to turn the kernel off.
+Set LLMSERVE_CPU_KERNELS=0 to turn the kernel off, =portable to keep it off the AVX-512 path (for
+comparisons; `use_portable` does the same at run time).
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ def _compiler() -> str | None:
         if name and shutil.which(name):
             return name
     return None
+
+
+_portable_only = os.environ.get("LLMSERVE_CPU_KERNELS") == "portable"
+
+
+def use_portable(portable: bool) -> None:
+    """Send every later call to the portable C implementation (True) or to the best one built (False)."""
+    global _portable_only
+    _portable_only = portable
 
 
 @functools.cache
@@ -91,7 +101,7 @@ def paged_decode(
     out = torch.empty_like(query)
     batch, heads, dim = query.shape
     _, kv_heads, block_size, _ = k_cache.shape
-    fn = lib.llmserve_paged_decode_portable if portable else lib.llmserve_paged_decode
+    fn = lib.llmserve_paged_decode_portable if portable or _portable_only else lib.llmserve_paged_decode
     status = fn(
         _DTYPE_CODES[query.dtype], query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim, block_size, tables.shape[1], scale,

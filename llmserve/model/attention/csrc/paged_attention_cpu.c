@@ -6,9 +6,10 @@
  * the storage type. Two implementations:
  *  - AVX-512 (compiled where the build machine has it, used when head_dim is a multiple of 16 and the
  *    block size at most 64): a task is one sequence and a run of its kv heads, so each cache block is read
- *    as one contiguous stretch; an online softmax per block (no score buffer); 16-lane exp; bf16 keys are
+ *    as one contiguous stretch; an online softmax per block (no score buffer); 16-lane exp. bf16 keys are
  *    dotted with the bf16 query by the AVX512-BF16 instruction where present (bf16 products are exact in
- *    float32, so only the summation order differs).
+ *    float32, so only the summation order differs), 16 rows at a time with one transpose-and-add for their
+ *    sums; for head_dim 64 and 128 the value accumulators stay in registers across a block's rows.
  *  - Portable C for everything else: work split over (sequence, kv head), the `group` query heads that
  *    share a kv head scored together so each key/value row is loaded once.
  *
@@ -155,6 +156,76 @@ static inline __m512 exp16(__m512 x) {
             s[((HH) * group + g) * MAX_BLOCK + (R)] = _mm512_reduce_add_ps(d0);                         \
         }                                                                                               \
     }
+
+
+/* out[r] = sum of the 16 lanes of v[r], for 16 vectors at once (a transpose-and-add tree). */
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+#if defined(__AVX512BF16__)
+/* Scores of the 16-row stretches of a bf16 key block against one bf16 query (dim = 32 * CH): each row's
+   dot-product vector is kept, and 16 rows are summed across lanes at once (reduce16). */
+#define DEFINE_QK_ROWS(NAME, CH)                                                                        \
+    static inline void NAME(const uint16_t *query, const uint16_t *keys, int rows, float scale, float *out) { \
+        __m512bh qv[CH];                                                                                \
+        for (int c = 0; c < CH; c++) qv[c] = (__m512bh)_mm512_loadu_si512(query + c * 32);              \
+        for (int r0 = 0; r0 < rows; r0 += 16) {                                                         \
+            __m512 d[16];                                                                               \
+            for (int r = 0; r < 16; r++) {                                                              \
+                __m512 x = _mm512_setzero_ps();                                                         \
+                for (int c = 0; c < CH; c++)                                                            \
+                    x = _mm512_dpbf16_ps(x, qv[c], (__m512bh)_mm512_loadu_si512(keys + (size_t)(r0 + r) * 32 * CH + c * 32)); \
+                d[r] = x;                                                                               \
+            }                                                                                           \
+            _mm512_storeu_ps(out + r0, _mm512_mul_ps(reduce16(d), _mm512_set1_ps(scale)));              \
+        }                                                                                               \
+    }
+DEFINE_QK_ROWS(qk_rows_64, 2)
+DEFINE_QK_ROWS(qk_rows_128, 4)
+
+/* The scores of one kv head's query group against a whole key block, when the shapes allow the fast
+   path (rows read in stretches of 16 need a block size that is a multiple of 16); 0 otherwise. */
+static inline int qk_block_bf16(const uint16_t *queries, const uint16_t *keys, int rows, int dim, int group,
+                                int block_size, float scale, float *scores) {
+    if (block_size % 16 != 0 || (dim != 64 && dim != 128)) return 0;
+    for (int g = 0; g < group; g++) {
+        if (dim == 64) qk_rows_64(queries + g * dim, keys, rows, scale, scores + g * MAX_BLOCK);
+        else qk_rows_128(queries + g * dim, keys, rows, scale, scores + g * MAX_BLOCK);
+    }
+    return 1;
+}
+#define FAST_QK_BF16(QUERIES, KEYS, ROWS, SCORES) \
+    qk_block_bf16((const uint16_t *)(QUERIES), (const uint16_t *)(KEYS), ROWS, dim, group, block_size, scale, SCORES)
+#else
+#define FAST_QK_BF16(QUERIES, KEYS, ROWS, SCORES) 0
+#endif
+#define FAST_QK_NONE(QUERIES, KEYS, ROWS, SCORES) 0
+
+/* acc[0:16*CHUNKS] += sum over rows r of p[r] * v[r]: the accumulators stay in registers across the rows. */
+#define PV_FIXED(LOAD16, CHUNKS, ACC, P, VB, ROWS)                                                      \
+    {                                                                                                   \
+        __m512 a[CHUNKS];                                                                               \
+        for (int c = 0; c < CHUNKS; c++) a[c] = _mm512_load_ps((ACC) + c * 16);                         \
+        for (int r = 0; r < (ROWS); r++) {                                                              \
+            const __m512 p = _mm512_set1_ps((P)[r]);                                                    \
+            for (int c = 0; c < CHUNKS; c++)                                                            \
+                a[c] = _mm512_fmadd_ps(p, LOAD16((VB) + (size_t)r * 16 * CHUNKS + c * 16), a[c]);        \
+        }                                                                                               \
+        for (int c = 0; c < CHUNKS; c++) _mm512_store_ps((ACC) + c * 16, a[c]);                         \
+    }
+
 /* bf16 keys against the bf16 query: with AVX512-BF16 by the dot-product instruction (bf16 x bf16 products are
    exact in float32, so only the summation order differs from converting first), else converted to float32. */
 #if defined(__AVX512BF16__)
@@ -176,7 +247,7 @@ static inline __m512 exp16(__m512 x) {
 #endif
 #define DOT_F32(KROW, HH, R) DOT_CONVERTED(load16_f32, KROW, HH, R)
 
-#define DEFINE_DECODE_AVX512(NAME, T, LOAD16, STORE, DOT_ROWS)                                                    \
+#define DEFINE_DECODE_AVX512(NAME, T, LOAD16, STORE, DOT_ROWS, FAST_QK)                                                    \
 static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *tables, const int32_t *lens, \
                  T *out, int batch, int heads, int kv_heads, int dim, int block_size, int max_blocks,    \
                  float scale, int threads) {                                                            \
@@ -214,9 +285,8 @@ static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *
             const int rows = len - first < block_size ? len - first : block_size;                       \
             for (int hh = 0; hh < per_task; hh++) {                                                     \
                 const T *kb = k_cache + ((block * kv_heads + h0 + hh) * block_size) * dim;              \
-                for (int r = 0; r < rows; r++) {                                                        \
-                    DOT_ROWS(kb + (size_t)r * dim, hh, r)                                               \
-                }                                                                                       \
+                if (FAST_QK(qraw + (size_t)hh * group * dim, kb, rows, s + hh * group * MAX_BLOCK)) continue; \
+                for (int r = 0; r < rows; r++) DOT_ROWS(kb + (size_t)r * dim, hh, r)                   \
             }                                                                                           \
             for (int i = 0; i < nq; i++) {                                                              \
                 float *si = s + i * MAX_BLOCK;                                                          \
@@ -242,14 +312,17 @@ static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *
             }                                                                                           \
             for (int hh = 0; hh < per_task; hh++) {                                                     \
                 const T *vb = v_cache + ((block * kv_heads + h0 + hh) * block_size) * dim;              \
-                for (int r = 0; r < rows; r++) {                                                        \
-                    __m512 vr[MAX_DIM / 16];                                                            \
-                    for (int c = 0; c < chunks; c++) vr[c] = LOAD16(vb + (size_t)r * dim + c * 16);    \
-                    for (int g = 0; g < group; g++) {                                                   \
-                        const __m512 p = _mm512_set1_ps(s[(hh * group + g) * MAX_BLOCK + r]);           \
-                        float *ag = acc + (hh * group + g) * dim;                                       \
-                        for (int c = 0; c < chunks; c++)                                                \
-                            _mm512_store_ps(ag + c * 16, _mm512_fmadd_ps(p, vr[c], _mm512_load_ps(ag + c * 16))); \
+                for (int g = 0; g < group; g++) {                                                       \
+                    float *ag = acc + (hh * group + g) * dim;                                           \
+                    const float *pg = s + (hh * group + g) * MAX_BLOCK;                                 \
+                    if (dim == 64) PV_FIXED(LOAD16, 4, ag, pg, vb, rows)                                \
+                    else if (dim == 128) PV_FIXED(LOAD16, 8, ag, pg, vb, rows)                          \
+                    else {                                                                              \
+                        for (int r = 0; r < rows; r++) {                                                \
+                            const __m512 p = _mm512_set1_ps(pg[r]);                                     \
+                            for (int c = 0; c < chunks; c++)                                            \
+                                _mm512_store_ps(ag + c * 16, _mm512_fmadd_ps(p, LOAD16(vb + (size_t)r * dim + c * 16), _mm512_load_ps(ag + c * 16))); \
+                        }                                                                               \
                     }                                                                                   \
                 }                                                                                       \
             }                                                                                           \
@@ -262,8 +335,8 @@ static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *
     }                                                                                                   \
 }
 
-DEFINE_DECODE_AVX512(avx512_f32, float, load16_f32, f32_store, DOT_F32)
-DEFINE_DECODE_AVX512(avx512_bf16, uint16_t, load16_bf16, bf16_store, DOT_BF16)
+DEFINE_DECODE_AVX512(avx512_f32, float, load16_f32, f32_store, DOT_F32, FAST_QK_NONE)
+DEFINE_DECODE_AVX512(avx512_bf16, uint16_t, load16_bf16, bf16_store, DOT_BF16, FAST_QK_BF16)
 #endif
 
 typedef void (*decode_fn)(const void *, const void *, const void *, const int32_t *, const int32_t *, void *, int,
