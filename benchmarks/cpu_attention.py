@@ -117,7 +117,9 @@ def main() -> int:
 
     engine_rows: dict[str, list[dict[str, float]]] = {name: [] for name in IMPLEMENTATIONS}
     if not args.skip_engine:
-        engine = LLMEngine.from_args(args.model or ensure_default_model("llama", "medium"), max_num_batched_tokens=2048)
+        # Prefix caching off: every run sends the same prompts, and a later run must not reuse an earlier one's KV.
+        engine = LLMEngine.from_args(args.model or ensure_default_model("llama", "medium"), max_num_batched_tokens=2048,
+                                     enable_prefix_caching=False)
         engine_run(engine, 8, seed=99)  # warm-up
         for round_index in range(args.rounds):
             for name, portable in IMPLEMENTATIONS.items():
