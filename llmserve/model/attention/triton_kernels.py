@@ -26,6 +26,23 @@ NEG_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, score_mask, m, l_sum, acc, qk_scale,
+                 DOT_PRECISION: tl.constexpr):
+    """One key/value tile of an online softmax: scores (log2 domain, `score_mask` false -> -inf), then the
+    running maximum `m`, sum `l_sum` and accumulator `acc` updated; returns the three."""
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(score_mask, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_sum, acc
+
+
+@triton.jit
 def write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -99,16 +116,8 @@ def decode_kernel(
         block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
         kv_off = block[:, None] * stride_cb + head_base + (pos % BLOCK_SIZE)[:, None] * stride_ct + dims[None, :]
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, TILE_N]
-        s = tl.where(pos_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, l_sum, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, pos_mask[None, :],
+                                     m, l_sum, acc, qk_scale, DOT_PRECISION)
 
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
@@ -201,16 +210,9 @@ def prefill_kernel(
         block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
         kv_off = block[:, None] * stride_cb + head_base + (pos % BLOCK_SIZE)[:, None] * stride_ct + dims[None, :]
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        causal = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        m, l_sum, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, causal,
+                                     m, l_sum, acc, qk_scale, DOT_PRECISION)
 
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     o_ptrs = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]

@@ -6,10 +6,11 @@
  * the storage type. Two implementations:
  *  - AVX-512 (compiled where the build machine has it, used when head_dim is a multiple of 16 and the
  *    block size at most 64): a task is one sequence and a run of its kv heads, so each cache block is read
- *    as one contiguous stretch; an online softmax per block (no score buffer); 16-lane exp. bf16 keys are
- *    dotted with the bf16 query by the AVX512-BF16 instruction where present (bf16 products are exact in
- *    float32, so only the summation order differs), 16 rows at a time with one transpose-and-add for their
- *    sums; for head_dim 64 and 128 the value accumulators stay in registers across a block's rows.
+ *    as one contiguous stretch; an online softmax per block (no score buffer); 16-lane exp. For head_dim 64
+ *    and 128: bf16 keys dotted with the bf16 query by the AVX512-BF16 instruction where present (bf16
+ *    products are exact in float32, so only the summation order differs), 16 rows at a time with one
+ *    transpose-and-add for their sums (block sizes that are multiples of 16), and the value accumulators
+ *    held in registers across a block's rows; other shapes convert keys to float32 row by row.
  *  - Portable C for everything else: work split over (sequence, kv head), the `group` query heads that
  *    share a kv head scored together so each key/value row is loaded once.
  *
@@ -142,8 +143,6 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, fi);
 }
 
-
-
 /* Scores of one key row against the query heads of kv head HH, the key converted to float32 first. */
 #define DOT_CONVERTED(LOAD16, KROW, HH, R)                                                              \
     {                                                                                                   \
@@ -156,7 +155,6 @@ static inline __m512 exp16(__m512 x) {
             s[((HH) * group + g) * MAX_BLOCK + (R)] = _mm512_reduce_add_ps(d0);                         \
         }                                                                                               \
     }
-
 
 /* out[r] = sum of the 16 lanes of v[r], for 16 vectors at once (a transpose-and-add tree). */
 static inline __m512 reduce16(const __m512 *v) {
@@ -226,28 +224,8 @@ static inline int qk_block_bf16(const uint16_t *queries, const uint16_t *keys, i
         for (int c = 0; c < CHUNKS; c++) _mm512_store_ps((ACC) + c * 16, a[c]);                         \
     }
 
-/* bf16 keys against the bf16 query: with AVX512-BF16 by the dot-product instruction (bf16 x bf16 products are
-   exact in float32, so only the summation order differs from converting first), else converted to float32. */
-#if defined(__AVX512BF16__)
-#define DOT_BF16(KROW, HH, R)                                                                           \
-    if (dim % 32 == 0) {                                                                                \
-        __m512bh kr[MAX_DIM / 32];                                                                      \
-        for (int c = 0; c < dim / 32; c++) kr[c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)(KROW) + c * 32); \
-        for (int g = 0; g < group; g++) {                                                               \
-            const uint16_t *qg = (const uint16_t *)qraw + ((HH) * group + g) * dim;                     \
-            __m512 d0 = _mm512_setzero_ps();                                                            \
-            for (int c = 0; c < dim / 32; c++)                                                          \
-                d0 = _mm512_dpbf16_ps(d0, (__m512bh)_mm512_loadu_si512(qg + c * 32), kr[c]);             \
-            s[((HH) * group + g) * MAX_BLOCK + (R)] = _mm512_reduce_add_ps(d0) * scale;                 \
-        }                                                                                               \
-    } else                                                                                              \
-        DOT_CONVERTED(load16_bf16, KROW, HH, R)
-#else
-#define DOT_BF16(KROW, HH, R) DOT_CONVERTED(load16_bf16, KROW, HH, R)
-#endif
-#define DOT_F32(KROW, HH, R) DOT_CONVERTED(load16_f32, KROW, HH, R)
 
-#define DEFINE_DECODE_AVX512(NAME, T, LOAD16, STORE, DOT_ROWS, FAST_QK)                                                    \
+#define DEFINE_DECODE_AVX512(NAME, T, LOAD16, STORE, FAST_QK)                                          \
 static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *tables, const int32_t *lens, \
                  T *out, int batch, int heads, int kv_heads, int dim, int block_size, int max_blocks,    \
                  float scale, int threads) {                                                            \
@@ -264,12 +242,12 @@ static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *
     for (int task = 0; task < batch * splits; task++) {                                                 \
         const int b = task / splits, h0 = (task % splits) * per_task, len = lens[b];                    \
         const int nq = per_task * group;                                                                \
-        __attribute__((aligned(64))) float qf[MAX_QUERIES_PER_TASK * MAX_DIM];              \
-        __attribute__((aligned(64))) float acc[MAX_QUERIES_PER_TASK * MAX_DIM];             \
-        __attribute__((aligned(64))) float s[MAX_QUERIES_PER_TASK * MAX_BLOCK];             \
-        float m[MAX_QUERIES_PER_TASK], l[MAX_QUERIES_PER_TASK];                \
+        __attribute__((aligned(64))) float qf[MAX_QUERIES_PER_TASK * MAX_DIM];                          \
+        __attribute__((aligned(64))) float acc[MAX_QUERIES_PER_TASK * MAX_DIM];                         \
+        __attribute__((aligned(64))) float s[MAX_QUERIES_PER_TASK * MAX_BLOCK];                         \
+        float m[MAX_QUERIES_PER_TASK], l[MAX_QUERIES_PER_TASK];                                         \
         const T *qraw = q + ((size_t)b * heads + h0 * group) * dim;                                     \
-        (void)qraw; /* read by the bf16 dot product only */                                             \
+        (void)qraw; /* read by the 16-row bf16 path only */                                             \
         const __m512 vscale = _mm512_set1_ps(scale);                                                    \
         for (int i = 0; i < nq; i++) {                                                                  \
             const T *qi = q + ((size_t)b * heads + h0 * group + i) * dim;                               \
@@ -286,7 +264,7 @@ static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *
             for (int hh = 0; hh < per_task; hh++) {                                                     \
                 const T *kb = k_cache + ((block * kv_heads + h0 + hh) * block_size) * dim;              \
                 if (FAST_QK(qraw + (size_t)hh * group * dim, kb, rows, s + hh * group * MAX_BLOCK)) continue; \
-                for (int r = 0; r < rows; r++) DOT_ROWS(kb + (size_t)r * dim, hh, r)                   \
+                for (int r = 0; r < rows; r++) DOT_CONVERTED(LOAD16, kb + (size_t)r * dim, hh, r)      \
             }                                                                                           \
             for (int i = 0; i < nq; i++) {                                                              \
                 float *si = s + i * MAX_BLOCK;                                                          \
@@ -335,8 +313,8 @@ static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *
     }                                                                                                   \
 }
 
-DEFINE_DECODE_AVX512(avx512_f32, float, load16_f32, f32_store, DOT_F32, FAST_QK_NONE)
-DEFINE_DECODE_AVX512(avx512_bf16, uint16_t, load16_bf16, bf16_store, DOT_BF16, FAST_QK_BF16)
+DEFINE_DECODE_AVX512(avx512_f32, float, load16_f32, f32_store, FAST_QK_NONE)
+DEFINE_DECODE_AVX512(avx512_bf16, uint16_t, load16_bf16, bf16_store, FAST_QK_BF16)
 #endif
 
 typedef void (*decode_fn)(const void *, const void *, const void *, const int32_t *, const int32_t *, void *, int,
