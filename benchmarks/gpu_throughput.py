@@ -10,6 +10,8 @@ K) is timed and its rate applied to the whole workload; the summary says so. Goa
 
     python benchmarks/gpu_throughput.py --json bench_out/gpu/throughput.json
     python benchmarks/gpu_throughput.py --smoke    # CPU, tiny model: checks the script, not the GPU
+    python benchmarks/gpu_throughput.py --host-only --skip-hf --num-prompts 512 --input-len 32:256 --output-len 32:512
+        # CPU, tiny model at the full batch: a run dominated by the engine's host work
 """
 
 from __future__ import annotations
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint or config-only dir (default: make-model --size 8b)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, a handful of requests")
+    ap.add_argument("--host-only", action="store_true",
+                    help="tiny model on CPU with the given workload: measures the engine's host work, not a GPU")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--input-len", default="100:1024")
     ap.add_argument("--output-len", default="100:1024")
@@ -143,10 +147,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len = 4, 64, 128
         args.hf_batch_size, args.hf_sample_batches = 2, 1
 
-    device = bench_device(args.smoke)
-    path = model_dir(args.model, args.smoke)
+    on_cpu = args.smoke or args.host_only
+    device = bench_device(on_cpu)
+    path = model_dir(args.model, on_cpu)
     overrides = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                  "max_model_len": args.max_model_len}
+    if args.host_only:  # the tiny model's context; a KV pool that holds the whole batch
+        overrides["max_model_len"] = min(args.max_model_len, 2048)
+        longest = parse_range(args.input_len)[1] + parse_range(args.output_len)[1]
+        overrides["num_kv_blocks"] = args.max_num_seqs * -(-longest // 16)
     from llmserve.tokenizer.tokenizer import Tokenizer
 
     vocab = Tokenizer.from_pretrained(path).vocab_size
@@ -154,11 +163,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     outputs = output_lengths(args.num_prompts, parse_range(args.output_len), args.seed)
     result: dict[str, Any] = {"model": path, "machine": machine_info(device), "args": vars(args)}
     print(f"llmserve: {args.num_prompts} requests, {sum(outputs)} output tokens ...", flush=True)
-    result["llmserve"] = run_llmserve(path, prompts, outputs, args.smoke, overrides)
+    result["llmserve"] = run_llmserve(path, prompts, outputs, on_cpu, overrides)
     print(f"  {result['llmserve']['output_tok_s']:.0f} output tok/s", flush=True)
     free_device_memory(device)
     if not args.skip_hf:
-        dtype = torch.float32 if args.smoke else torch.bfloat16
+        dtype = torch.float32 if on_cpu else torch.bfloat16
         model = load_hf_model(path, device, dtype)
         print(f"transformers static batches of {args.hf_batch_size} ...", flush=True)
         result["transformers_static"] = run_hf_static(model, prompts, outputs, args.hf_batch_size,

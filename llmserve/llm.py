@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.outputs import RequestOutput
-from llmserve.sampling.params import SamplingParams
+from llmserve.sampling.params import RequestOutputKind, SamplingParams
 
 Prompt = str | Seq[int]
 Message = dict[str, object]
@@ -45,7 +46,8 @@ class LLM:
         try:
             for prompt, p, prio in zip(batch, params, priorities, strict=True):
                 request_id = f"offline-{next(self._ids)}"
-                self.engine.add_request(request_id, prompt, p, priority=prio)
+                final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)  # nothing reads the rest
+                self.engine.add_request(request_id, prompt, final_only, priority=prio)
                 request_ids.append(request_id)
         except Exception:
             self.engine.abort_request(request_ids)

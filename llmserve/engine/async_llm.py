@@ -457,7 +457,7 @@ class AsyncLLM:
             outputs = self._engine.abort_request(live)
             self.num_aborted += len(live)
             if self._listeners:
-                self._round_outputs.extend(_detached(o) for o in outputs)
+                self._round_outputs.extend(outputs)
 
     def _do_call(self, command: _Call) -> None:
         try:
@@ -475,10 +475,9 @@ class AsyncLLM:
             if output.finished:
                 del self._live[output.request_id]
                 self.num_finished += 1
-            detached = _detached(output)
-            self._deliver(sink.loop, sink.push, detached)
+            self._deliver(sink.loop, sink.push, output)  # a snapshot the engine never touches again
             if self._listeners:
-                self._round_outputs.append(detached)
+                self._round_outputs.append(output)
 
     def _notify(self, step: StepRecord | None) -> None:
         outputs, self._round_outputs = self._round_outputs, []
@@ -567,12 +566,3 @@ def _set_future(future: asyncio.Future, result: Any, error: BaseException | None
         future.set_result(result)
     else:
         future.set_exception(error)
-
-
-def _detached(output: RequestOutput) -> RequestOutput:
-    """A copy the engine thread never mutates again (its logprob lists and metrics keep growing)."""
-    outputs = [
-        dataclasses.replace(c, logprobs=list(c.logprobs)) if c.logprobs is not None else c
-        for c in output.outputs
-    ]
-    return dataclasses.replace(output, outputs=outputs, metrics=dataclasses.replace(output.metrics))

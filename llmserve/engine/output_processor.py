@@ -60,6 +60,6 @@ def completion_output(seq: Sequence) -> CompletionOutput:
         token_ids=seq.output_token_ids,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
-        logprobs=seq.logprobs,
+        logprobs=list(seq.logprobs) if seq.logprobs is not None else None,  # a snapshot: seq.logprobs grows
         cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
     )

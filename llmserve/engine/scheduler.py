@@ -94,18 +94,22 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         if self.policy == "priority":
             self.running.sort(key=self.order)
+        block_size = self.block_manager.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + num_new, out):
-                break  # seq itself was preempted: everything after it already was too
-            self.block_manager.grow(seq, seq.num_computed_tokens + num_new)
+            total = seq.num_computed_tokens + num_new
+            # Most decodes still have room in their last block: skip the block manager for them.
+            if total > len(seq.block_table) * block_size:
+                if not self._make_room(seq, total, out):
+                    break  # seq itself was preempted: everything after it already was too
+                self.block_manager.grow(seq, total)
             out.scheduled[seq] = num_new
             budget -= num_new
             i += 1
         if not out.preempted:
-            self._admit(out)
+            self._admit(out, budget)
         return out
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
@@ -117,11 +121,8 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, out: SchedulerOutput) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            budget = self.max_num_batched_tokens - out.num_batched_tokens
-            if budget <= 0:
-                break
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             index = self._pick_waiting()
             seq = self.waiting[index]
             reused = self.block_manager.take_cached_prefix(seq)
@@ -141,6 +142,10 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled[seq] = num_new
             out.admitted.append(seq)
+            if out.preempted:  # evictions gave their scheduled tokens back
+                budget = self.max_num_batched_tokens - out.num_batched_tokens
+            else:
+                budget -= num_new
 
     def _pick_waiting(self) -> int:
         """Longest cached prefix first (SGLang's LPM), among the waiting sequences that rank like

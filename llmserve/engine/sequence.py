@@ -98,7 +98,10 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the usual case, asked once per request per step
+            return seqs[0].status is SequenceStatus.FINISHED
+        return all(s.is_finished for s in seqs)
 
     def seed_for_choice(self, index: int) -> int:
         # Choice 0 uses the request's seed, so n=1 and the first of n>1 draw the same tokens.

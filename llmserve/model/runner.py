@@ -283,42 +283,45 @@ class ModelRunner:
         return StepInputs(input_ids, positions, meta, self._to_device(last_tokens), sampling)
 
     def prepare_inputs(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flatten the batch: token ids, positions and KV slots of every scheduled token (numpy over the
+        tokens: only the per-sequence reads are Python), plus the attention metadata."""
+        count = len(batch)
+        num_new = np.fromiter((n for _, n in batch), dtype=np.int64, count=count)
+        begins = np.fromiter((seq.num_computed_tokens for seq, _ in batch), dtype=np.int64, count=count)
+        seq_lens = begins + num_new
+        starts = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(num_new, out=starts[1:])
+        total = int(starts[-1])
+        if total == count:  # decodes only: one token each
+            positions = begins
+            tokens = [seq.token_ids[begin] for (seq, _), begin in zip(batch, begins.tolist(), strict=True)]
+            rows = np.arange(count)
+        else:
+            rows = np.repeat(np.arange(count), num_new)
+            positions = np.arange(total) - np.repeat(starts[:-1] - begins, num_new)
+            tokens = chain.from_iterable(
+                seq.token_ids[begin:end]
+                for (seq, _), begin, end in zip(batch, begins.tolist(), seq_lens.tolist(), strict=True)
+            )
+        block_tables = _padded_block_tables([seq.block_table for seq, _ in batch])
         bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
-        num_decodes = 0
-        for seq, num_new in batch:
-            begin = seq.num_computed_tokens
-            end = begin + num_new
-            table = seq.block_table
-            if num_new == 1:
-                tokens.append(seq.token_ids[begin])
-                positions.append(begin)
-                slots.append(table[begin // bs] * bs + begin % bs)
-                if num_decodes == len(seq_lens):
-                    num_decodes += 1  # decodes lead the batch; count the leading run
-            else:
-                tokens.extend(seq.token_ids[begin:end])
-                positions.extend(range(begin, end))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
-            starts.append(starts[-1] + num_new)
-            seq_lens.append(end)
+        slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        is_decode = num_new == 1
+        num_decodes = count if is_decode.all() else int(np.argmin(is_decode))  # decodes lead the batch
+        seq_lens_host = seq_lens.tolist()
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(np.array(slots, dtype=np.int64)),
-            query_start_loc=self._to_device(np.array(starts, dtype=np.int32)),
-            seq_lens=self._to_device(np.array(seq_lens, dtype=np.int32)),
-            block_tables=self._to_device(_padded_block_tables([seq.block_table for seq, _ in batch])),
+            slot_mapping=self._to_device(slots),
+            query_start_loc=self._to_device(starts.astype(np.int32)),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            block_tables=self._to_device(block_tables),
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
-            max_seq_len=max(seq_lens),
-            query_start_loc_host=starts,
-            seq_lens_host=seq_lens,
+            max_seq_len=max(seq_lens_host),
+            query_start_loc_host=starts.tolist(),
+            seq_lens_host=seq_lens_host,
         )
-        input_ids = self._to_device(np.array(tokens, dtype=np.int64))
-        return input_ids, self._to_device(np.array(positions, dtype=np.int64)), meta
+        input_ids = self._to_device(np.fromiter(tokens, dtype=np.int64, count=total))
+        return input_ids, self._to_device(positions.astype(np.int64, copy=False)), meta
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """Host array -> device tensor; on CUDA through pinned memory, asynchronously (no stream sync)."""

@@ -1,3 +1,3 @@
-from llmserve.sampling.params import SamplingParams
+from llmserve.sampling.params import RequestOutputKind, SamplingParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["RequestOutputKind", "SamplingParams"]

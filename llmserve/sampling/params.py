@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from llmserve.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """When the engine reports a request (vLLM's names): after every step that adds a token, with the
+    whole output so far, or once, when it finishes (offline generation needs nothing sooner)."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -28,6 +37,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token (0: only the chosen token)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -21,6 +21,7 @@ kept set fits, the noise is computed for the candidates only.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ __all__ = [
     "SamplingRow",
     "hash_uniforms",
     "rng_key",
+    "rng_keys",
 ]
 
 _M64 = (1 << 64) - 1
@@ -104,11 +106,34 @@ def _fold_seed(seed: int) -> int:
     return _mix64(folded ^ _NEGATIVE_SEED_TAG) if negative else folded
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _seed_base(seed: int) -> int:
+    """The per-seed half of a key: constant for a request, so computed once (hot in the step loop)."""
+    return _mix64(_fold_seed(int(seed)))
+
+
 def rng_key(seed: int, sample_index: int) -> int:
     """The signed 32-bit key of the noise used to sample token `sample_index` of a request."""
-    z = _mix64(_mix64(_fold_seed(int(seed))) ^ (int(sample_index) & _M64))
+    z = _mix64(_seed_base(seed) ^ (int(sample_index) & _M64))
     key = z >> 32
     return key - (1 << 32) if key >= 1 << 31 else key
+
+
+def _mix64_array(z: np.ndarray) -> np.ndarray:
+    """`_mix64` over a uint64 array (numpy's uint64 arithmetic wraps modulo 2**64, as the mixer needs)."""
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def rng_keys(seeds: Sequence[int], sample_indices: Sequence[int]) -> np.ndarray:
+    """`rng_key` of each (seed, sample index) pair, as int32, vectorised over the batch."""
+    count = len(seeds)
+    bases = np.fromiter(map(_seed_base, seeds), dtype=np.uint64, count=count)
+    indices = np.fromiter(sample_indices, dtype=np.int64, count=count).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        return (_mix64_array(bases ^ indices) >> np.uint64(32)).astype(np.uint32).view(np.int32)
 
 
 def _xorshift_right_(x: torch.Tensor, shift: int, tmp: torch.Tensor) -> None:
@@ -263,7 +288,9 @@ def _build_random(rows: Sequence[SamplingRow], positions: list[int], batch_size:
     return _RandomMetadata(
         rows=None if len(positions) == batch_size else torch.tensor(positions, dtype=torch.int64, device=device),
         temperature=column([p.temperature for p in params], torch.float32),
-        keys=column([rng_key(rows[i].seed, rows[i].sample_index) for i in positions], torch.int32),
+        keys=torch.from_numpy(
+            rng_keys([rows[i].seed for i in positions], [rows[i].sample_index for i in positions])
+        ).unsqueeze(1).to(device),
         log_min_p=column([math.log(m) if m > 0 else -math.inf for m in min_ps], torch.float32)
         if any(m > 0 for m in min_ps) else None,
         kp_rows=None if len(kp) == len(params) else torch.tensor(kp, dtype=torch.int64, device=device),

@@ -52,7 +52,9 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """Append generated ids; return the new text that is now safe to emit (maybe "")."""
         self.token_ids.extend(token_ids)
-        self._ids.extend(token_id for token_id in token_ids if token_id not in self._dropped_ids)
+        for token_id in token_ids:
+            if token_id not in self._dropped_ids:
+                self._ids.append(token_id)
         if len(self._ids) == self._read_offset or self._ids[-1] in self._byte_ids:
             return ""
         window_text = self._decode(self._prefix_offset, len(self._ids))
@@ -67,6 +69,8 @@ class IncrementalDetokenizer:
         return self._emit(self._decode(self._prefix_offset, len(self._ids)))
 
     def _decode(self, start: int, end: int) -> str:
+        if end - start == 1:  # the usual prefix window: the last emitted token alone
+            return self.tokenizer.decode_one(self._ids[start], self.skip_special_tokens)
         return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)
 
     def _emit(self, window_text: str) -> str:

@@ -172,6 +172,7 @@ class Tokenizer:
         chat_template: str | None = None,
     ) -> None:
         self._backend = backend
+        self._single_token_text: dict[tuple[int, bool], str] = {}
         self._config: dict[str, Any] = dict(config or {})
         backend.no_truncation()
         backend.no_padding()
@@ -271,7 +272,15 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._backend.decode(ids if isinstance(ids, list) else list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """`decode([token_id])`, memoised: incremental detokenization asks for it once per generated token."""
+        key = (token_id, skip_special_tokens)
+        text = self._single_token_text.get(key)
+        if text is None:
+            text = self._single_token_text[key] = self.decode([token_id], skip_special_tokens)
+        return text
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         tokens: list[str] = []

@@ -3,6 +3,7 @@ seeded sampling, stop conditions, logprobs, and bad input that leaves the engine
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -15,6 +16,7 @@ from llmserve.errors import (
     ModelLoadError,
     UnsupportedArchitectureError,
 )
+from llmserve.sampling import RequestOutputKind
 
 PROMPTS = [
     "The quick brown fox",
@@ -58,6 +60,36 @@ def test_generate_returns_text_tokens_and_timings(llm):
         assert c.text == tok.decode(c.token_ids)
         m = o.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    _assert_pool_empty(llm)
+
+
+def test_final_only_requests_report_once_and_generate_leaves_the_callers_params_alone(llm):
+    engine = llm.engine
+    every = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    once = dataclasses.replace(every, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("every", "Once upon a time", every)
+    engine.add_request("once", "Once upon a time", once)
+    reports: dict[str, list] = {"every": [], "once": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            reports[out.request_id].append(out)
+    assert len(reports["every"]) == 6 and [o.finished for o in reports["every"]] == [False] * 5 + [True]
+    assert len(reports["once"]) == 1 and reports["once"][0].finished
+    assert reports["once"][0].outputs[0].token_ids == reports["every"][-1].outputs[0].token_ids
+    assert llm.generate(["Once upon a time"], every)[0].outputs[0].token_ids == reports["once"][0].outputs[0].token_ids
+    assert every.output_kind is RequestOutputKind.CUMULATIVE
+    _assert_pool_empty(llm)
+
+
+def test_each_output_is_a_snapshot_that_later_steps_leave_alone(llm):
+    engine = llm.engine
+    engine.add_request("snap", "def fibonacci(n):", SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True))
+    first = engine.step()[0]  # the prompt fits one step: the first token comes with it
+    frozen = (list(first.outputs[0].token_ids), len(first.outputs[0].logprobs), first.metrics.last_token_time)
+    _drain(engine)
+    assert frozen[:2] == ([first.outputs[0].token_ids[0]], 1)
+    assert (list(first.outputs[0].token_ids), len(first.outputs[0].logprobs), first.metrics.last_token_time) == frozen
+    assert first.metrics.finished_time is None
     _assert_pool_empty(llm)
 
 

@@ -240,6 +240,21 @@ def test_prepare_step_for_decodes_then_a_prefill_chunk(tiny_llama_dir: Path) -> 
     assert inputs.sampling is not None and inputs.sampling.batch_size == 2
 
 
+def test_prepare_inputs_for_decodes_only_reads_each_slot_from_its_own_block(tiny_llama_dir: Path) -> None:
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=8, block_size=4)
+    runner = ModelRunner(config, ModelConfig.from_pretrained(tiny_llama_dir), tiny_llama_dir, max_model_len=64)
+    at_block_start = SimpleNamespace(token_ids=[1, 2, 3, 4, 5], num_computed_tokens=4, block_table=[7, 2])
+    mid_block = SimpleNamespace(token_ids=[1, 2, 3, 4, 5, 6, 7], num_computed_tokens=6, block_table=[5, 3])
+    first_token = SimpleNamespace(token_ids=[9], num_computed_tokens=0, block_table=[4])
+    batch = [(at_block_start, 1), (mid_block, 1), (first_token, 1)]
+    input_ids, positions, meta = runner.prepare_inputs(batch)  # type: ignore[arg-type]
+    assert input_ids.tolist() == [5, 7, 9] and positions.tolist() == [4, 6, 0]
+    assert meta.slot_mapping.tolist() == [2 * 4 + 0, 3 * 4 + 2, 4 * 4 + 0]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3] and meta.seq_lens.tolist() == [5, 7, 1]
+    assert meta.block_tables.tolist() == [[7, 2], [5, 3], [4, 0]]
+    assert (meta.num_decodes, meta.max_seq_len, meta.seq_lens_host) == (3, 7, [5, 7, 1])
+
+
 # ---- sampling without host reads ------------------------------------------------------------------
 def _mixed_rows(vocab: int) -> tuple[torch.Tensor, list[SamplingRow]]:
     gen = torch.Generator().manual_seed(5)

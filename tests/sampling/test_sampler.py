@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from llmserve.sampling.sampler import (
     SamplingRow,
     hash_uniforms,
     rng_key,
+    rng_keys,
 )
 
 M32 = (1 << 32) - 1
@@ -383,3 +385,12 @@ def test_cuda_draws_the_same_tokens_as_cpu() -> None:
     assert torch.equal(cuda.token_ids.cpu(), cpu.token_ids)
     assert cuda.logprobs is not None and cpu.logprobs is not None
     torch.testing.assert_close(cuda.logprobs.cpu(), cpu.logprobs)
+
+
+def test_batched_keys_equal_the_scalar_keys() -> None:
+    seeds = [0, 1, -1, -(2**80), 2**63 - 1, 2**64 + 1, 2**100 + 7, 12345, 12345]
+    indices = [0, 1, 2**40, 7, 0, 1023, 5, 0, 1]
+    keys = rng_keys(seeds, indices)
+    assert keys.dtype == np.int32
+    assert keys.tolist() == [rng_key(s, i) for s, i in zip(seeds, indices, strict=True)]
+    assert rng_keys([], []).tolist() == []
