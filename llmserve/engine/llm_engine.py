@@ -312,12 +312,8 @@ class LLMEngine:
             if seq.num_computed_tokens + num_new < len(seq.token_ids):
                 continue  # a prefill chunk that doesn't reach the end yet
             request = seq.request
-            if request.params.n == 1 or request.forked:
-                logits_rows.append(i)
-                rows.append(self._sampling_row(seq, seq.index))
-                targets.append((seq, seq.index))
-                continue
-            for choice in range(request.params.n):
+            choices = (seq.index,) if request.params.n == 1 or request.forked else range(request.params.n)
+            for choice in choices:
                 logits_rows.append(i)
                 rows.append(self._sampling_row(seq, choice))
                 targets.append((seq, choice))
