@@ -40,8 +40,8 @@ def measure_decode(llm: LLM, prompt: list[int], steps: int, warmup: int) -> dict
     """Time `steps` decode steps of one request after its prefill and `warmup` steps."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=warmup + steps + 2, ignore_eos=True)
-    request = engine.add_request("decode-bench", prompt, params)
-    seq = request.seqs[0]
+    engine.add_request("decode-bench", prompt, params)
+    seq = engine.core.scheduler.requests["decode-bench"].seqs[0]
     while seq.num_output_tokens == 0:
         engine.step()  # the prompt, in chunks
     for _ in range(warmup):
@@ -53,10 +53,10 @@ def measure_decode(llm: LLM, prompt: list[int], steps: int, warmup: int) -> dict
         engine.step()
         times.append(time.perf_counter() - start)
     engine.abort_request("decode-bench")
-    runner = engine.runner
-    kv_bytes = (first_context + (steps - 1) / 2) * engine.model_config.kv_bytes_per_token(runner.dtype)
+    runner = engine.core.runner
+    kv_bytes = (first_context + (steps - 1) / 2) * engine.facts.model_config.kv_bytes_per_token(runner.dtype)
     step_s = statistics.median(times)
-    weights = weight_bytes_per_step(engine.model_config, runner.dtype)
+    weights = weight_bytes_per_step(engine.facts.model_config, runner.dtype)
     return {
         "cuda_graphs": runner.graphs is not None,
         "dtype": str(runner.dtype).removeprefix("torch."),

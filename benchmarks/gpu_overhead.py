@@ -1,16 +1,23 @@
-"""Per-step CPU overhead at batch 256 on the Llama-3.1-8B shape in bfloat16 (dummy weights).
+"""Per-step host work at batch 256 on the Llama-3.1-8B shape in bfloat16 (dummy weights), with
+overlapped scheduling on and off, and the part of it the device waits for.
 
-With `batch` sequences all decoding, each engine step is timed end to end, and inside it the
-scheduler's `schedule()`, input preparation (the engine's sampling plan, then the runner's
-`prepare_step()`: input tensors and sampling metadata) and the runner's `run_step()` (forward pass and sampler on the GPU). The GPU part is bracketed by device
-synchronisations, added only for this measurement; everything else in the step is host work after the
-GPU finished (reading the ids, detokenising, stop checks). Goal: scheduling + input preparation
-under 10% of the step.
+With `batch` sequences all decoding, each engine step is timed end to end (steady state: with
+overlap on, one `LLMEngine.step()` launches step N+1 and applies step N) and split into
+  - schedule: `Scheduler.schedule()`,
+  - prepare: the plain step batch (`EngineCore.build_step_batch`) and the runner's device inputs
+    (`ModelRunner.prepare_step`),
+  - device: the forward pass and the sampler, from CUDA events recorded around each step's launches
+    (no host sync added); on a CPU, the host's own time computing them,
+  - apply: `Scheduler.update_from_output()` (tokens, stops, prefix-cache names),
+  - outputs: the front end's output processor (detokenizing, stop strings, `RequestOutput`s).
+"Host not hidden" is the step's wall time less its device time: what the device waits for the host.
+Goal: under 10% of the step with overlap on.
 
     python benchmarks/gpu_overhead.py --json bench_out/gpu/overhead.json
     python benchmarks/gpu_overhead.py --smoke     # CPU, tiny model: checks the script, not the GPU
     python benchmarks/gpu_overhead.py --host-only [--temperature 0.8 --top-p 0.95]
-        # CPU, tiny model, the full batch: the host parts in milliseconds (the forward is a stand-in)
+        # CPU, tiny model, the full batch: the host parts in milliseconds (the forward is a stand-in, and
+        # on a CPU the host is the device: nothing can hide behind it)
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from gpu_common import (
     bench_device,
     engine_args,
@@ -29,7 +37,6 @@ from gpu_common import (
     model_dir,
     print_table,
     random_prompts,
-    synchronize,
     write_json,
 )
 
@@ -37,19 +44,49 @@ from llmserve import LLM, SamplingParams
 from llmserve.engine.llm_engine import LLMEngine
 
 GOAL_PCT = 10.0
+HOST_PARTS = ("schedule", "prepare", "apply", "outputs")
 
 
-def _timed(target: Callable, sink: list[float], before: Callable[[], None] = lambda: None,
-           after: Callable[[], None] = lambda: None) -> Callable:
+def _timed(target: Callable, sink: list[float]) -> Callable:
     def wrapper(*args, **kwargs):
-        before()
         start = time.perf_counter()
         out = target(*args, **kwargs)
-        after()
         sink.append(time.perf_counter() - start)
         return out
 
     return wrapper
+
+
+class _DeviceClock:
+    """Device time of each step: CUDA events recorded around its launches, read once at the end (no
+    sync in the step); on a CPU, the host time of the forward pass and sampler."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.cpu_seconds: list[float] = []
+
+    def wrap(self, run_step: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            if not self.cuda:
+                start = time.perf_counter()
+                out = run_step(*args, **kwargs)
+                self.cpu_seconds.append(time.perf_counter() - start)
+                return out
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            out = run_step(*args, **kwargs)
+            end.record()
+            self.events.append((begin, end))
+            return out
+
+        return wrapper
+
+    def seconds(self) -> list[float]:
+        if not self.cuda:
+            return self.cpu_seconds
+        torch.cuda.synchronize()
+        return [begin.elapsed_time(end) / 1e3 for begin, end in self.events]
 
 
 class _GcClock:
@@ -66,19 +103,20 @@ class _GcClock:
             self.count += 1
 
 
-def instrument(engine: LLMEngine) -> dict[str, list[float]]:
-    """Wrap the engine's scheduler and runner so each step's parts land in the returned lists."""
-    timings: dict[str, list[float]] = {"schedule": [], "sampling_plan": [], "prepare": [], "gpu": []}
-    runner = engine.runner
-
-    def sync() -> None:
-        synchronize(runner.device)
-
-    engine.scheduler.schedule = _timed(engine.scheduler.schedule, timings["schedule"])  # type: ignore[method-assign]
-    engine._sampling_plan = _timed(engine._sampling_plan, timings["sampling_plan"])  # type: ignore[method-assign]
-    runner.prepare_step = _timed(runner.prepare_step, timings["prepare"])  # type: ignore[method-assign]
-    runner.run_step = _timed(runner.run_step, timings["gpu"], before=sync, after=sync)  # type: ignore[method-assign]
-    return timings
+def instrument(engine: LLMEngine) -> tuple[dict[str, list[float]], _DeviceClock]:
+    """Wrap the engine's parts so each step's timings land in the returned lists."""
+    timings: dict[str, list[float]] = {name: [] for name in ("schedule", "batch", "prepare_step", "apply", "outputs")}
+    core, runner = engine.core, engine.core.runner
+    core.scheduler.schedule = _timed(core.scheduler.schedule, timings["schedule"])  # type: ignore[method-assign]
+    core.build_step_batch = _timed(core.build_step_batch, timings["batch"])  # type: ignore[method-assign]
+    runner.prepare_step = _timed(runner.prepare_step, timings["prepare_step"])  # type: ignore[method-assign]
+    core.scheduler.update_from_output = _timed(  # type: ignore[method-assign]
+        core.scheduler.update_from_output, timings["apply"])
+    engine.output_processor.process = _timed(  # type: ignore[method-assign]
+        engine.output_processor.process, timings["outputs"])
+    clock = _DeviceClock(runner.device)
+    runner.run_step = clock.wrap(runner.run_step)  # type: ignore[method-assign]
+    return timings, clock
 
 
 def measure(engine: LLMEngine, batch: int, prompt_len: int, steps: int, warmup: int,
@@ -91,11 +129,11 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, steps: int, warmup: 
                             max_tokens=prefill_steps + warmup + steps + 8, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, (prompt_len, prompt_len), vocab, seed=1)):
         engine.add_request(f"overhead-{i}", prompt, params)
-    while any(seq.num_output_tokens == 0 for seq in engine.live_sequences()):
+    while any(seq.num_output_tokens == 0 for seq in engine.core.live_sequences()):
         engine.step()  # prefill every prompt
     for _ in range(warmup):
         engine.step()
-    timings = instrument(engine)
+    timings, device = instrument(engine)
     gc_seconds = _GcClock()
     gc.callbacks.append(gc_seconds)
     step_times, decodes = [], []
@@ -104,23 +142,29 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, steps: int, warmup: 
             start = time.perf_counter()
             engine.step()
             step_times.append(time.perf_counter() - start)
-            decodes.append(engine.last_step.num_decodes if engine.last_step else 0)
+            decodes.append(engine.core.last_step.num_decodes if engine.core.last_step else 0)
     finally:
         gc.callbacks.remove(gc_seconds)
+    engine.abort_request([f"overhead-{i}" for i in range(batch)])
     if decodes != [batch] * steps:
         raise RuntimeError(f"expected {steps} pure decode steps of {batch} sequences, got {decodes}")
     ms = {name: statistics.fmean(values) * 1e3 for name, values in timings.items()}
     step_ms = statistics.fmean(step_times) * 1e3
-    prepare_ms = ms["sampling_plan"] + ms["prepare"]
-    other_ms = step_ms - ms["schedule"] - prepare_ms - ms["gpu"]
+    device_ms = statistics.fmean(device.seconds()) * 1e3
+    hidden_gap_ms = max(0.0, step_ms - device_ms)
     return {
         "batch": batch, "steps": steps, "context_at_start": prompt_len + warmup + 1,
-        "cuda_graphs": engine.runner.graphs is not None, "attention_backend": engine.runner.attn_backend.name,
-        "step_ms": step_ms, "schedule_ms": ms["schedule"], "sampling_plan_ms": ms["sampling_plan"],
-        "prepare_step_ms": ms["prepare"], "prepare_ms": prepare_ms, "gpu_ms": ms["gpu"], "other_host_ms": other_ms,
+        "async_scheduling": engine.config.async_scheduling,
+        "cuda_graphs": engine.core.runner.graphs is not None,
+        "attention_backend": engine.core.runner.attn_backend.name,
+        "step_ms": step_ms, "device_ms": device_ms,
+        "schedule_ms": ms["schedule"], "prepare_ms": ms["batch"] + ms["prepare_step"],
+        "batch_ms": ms["batch"], "prepare_step_ms": ms["prepare_step"],
+        "apply_ms": ms["apply"], "outputs_ms": ms["outputs"],
+        "host_ms": ms["schedule"] + ms["batch"] + ms["prepare_step"] + ms["apply"] + ms["outputs"],
         "gc_ms": gc_seconds.total * 1e3 / steps, "gc_collections": gc_seconds.count / steps,
-        "overhead_pct": 100 * (ms["schedule"] + prepare_ms) / step_ms,
-        "all_host_pct": 100 * (step_ms - ms["gpu"]) / step_ms,
+        "host_not_hidden_ms": hidden_gap_ms,
+        "host_not_hidden_pct": 100 * hidden_gap_ms / step_ms,
     }
 
 
@@ -136,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1, help="alternate overlap on and off this many times")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--json", default=None)
@@ -151,32 +196,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.host_only:  # the tiny model's context, and room for the whole batch's KV in the CPU pool
         args.max_model_len = min(args.max_model_len, 1024)
         overrides["num_kv_blocks"] = args.batch * -(-(args.prompt_len + 2 * (args.warmup + args.steps) + 64) // 16)
-    llm = LLM(path, **engine_args(on_cpu, max_num_seqs=args.batch, max_model_len=args.max_model_len,
-                                  max_num_batched_tokens=args.max_num_batched_tokens, **overrides))
-    result: dict[str, Any] = {"model": path, "machine": machine_info(device), "args": vars(args)}
-    result["run"] = measure(llm.engine, args.batch, args.prompt_len, args.steps, args.warmup,
-                            args.temperature, args.top_p)
-    result["goal"] = {"overhead_pct": GOAL_PCT, "measured": result["run"]["overhead_pct"],
-                      "met": result["run"]["overhead_pct"] < GOAL_PCT}
+    result: dict[str, Any] = {"model": path, "machine": machine_info(device), "args": vars(args), "runs": []}
+    engines = {
+        overlap: LLM(path, **engine_args(on_cpu, max_num_seqs=args.batch, max_model_len=args.max_model_len,
+                                         max_num_batched_tokens=args.max_num_batched_tokens,
+                                         async_scheduling=overlap, **overrides)).engine
+        for overlap in ((True, False) if not on_cpu or args.host_only else (True,))
+    }
+    for _ in range(args.rounds):
+        for engine in engines.values():
+            result["runs"].append(measure(engine, args.batch, args.prompt_len, args.steps, args.warmup,
+                                          args.temperature, args.top_p))
+    overlapped = [r["host_not_hidden_pct"] for r in result["runs"] if r["async_scheduling"]]
+    measured = statistics.median(overlapped)
+    result["goal"] = {"host_not_hidden_pct": GOAL_PCT, "measured": measured, "met": measured < GOAL_PCT,
+                      "meaningful": device.type == "cuda"}
     print_summary(result)
     write_json(args.json, result)
     return result
 
 
 def print_summary(result: dict[str, Any]) -> None:
-    r = result["run"]
+    runs = result["runs"]
+    r0 = runs[0]
     print_table(
-        f"Per-step time at batch {r['batch']} (pure decode, mean of {r['steps']} steps, context ~{r['context_at_start']})",
-        ["step ms", "schedule ms", "prepare inputs ms (sampling plan + runner)", "GPU forward+sample ms",
-         "other host ms", "of it GC ms", "schedule+prepare % of step", "all host % of step"],
-        [[f"{r['step_ms']:.2f}", f"{r['schedule_ms']:.2f}",
-          f"{r['prepare_ms']:.2f} ({r['sampling_plan_ms']:.2f} + {r['prepare_step_ms']:.2f})", f"{r['gpu_ms']:.2f}",
-          f"{r['other_host_ms']:.2f}", f"{r.get('gc_ms', 0.0):.2f}", f"{r['overhead_pct']:.1f}%",
-          f"{r['all_host_pct']:.1f}%"]],
+        f"Per-step time at batch {r0['batch']} (pure decode, mean of {r0['steps']} steps, context ~{r0['context_at_start']})",
+        ["overlap", "step ms", "device ms", "schedule ms", "prepare ms (batch + device inputs)", "apply ms",
+         "outputs ms", "host ms in all", "of it GC ms", "host not hidden ms", "not hidden % of step"],
+        [[("on" if r["async_scheduling"] else "off"), f"{r['step_ms']:.2f}", f"{r['device_ms']:.2f}",
+          f"{r['schedule_ms']:.2f}", f"{r['prepare_ms']:.2f} ({r['batch_ms']:.2f} + {r['prepare_step_ms']:.2f})",
+          f"{r['apply_ms']:.2f}", f"{r['outputs_ms']:.2f}", f"{r['host_ms']:.2f}", f"{r.get('gc_ms', 0.0):.2f}",
+          f"{r['host_not_hidden_ms']:.2f}", f"{r['host_not_hidden_pct']:.1f}%"] for r in runs],
     )
     goal = result["goal"]
-    print(f"\ngoal: scheduling + input preparation < {goal['overhead_pct']:.0f}% of the step: "
-          f"{goal['measured']:.1f}% ({'met' if goal['met'] else 'not met'})")
+    note = "" if goal["meaningful"] else " (on a CPU the host is the device: only the host milliseconds mean anything)"
+    print(f"\ngoal: host time not hidden behind the device < {goal['host_not_hidden_pct']:.0f}% of the step with "
+          f"overlap on: {goal['measured']:.1f}% ({'met' if goal['met'] else 'not met'}){note}")
 
 
 if __name__ == "__main__":

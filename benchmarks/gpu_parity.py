@@ -30,7 +30,7 @@ def generate(path: str, backend: str, eager: bool, prompts: list[list[int]], max
     extra: dict[str, Any] = {"device": "cpu", "num_kv_blocks": 256} if smoke else {"gpu_memory_utilization": 0.5}
     llm = LLM(path, dtype="float32", attention_backend=backend, enforce_eager=eager, max_model_len=1024,
               max_num_seqs=32, **extra)
-    graphs = llm.engine.runner.graphs is not None
+    graphs = llm.engine.core.runner.graphs is not None
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     outputs = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
     del llm

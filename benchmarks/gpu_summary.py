@@ -43,9 +43,9 @@ def goal_rows(out_dir: Path) -> list[list[str]]:
                      _status(throughput["goal"]["met"])])
     overhead = _load(out_dir, "overhead")
     if overhead:
-        run = overhead["run"]
-        rows.append([f"CPU overhead at batch {run['batch']}: {run['step_ms']:.1f} ms/step",
-                     "schedule + prepare < 10% of step", f"{run['overhead_pct']:.1f}%",
+        run = next(r for r in overhead["runs"] if r["async_scheduling"])
+        rows.append([f"host work at batch {run['batch']}, overlapped: {run['step_ms']:.1f} ms/step",
+                     "host not hidden < 10% of step", f"{overhead['goal']['measured']:.1f}%",
                      _status(overhead["goal"]["met"])])
     return rows
 

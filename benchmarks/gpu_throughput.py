@@ -58,7 +58,7 @@ def run_llmserve(path: str, prompts: list[list[int]], outputs: list[int], smoke:
     if produced != sum(outputs):
         raise RuntimeError(f"llmserve produced {produced} tokens, expected {sum(outputs)}")
     stats = llm.engine.stats()
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     return {
         "output_tokens": produced,
         "input_tokens": sum(map(len, prompts)),

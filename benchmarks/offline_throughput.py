@@ -75,8 +75,8 @@ def run_llmserve(llm: LLM, prompts, lengths) -> dict:
 
 def decode_roofline(llm: LLM, batch_sizes: list[int], context: int, machine: dict) -> list[dict]:
     engine = llm.engine
-    cfg = engine.model_config
-    element = torch.empty((), dtype=engine.runner.dtype).element_size()
+    cfg = engine.facts.model_config
+    element = torch.empty((), dtype=engine.core.runner.dtype).element_size()
     weight_params = cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
     weight_bytes = weight_params * element  # embedding rows are gathered, not streamed
     rows = []
@@ -88,7 +88,7 @@ def decode_roofline(llm: LLM, batch_sizes: list[int], context: int, machine: dic
             engine.add_request(rid, [rng.randrange(10, 1000) for _ in range(context)],
                                SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
             ids.append(rid)
-        while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
+        while any(s.num_output_tokens == 0 for r in engine.core.scheduler.requests.values() for s in r.seqs):
             engine.step()
         engine.step()
         steps = 8
@@ -99,7 +99,7 @@ def decode_roofline(llm: LLM, batch_sizes: list[int], context: int, machine: dic
         engine.abort_request(ids)
         ctx = context + 5
         flops = 2 * weight_params * batch + 4 * batch * ctx * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
-        kv_bytes = batch * ctx * cfg.kv_bytes_per_token(engine.runner.dtype)
+        kv_bytes = batch * ctx * cfg.kv_bytes_per_token(engine.core.runner.dtype)
         rows.append({
             "batch": batch, "context": ctx, "step_ms": step_s * 1e3, "tok_s": batch / step_s,
             "gflops": flops / step_s / 1e9, "weight_gbs": weight_bytes / step_s / 1e9,
@@ -121,8 +121,8 @@ def kv_waste(llm: LLM, prompts, lengths, running: int = 64) -> dict:
         ids.append(rid)
     for _ in range(40):
         engine.step()
-    seqs = engine.live_sequences()
-    reserved = sum(len(s.block_table) for s in seqs) * engine.block_manager.block_size
+    seqs = engine.core.live_sequences()
+    reserved = sum(len(s.block_table) for s in seqs) * engine.core.block_manager.block_size
     used = sum(s.num_computed_tokens for s in seqs)
     engine.abort_request(ids)
     return {"running": len(seqs), "reserved_slots": reserved, "used_slots": used,
@@ -190,10 +190,10 @@ def main() -> None:
     print(f"machine: {machine}", flush=True)
     llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, kv_cache_memory=int(args.kv_cache_gib * (1 << 30)))
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.engine.facts.model_config.vocab_size
     prompts, lengths = make_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
                                      vocab, args.seed)
-    result = {"model": model_dir, "params": llm.engine.model_config.num_parameters(), "dtype": "bfloat16",
+    result = {"model": model_dir, "params": llm.engine.facts.model_config.num_parameters(), "dtype": "bfloat16",
               "workload": vars(args), "machine": {**machine, "cpu": platform.processor() or platform.machine(),
                                                    "threads": torch.get_num_threads()}}
     llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up

@@ -6,60 +6,8 @@ import argparse
 import logging
 import sys
 
+from llmserve.config import add_engine_args, engine_config_kwargs
 from llmserve.errors import LLMServeError
-
-
-def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
-    if several_models:
-        parser.add_argument(
-            "--model", action="append", default=None, metavar="[NAME=]MODEL",
-            help="checkpoint directory or hub id, optionally named; repeat to serve several (default: built-in)",
-        )
-    else:
-        parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: built-in model)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=4.0)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument(
-        "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-        help="priority: the request's priority field orders admission and preemption (lower first)",
-    )
-    parser.add_argument(
-        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-        help="turn off the reuse of cached KV blocks across requests with the same prefix",
-    )
-    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                        help="dummy: random weights from config.json, no checkpoint read")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="CUDA: fraction of device memory for weights, activations and the KV cache")
-    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: never use CUDA graphs")
-    parser.add_argument("--attention-backend", default=None, help="default: triton on CUDA, torch elsewhere")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "dtype": args.dtype,
-        "device": args.device,
-        "max_model_len": args.max_model_len,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_num_seqs": args.max_num_seqs,
-        "block_size": args.block_size,
-        "kv_cache_memory": int(args.kv_cache_memory_gib * (1 << 30)),
-        "num_kv_blocks": args.num_kv_blocks,
-        "scheduling_policy": args.scheduling_policy,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "load_format": args.load_format,
-        "seed": args.seed,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "enforce_eager": args.enforce_eager,
-        "attention_backend": args.attention_backend,
-    }
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -83,7 +31,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from llmserve import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, **engine_config_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.sample_seed, n=args.n,
@@ -109,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    _add_engine_args(serve, several_models=True)
+    add_engine_args(serve, several_models=True)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: from --model)")
@@ -167,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.set_defaults(func=cmd_make_model)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)

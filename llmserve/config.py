@@ -1,8 +1,15 @@
-"""Engine configuration: what a user sets (the model, memory, batching limits) with vLLM's names."""
+"""Engine configuration: what a user sets (the model, memory, batching limits) with vLLM's names.
+
+`EngineConfig` is the one definition: the command-line flags that set it (`add_engine_args`, read back
+by `engine_config_kwargs`) take their types and defaults from its fields, so the two cannot drift.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, get_args, get_type_hints
 
 GiB = 1 << 30
 
@@ -25,6 +32,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True  # share full KV blocks by content across requests
+    # Overlapped scheduling: while step N runs on the device, the engine core schedules and prepares
+    # step N+1; sampled token ids stay on the device. False runs the steps one after another.
+    async_scheduling: bool = True
     attention_backend: str | None = None  # None: the best for the device ("triton" on CUDA, else "torch")
     enforce_eager: bool = False  # never use CUDA graphs (they are only used on CUDA anyway)
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, 32, ...
@@ -43,3 +53,106 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
         if self.cuda_graph_sizes is not None and any(size < 1 for size in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}.")
+
+
+# ---- the command-line flags that set EngineConfig ----
+
+
+@dataclass(frozen=True)
+class _EngineFlag:
+    """A flag that sets one EngineConfig field; its type and default come from the field.
+
+    A bool field's flag is a switch: `store_true` when the field defaults to False, `store_false`
+    (a `--no-...` flag) when it defaults to True.
+    """
+
+    field: str
+    flag: str
+    help: str | None = None
+    choices: tuple[str, ...] | None = None
+    in_gib: bool = False  # the flag takes GiB, the field holds bytes
+
+    @property
+    def dest(self) -> str:
+        return f"{self.field}_gib" if self.in_gib else self.field
+
+
+_ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
+    _EngineFlag("dtype", "--dtype", choices=("auto", "float32", "bfloat16", "float16")),
+    _EngineFlag("device", "--device"),
+    _EngineFlag("max_model_len", "--max-model-len"),
+    _EngineFlag("max_num_batched_tokens", "--max-num-batched-tokens"),
+    _EngineFlag("max_num_seqs", "--max-num-seqs"),
+    _EngineFlag("block_size", "--block-size"),
+    _EngineFlag("kv_cache_memory", "--kv-cache-memory-gib", in_gib=True),
+    _EngineFlag("num_kv_blocks", "--num-kv-blocks"),
+    _EngineFlag(
+        "scheduling_policy", "--scheduling-policy", choices=("fcfs", "priority"),
+        help="priority: the request's priority field orders admission and preemption (lower first)",
+    ),
+    _EngineFlag(
+        "enable_prefix_caching", "--no-prefix-caching",
+        help="turn off the reuse of cached KV blocks across requests with the same prefix",
+    ),
+    _EngineFlag(
+        "load_format", "--load-format", choices=("auto", "dummy"),
+        help="dummy: random weights from config.json, no checkpoint read",
+    ),
+    _EngineFlag("seed", "--seed"),
+    _EngineFlag(
+        "gpu_memory_utilization", "--gpu-memory-utilization",
+        help="CUDA: fraction of device memory for weights, activations and the KV cache",
+    ),
+    _EngineFlag("enforce_eager", "--enforce-eager", help="CUDA: never use CUDA graphs"),
+    _EngineFlag("attention_backend", "--attention-backend", help="default: triton on CUDA, torch elsewhere"),
+    _EngineFlag(
+        "async_scheduling", "--no-async-scheduling",
+        help="run engine steps one after another instead of overlapping the next step's scheduling "
+        "with the current one (for comparison)",
+    ),
+)
+
+
+def _argparse_options(flag: _EngineFlag, field: dataclasses.Field, hint: Any) -> dict[str, Any]:
+    default = field.default
+    if default is dataclasses.MISSING:
+        raise TypeError(f"EngineConfig.{field.name} has no default, so it cannot be a flag.")
+    options: dict[str, Any] = {"dest": flag.dest, "help": flag.help}
+    if hint is bool:
+        if flag.flag.startswith("--no-") is not default:  # --no-x turns off what is on by default
+            raise TypeError(f"{flag.flag}: the switch's name does not fit the default {default}.")
+        return {**options, "action": "store_false" if default else "store_true", "default": default}
+    types = [arg for arg in get_args(hint) if arg is not type(None)] or [hint]
+    if len(types) != 1:
+        raise TypeError(f"EngineConfig.{field.name}: no single flag type in {hint}.")
+    if flag.in_gib:
+        return {**options, "type": float, "default": default / GiB}
+    flag_type = None if types[0] is str else types[0]  # argparse's strings need no conversion
+    return {**options, "type": flag_type, "default": default, "choices": flag.choices}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
+    """Add `--model` and a flag for each EngineConfig field a user sets from the command line.
+
+    `several_models`: `--model` may be repeated, each optionally named (`NAME=MODEL`), as `serve` takes.
+    """
+    if several_models:
+        parser.add_argument(
+            "--model", action="append", default=None, metavar="[NAME=]MODEL",
+            help="checkpoint directory or hub id, optionally named; repeat to serve several (default: built-in)",
+        )
+    else:
+        parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: built-in model)")
+    fields = {field.name: field for field in dataclasses.fields(EngineConfig)}
+    hints = get_type_hints(EngineConfig)
+    for flag in _ENGINE_FLAGS:
+        parser.add_argument(flag.flag, **_argparse_options(flag, fields[flag.field], hints[flag.field]))
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig keyword arguments the flags of `add_engine_args` give (all but the model)."""
+    kwargs: dict[str, Any] = {}
+    for flag in _ENGINE_FLAGS:
+        value = getattr(args, flag.dest)
+        kwargs[flag.field] = int(value * GiB) if flag.in_gib else value
+    return kwargs

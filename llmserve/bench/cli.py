@@ -1,7 +1,8 @@
 """The `llmserve bench` subcommand group: `bench serve` (load test) and `bench plot` (draw results).
 
-Only argparse is imported here, so building the top-level parser stays cheap and works without
-the benchmark's own dependencies (httpx, tqdm, matplotlib); they load when a bench command runs.
+Only argparse and the stdlib-only client module (for its default timeout) are imported here, so
+building the top-level parser stays cheap and works without the benchmark's own dependencies
+(httpx, tqdm, matplotlib); they load when a bench command runs.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import argparse
 import sys
 from typing import Any
 
+from llmserve.bench.client import DEFAULT_TIMEOUT_S
+
 DATASETS: tuple[str, ...] = ("random", "shared-prefix", "multi-turn")
 PROMPT_FORMATS: tuple[str, ...] = ("text", "ids")
-DEFAULT_TIMEOUT_S = 6 * 3600.0
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -27,9 +27,10 @@ from typing import Any
 import httpx
 
 from llmserve.bench import datasets
-from llmserve.bench.cli import DEFAULT_TIMEOUT_S
 from llmserve.bench.client import (
+    DEFAULT_TIMEOUT_S,
     SamplingOptions,
+    StreamClient,
     build_payload,
     discover_model,
     is_chat_endpoint,
@@ -169,7 +170,7 @@ class _Progress:
 @dataclass
 class _RunContext:
     config: BenchConfig
-    client: httpx.AsyncClient
+    client: StreamClient
     count_tokens: Callable[[str], int] | None
     progress: _Progress
     start: float = 0.0
@@ -219,9 +220,8 @@ async def _run_conversation(ctx: _RunContext, index: int, conversation: Conversa
     return results
 
 
-def _http_client(config: BenchConfig) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(timeout=httpx.Timeout(config.timeout), limits=limits)
+def _http_client(config: BenchConfig) -> StreamClient:
+    return StreamClient(timeout=config.timeout)
 
 
 async def _warmup(config: BenchConfig, source: TokenSource) -> None:
@@ -391,6 +391,8 @@ def _config_from_args(args: argparse.Namespace, model: str) -> BenchConfig:
         raise ValueError("--num-prompts must be >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
+    if not args.timeout > 0:
+        raise ValueError("--timeout must be > 0")
     return BenchConfig(
         base_url=args.base_url, endpoint=args.endpoint, model=model, dataset=args.dataset,
         num_prompts=args.num_prompts, rates=parse_rates(args.request_rate), burstiness=args.burstiness,

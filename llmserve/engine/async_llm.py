@@ -1,94 +1,75 @@
-"""`AsyncLLM`: the synchronous `LLMEngine` driven from a dedicated thread, for asyncio callers.
+"""`AsyncLLM`: the server's engine client. The engine core runs in a process of its own
+(`core_proc`); this side keeps what deals in text and in callers: validating and tokenizing requests
+(the input processor), turning each step's token ids into text, stop strings and logprobs (the
+output processor), and one `RequestStream` per request for the coroutine that serves it.
 
-The engine is not thread-safe, so exactly one thread (the engine thread) touches it. Callers on an
-event loop send commands (add, abort, ...) through a thread-safe queue; the engine thread drains the
-queue, steps the engine while there is work and blocks on the queue when there is none. The outputs
-of one step go back to each caller's event loop in a single `call_soon_threadsafe` call, where they
-land in a per-request `asyncio.Queue` that `RequestStream` reads.
+Everything here runs on one event loop (the server's), bound at first use: a task reads the core's
+step messages and feeds the streams, so there is no thread to share the interpreter with. Only
+`abort` (it also runs from garbage-collection finalizers) and `close` may be called from any thread.
 
-Requests from every caller join the same running batch, so HTTP requests are batched continuously.
-A stream that is closed, cancelled or dropped before its request finished aborts the request, and the
-engine frees its KV blocks before its next step.
+A stream that is closed, cancelled or dropped before its request finished aborts the request, and
+the core frees its KV blocks before its next step. If the core process dies (an exception in a step,
+an OOM kill, `kill -9`), every request in flight fails at once with `EngineDeadError`, and a new core
+is started in the background (a bounded number of times, with backoff); requests after that are
+served normally.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
+import itertools
 import logging
-import queue
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
 
 from llmserve.config import EngineConfig
-from llmserve.engine.llm_engine import EngineStats, LLMEngine, StepRecord
+from llmserve.engine.core_client import EngineCoreProcess, EngineCoreStartError
+from llmserve.engine.input_processor import InputProcessor
+from llmserve.engine.messages import (
+    AbortRequests,
+    EngineCoreDead,
+    EngineCoreMessage,
+    EngineCoreOutputs,
+    EngineStats,
+    StepRecord,
+    StopChoices,
+    UtilityCall,
+    UtilityResult,
+)
+from llmserve.engine.model_facts import load_model
+from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.outputs import RequestOutput
 from llmserve.sampling.params import SamplingParams
-from llmserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+RESTART_WINDOW_S = 60.0  # deaths within this long of each other count towards the limit below
+MAX_RESTARTS_IN_WINDOW = 5
+RESTART_BACKOFF_S = 0.5  # before the second restart in the window; doubling after that
 
 
 class EngineDeadError(LLMServeError):
-    """The engine thread crashed; no request can be served any more."""
+    """The engine core died; its requests failed. A new core may be on its way (see `is_healthy`)."""
 
 
 class EngineClosedError(LLMServeError):
     """The engine is shutting down: it takes no new requests, or it stopped this one."""
 
 
-# ---- commands: what callers send to the engine thread ------------------------------------------
-
-
-@dataclass
-class _Add:
-    sink: _Sink
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None = None
-
-
-@dataclass
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclass
-class _Call:
-    """Run `fn(engine)` on the engine thread and resolve `future` with the result."""
-
-    fn: Callable[[LLMEngine], Any]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-
-
-@dataclass
-class _IdleWaiter:
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-
-
-@dataclass
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Call | _IdleWaiter | _Stop
-
-
 @dataclass
 class EngineEvents:
-    """What one round of the engine thread did, for listeners (metrics, load estimates): the step
-    (None when no step ran) and every output delivered, aborted requests' final ones included.
-    The outputs are the detached copies the callers got: listeners must not mutate them."""
+    """What one engine message brought, for listeners (metrics, load estimates): the step (None when
+    there was none, e.g. for aborts) and every output delivered, aborted requests' final ones included.
+    The outputs are the snapshots the callers got: listeners must not mutate them."""
 
     step: StepRecord | None
     outputs: list[RequestOutput]
@@ -97,33 +78,21 @@ class EngineEvents:
 EventListener = Callable[[EngineEvents], None]
 
 
-# ---- the caller's side of one request ----------------------------------------------------------
+class _Slot:
+    """Where the engine's loop leaves one request's newest output (or the error that ends it). The
+    engine holds the slot, never the `RequestStream`, so a stream nobody references any more is
+    garbage-collected (and its finalizer aborts the request) even while the request runs."""
 
+    __slots__ = ("item", "ready")
 
-class _Sink:
-    """Where the engine thread delivers one request's outputs: its caller's loop and queue.
+    def __init__(self) -> None:
+        self.item: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
 
-    The engine thread holds the sink, never the `RequestStream`, so a stream nobody references any
-    more is garbage-collected (and its finalizer aborts the request) even while the request runs."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.accepted: asyncio.Future[None] = loop.create_future()
-
-    # -- called on the event loop by the engine thread's deliveries --
-    def push(self, item: RequestOutput | BaseException) -> None:
-        self.accept(item if isinstance(item, BaseException) else None)
-        self.queue.put_nowait(item)
-
-    def accept(self, error: BaseException | None) -> None:
-        if self.accepted.done():
-            return
-        if error is None:
-            self.accepted.set_result(None)
-        else:
-            self.accepted.set_exception(error)
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if not isinstance(self.item, BaseException):  # an error is final
+            self.item = item
+            self.ready.set()
 
 
 @dataclass
@@ -137,17 +106,16 @@ class _StreamState:
 class RequestStream:
     """The outputs of one request, in order, as an async iterator (created by `AsyncLLM.add_request`).
 
-    Each `RequestOutput` is cumulative, so when several are waiting only the newest is returned. The
-    last one has `finished=True`. Closing the stream early (`abort()`, or dropping it) aborts the request.
+    Each `RequestOutput` is cumulative, so when several arrived since the last read only the newest is
+    returned. The last one has `finished=True`. Closing the stream early (`abort()`, or dropping it)
+    aborts the request.
     """
 
-    def __init__(
-        self, owner: AsyncLLM, request_id: str, prompt: str | None, loop: asyncio.AbstractEventLoop
-    ) -> None:
+    def __init__(self, owner: AsyncLLM, request_id: str, prompt: str | None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self._owner = owner
-        self._sink = _Sink(request_id, loop)
+        self._slot = _Slot()
         self._state = _StreamState(request_id)
         weakref.finalize(self, _abort_if_unfinished, weakref.ref(owner), self._state)
 
@@ -161,13 +129,15 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._state.done:
             raise StopAsyncIteration
-        queue_ = self._sink.queue
-        item = await queue_.get()
-        while not isinstance(item, BaseException) and not item.finished and not queue_.empty():
-            item = queue_.get_nowait()  # outputs are cumulative: the newest one says it all
+        slot = self._slot
+        if slot.item is None:
+            await slot.ready.wait()
+        item, slot.item = slot.item, None
+        slot.ready.clear()
         if isinstance(item, BaseException):
             self._state.done = True
             raise item
+        assert item is not None
         if item.finished:
             self._state.done = True
         if self.prompt is not None:
@@ -188,50 +158,68 @@ def _abort_if_unfinished(owner_ref: weakref.ref[AsyncLLM], state: _StreamState) 
         owner.abort(state.request_id)
 
 
-# ---- the engine client ----------------------------------------------------------------------------
-
-
 class AsyncLLM:
-    """Runs one `LLMEngine` on a daemon thread and serves requests from any number of coroutines."""
+    """The front end of one engine core process; serves requests from coroutines on one event loop."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self._engine = engine
-        self.tokenizer: Tokenizer = engine.tokenizer
-        self.max_model_len: int = engine.max_model_len
-        self.model_config = engine.model_config
-        self.model_dir = engine.model_dir
-        self.vocab_size: int = engine.model_config.vocab_size
-        self._default_params = engine.default_sampling_params()
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _pending_adds, _snapshot, _closed, _stopped, _dead
-        self._pending_adds = 0
-        self._snapshot = engine.stats()
-        self._closed = False  # no new requests
-        self._stopped = False  # the engine thread ended on purpose
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.facts, self.tokenizer = load_model(config)
+        self.input_processor = InputProcessor(config, self.facts, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.model_config = self.facts.model_config
+        self.model_dir = self.facts.model_dir
+        self.max_model_len = self.facts.max_model_len
+        self.vocab_size = self.facts.model_config.vocab_size
+        self._streams: dict[str, _Slot] = {}  # the requests in flight
+        self._listeners: list[EventListener] = []
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._reader: asyncio.Task | None = None
+        self._outputs: zmq.asyncio.Socket | None = None  # the core's output socket, watched by the loop
+        self._restarting: asyncio.Task | None = None
+        self._deaths: collections.deque[float] = collections.deque()
+        self._closed = False
         self._dead: EngineDeadError | None = None
+        self._drained: asyncio.Future[None] | None = None  # set by shutdown(): resolved when no stream is left
         self.num_aborted = 0
         self.num_finished = 0
-        # Engine-thread state: never touched from elsewhere.
-        self._live: dict[str, _Sink] = {}
-        self._inbox: collections.deque[_Command] = collections.deque()
-        self._idle_waiters: list[_IdleWaiter] = []
-        self._deliveries: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
-        self._listeners: list[EventListener] = []
-        self._round_outputs: list[RequestOutput] = []
-        self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
-        self._thread.start()
+        self.num_restarts = 0
+        self._core = self._start_core()
+        self._attach(self._core)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLM:
-        return cls(LLMEngine(config))
+        """Start an engine core for `config` and wait until it is ready (blocking: loads the model)."""
+        return cls(config)
 
-    # ---- read-only facts about the model (set once, safe from any thread) -----------------------
+    def _start_core(self) -> EngineCoreProcess:
+        core = EngineCoreProcess(self.config, self.facts)
+        core.wait_ready()
+        logger.info("engine core ready (pid %s)", core.pid)
+        return core
+
+    def _attach(self, core: EngineCoreProcess) -> None:
+        assert core.ready is not None
+        self._core = core
+        self._num_sent = 0
+        blocks = core.ready.num_blocks
+        self._stats = EngineStats(0, 0, 0, blocks, blocks, 0, 0.0, 0)
+        if self._loop is not None and not self._loop.is_closed():
+            self._watch(core)
+
+    # ---- read-only facts and state (safe from any thread) ------------------------------------------
+    @property
+    def engine_core_pid(self) -> int | None:
+        return self._core.pid if self._dead is None else None
+
     def default_sampling_params(self) -> SamplingParams:
-        return dataclasses.replace(self._default_params)
+        return self.input_processor.default_sampling_params()
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and not self._closed and self._core.process.is_alive()
 
     @property
     def is_accepting(self) -> bool:
@@ -243,15 +231,14 @@ class AsyncLLM:
 
     @property
     def last_stats(self) -> EngineStats:
-        """The stats the engine thread published last (after its latest step or command batch)."""
-        with self._lock:
-            return self._snapshot
+        """The stats the engine core sent with its latest step."""
+        return self._stats
 
     @property
     def num_waiting(self) -> int:
-        """Requests added but not scheduled yet: still in the command queue or in the engine's queue."""
-        with self._lock:
-            return self._pending_adds + self._snapshot.num_waiting
+        """Requests added but not scheduled yet: on their way to the core or in its queue."""
+        stats = self._stats
+        return max(0, self._num_sent - stats.num_requests_added) + stats.num_waiting
 
     # ---- requests --------------------------------------------------------------------------------
     async def add_request(
@@ -262,24 +249,19 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Queue a request and wait until the engine took it. Raises what `LLMEngine.add_request`
-        raises (InvalidRequestError and subclasses), or EngineClosedError / EngineDeadError."""
+        """Validate and queue a request. Raises InvalidRequestError (and subclasses) for bad input,
+        EngineClosedError / EngineDeadError when no engine takes requests."""
+        self._bind_loop()
+        self._check_open()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
+        request = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
         text = prompt if isinstance(prompt, str) else None
-        if text == "":  # as LLMEngine.add_request: encoding "" could still give a BOS token
-            raise InvalidRequestError("The prompt is empty.", param="prompt")
-        # Tokenized here, on the caller's side, so the engine thread never waits on text processing.
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        stream = RequestStream(self, request_id, text, asyncio.get_running_loop())
-        try:
-            self._submit(_Add(stream._sink, token_ids, params, priority, cache_salt), counts_as_add=True)
-        except LLMServeError:
-            stream._state.done = True
-            raise
-        try:
-            await stream._sink.accepted
-        except BaseException:
-            stream.abort()  # cancelled while waiting, or refused: nothing (more) to run
-            raise
+        self.output_processor.add_request(request_id, text, request.prompt_token_ids, request.params, time.monotonic())
+        stream = RequestStream(self, request_id, text)
+        self._streams[request_id] = stream._slot
+        self._num_sent += 1
+        self._core.send(request)
         return stream
 
     async def generate(
@@ -294,194 +276,201 @@ class AsyncLLM:
             stream.abort()
 
     def abort(self, request_id: str | Sequence[str]) -> None:
-        """Abort requests (thread-safe, returns at once); unknown or finished ids are ignored.
-
-        It takes no lock: it also runs from garbage-collection finalizers, on any thread. When the
-        engine thread has ended the command is simply never read (that thread aborted everything)."""
+        """Abort requests (any thread; returns at once); unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._commands.put(_Abort(ids))
+        loop = self._loop
+        if loop is not None and threading.get_ident() != self._loop_thread:
+            try:
+                loop.call_soon_threadsafe(self._abort, ids)
+                return
+            except RuntimeError:
+                pass  # that loop is closed: nothing runs on it any more
+        self._abort(ids)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        live, outputs = [], []
+        for request_id in request_ids:
+            if self._streams.pop(request_id, None) is None:
+                continue
+            live.append(request_id)
+            output = self.output_processor.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        if not live:
+            return
+        self.num_aborted += len(live)
+        self._core.send(AbortRequests(live))
+        self._notify(None, outputs)
+        self._check_drained()
 
     def add_listener(self, listener: EventListener) -> None:
-        """Call `listener(EngineEvents)` on the engine thread after every round with outputs or a step.
-        It must be quick and thread-safe (e.g. put the events on a queue read elsewhere)."""
+        """Call `listener(EngineEvents)` on the engine's loop for every step and every abort. It must
+        be quick (e.g. put the events on a queue read elsewhere)."""
         self._listeners.append(listener)
 
-    # ---- introspection ---------------------------------------------------------------------------
+    # ---- the engine core's interface ---------------------------------------------------------------
     async def stats(self) -> EngineStats:
-        """Fresh stats, taken on the engine thread after every command sent before this call
-        (the last published ones once the engine thread has stopped)."""
-        try:
-            return await self.call(lambda engine: engine.stats())
-        except EngineClosedError:
-            return self.last_stats
+        """Fresh stats, taken by the engine core after every message sent before this call (the last
+        ones it sent once it has stopped)."""
+        if self._closed or self._dead is not None:
+            return self._stats
+        self._stats = msgspec.convert(await self._call("stats"), EngineStats)
+        return self._stats
 
     async def check_invariants(self) -> None:
-        """Run the engine's block accounting check on the engine thread; raises if it fails."""
-        await self.call(lambda engine: engine.check_invariants())
-
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread (between steps) and return its result."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._submit(_Call(fn, loop, future), allow_closed=True)
-        return await future
+        """Run the engine core's block accounting check; raises AssertionError if it fails."""
+        await self._call("check_invariants")
 
     async def wait_idle(self) -> None:
-        """Return once the engine has no unfinished request (counting every command sent before)."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        try:
-            self._submit(_IdleWaiter(loop, future), allow_closed=True)
-        except EngineClosedError:
-            return  # the engine thread stopped: nothing runs any more
-        await future
+        """Return once the engine core has no unfinished request (counting every message sent before)."""
+        if self._closed and self._dead is None and not self._core.process.is_alive():
+            return
+        await self._call("wait_idle")
 
-    # ---- shutdown --------------------------------------------------------------------------------
+    async def _call(self, method: str, *args) -> object:
+        self._bind_loop()
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        call_id = next(self._call_ids)
+        future = self._loop.create_future()  # type: ignore[union-attr]
+        self._calls[call_id] = future
+        self._core.send(UtilityCall(call_id, method, list(args)))
+        return await future
+
+    # ---- shutdown ----------------------------------------------------------------------------------
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Refuse new requests, let running ones finish for up to `timeout` seconds, abort the rest
-        (their streams raise EngineClosedError) and stop the engine thread."""
-        with self._lock:
-            self._closed = True
-        if self.is_healthy:
+        (their streams raise EngineClosedError) and stop the engine core."""
+        self._bind_loop()
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        if self._streams and self._dead is None:
+            self._drained = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.wait_for(self.wait_idle(), timeout)
-            except (asyncio.TimeoutError, EngineDeadError):
+                await asyncio.wait_for(asyncio.shield(self._drained), timeout)
+            except asyncio.TimeoutError:
                 pass
-        await asyncio.get_running_loop().run_in_executor(None, self.close)
+        self._fail_streams(EngineClosedError("The request was aborted because the server is shutting down."))
+        await asyncio.to_thread(self._core.shutdown, max(0.0, deadline - time.monotonic()) + 5.0)
+        self._stop_watching()
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Stop at once (thread-safe, blocking): abort whatever is running and join the engine thread."""
-        with self._lock:
-            self._closed = True
-            stop_needed = self._dead is None
-        if stop_needed and self._thread.is_alive():
-            self._commands.put(_Stop())
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    # ---- caller side helpers -----------------------------------------------------------------------
-    def _submit(self, command: _Command, counts_as_add: bool = False, allow_closed: bool = False) -> None:
-        with self._lock:
-            if self._dead is not None:
-                raise EngineDeadError(str(self._dead))
-            if self._stopped:
-                raise EngineClosedError("The engine has stopped.")
-            if self._closed and not allow_closed:
-                raise EngineClosedError("The server is shutting down and takes no new requests.")
-            if counts_as_add:
-                self._pending_adds += 1
-            self._commands.put(command)
-
-    # ================================================================================================
-    # Everything below runs on the engine thread.
-    # ================================================================================================
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as exc:  # noqa: BLE001 - any crash must fail the callers, never hang them
-            logger.exception("the engine thread crashed")
-            self._die(exc)
-
-    def _loop(self) -> None:
-        engine = self._engine
-        while True:
-            if self._process_commands(block=not engine.has_unfinished_requests()):
-                self._stop()
-                return
-            self._flush()  # acknowledge new requests before the (possibly long) step
-            step = None
-            if engine.has_unfinished_requests():
-                steps_before = engine.num_steps
-                self._handle_outputs(engine.step())
-                step = engine.last_step if engine.num_steps != steps_before else None
-            self._notify(step)
-            self._publish()
-            self._flush()
-
-    def _process_commands(self, block: bool) -> bool:
-        """Run every queued command (waiting for one first when `block`); True if told to stop."""
-        if block:
-            self._inbox.append(self._commands.get())
-        self._take_queued()
-        adds = 0
-        try:
-            while self._inbox:
-                command = self._inbox.popleft()
-                if isinstance(command, _Stop):
-                    return True
-                adds += isinstance(command, _Add)
-                self._run_command(command)
-        finally:
-            if adds:
-                with self._lock:
-                    self._pending_adds -= adds
-                    self._snapshot = self._engine.stats()
-        return False
-
-    def _take_queued(self) -> None:
-        while True:
+        """Stop at once (blocking): fail whatever is running and stop the engine core process."""
+        self._closed = True
+        loop = self._loop
+        error = EngineClosedError("The request was aborted because the server is shutting down.")
+        if loop is not None and not loop.is_closed() and threading.get_ident() != self._loop_thread:
             try:
-                self._inbox.append(self._commands.get_nowait())
-            except queue.Empty:
-                return
-
-    def _run_command(self, command: _Command) -> None:
-        if isinstance(command, _Add):
-            self._do_add(command)
-        elif isinstance(command, _Abort):
-            self._do_abort(command.request_ids)
-        elif isinstance(command, _Call):
-            self._do_call(command)
-        elif isinstance(command, _IdleWaiter):
-            self._idle_waiters.append(command)
-
-    def _do_add(self, command: _Add) -> None:
-        sink = command.sink
-        try:
-            self._engine.add_request(
-                sink.request_id,
-                command.prompt_token_ids,
-                command.params,
-                command.priority,
-                cache_salt=command.cache_salt,
-            )
-        except Exception as exc:  # InvalidRequestError mostly: the engine state is untouched
-            self._deliver(sink.loop, sink.accept, exc)
-            return
-        self._live[sink.request_id] = sink
-        self._deliver(sink.loop, sink.accept, None)
-
-    def _do_abort(self, request_ids: list[str]) -> None:
-        live = [r for r in request_ids if self._live.pop(r, None) is not None]
-        if live:
-            outputs = self._engine.abort_request(live)
-            self.num_aborted += len(live)
-            if self._listeners:
-                self._round_outputs.extend(outputs)
-
-    def _do_call(self, command: _Call) -> None:
-        try:
-            result = command.fn(self._engine)
-        except Exception as exc:
-            self._deliver(command.loop, _set_future, command.future, None, exc)
+                loop.call_soon_threadsafe(self._fail_streams, error)
+            except RuntimeError:
+                self._fail_streams(error)
         else:
-            self._deliver(command.loop, _set_future, command.future, result, None)
+            self._fail_streams(error)
+        self._core.shutdown(timeout if timeout is not None else 30.0)
 
-    def _handle_outputs(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            sink = self._live.get(output.request_id)
-            if sink is None:
+    def _check_open(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        if self._closed:
+            raise EngineClosedError("The server is shutting down and takes no new requests.")
+
+    def _fail_streams(self, error: LLMServeError) -> None:
+        streams, self._streams = self._streams, {}
+        outputs = [o for request_id in streams if (o := self.output_processor.abort(request_id)) is not None]
+        for stream in streams.values():
+            stream.put(error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+        if outputs:
+            self._notify(None, outputs)
+        self._check_drained()
+
+    # ================================================================================================
+    # On the engine's event loop: reading the core's messages, noticing its death, restarting it.
+    # ================================================================================================
+    def _bind_loop(self) -> None:
+        """Serve from the running loop; a new loop may take over once the previous one is closed."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        if self._loop is not None and not self._loop.is_closed() and self._loop.is_running():
+            raise RuntimeError("AsyncLLM is already in use by another running event loop")
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        if self._dead is None and not self._closed:
+            self._watch(self._core)
+
+    def _watch(self, core: EngineCoreProcess) -> None:
+        loop = self._loop
+        assert loop is not None
+        self._outputs = zmq.asyncio.Socket.from_socket(core.output_socket)
+        self._reader = loop.create_task(self._read(core, self._outputs))
+        loop.add_reader(core.process.sentinel, self._on_exit, core)
+
+    def _stop_watching(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._core.process.sentinel)
+            if self._outputs is not None:
+                # Before the socket closes: its file descriptor must leave the loop first, or a new
+                # socket given the same number would never be watched.
+                self._outputs.close()
+        self._outputs = None
+
+    async def _read(self, core: EngineCoreProcess, outputs: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                frame = await outputs.recv(copy=False)
+                self._handle(core, core.decoder.decode(frame.buffer))
+        except zmq.ZMQError:
+            return  # the socket was closed with its core
+
+    def _handle(self, core: EngineCoreProcess, message: EngineCoreMessage) -> None:
+        if core is not self._core:
+            return
+        if isinstance(message, EngineCoreOutputs):
+            self._on_outputs(message)
+        elif isinstance(message, UtilityResult):
+            self._on_result(message)
+        elif isinstance(message, EngineCoreDead):
+            self._die(core, f"The engine failed: {message.error}")
+
+    def _on_outputs(self, message: EngineCoreOutputs) -> None:
+        if message.stats is not None:
+            self._stats = message.stats
+        processed = self.output_processor.process(message.outputs)
+        if processed.stopped:
+            self._core.send(StopChoices(processed.stopped))
+        streams = self._streams
+        for output in processed.outputs:
+            stream = streams.get(output.request_id)
+            if stream is None:
                 continue
             if output.finished:
-                del self._live[output.request_id]
+                del streams[output.request_id]
                 self.num_finished += 1
-            self._deliver(sink.loop, sink.push, output)  # a snapshot the engine never touches again
-            if self._listeners:
-                self._round_outputs.append(output)
+            stream.put(output)
+        self._notify(message.step, processed.outputs)
+        self._check_drained()
 
-    def _notify(self, step: StepRecord | None) -> None:
-        outputs, self._round_outputs = self._round_outputs, []
-        if step is None and not outputs:
+    def _check_drained(self) -> None:
+        if self._drained is not None and not self._streams and not self._drained.done():
+            self._drained.set_result(None)
+
+    def _on_result(self, message: UtilityResult) -> None:
+        future = self._calls.pop(message.call_id, None)
+        if future is None or future.done():
+            return
+        if message.error is None:
+            future.set_result(message.result)
+        else:
+            future.set_exception(AssertionError(message.error))
+
+    def _notify(self, step: StepRecord | None, outputs: list[RequestOutput]) -> None:
+        if not self._listeners or (step is None and not outputs):
             return
         events = EngineEvents(step, outputs)
         for listener in self._listeners:
@@ -490,79 +479,58 @@ class AsyncLLM:
             except Exception:  # a listener's bug must not stop the engine
                 logger.exception("an engine event listener failed")
 
-    def _publish(self) -> None:
-        with self._lock:
-            self._snapshot = self._engine.stats()
-        if self._idle_waiters and not self._engine.has_unfinished_requests():
-            for waiter in self._idle_waiters:
-                self._deliver(waiter.loop, _set_future, waiter.future, None, None)
-            self._idle_waiters.clear()
-
-    def _deliver(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-        self._deliveries.setdefault(loop, []).append(lambda: fn(*args))
-
-    def _flush(self) -> None:
-        """Hand this round's deliveries to each event loop in one call_soon_threadsafe."""
-        deliveries, self._deliveries = self._deliveries, {}
-        for loop, calls in deliveries.items():
+    def _on_exit(self, core: EngineCoreProcess) -> None:
+        """The core's process ended: read what it said last, then fail its requests."""
+        if self._loop is not None:
+            self._loop.remove_reader(core.process.sentinel)
+        if core is not self._core or self._dead is not None:
+            return
+        while True:
             try:
-                loop.call_soon_threadsafe(_run_all, calls)
-            except RuntimeError:  # that loop is closed: nobody is left to read its requests
-                self._do_abort([r for r, sink in self._live.items() if sink.loop is loop])
+                frame = core.output_socket.recv(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+            self._handle(core, core.decoder.decode(frame))
+        if self._dead is None and not self._closed:
+            core.process.join(1.0)
+            self._die(core, f"The engine core process exited unexpectedly (exit status {core.process.exitcode}).")
 
-    def _stop(self) -> None:
-        """Abort every request (their callers get EngineClosedError) and answer pending waiters."""
-        error = EngineClosedError("The request was aborted because the server is shutting down.")
-        with self._lock:
-            self._stopped = True
-        self._fail_queued_commands(error)
-        self._fail_everything(error)
-        self._engine.abort_request(list(self._engine.requests))
-        with self._lock:
-            self._snapshot = self._engine.stats()
-        for waiter in self._idle_waiters:
-            self._deliver(waiter.loop, _set_future, waiter.future, None, None)
-        self._idle_waiters.clear()
-        self._flush()
+    def _die(self, core: EngineCoreProcess, reason: str) -> None:
+        if self._closed:
+            return
+        logger.error("engine core (pid %s) died: %s", core.pid, reason)
+        self._dead = EngineDeadError(reason)
+        self._fail_streams(self._dead)
+        self._stop_watching()
+        core.close()
+        self._restarting = self._loop.create_task(self._restart())  # type: ignore[union-attr]
 
-    def _die(self, exc: BaseException) -> None:
-        error = EngineDeadError(f"The engine failed: {exc!r}")
-        with self._lock:
-            self._dead = error
-        self._fail_queued_commands(error)
-        self._fail_everything(error)
-        for waiter in self._idle_waiters:
-            self._deliver(waiter.loop, _set_future, waiter.future, None, error)
-        self._idle_waiters.clear()
-        self._flush()
+    async def _restart(self) -> None:
+        """Start a new engine core: at once the first time, with a doubling wait when deaths come
+        close together, and not at all past MAX_RESTARTS_IN_WINDOW deaths in RESTART_WINDOW_S."""
+        while not self._closed:
+            now = time.monotonic()
+            while self._deaths and now - self._deaths[0] > RESTART_WINDOW_S:
+                self._deaths.popleft()
+            if len(self._deaths) >= MAX_RESTARTS_IN_WINDOW:
+                logger.error("the engine core died %d times within %.0f s: not restarting it again",
+                             len(self._deaths) + 1, RESTART_WINDOW_S)
+                return
+            if self._deaths:
+                await asyncio.sleep(RESTART_BACKOFF_S * 2 ** (len(self._deaths) - 1))
+            self._deaths.append(now)
+            logger.warning("starting a new engine core")
+            try:
+                core = await asyncio.to_thread(self._start_core)
+            except EngineCoreStartError as exc:
+                logger.error("the new engine core failed to start: %s", exc)
+                continue
+            if self._closed:
+                core.shutdown(5.0)
+                return
+            self._attach(core)
+            self._dead = None
+            self.num_restarts += 1
+            logger.warning("the engine core was restarted (pid %s)", core.pid)
+            return
 
-    def _fail_everything(self, error: BaseException) -> None:
-        for sink in self._live.values():
-            self._deliver(sink.loop, sink.push, error)
-        self._live.clear()
-
-    def _fail_queued_commands(self, error: BaseException) -> None:
-        """After the stop or death flag is set no command can be queued: answer the ones that are."""
-        self._take_queued()
-        while self._inbox:
-            command = self._inbox.popleft()
-            if isinstance(command, _Add):
-                self._deliver(command.sink.loop, command.sink.accept, error)
-            elif isinstance(command, _Call):
-                self._deliver(command.loop, _set_future, command.future, None, error)
-            elif isinstance(command, _IdleWaiter):
-                self._idle_waiters.append(command)
-
-
-def _run_all(calls: list[Callable[[], None]]) -> None:
-    for call in calls:
-        call()
-
-
-def _set_future(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)

@@ -165,8 +165,8 @@ class BlockManager:
         return self._max_reusable_blocks(seq)
 
     def take_cached_prefix(self, seq: Sequence) -> int:
-        """Give a sequence with no blocks the cached blocks of its longest cached prefix and mark
-        those tokens computed; returns how many tokens that is. Undo with `release`."""
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix; returns how
+        many of its tokens they hold (the scheduler marks them computed). Undo with `release`."""
         if self.cache is None or seq.block_table:
             return 0
         for k in range(self._max_reusable_blocks(seq)):
@@ -178,15 +178,15 @@ class BlockManager:
             self.ref_counts[block] += 1
             seq.block_table.append(block)
         seq.num_registered_blocks = len(seq.block_table)
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size + self._take_tail(seq)
-        return seq.num_computed_tokens
+        return len(seq.block_table) * self.block_size + self._take_tail(seq)
 
     def _keep_tail(self, seq: Sequence) -> None:
         """File `seq`'s partly filled, computed last block as a tail, if nobody else holds it."""
         if self.cache is None:
             return
-        full = seq.num_computed_tokens // self.block_size
-        filled = seq.num_computed_tokens - full * self.block_size
+        computed = _known_computed(seq)
+        full = computed // self.block_size
+        filled = computed - full * self.block_size
         if not filled or full >= len(seq.block_table) or self.ref_counts[seq.block_table[full]] != 1:
             return
         block = seq.block_table[full]
@@ -197,7 +197,7 @@ class BlockManager:
         if replaced is not None:  # one tail per prefix: the newest wins, the older block is plain free
             self._drop_tail(replaced[0])
             self._free.append(replaced[0])
-        tokens = tuple(seq.token_ids[full * self.block_size : seq.num_computed_tokens])
+        tokens = tuple(seq.token_ids[full * self.block_size : computed])
         self._tails[prefix] = (block, tokens)
         self._tail_prefix[block] = prefix
 
@@ -236,7 +236,7 @@ class BlockManager:
         """Name the blocks of `seq` that became full and computed since the last call (O(1) each)."""
         if self.cache is None:
             return
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        full = min(_known_computed(seq) // self.block_size, len(seq.block_table))
         for k in range(seq.num_registered_blocks, full):
             block_hash, parent = self._block_hash(seq, k), self._parent_hash(seq, k)
             self.cache.register(seq.block_table[k], block_hash, parent, self._tokens(seq, k))
@@ -279,3 +279,8 @@ class BlockManager:
         for prefix, (block, _) in self._tails.items():
             assert self._tail_prefix.get(block) == prefix, f"tail block {block} is filed twice"
             assert not self.cache.is_cached(block), f"tail block {block} also has a full-block name"
+
+
+def _known_computed(seq: Sequence) -> int:
+    """Computed (or scheduled) tokens whose ids are known: a pending token cannot name a block yet."""
+    return min(seq.num_computed_tokens, len(seq.token_ids))

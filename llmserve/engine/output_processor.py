@@ -1,65 +1,195 @@
-"""Turning sampled tokens into text and deciding when a sequence stops.
+"""The front end's side of every step: the engine core sends token ids; here they become text
+(incremental detokenization), stop strings are matched (across token boundaries), logprobs are
+assembled, and each request's `RequestOutput` is built (vLLM v1's output processor).
 
-Runs once per generated token per sequence on the host: detokenize incrementally, check eos, stop
-token ids, stop strings (matched across token boundaries) and length limits.
+A choice that a stop string ends is finished here, first: the engine core only learns of it from the
+front end (`ProcessedOutputs.stopped`) and drops the sequence then.
 """
 
 from __future__ import annotations
 
-from llmserve.engine.sequence import Sequence
-from llmserve.outputs import CompletionOutput
+import copy
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from llmserve.engine.messages import EngineCoreOutput
+from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmserve.sampling.params import RequestOutputKind, SamplingParams
+from llmserve.tokenizer.detokenizer import IncrementalDetokenizer
+from llmserve.tokenizer.tokenizer import Tokenizer
 
 
-class StopChecker:
-    def __init__(self, eos_token_ids: set[int], max_model_len: int) -> None:
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
+class ChoiceState:
+    """One choice's text and tokens so far."""
 
-    def append_text(self, seq: Sequence, piece: str) -> None:
-        """Add detokenized text; finish `seq` if a stop string now appears in it."""
-        params = seq.request.params
-        previous = len(seq.text)
-        seq.text += piece
-        if not params.stop or not piece:
-            return
-        longest = max(len(s) for s in params.stop)
+    def __init__(self, index: int, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.index = index
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.text = ""
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.detokenizer.token_ids
+
+    def add(self, output: EngineCoreOutput) -> bool:
+        """Take one new token; True when a stop string ended the choice with it (and with the flushed
+        text of a choice the core finished, False: the core knows it ended)."""
+        token = output.token_id
+        if self.logprobs is not None and output.logprob is not None:
+            entry = dict(zip(output.top_ids or (), output.top_logprobs or (), strict=True))
+            entry[token] = output.logprob
+            self.logprobs.append(entry)
+            self.cumulative_logprob += output.logprob
+        if self._append_text(self.detokenizer.add((token,))):
+            return True
+        if output.finish_reason is not None and not self._append_text(self.detokenizer.flush()):
+            self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+        return False
+
+    def _append_text(self, piece: str) -> bool:
+        """Add detokenized text; finish the choice if a stop string now appears in it."""
+        if not piece:
+            return False
+        previous = len(self.text)
+        self.text += piece
+        stops = self.params.stop
+        if not stops:
+            return False
+        longest = max(len(s) for s in stops)
         window_start = max(0, previous - longest + 1)
-        hits = [(seq.text.find(s, window_start), s) for s in params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
+        hits = [(i, s) for s in stops if (i := self.text.find(s, window_start)) >= 0]
         if not hits:
-            return
+            return False
         index, stop = min(hits)
-        seq.text = seq.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
-        seq.finish_reason, seq.stop_reason = "stop", stop
+        self.text = self.text[: index + (len(stop) if self.params.include_stop_str_in_output else 0)]
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
 
-    def check_token(self, seq: Sequence, token: int) -> None:
-        """Finish `seq` if the token it just appended ends it."""
-        if seq.finish_reason is not None:
-            return
-        params = seq.request.params
-        if token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            seq.finish_reason = "length"
-        elif seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
+    def snapshot(self) -> CompletionOutput:
+        text = self.text
+        if self.finish_reason is None and self.params.stop:
+            # Hold back what could still turn out to be the start of a stop string.
+            holdback = max(len(s) for s in self.params.stop) - 1
+            text = text[: max(0, len(text) - holdback)]
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+        )
 
 
-def completion_output(seq: Sequence) -> CompletionOutput:
-    params = seq.request.params
-    text = seq.text
-    if seq.finish_reason is None and params.stop:
-        # Hold back what could still turn out to be the start of a stop string.
-        holdback = max(len(s) for s in params.stop) - 1
-        text = text[: max(0, len(text) - holdback)]
-    return CompletionOutput(
-        index=seq.index,
-        text=text,
-        token_ids=seq.output_token_ids,
-        finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason,
-        logprobs=list(seq.logprobs) if seq.logprobs is not None else None,  # a snapshot: seq.logprobs grows
-        cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-    )
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        choices = self.choices
+        return len(choices) == self.params.n and all(c.finish_reason is not None for c in choices.values())
+
+    def output(self) -> RequestOutput:
+        """A snapshot: nothing in it changes as the request goes on, so other tasks may keep it."""
+        choices = self.choices
+        ordered = choices.values() if len(choices) == 1 else (choices[i] for i in sorted(choices))
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.snapshot() for c in ordered],
+            finished=self.finished,
+            metrics=copy.copy(self.metrics),
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput]  # of the requests that finished, or asked for every step's output
+    stopped: list[tuple[str, int]]  # (request id, choice) that stop strings ended: tell the engine core
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
+        self.requests[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time=arrival_time)
+        )
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def process(self, outputs: Iterable[EngineCoreOutput]) -> ProcessedOutputs:
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        stopped: list[tuple[str, int]] = []
+        for output in outputs:
+            state = self.requests.get(output.request_id)
+            if state is None:
+                continue  # aborted, or a stop string ended it while the token was on its way
+            choice = state.choices.get(output.index)
+            if choice is None:
+                choice = state.choices[output.index] = ChoiceState(output.index, self.tokenizer, state.params)
+            if choice.finish_reason is not None:
+                continue
+            self._note_times(state, output, now)
+            if choice.add(output):
+                stopped.append((state.request_id, output.index))
+            touched[state.request_id] = state
+        results = []
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.requests[state.request_id]
+            elif state.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
+            results.append(state.output())
+        return ProcessedOutputs(results, stopped)
+
+    def _note_times(self, state: RequestState, output: EngineCoreOutput, now: float) -> None:
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        if output.scheduled_time is not None:
+            metrics.first_scheduled_time = output.scheduled_time
+            state.num_cached_tokens = output.num_cached_tokens or 0
+        if output.finish_reason is not None:
+            metrics.num_preemptions = max(metrics.num_preemptions, output.num_preemptions)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request here (its choices finish with "abort"); its final output, or None if it was
+        not running. The caller tells the engine core."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for choice in state.choices.values():
+            if choice.finish_reason is None:
+                choice.finish_reason = "abort"
+        for index in range(state.params.n):
+            if index not in state.choices:
+                state.choices[index] = ChoiceState(index, self.tokenizer, state.params)
+                state.choices[index].finish_reason = "abort"
+        state.metrics.finished_time = time.monotonic()
+        return state.output()

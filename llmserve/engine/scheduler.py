@@ -1,26 +1,43 @@
-"""Iteration-level scheduling: each step hands out a number of new tokens to each sequence.
+"""Iteration-level scheduling, and every change to request and block state that follows a step.
 
-There are no separate prefill and decode phases (vLLM v1's design). A running sequence with one
-uncomputed token decodes; one with many (a prompt, or a prompt plus outputs after preemption) gets a
-chunk of them. Running sequences are served first, oldest first, so decodes are never starved by a
-long prompt; what is left of the step's token budget admits waiting sequences. When the KV pool runs
-dry, the running sequence that is last in scheduling order is preempted: its blocks are freed and it
-recomputes later from its tokens (which the sampler's counter-based randomness reproduces exactly).
+Each step hands out a number of new tokens to each sequence. There are no separate prefill and
+decode phases (vLLM v1's design). A running sequence with one uncomputed token decodes; one with many
+(a prompt, or a prompt plus outputs after preemption) gets a chunk of them. Running sequences are
+served first, oldest first, so decodes are never starved by a long prompt; what is left of the
+step's token budget admits waiting sequences. When the KV pool runs dry, the running sequence that
+is last in scheduling order is preempted: its blocks are freed and it recomputes later from its
+tokens (which the sampler's counter-based randomness reproduces exactly).
 
 With prefix caching, a sequence being admitted first takes the cached blocks of its longest cached
 prefix and only computes the rest (a preempted sequence usually finds its own blocks still cached),
 and while the queue is short the waiting sequence with the longest cached prefix goes first among
 those ranking like the head of the queue, unless the head was overtaken too often already.
+
+The scheduler is the only owner of sequence state (nano-vllm's rule, vLLM's `update_from_output`):
+`schedule()` advances each scheduled sequence's computed count and counts the tokens the step will
+sample as pending, and names the blocks it fills in the prefix cache; `update_from_output()`
+appends the sampled tokens, finishes sequences that stopped, forks the choices of an n > 1 request
+and names the blocks that a newly known token completed;
+`finish_requests()` ends requests from outside (aborts, stop strings).
+
+Scheduling may run one step ahead of the results (overlapped scheduling): a sequence whose last
+token is still pending decodes it in the next step straight from the device, so its next input token
+is named, not known. What needs the pending token's value waits for it: a preempted sequence is not
+re-admitted until its pending token arrived, and a request with repetition penalties (which read its
+history) skips a step rather than sample from a stale one. A sequence that will have reached its
+length limit once its pending tokens arrive is not scheduled again.
 """
 
 from __future__ import annotations
 
 from bisect import insort
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from llmserve.engine.block_manager import BlockManager
-from llmserve.engine.sequence import Sequence, SequenceStatus
+from llmserve.engine.messages import EngineCoreOutput
+from llmserve.engine.sequence import Request, Sequence, SequenceStatus
+from llmserve.model.runner import ModelOutput
 
 POLICIES = ("fcfs", "priority")
 LPM_MAX_QUEUE = 128  # past this many waiting, admission is in plain queue order
@@ -28,22 +45,39 @@ MAX_OVERTAKES = 32  # a waiting sequence lets at most this many cache hits go fi
 
 
 @dataclass
+class ScheduledRow:
+    seq: Sequence
+    begin: int  # the sequence's computed tokens before this step: its first new position
+    num_new: int
+    pending_source: int = -1  # when its last new token is still pending: the previous step's sample row
+
+
+@dataclass
+class SampleTarget:
+    row: int  # the row whose last new token gives the logits
+    seq: Sequence
+    choice: int  # the choice the token is for: seq.index, or a choice still to fork from seq
+
+
+@dataclass
 class SchedulerOutput:
-    scheduled: dict[Sequence, int] = field(default_factory=dict)  # sequence -> new tokens this step
+    rows: list[ScheduledRow] = field(default_factory=list)  # decodes (one new token) first
+    samples: list[SampleTarget] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(self.scheduled.values())
+        return sum(row.num_new for row in self.rows)
 
     def __bool__(self) -> bool:
-        return bool(self.scheduled)
+        return bool(self.rows)
 
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs"
+        self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs",
+        eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"Unknown scheduling policy {policy!r}; use one of {', '.join(POLICIES)}.")
@@ -51,6 +85,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.policy = policy
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -59,6 +96,7 @@ class Scheduler:
         self.order: Callable[[Sequence], tuple] = (
             Sequence.sort_key if policy == "priority" else lambda s: s.sort_key()[1:]
         )
+        self.pending_copies: list[tuple[Sequence, int, int]] = []  # (child, src, dst) copy-on-write
 
     @property
     def num_waiting(self) -> int:
@@ -69,19 +107,49 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
-    def add(self, seq: Sequence) -> None:
+    # ---- requests in and out ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        seq = Sequence(request, 0, list(request.prompt_token_ids), len(request.prompt_token_ids), request.seed)
+        request.seqs.append(seq)
+        self.requests[request.request_id] = request
+        self._enqueue(seq)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: str = "abort") -> list[Request]:
+        """End requests wherever they are; their blocks return to the pool at once. Unknown ids
+        (finished already) are skipped."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = reason
+                    self._remove(seq)
+            finished.append(request)
+        return finished
+
+    def finish_choices(self, choices: Iterable[tuple[str, int]], reason: str = "stop") -> None:
+        """End single choices (request id, choice index), e.g. the ones a stop string ended."""
+        for request_id, index in choices:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if seq.index == index and not seq.is_finished:
+                    seq.finish_reason = reason
+                    self._remove(seq)
+            if request.is_finished:
+                del self.requests[request_id]
+
+    def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         insort(self.waiting, seq, key=self.order)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A forked sequence joins the batch directly, right away."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-
-    def remove(self, seq: Sequence) -> None:
-        """Take `seq` out of the queues and free its blocks (finish or abort)."""
+    def _remove(self, seq: Sequence) -> None:
+        """Take `seq` out of the queues and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -89,7 +157,9 @@ class Scheduler:
         self.block_manager.release(seq)
         seq.status = SequenceStatus.FINISHED
 
+    # ---- scheduling -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        scheduled: dict[Sequence, int] = {}
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         if self.policy == "priority":
@@ -98,6 +168,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            i += 1
+            if not self._schedulable(seq):
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             total = seq.num_computed_tokens + num_new
             # Most decodes still have room in their last block: skip the block manager for them.
@@ -105,12 +178,45 @@ class Scheduler:
                 if not self._make_room(seq, total, out):
                     break  # seq itself was preempted: everything after it already was too
                 self.block_manager.grow(seq, total)
-            out.scheduled[seq] = num_new
+            scheduled[seq] = num_new
             budget -= num_new
-            i += 1
         if not out.preempted:
-            self._admit(out, budget)
+            self._admit(scheduled, out, budget)
+        self._after_schedule(scheduled, out)
         return out
+
+    def _schedulable(self, seq: Sequence) -> bool:
+        """Whether a running sequence can compute a token now (see the module's last paragraph)."""
+        if not seq.num_pending:
+            return True
+        params = seq.request.params
+        if params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0:
+            return False
+        outputs = seq.num_output_tokens + seq.num_pending
+        if params.max_tokens is not None and outputs >= params.max_tokens:
+            return False
+        return self.max_model_len is None or seq.num_tokens_with_pending < self.max_model_len
+
+    def _after_schedule(self, scheduled: dict[Sequence, int], out: SchedulerOutput) -> None:
+        """Rows in batch order (decodes first, scheduling order kept), computed counts advanced, and
+        one sample for each row whose new tokens reach its end (n of them for an unforked n > 1)."""
+        items = sorted(scheduled.items(), key=lambda item: item[1] != 1)
+        for row, (seq, num_new) in enumerate(items):
+            begin = seq.num_computed_tokens
+            source = seq.pending_sample_row if begin + num_new > seq.num_tokens else -1
+            out.rows.append(ScheduledRow(seq, begin, num_new, source))
+            seq.num_computed_tokens += num_new
+            self._name_full_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens_with_pending:
+                continue  # a prefill chunk that doesn't reach the end yet
+            request = seq.request
+            seq.pending_sample_row = len(out.samples)
+            seq.num_pending += 1
+            if request.params.n == 1 or request.forked:
+                out.samples.append(SampleTarget(row, seq, seq.index))
+            else:
+                out.samples.extend(SampleTarget(row, seq, choice) for choice in range(request.params.n))
+                request.forked = True
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of the running list until `seq` can hold `num_tokens`."""
@@ -121,14 +227,17 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, scheduled: dict[Sequence, int], out: SchedulerOutput, budget: int) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             index = self._pick_waiting()
             seq = self.waiting[index]
+            if seq.num_pending:
+                break  # preempted with a token in flight: it recomputes once the token is known
             reused = self.block_manager.take_cached_prefix(seq)
+            seq.num_computed_tokens = reused
             num_new = min(seq.num_uncomputed_tokens, budget)
             total = seq.num_computed_tokens + num_new
-            if not self.block_manager.can_grow(seq, total) and not self._evict_for(seq, total, out):
+            if not self.block_manager.can_grow(seq, total) and not self._evict_for(seq, total, scheduled, out):
                 if reused:  # not admitted after all: give the cached blocks back
                     self.block_manager.release(seq)
                     seq.num_computed_tokens = 0
@@ -140,10 +249,10 @@ class Scheduler:
             self._note_reuse(seq, reused)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled[seq] = num_new
+            scheduled[seq] = num_new
             out.admitted.append(seq)
             if out.preempted:  # evictions gave their scheduled tokens back
-                budget = self.max_num_batched_tokens - out.num_batched_tokens
+                budget = self.max_num_batched_tokens - sum(scheduled.values())
             else:
                 budget -= num_new
 
@@ -180,7 +289,7 @@ class Scheduler:
         if seq.index == 0 and request.num_cached_tokens is None:
             request.num_cached_tokens = reused
 
-    def _evict_for(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+    def _evict_for(self, seq: Sequence, num_tokens: int, scheduled: dict[Sequence, int], out: SchedulerOutput) -> bool:
         """Priority policy: a waiting sequence may preempt running ones that rank below it."""
         if self.policy != "priority":
             return False
@@ -188,7 +297,7 @@ class Scheduler:
             victim = max(self.running, key=self.order, default=None)
             if victim is None or self.order(victim) <= self.order(seq):
                 return False
-            out.scheduled.pop(victim, None)
+            scheduled.pop(victim, None)
             if victim in out.admitted:
                 out.admitted.remove(victim)
             self._preempt(victim, out)
@@ -198,7 +307,121 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.release(seq)
         seq.num_computed_tokens = 0
-        seq.request.metrics.num_preemptions += 1
+        seq.request.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
-        self.add(seq)
+        self._enqueue(seq)
+
+    # ---- after the step ---------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: ModelOutput | None) -> list[EngineCoreOutput]:
+        """Apply a step's samples: append each token, fork new choices, stop and free what finished,
+        and name the blocks that became full in the prefix cache. Sequences that finished or were
+        aborted while the step ran just drop their token."""
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Sequence] = []
+        # Fork first: a parent that finishes on its first token would take its blocks with it.
+        targets = [self._resolve(target) for target in out.samples]
+        for row, target_seq in enumerate(targets):
+            if target_seq is None:
+                continue
+            assert result is not None
+            token = result.token_ids[row]
+            target_seq.token_ids.append(token)
+            output = EngineCoreOutput(target_seq.request.request_id, token, target_seq.index)
+            if result.logprobs is not None and target_seq.request.params.logprobs is not None:
+                k = target_seq.request.params.logprobs
+                output.logprob = result.logprobs[row]
+                output.top_ids = result.top_logprob_ids[row][:k]  # type: ignore[index]
+                output.top_logprobs = result.top_logprobs[row][:k]  # type: ignore[index]
+            self._first_output_facts(target_seq, output)
+            if self._check_stop(target_seq, token):
+                output.finish_reason, output.stop_reason = target_seq.finish_reason, target_seq.stop_reason
+                output.num_preemptions = target_seq.request.num_preemptions
+                finished.append(target_seq)
+            outputs.append(output)
+        for row in out.rows:
+            if not row.seq.is_finished:
+                self._name_full_blocks(row.seq)
+        for seq in finished:
+            self._remove(seq)
+            if seq.request.is_finished:
+                self.requests.pop(seq.request.request_id, None)
+        return outputs
+
+    def _name_full_blocks(self, seq: Sequence) -> None:
+        """Name the blocks that are full of scheduled tokens with known ids in the prefix cache. A
+        block named when its step is scheduled is only read by later steps, which run after it."""
+        if self.block_manager.enable_prefix_caching:
+            filled = (seq.num_registered_blocks + 1) * self.block_manager.block_size  # its next block is full
+            if seq.num_computed_tokens >= filled and seq.num_tokens >= filled:
+                self.block_manager.register_computed(seq)
+
+    def _resolve(self, target: SampleTarget) -> Sequence | None:
+        """The sequence a sample goes to (forking it now for a new choice); None when it is gone."""
+        seq = target.seq
+        if target.choice == seq.index:
+            seq.num_pending -= 1
+            return None if seq.is_finished else seq
+        if seq.request.request_id not in self.requests:
+            return None  # the request was aborted while the step ran
+        return self._fork(seq, target.choice)
+
+    def _first_output_facts(self, seq: Sequence, output: EngineCoreOutput) -> None:
+        if seq.num_output_tokens == 1 and seq.index == 0:
+            request = seq.request
+            output.scheduled_time = request.first_scheduled_time
+            output.num_cached_tokens = request.num_cached_tokens or 0
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        """Finish `seq` if the token it just got ends it (stop strings are the front end's)."""
+        params = seq.request.params
+        if token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            seq.finish_reason = "length"
+        elif self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _fork(self, parent: Sequence, choice: int) -> Sequence:
+        """A new choice of an n > 1 request. It shares the prompt's full KV blocks with the parent; the
+        partly filled last block, which both would write, is copied (copy-on-write: the runner copies
+        it before the next forward pass). With no block free for the copy, the child recomputes it."""
+        request = parent.request
+        child = Sequence(
+            request, choice, list(parent.prompt_token_ids), parent.num_prompt_tokens, request.seed_for_choice(choice)
+        )
+        bm = self.block_manager
+        computed = min(parent.num_prompt_tokens, parent.num_computed_tokens)  # the prompt's KV it holds
+        shared = computed // bm.block_size
+        bm.share(parent, child, shared)
+        child.num_computed_tokens = shared * bm.block_size
+        if child.num_computed_tokens < computed:
+            dst = bm.allocate_one(child)
+            if dst is not None:
+                self.pending_copies.append((child, parent.block_table[shared], dst))
+                child.num_computed_tokens = computed
+        request.seqs.append(child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return child
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write blocks still wanted: their child still runs and still owns the target."""
+        copies = [
+            (src, dst)
+            for child, src, dst in self.pending_copies
+            if child.status is SequenceStatus.RUNNING and dst in child.block_table
+        ]
+        self.pending_copies.clear()
+        return copies
+
+    # ---- introspection ----------------------------------------------------------------------------
+    def live_sequences(self) -> list[Sequence]:
+        return [s for r in self.requests.values() for s in r.seqs if s.status is not SequenceStatus.FINISHED]
+
+    def num_pending_prefill_tokens(self) -> int:
+        waiting = sum(s.num_uncomputed_tokens for s in self.waiting)
+        return waiting + sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1)

@@ -1,4 +1,7 @@
-"""A request and the sequences it generates (n > 1 forks one sequence per choice)."""
+"""The engine core's view of a request and the sequences it generates (n > 1 forks one per choice).
+
+Token ids only: text, stop strings and logprob assembly live in the front end's output processor.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from llmserve.outputs import RequestMetrics
 from llmserve.sampling.params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -19,7 +21,12 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    """One stream of tokens with its KV blocks. `num_computed_tokens` of its tokens have KV in the cache."""
+    """One stream of tokens with its KV blocks.
+
+    `num_computed_tokens` counts the tokens whose KV is computed or scheduled to be (the scheduler
+    advances it when it schedules a step, as vLLM v1 does). `num_pending` counts tokens sampled by
+    steps still in flight: they exist but their ids have not reached the host (overlapped scheduling).
+    """
 
     def __init__(self, request: Request, index: int, token_ids: list[int], num_prompt_tokens: int, seed: int) -> None:
         self.seq_id = next(_seq_ids)
@@ -28,6 +35,8 @@ class Sequence:
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.num_computed_tokens = 0
+        self.num_pending = 0
+        self.pending_sample_row = -1  # the sampling row of the last launched step that samples for it
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # content names of its first full blocks (prefix caching)
         self.num_registered_blocks = 0  # leading blocks of block_table already named in the cache
@@ -36,15 +45,16 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.seed = seed
         self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
-        self.text = ""
-        self.detokenizer = None  # set by the engine's output processor
+        self.stop_reason: int | None = None
 
     @property
     def num_tokens(self) -> int:
+        """Tokens whose ids the host knows."""
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
@@ -64,7 +74,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -76,7 +86,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence(id={self.seq_id}, req={self.request.request_id}, tokens={self.num_tokens}, "
+            f"Sequence(id={self.seq_id}, req={self.request.request_id}, tokens={self.num_tokens}+{self.num_pending}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.value})"
         )
 
@@ -84,17 +94,18 @@ class Sequence:
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
     arrival_order: int
-    metrics: RequestMetrics
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
     cache_root: bytes = b""  # the prefix cache namespace: model identity and the request's cache_salt
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission
+    first_scheduled_time: float | None = None  # time.monotonic() of its first admission
+    num_preemptions: int = 0
+    min_tokens_banned: tuple[int, ...] | None = None  # what would end it early: banned until min_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -7,6 +7,14 @@ one launch, reading and writing each element once, with float32 math and the sam
 the torch code in `layers.py` (so float32 results agree to rounding and bfloat16 ones almost always
 bit for bit).
 
+Every launch turns Triton's FP fusion off (`NO_FP_FUSION`). With it on (Triton 3.x's default until
+3.10), LLVM narrows each `bf16(f32(a) * f32(b))` to a bfloat16 multiply (exact, so harmless) and then
+contracts that multiply with the add or subtract after it into one `fma.rn.bf16`: the rotary kernel
+compiled for sm_90 computed `bf16(x1 * cos - bf16(x2 * sin))`, skipping the rounding of `x1 * cos`
+that torch's separate multiply stores, and only about 81.5% of its bfloat16 outputs matched the torch
+code (float16 likewise). The torch code, which rounds as transformers' Llama and Qwen3 modules do,
+rounds every op's result.
+
 Every launch grid comes from tensor shapes alone and nothing reads a device value on the host, so the
 kernels can be captured in CUDA graphs. They run natively on CUDA tensors, and on CPU tensors in
 Triton's interpreter when TRITON_INTERPRET=1 is set before this module is imported (slow: for tests).
@@ -75,7 +83,8 @@ def _rotate_heads(
     first = in_ptr + heads * stride_in_head + dims
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    # each product and sum rounded to the tensor's dtype, as the torch ops store them
+    # each product and sum rounded to the tensor's dtype, as the torch ops store them (NO_FP_FUSION keeps
+    # the compiler from contracting a product and the sum into one multiply-add)
     out1 = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
     out2 = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
     out_first = out_ptr + heads * stride_out_head + dims
@@ -121,6 +130,9 @@ def silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_gate_up, n_cols, BLOCK: tl.
 
 # ---- torch-facing wrappers ----------------------------------------------------------------------
 
+# Compile options of every launch: no multiply-add contraction, so each rounding of an intermediate to
+# the tensor's dtype happens where the torch code's separate op stores it (see the module docstring).
+NO_FP_FUSION = {"enable_fp_fusion": False}
 SILU_BLOCK = 512  # columns per program: several programs per row even for one decode token
 
 
@@ -152,7 +164,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = _next_pow2(n)
         rms_norm_kernel[(rows,)](
             x, x, weight, out, out, inner_rows, stride_outer, stride_inner, 0, n, eps,
-            HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block),
+            HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block), **NO_FP_FUSION,
         )
     return out
 
@@ -169,7 +181,7 @@ def fused_add_rms_norm(
         block = _next_pow2(n)
         rms_norm_kernel[(rows,)](
             x, residual, weight, out, new_residual, 1, x.stride(0), 0, residual.stride(0), n, eps,
-            HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block),
+            HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block), **NO_FP_FUSION,
         )
     return out, new_residual
 
@@ -194,6 +206,7 @@ def apply_rotary(
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_cache.stride(0),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, Q_HEADS_PAD=_next_pow2(num_q_heads),
             K_HEADS_PAD=_next_pow2(num_k_heads), HALF=half, HALF_PAD=_next_pow2(half), num_warps=4,
+            **NO_FP_FUSION,
         )
     return q_out, k_out
 
@@ -206,6 +219,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((tokens, n), dtype=gate_up.dtype, device=gate_up.device)
     if tokens and n:
         silu_and_mul_kernel[(tokens, triton.cdiv(n, SILU_BLOCK))](
-            gate_up, out, gate_up.stride(0), n, BLOCK=SILU_BLOCK, num_warps=4,
+            gate_up, out, gate_up.stride(0), n, BLOCK=SILU_BLOCK, num_warps=4, **NO_FP_FUSION,
         )
     return out

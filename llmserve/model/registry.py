@@ -18,6 +18,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
+def register_model(architecture: str, cls: type[nn.Module]) -> None:
+    """Serve `architecture` (a config.json `architectures` entry) with `cls` (from a plugin)."""
+    MODEL_REGISTRY[architecture] = cls
+
+
 def model_class(architecture: str) -> type[nn.Module]:
     try:
         return MODEL_REGISTRY[architecture]

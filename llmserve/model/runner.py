@@ -1,24 +1,28 @@
-"""The model runner: owns the weights and the KV cache tensors, turns a scheduled batch into one
-forward pass over its flattened tokens, and samples the next tokens.
+"""The model runner: owns the weights and the KV cache tensors, turns a `StepBatch` (plain arrays:
+tokens, block tables, rows to sample and how) into one forward pass over its flattened tokens, and
+samples the next tokens.
 
 On CUDA it also sizes the KV pool from a profiling step, replays CUDA graphs for decode-only steps
 (`cuda_graphs`), and keeps the step free of host syncs: every input tensor is built on the host and
-sent before the forward pass is launched, so the only device->host read of a step is the engine's
-read of the sampled ids (and logprobs, when asked for).
+sent before the forward pass is launched, and the sampled ids are copied back asynchronously, so
+`execute` returns while the device still works and `StepHandle.result()` is the one wait.
+
+The sampled ids also stay on the device for the next step: a token the host has not seen yet (the
+engine schedules step N+1 before step N's tokens reach it) is named in the batch as a pending token
+and filled in on the device from the previous step's samples.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence as Sequence_
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 import torch
 
 from llmserve.config import EngineConfig
-from llmserve.engine.sequence import Sequence
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, get_backend
 from llmserve.model.config import ModelConfig, parse_dtype
 from llmserve.model.cuda_graphs import (
@@ -74,6 +78,68 @@ def choose_attention_backend(requested: str | None, device: torch.device) -> typ
 
 
 @dataclass
+class StepBatch:
+    """One step's work in plain data, built by the engine core. Rows are sequences, decodes (one new
+    token) first; tokens are flattened row after row."""
+
+    input_ids: np.ndarray  # [T] int64: the new tokens of every row; a pending token's place holds 0
+    num_computed: np.ndarray  # [S] int64: tokens of each row already in the KV cache (its first position)
+    num_new: np.ndarray  # [S] int64: tokens each row computes this step
+    block_tables: list[list[int]]  # [S] the KV blocks of each row, covering its tokens after the step
+    logits_rows: list[int]  # one per token to sample: the row whose last new token gives the logits
+    sampling_rows: list[SamplingRow]  # how to sample each of them
+    # Tokens sampled by the previous step that the host does not know yet: input_ids[pending_index[i]]
+    # is the previous step's sample number pending_source[i].
+    pending_index: np.ndarray | None = None
+    pending_source: np.ndarray | None = None
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copied first
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.num_new)
+
+
+@dataclass
+class ModelOutput:
+    """What a step sampled, on the host: one entry per sampling row."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # of each sampled token
+    top_logprob_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+class StepHandle:
+    """A launched step; `result()` waits for its samples (the step's one device->host wait)."""
+
+    def __init__(self, output: SamplerOutput | None, device: torch.device) -> None:
+        self._event = None
+        self._host: list[torch.Tensor | None] = []
+        if output is None:
+            return
+        tensors = (output.token_ids, output.logprobs, output.top_logprob_ids, output.top_logprobs)
+        if device.type == "cuda":
+            self._host = [None if t is None else _pinned_copy(t) for t in tensors]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = list(tensors)
+
+    def result(self) -> ModelOutput | None:
+        if not self._host:
+            return None  # only partial prefill chunks ran: nothing was sampled
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids, logprobs, top_ids, top_logprobs = (None if t is None else t.tolist() for t in self._host)
+        return ModelOutput(token_ids, logprobs, top_ids, top_logprobs)
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+@dataclass
 class StepInputs:
     """Everything one step sends to the device, built before the forward pass is launched."""
 
@@ -82,15 +148,6 @@ class StepInputs:
     meta: AttentionMetadata
     logits_index: torch.Tensor | None  # [R] rows of the hidden states to sample from
     sampling: SamplingMetadata | None
-
-
-@dataclass
-class _ProfileSequence:
-    """The fields of a `Sequence` that `prepare_inputs` reads, for the profiling step's dummy prompts."""
-
-    token_ids: list[int]
-    block_table: list[int]
-    num_computed_tokens: int = 0
 
 
 class ModelRunner:
@@ -112,6 +169,7 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.graphs: DecodeGraphs | None = None
+        self._last_sampled: torch.Tensor | None = None  # the previous step's sampled ids, on the device
         if self._use_cuda_graphs():
             self._capture_or_run_eagerly()
 
@@ -176,21 +234,25 @@ class ModelRunner:
         sampler on max_num_seqs rows. It writes into a scratch KV cache just big enough, whose size in
         bytes it returns (it is part of the peak but not of what the engine needs besides its pool)."""
         lengths = profile_prompt_lengths(self.config.max_num_batched_tokens, self.max_model_len)
-        batch: list[tuple[_ProfileSequence, int]] = []
-        next_block = 0
+        tables: list[list[int]] = []
         for length in lengths:
-            blocks = -(-length // self.block_size)
-            table = list(range(next_block, next_block + blocks))
-            batch.append((_ProfileSequence(token_ids=[0] * length, block_table=table), length))
-            next_block += blocks
-        scratch = self._allocate_kv_cache(next_block)
+            first = sum(map(len, tables))
+            tables.append(list(range(first, first + -(-length // self.block_size))))
+        scratch = self._allocate_kv_cache(sum(map(len, tables)))
         scratch_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in scratch)
         num_rows = self.config.max_num_seqs
-        logits_rows = [i % len(batch) for i in range(num_rows)]
-        rows = [SamplingRow(_PROFILE_SAMPLING, seed=i, sample_index=0, prompt_token_ids=(), output_token_ids=())
-                for i in range(num_rows)]
-        inputs = self.prepare_step(batch, logits_rows, rows)  # type: ignore[arg-type]
-        output = self._run(inputs, scratch, use_graph=False)
+        batch = StepBatch(
+            input_ids=np.zeros(sum(lengths), dtype=np.int64),
+            num_computed=np.zeros(len(lengths), dtype=np.int64),
+            num_new=np.array(lengths, dtype=np.int64),
+            block_tables=tables,
+            logits_rows=[i % len(lengths) for i in range(num_rows)],
+            sampling_rows=[
+                SamplingRow(_PROFILE_SAMPLING, seed=i, sample_index=0, prompt_token_ids=(), output_token_ids=())
+                for i in range(num_rows)
+            ],
+        )
+        output = self._run(self.prepare_step(batch), scratch, use_graph=False)
         assert output is not None
         output.token_ids.cpu()  # wait for the step, so its memory is all accounted
         del scratch
@@ -228,20 +290,25 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(
-        self,
-        batch: list[tuple[Sequence, int]],
-        logits_rows: list[int],
-        sampling_rows: list[SamplingRow],
-        blocks_to_copy: Sequence_[tuple[int, int]] = (),
-    ) -> SamplerOutput | None:
-        """Copy the (src, dst) blocks of `blocks_to_copy`, run `batch` (decodes first) and sample one
-        token per entry of `logits_rows` (an index into `batch`: that sequence's last scheduled token
-        gives the logits)."""
-        if blocks_to_copy:
-            self.copy_blocks(blocks_to_copy)
-        inputs = self.prepare_step(batch, logits_rows, sampling_rows)
-        return self.run_step(inputs)
+    def execute(self, batch: StepBatch) -> StepHandle:
+        """Copy the batch's blocks, run its forward pass (decodes lead) and sample one token per
+        sampling row; returns without waiting for the device."""
+        if batch.blocks_to_copy:
+            self.copy_blocks(batch.blocks_to_copy)
+        inputs = self.prepare_step(batch)
+        if batch.pending_index is not None and len(batch.pending_index):
+            self._fill_pending(inputs.input_ids, batch)
+        output = self.run_step(inputs)
+        self._last_sampled = output.token_ids if output is not None else None
+        return StepHandle(output, self.device)
+
+    def _fill_pending(self, input_ids: torch.Tensor, batch: StepBatch) -> None:
+        """Put the previous step's samples, still on the device, where the batch names them."""
+        if self._last_sampled is None:
+            raise RuntimeError("the batch names pending tokens but the previous step sampled nothing")
+        assert batch.pending_index is not None and batch.pending_source is not None
+        index, source = self._to_device(batch.pending_index), self._to_device(batch.pending_source)
+        input_ids.index_copy_(0, index, self._last_sampled.index_select(0, source))
 
     @torch.inference_mode()
     def run_step(self, inputs: StepInputs) -> SamplerOutput | None:
@@ -260,7 +327,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_index])
         return self.sampler(logits, inputs.sampling)
 
-    def copy_blocks(self, blocks_to_copy: Sequence_[tuple[int, int]]) -> None:
+    def copy_blocks(self, blocks_to_copy: Sequence[tuple[int, int]]) -> None:
         """Copy whole KV blocks, every layer's keys and values (block is the caches' first dimension)."""
         src = self._to_device(np.array([s for s, _ in blocks_to_copy], dtype=np.int64))
         dst = self._to_device(np.array([d for _, d in blocks_to_copy], dtype=np.int64))
@@ -269,41 +336,33 @@ class ModelRunner:
             value_cache[dst] = value_cache[src]
 
     # ---- inputs ---------------------------------------------------------------------------------
-    def prepare_step(
-        self, batch: list[tuple[Sequence, int]], logits_rows: list[int], sampling_rows: list[SamplingRow]
-    ) -> StepInputs:
+    def prepare_step(self, batch: StepBatch) -> StepInputs:
         """The step's device tensors: model inputs, the hidden-state rows to sample and the sampling
         metadata; all of it is sent before anything runs, so building it never waits on the device."""
         input_ids, positions, meta = self.prepare_inputs(batch)
-        if not logits_rows:
+        if not batch.logits_rows:
             return StepInputs(input_ids, positions, meta, None, None)
         starts = meta.query_start_loc_host
-        last_tokens = np.array([starts[row + 1] - 1 for row in logits_rows], dtype=np.int64)
-        sampling = SamplingMetadata.build(sampling_rows, self.model_config.vocab_size, self.device)
+        last_tokens = np.array([starts[row + 1] - 1 for row in batch.logits_rows], dtype=np.int64)
+        sampling = SamplingMetadata.build(batch.sampling_rows, self.model_config.vocab_size, self.device)
         return StepInputs(input_ids, positions, meta, self._to_device(last_tokens), sampling)
 
-    def prepare_inputs(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten the batch: token ids, positions and KV slots of every scheduled token (numpy over the
-        tokens: only the per-sequence reads are Python), plus the attention metadata."""
-        count = len(batch)
-        num_new = np.fromiter((n for _, n in batch), dtype=np.int64, count=count)
-        begins = np.fromiter((seq.num_computed_tokens for seq, _ in batch), dtype=np.int64, count=count)
+    def prepare_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Positions and KV slots of every new token (numpy over the tokens, no Python loop per
+        token), the attention metadata, and the device copies of it all."""
+        num_new, begins = batch.num_new, batch.num_computed
+        count = len(num_new)
         seq_lens = begins + num_new
         starts = np.zeros(count + 1, dtype=np.int64)
         np.cumsum(num_new, out=starts[1:])
         total = int(starts[-1])
         if total == count:  # decodes only: one token each
             positions = begins
-            tokens = [seq.token_ids[begin] for (seq, _), begin in zip(batch, begins.tolist(), strict=True)]
             rows = np.arange(count)
         else:
             rows = np.repeat(np.arange(count), num_new)
             positions = np.arange(total) - np.repeat(starts[:-1] - begins, num_new)
-            tokens = chain.from_iterable(
-                seq.token_ids[begin:end]
-                for (seq, _), begin, end in zip(batch, begins.tolist(), seq_lens.tolist(), strict=True)
-            )
-        block_tables = _padded_block_tables([seq.block_table for seq, _ in batch])
+        block_tables = _padded_block_tables(batch.block_tables)
         bs = self.block_size
         slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         is_decode = num_new == 1
@@ -320,7 +379,7 @@ class ModelRunner:
             query_start_loc_host=starts.tolist(),
             seq_lens_host=seq_lens_host,
         )
-        input_ids = self._to_device(np.fromiter(tokens, dtype=np.int64, count=total))
+        input_ids = self._to_device(batch.input_ids)
         return input_ids, self._to_device(positions.astype(np.int64, copy=False)), meta
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

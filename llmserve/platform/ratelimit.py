@@ -6,7 +6,8 @@ limit/60 per second. A request takes 1 from the RPM bucket and its reservation (
 did not use once it ends. Reserving up front is what keeps concurrent requests from overshooting TPM.
 
 Two backends share the arithmetic here: `InProcessRateLimiter` (one server process) and
-`RedisRateLimiter` in `ratelimit_redis` (several replicas sharing one limit).
+`RedisRateLimiter` in `ratelimit_redis` (several replicas sharing one limit), which builds on this
+module; `llmserve serve` picks one (`server.serve.make_rate_limiter`).
 """
 
 from __future__ import annotations
@@ -327,12 +328,3 @@ class InProcessRateLimiter(RateLimiter):
         """How many keys' buckets are held (bounded by the keys active in the last two minutes)."""
         with self._lock:
             return len(self._buckets)
-
-
-def make_rate_limiter(redis_url: str | None) -> RateLimiter:
-    """Redis-backed when `redis_url` is given (replicas share limits), else in-process."""
-    if redis_url:
-        from llmserve.platform.ratelimit_redis import RedisRateLimiter
-
-        return RedisRateLimiter(redis_url)
-    return InProcessRateLimiter()

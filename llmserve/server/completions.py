@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from llmserve.errors import InvalidRequestError, LLMServeError
+from llmserve.errors import LLMServeError
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.safety import OutputGuard
 from llmserve.server import errors
@@ -36,7 +36,6 @@ from llmserve.server.streaming import (
     sse,
 )
 from llmserve.server.submit import Started, check_prompt, count_output_blocks, start_requests
-from llmserve.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
 
@@ -67,8 +66,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         body, endpoint.engine.default_sampling_params(), body.max_tokens, logprobs=body.logprobs
     )
     prompts = body.prompts()
+    prompt_ids = [endpoint.engine.input_processor.tokenize(p) for p in prompts]
     check_prompt(state, endpoint, [_prompt_text(p, endpoint.token_texts) for p in prompts], "prompt")
-    prompt_ids = [_prompt_ids(p, endpoint.engine.tokenizer) for p in prompts]
     started = await start_requests(
         state, endpoint, key, "cmpl", prompt_ids, params, body.priority, cache_salt=body.cache_salt
     )
@@ -89,12 +88,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     response, blocked = _completion_response(outputs, ctx)
     started.meter.finish("content_filter" if blocked else "completed")
     return JSONResponse(response.model_dump(), headers=started.headers)
-
-
-def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:
-    if prompt == "":
-        raise InvalidRequestError("The prompt is empty.", param="prompt")
-    return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
 
 def _prompt_text(prompt: str | list[int], texts: TokenTexts) -> str:

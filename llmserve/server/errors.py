@@ -131,8 +131,8 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, EngineClosedError):
         return shutting_down()
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, EngineDeadError):  # a new engine core is usually up within seconds
+        return APIError(503, str(exc), code="engine_dead", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     return APIError(500, "The server had an error while processing your request.", code="internal_error")
 
 

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from llmserve.engine.async_llm import AsyncLLM, EngineEvents
-from llmserve.engine.llm_engine import StepRecord
+from llmserve.engine.messages import StepRecord
 from llmserve.outputs import RequestOutput
 from llmserve.server.slo import SLO, LoadEstimator
 
@@ -78,6 +78,10 @@ class EngineCollector(Collector):
                      lambda e: e.engine.num_finished)
         yield family(counter, "llmserve:requests_aborted", "Requests aborted (client gone).",
                      lambda e: e.engine.num_aborted)
+        yield family(counter, "llmserve:engine_core_restarts", "Engine core processes started after one died.",
+                     lambda e: e.engine.num_restarts)
+        yield family(gauge, "llmserve:engine_core_up", "1 while the engine core process serves, else 0.",
+                     lambda e: int(e.engine.is_healthy))
 
 
 class ServerMetrics:

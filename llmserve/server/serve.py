@@ -23,9 +23,10 @@ from types import FrameType
 
 import uvicorn
 
-from llmserve.config import EngineConfig
+from llmserve.config import EngineConfig, engine_config_kwargs
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.keys import KeyStore
+from llmserve.platform.ratelimit import InProcessRateLimiter, RateLimiter
 from llmserve.platform.routing import ModelsConfig
 from llmserve.server.app import ModelSpec, build_app
 from llmserve.server.gateway import Platform
@@ -122,13 +123,21 @@ def parse_model_args(values: list[str] | None, served_model_name: str | None) ->
     return parsed
 
 
+def make_rate_limiter(redis_url: str | None) -> RateLimiter:
+    """Redis-backed when `redis_url` is given (replicas share limits), else in-process."""
+    if redis_url:
+        from llmserve.platform.ratelimit_redis import RedisRateLimiter
+
+        return RedisRateLimiter(redis_url)
+    return InProcessRateLimiter()
+
+
 def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Platform | None:
     """Keys, usage and conversations in the database, rate limits in process or in Redis, safety rules."""
     if args.no_platform:
         return None
     from llmserve.platform.conversations import ConversationStore
     from llmserve.platform.keys import KeyCache, KeyStore
-    from llmserve.platform.ratelimit import make_rate_limiter
     from llmserve.platform.safety import load_filter
     from llmserve.platform.usage import Price, PriceTable, UsageRecorder
     from llmserve.store.db import default_database_url, open_database
@@ -166,11 +175,9 @@ def _model_args(args: argparse.Namespace, config: ModelsConfig | None) -> list[M
 
 
 def _model_specs(args: argparse.Namespace, models: list[ModelArg]) -> list[ModelSpec]:
-    from llmserve.cli import engine_kwargs
-
     specs = []
     for model in models:
-        kwargs = {**engine_kwargs(args), **model.engine_overrides}
+        kwargs = {**engine_config_kwargs(args), **model.engine_overrides}
 
         def load(model: ModelArg = model, kwargs: dict = kwargs) -> AsyncLLM:
             path = resolve_model(model.model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from llmserve.engine.llm_engine import StepRecord
+from llmserve.engine.messages import StepRecord
 
 _ALPHA = 0.2  # weight of the newest step in the moving averages
 _MIN_PREFILL_TOKENS = 8  # steps with less prefill say little about its cost per token

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.heap import freeze_startup_heap
 from llmserve.platform.routing import ModelFailed, ModelLoading, ModelRouter
 from llmserve.platform.safety import OutputGuard
 from llmserve.server import errors
@@ -107,6 +108,7 @@ class ServerState:
     def model_settled(self) -> None:
         """A model finished loading (or failed to): wake whoever waits for them all."""
         if not self.router.loading_names():
+            freeze_startup_heap()
             self._ready_event().set()
 
     async def wait_ready(self) -> None:

@@ -81,13 +81,10 @@ def count_output_blocks(
 
 
 def reserved_tokens(endpoint: ModelEndpoint, prompts: Sequence[Sequence[int]], params: SamplingParams) -> int:
-    """What a request may use at most: its prompts plus every choice's completion budget."""
-    limit = endpoint.engine.max_model_len
-    total = 0
-    for prompt in prompts:
-        budget = params.max_tokens if params.max_tokens is not None else max(0, limit - len(prompt))
-        total += len(prompt) + params.n * budget
-    return total
+    """What a request may use at most: its prompts plus every choice's completion budget (raises for
+    a prompt that leaves no room in the context window)."""
+    budget = endpoint.engine.input_processor.max_tokens
+    return sum(len(prompt) + params.n * budget(len(prompt), params) for prompt in prompts)
 
 
 async def start_requests(
@@ -105,11 +102,11 @@ async def start_requests(
     requests already added are aborted, the reservation is returned, and the error (params renamed)
     is raised."""
     admission = None
-    if state.platform is not None:
-        admission = await state.platform.admit(key, endpoint.name, reserved_tokens(endpoint, prompts, params))
     response_id = random_id(id_prefix)
     streams: list[RequestStream] = []
     try:
+        if state.platform is not None:
+            admission = await state.platform.admit(key, endpoint.name, reserved_tokens(endpoint, prompts, params))
         endpoint.admit(prompts, state.draining)
         for i, prompt in enumerate(prompts):
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"

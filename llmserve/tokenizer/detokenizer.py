@@ -30,15 +30,12 @@ REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     """Streams the text of one sequence's generated tokens.
 
-    The text is that of the generated ids alone, exactly `tokenizer.decode(output_ids)`; the prompt
-    ids are kept for callers but do not change it. Call `flush()` once, when the sequence ends.
+    The text is that of the generated ids alone, exactly `tokenizer.decode(output_ids)`. Call
+    `flush()` once, when the sequence ends.
     """
 
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.prompt_token_ids = list(prompt_token_ids)
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.output_text = ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import threading
+import os
 
 import pytest
 
@@ -15,6 +15,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM, EngineClosedError, EngineDeadError
 from llmserve.errors import ContextLengthExceededError, InvalidRequestError
+from tests import faulty_model
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "def fibonacci(n):", "Un café au lait. 日本語"]
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -188,36 +189,44 @@ def test_num_waiting_counts_queued_requests(tiny_llama_dir):
         allm.close()
 
 
-def test_engine_crash_fails_pending_requests_and_later_ones(tiny_llama_dir):
-    allm = AsyncLLM.from_config(_config(tiny_llama_dir))
-    real_step = allm._engine.step
-    armed = threading.Event()
+async def _until_healthy(allm: AsyncLLM) -> None:
+    """Poll, as a load balancer's health check would: the new core starts in another process."""
+    while not allm.is_healthy:
+        await asyncio.sleep(0.05)
 
-    def flaky_step():
-        if armed.is_set():
-            raise RuntimeError("boom")
-        return real_step()
 
-    allm._engine.step = flaky_step
+@pytest.fixture
+def faulty_engine(tiny_llama_dir, tmp_path, monkeypatch):
+    """An engine whose core process fails any step that computes FAULT_TOKEN."""
+    monkeypatch.setenv("LLMSERVE_PLUGINS", "tests.faulty_model")
+    engine = AsyncLLM.from_config(_config(faulty_model.faulty_copy(tiny_llama_dir, tmp_path / "faulty")))
+    yield engine
+    engine.close()
+
+
+def test_a_failing_step_fails_every_request_in_flight_and_a_new_core_serves_the_next(faulty_engine):
+    allm = faulty_engine
+    first_core = allm.engine_core_pid
 
     async def main():
         streams = [await allm.add_request(f"c{i}", "Hello", LONG) for i in range(3)]
-        armed.set()  # the next step fails, with all three requests in the engine
-        for stream in streams:
-            with pytest.raises(EngineDeadError, match="boom"):
+        await streams[0].__anext__()  # all three are running
+        poison = await allm.add_request("poison", [5, 6, faulty_model.FAULT_TOKEN], LONG)
+        for stream in [*streams, poison]:
+            with pytest.raises(EngineDeadError, match="injected fault"):
                 async for _ in stream:
                     pass
+        assert not allm.is_healthy
         with pytest.raises(EngineDeadError):
-            await allm.add_request("after", "Hello", LONG)
-        with pytest.raises(EngineDeadError):
-            await allm.wait_idle()
+            await allm.add_request("while-dead", "Hello", LONG)
+        await asyncio.wait_for(_until_healthy(allm), timeout=60)
+        outputs = await _collect(allm, "after", "Hello", SamplingParams(max_tokens=5, ignore_eos=True))
+        assert len(outputs[-1].outputs[0].token_ids) == 5
+        await _assert_pool_empty(allm)
 
-    try:
-        asyncio.run(main())
-        assert not allm.is_healthy and not allm.is_accepting
-        assert isinstance(allm.dead_error, EngineDeadError)
-    finally:
-        allm.close()
+    asyncio.run(main())
+    assert allm.num_restarts == 1 and allm.engine_core_pid != first_core
+    assert allm.is_healthy and allm.dead_error is None
 
 
 def test_shutdown_lets_running_requests_finish(allm):
@@ -231,8 +240,9 @@ def test_shutdown_lets_running_requests_finish(allm):
         assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 20
         await shutdown
 
+    pid = allm.engine_core_pid
     asyncio.run(main())
-    assert not allm._thread.is_alive()
+    _assert_gone(pid)
 
 
 def test_shutdown_timeout_aborts_what_is_left(allm):
@@ -243,8 +253,16 @@ def test_shutdown_timeout_aborts_what_is_left(allm):
         with pytest.raises(EngineClosedError):
             async for _ in stream:
                 pass
-        stats = await allm.stats()  # the engine thread is gone: the last published stats
+        stats = await allm.stats()  # the engine core is gone: the stats it sent last
         assert stats.num_used_blocks == 0 and stats.num_unfinished_requests == 0
 
+    pid = allm.engine_core_pid
     asyncio.run(main())
-    assert not allm._thread.is_alive()
+    _assert_gone(pid)
+
+
+def _assert_gone(pid: int | None) -> None:
+    """The engine core process ended and was reaped: no process has its pid any more."""
+    assert pid is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -4,12 +4,11 @@ import pytest
 
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.sequence import Request, Sequence
-from llmserve.outputs import RequestMetrics
 from llmserve.sampling.params import SamplingParams
 
 
 def _seq(num_tokens: int, rid: str = "r") -> Sequence:
-    request = Request(rid, None, list(range(num_tokens)), SamplingParams(), 0, 0, RequestMetrics(0.0))
+    request = Request(rid, list(range(num_tokens)), SamplingParams(), seed=0, arrival_order=0)
     return Sequence(request, 0, list(range(num_tokens)), num_tokens, seed=0)
 
 

@@ -43,10 +43,17 @@ def _drain(engine, until=None):
     return outputs
 
 
+def _first_outputs(engine):
+    """Step until a step's tokens are in (with overlapped scheduling the first call only launches)."""
+    while not (outputs := engine.step()):
+        pass
+    return outputs
+
+
 def _assert_pool_empty(llm):
     engine = llm.engine
     engine.check_invariants()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_blocks
     assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
 
 
@@ -84,7 +91,7 @@ def test_final_only_requests_report_once_and_generate_leaves_the_callers_params_
 def test_each_output_is_a_snapshot_that_later_steps_leave_alone(llm):
     engine = llm.engine
     engine.add_request("snap", "def fibonacci(n):", SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True))
-    first = engine.step()[0]  # the prompt fits one step: the first token comes with it
+    first = _first_outputs(engine)[0]  # the prompt fits one step: the first token comes with it
     frozen = (list(first.outputs[0].token_ids), len(first.outputs[0].logprobs), first.metrics.last_token_time)
     _drain(engine)
     assert frozen[:2] == ([first.outputs[0].token_ids[0]], 1)
@@ -100,14 +107,14 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(llm):
     engine.add_request("decode", "Hello there", SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    prefill_seq = engine.requests["prefill"].seqs[0]
+    prefill_seq = engine.core.scheduler.requests["prefill"].seqs[0]
     assert 0 < prefill_seq.num_computed_tokens < 300
     [aborted] = engine.abort_request("prefill")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     engine.check_invariants()
     for _ in range(3):
         engine.step()
-    assert engine.requests["decode"].seqs[0].num_output_tokens > 0
+    assert engine.core.scheduler.requests["decode"].seqs[0].num_output_tokens > 0
     engine.abort_request(["decode"])
     assert not engine.has_unfinished_requests()
     _assert_pool_empty(llm)
@@ -117,13 +124,13 @@ def test_n_greater_than_one_shares_prompt_blocks_and_leaks_nothing(llm):
     engine = llm.engine
     prompt = list(range(10, 50))  # 40 tokens: two full blocks of 16 and a partial one
     engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
-    engine.step()  # prefill + first token of each choice, then the fork
-    seqs = engine.requests["n4"].seqs
+    _first_outputs(engine)  # prefill + first token of each choice, then the fork
+    seqs = engine.core.scheduler.requests["n4"].seqs
     assert len(seqs) == 4
     shared = seqs[0].block_table[:2]
     for child in seqs[1:]:
         assert child.block_table[:2] == shared
-    assert [engine.block_manager.ref_counts[b] for b in shared] == [4, 4]
+    assert [engine.core.block_manager.ref_counts[b] for b in shared] == [4, 4]
     engine.check_invariants()
     outputs = _drain(engine)
     choices = outputs["n4"].outputs
@@ -283,7 +290,7 @@ def test_half_precision_engines_run_and_keep_greedy_tokens_on_the_tiny_model(tin
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     reference = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=32, max_model_len=256)
     half = LLM(str(tiny_llama_dir), dtype=dtype, num_kv_blocks=32, max_model_len=256)
-    assert str(half.engine.runner.dtype) == f"torch.{dtype}"
+    assert str(half.engine.core.runner.dtype) == f"torch.{dtype}"
     expected = reference.generate(PROMPTS[:2], params)
     got = half.generate(PROMPTS[:2], params)
     # Half precision may flip a near-tie later on, but the first greedy token of each prompt is clear-cut.

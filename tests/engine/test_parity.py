@@ -1,5 +1,7 @@
-"""Greedy outputs token-identical to transformers, one prompt and many, under chunked prefill and
-preemption, for every supported architecture (float32, random weights)."""
+"""Greedy outputs token-identical to transformers, one prompt and many, under chunked prefill,
+preemption and prefix-cache hits, for every supported architecture (float32, random weights), with
+overlapped scheduling (the default: step N+1 is scheduled and launched before step N's tokens reach
+the host) and without it."""
 
 from __future__ import annotations
 
@@ -34,18 +36,20 @@ def test_single_prompt_matches_transformers(checkpoint):
     assert out.outputs[0].token_ids == hf_reference.greedy(reference, prompt, MAX_NEW)
     assert out.outputs[0].finish_reason == "length"
     llm.engine.check_invariants()
-    assert llm.engine.block_manager.num_free_blocks == 64
+    assert llm.engine.core.block_manager.num_free_blocks == 64
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "serial"])
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["cache", "nocache"])
-def test_mixed_batch_with_chunked_prefill_and_preemption_matches_transformers(checkpoint, prefix_caching):
+def test_mixed_batch_with_chunked_prefill_and_preemption_matches_transformers(checkpoint, prefix_caching,
+                                                                             async_scheduling):
     model_dir, reference = checkpoint
     # 18 prompts of 3-90 tokens, a 32-token step budget (long prompts take several chunks) and a pool
     # of 24 blocks (384 tokens) that cannot hold them all at once: preemption must happen (and with
     # prefix caching, preempted sequences come back through the cache).
     llm = LLM(
         str(model_dir), dtype="float32", num_kv_blocks=24, max_num_batched_tokens=32, max_model_len=256,
-        enable_prefix_caching=prefix_caching,
+        enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling,
     )
     prompts = _prompts(18, seed=2)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
@@ -54,7 +58,7 @@ def test_mixed_batch_with_chunked_prefill_and_preemption_matches_transformers(ch
         assert out.prompt_token_ids == prompt
         assert out.outputs[0].token_ids == hf_reference.greedy(reference, prompt, MAX_NEW)
     llm.engine.check_invariants()
-    assert llm.engine.block_manager.num_free_blocks == 24
+    assert llm.engine.core.block_manager.num_free_blocks == 24
 
 
 def test_shared_prefixes_and_a_follow_up_turn_reuse_the_cache_and_match_transformers(checkpoint):
@@ -73,4 +77,4 @@ def test_shared_prefixes_and_a_follow_up_turn_reuse_the_cache_and_match_transfor
     for prompt, out in zip(prompts + [follow_up], outs, strict=True):
         assert out.outputs[0].token_ids == hf_reference.greedy(reference, prompt, MAX_NEW)
     llm.engine.check_invariants()
-    assert llm.engine.block_manager.num_free_blocks == 64
+    assert llm.engine.core.block_manager.num_free_blocks == 64

@@ -13,25 +13,24 @@ from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.prefix_cache import hash_root
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sequence import Request, Sequence, SequenceStatus
-from llmserve.outputs import RequestMetrics
 from llmserve.sampling.params import SamplingParams as Params
+from tests.engine.steps import add, scheduled, step
 
 BS = 4
 _order = itertools.count()
 
 
-def _seq(tokens: list[int], salt: str | None = None, priority: int = 0) -> Sequence:
+def _seq(tokens: list[int], salt: str | None = None) -> Sequence:
     n = next(_order)
-    request = Request(
-        f"r{n}", None, list(tokens), Params(), 0, n, RequestMetrics(0.0), priority, cache_root=hash_root("m", salt)
-    )
+    request = Request(f"r{n}", list(tokens), Params(), seed=0, arrival_order=n, cache_root=hash_root("m", salt))
     seq = Sequence(request, 0, list(tokens), len(tokens), seed=0)
     request.seqs.append(seq)
     return seq
 
 
 def _compute(bm: BlockManager, seq: Sequence) -> None:
-    """Pretend a forward pass computed every token of `seq` (what the engine does after a step)."""
+    """The block manager's state once every token of `seq` has KV (these tests are of the block
+    manager alone; the scheduler's own transitions are tested below and in test_scheduler)."""
     bm.grow(seq, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
     bm.register_computed(seq)
@@ -39,6 +38,7 @@ def _compute(bm: BlockManager, seq: Sequence) -> None:
 
 def _admit(bm: BlockManager, seq: Sequence) -> int:
     reused = bm.take_cached_prefix(seq)
+    seq.num_computed_tokens = reused
     _compute(bm, seq)
     return reused
 
@@ -75,7 +75,6 @@ def test_the_last_token_is_always_computed():
     _admit(bm, _seq(PROMPT[:8]))
     again = _seq(PROMPT[:8])  # both blocks are cached, but the logits need the last token computed
     assert bm.take_cached_prefix(again) == 4
-    assert again.num_uncomputed_tokens == 4
 
 
 def test_cached_blocks_are_evicted_least_recently_used_first_and_only_when_needed():
@@ -131,7 +130,8 @@ def test_a_tail_serves_a_prompt_that_diverges_inside_it_and_never_the_last_token
     _admit(bm, first)
     bm.release(first)
     same = _seq(PROMPT + [1])  # the whole tail matches, but its own last token must be computed
-    assert bm.take_cached_prefix(same) == 10
+    same.num_computed_tokens = bm.take_cached_prefix(same)  # as the scheduler admits it
+    assert same.num_computed_tokens == 10
     bm.release(same)  # taken back without computing: filed again with the 2 tokens it holds for sure
     diverging = _seq(PROMPT + [2, 3])  # shares 108, 109, then differs
     assert bm.take_cached_prefix(diverging) == 10
@@ -208,36 +208,24 @@ def test_invariant_check_catches_a_cached_block_on_the_plain_free_list():
 # ---- with the scheduler: abort and preemption of sharers ---------------------------------------
 
 
-def _step(sched: Scheduler, new_token: int = 7):
-    out = sched.schedule()
-    for seq, n in out.scheduled.items():
-        seq.num_computed_tokens += n
-        sched.block_manager.register_computed(seq)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(new_token)
-    return out
-
-
 def test_abort_of_one_of_two_sharers_leaves_the_other_whole():
     bm = BlockManager(16, BS, enable_prefix_caching=True)
     sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8)
-    first = _seq(PROMPT)
-    sched.add(first)
-    _step(sched)
-    second = _seq(PROMPT + [5])
-    sched.add(second)
-    out = _step(sched)
-    assert out.scheduled[second] == 3 and second.num_cached_tokens == 8
+    first = add(sched, PROMPT)
+    step(sched)
+    second = add(sched, PROMPT + [5])
+    out = step(sched)
+    assert scheduled(out)[second] == 3 and second.num_cached_tokens == 8
     assert second.request.num_cached_tokens == 8
     shared = second.block_table[:2]
     assert [bm.ref_counts[b] for b in shared] == [2, 2]
-    sched.remove(first)  # abort
+    sched.finish_requests([first.request.request_id])  # abort
     assert [bm.ref_counts[b] for b in shared] == [1, 1]
     bm.check_invariants(sched.running)
     for _ in range(6):
-        _step(sched)
+        step(sched)
     bm.check_invariants(sched.running)
-    sched.remove(second)
+    sched.finish_requests([second.request.request_id])
     bm.check_invariants([])
     assert bm.num_free_blocks == 16
 
@@ -245,15 +233,14 @@ def test_abort_of_one_of_two_sharers_leaves_the_other_whole():
 def test_a_preempted_sharer_comes_back_through_the_cache():
     bm = BlockManager(6, BS, enable_prefix_caching=True)  # 24 tokens
     sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8)
-    first, second = _seq(PROMPT), _seq(PROMPT)
-    sched.add(first)
-    _step(sched)
-    sched.add(second)
-    _step(sched)  # second reuses first's two full blocks
+    first = add(sched, PROMPT)
+    step(sched)
+    second = add(sched, PROMPT)
+    step(sched)  # second reuses first's two full blocks
     assert bm.ref_counts[first.block_table[0]] == 2
     preempted = []
     for _ in range(12):
-        out = _step(sched)
+        out = step(sched)
         preempted += out.preempted
         bm.check_invariants(sched.running)
         if preempted and second.status is SequenceStatus.RUNNING:
@@ -261,8 +248,7 @@ def test_a_preempted_sharer_comes_back_through_the_cache():
     assert preempted == [second]
     assert second.num_cached_tokens >= 8  # its shared prefix (at least) was still cached
     assert bm.ref_counts[first.block_table[0]] == 2
-    sched.remove(first)
-    sched.remove(second)
+    sched.finish_requests([first.request.request_id, second.request.request_id])
     bm.check_invariants([])
     assert bm.num_free_blocks == 6
 
@@ -270,20 +256,17 @@ def test_a_preempted_sharer_comes_back_through_the_cache():
 def test_waiting_queue_prefers_cached_prefixes_unless_the_head_starves():
     bm = BlockManager(64, BS, enable_prefix_caching=True)
     sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=1)
-    warm = _seq(PROMPT)
-    sched.add(warm)
-    _step(sched)
-    sched.remove(warm)
-    cold, hot = _seq(list(range(300, 310))), _seq(PROMPT + [1])
-    sched.add(cold)
-    sched.add(hot)
-    out = sched.schedule()
-    assert list(out.scheduled) == [hot] and cold.times_overtaken == 1
-    sched.remove(hot)
+    warm = add(sched, PROMPT)
+    step(sched)
+    sched.finish_requests([warm.request.request_id])
+    cold, hot = add(sched, list(range(300, 310))), add(sched, PROMPT + [1])
+    out = step(sched)
+    assert list(scheduled(out)) == [hot] and cold.times_overtaken == 1
+    sched.finish_requests([hot.request.request_id])
     sched.max_overtakes = 1
-    sched.add(_seq(PROMPT + [2]))
+    add(sched, PROMPT + [2])
     out = sched.schedule()
-    assert list(out.scheduled) == [cold]  # overtaken once already: its turn now
+    assert list(scheduled(out)) == [cold]  # overtaken once already: its turn now
 
 
 # ---- the engine on the tiny model ---------------------------------------------------------------
@@ -299,7 +282,7 @@ def engines(tiny_llama_dir):
 
 def _assert_pool_empty(llm: LLM) -> None:
     llm.engine.check_invariants()
-    bm = llm.engine.block_manager
+    bm = llm.engine.core.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
 
 
@@ -338,9 +321,9 @@ def test_requests_with_the_same_prefix_share_blocks_while_they_run(engines):
     engine.step()
     engine.add_request("b", prefix + [2, 3], GREEDY)
     engine.step()
-    a, b = engine.requests["a"].seqs[0], engine.requests["b"].seqs[0]
+    a, b = engine.core.scheduler.requests["a"].seqs[0], engine.core.scheduler.requests["b"].seqs[0]
     assert a.block_table[:2] == b.block_table[:2]
-    assert [engine.block_manager.ref_counts[x] for x in a.block_table[:2]] == [2, 2]
+    assert [engine.core.block_manager.ref_counts[x] for x in a.block_table[:2]] == [2, 2]
     engine.check_invariants()
     engine.abort_request("a")
     engine.check_invariants()
@@ -356,13 +339,14 @@ def test_n_greater_than_one_copies_the_partial_block_instead_of_recomputing(engi
     prompt = list(range(10, 50))  # two full blocks and 8 tokens in a third
     params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
     engine.add_request("n4", prompt, params)
-    engine.step()
-    seqs = engine.requests["n4"].seqs
+    while not engine.step():  # the prompt's step and its samples: the fork (a step later when overlapped)
+        pass
+    seqs = engine.core.scheduler.requests["n4"].seqs
     assert [s.num_computed_tokens for s in seqs[1:]] == [40] * 3  # no recompute: a copy
     partial = {s.block_table[2] for s in seqs}
     assert len(partial) == 4  # each choice writes its own third block
-    assert [engine.block_manager.ref_counts[b] for b in seqs[0].block_table[:2]] == [4, 4]
-    assert len(engine._pending_copies) == 3
+    assert [engine.core.block_manager.ref_counts[b] for b in seqs[0].block_table[:2]] == [4, 4]
+    assert len(engine.core.scheduler.pending_copies) == 3
     engine.check_invariants()
     outputs = {}
     while engine.has_unfinished_requests():

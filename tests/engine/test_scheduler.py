@@ -1,106 +1,150 @@
-"""The scheduler on its own: token budgets, chunked prefill, preemption order, priorities."""
+"""The scheduler on its own: token budgets, chunked prefill, preemption order, priorities, and
+overlapped scheduling (step N+1 scheduled before step N's tokens are known)."""
 
 from __future__ import annotations
 
-import itertools
-
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.scheduler import Scheduler
-from llmserve.engine.sequence import Request, Sequence, SequenceStatus
-from llmserve.outputs import RequestMetrics
+from llmserve.engine.sequence import SequenceStatus
 from llmserve.sampling.params import SamplingParams
+from tests.engine.steps import add, sampled, scheduled, step
 
-_order = itertools.count()
-
-
-def _seq(num_tokens: int, priority: int = 0) -> Sequence:
-    n = next(_order)
-    request = Request(f"r{n}", None, list(range(num_tokens)), SamplingParams(), 0, n, RequestMetrics(0.0), priority)
-    seq = Sequence(request, 0, list(range(num_tokens)), num_tokens, seed=0)
-    request.seqs.append(seq)
-    return seq
-
-
-def _run_step(scheduler: Scheduler, new_token: int = 7) -> dict[Sequence, int]:
-    """Pretend the model ran: advance computed counts and append a token where the chunk reached the end."""
-    out = scheduler.schedule()
-    for seq, n in out.scheduled.items():
-        seq.num_computed_tokens += n
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(new_token)
-    return out
+EOS = 1
 
 
 def test_long_prompt_is_chunked_while_running_sequences_decode():
     sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=16, max_num_seqs=8)
-    short = _seq(4)
-    sched.add(short)
-    _run_step(sched)  # short prefilled in one step
-    long = _seq(40)
-    sched.add(long)
+    short = add(sched, 4)
+    step(sched)  # short prefilled in one step
+    long = add(sched, 40)
     chunks = []
     while long.num_computed_tokens < 40:
-        out = _run_step(sched)
-        assert out.scheduled[short] == 1  # the decode keeps going every step
-        chunks.append(out.scheduled[long])
-        assert out.num_batched_tokens <= 16
+        out = scheduled(step(sched))
+        assert out[short] == 1  # the decode keeps going every step
+        chunks.append(out[long])
+        assert sum(out.values()) <= 16
     assert chunks == [15, 15, 10]
+    assert long.num_output_tokens == 1 and short.num_output_tokens == 4
 
 
 def test_budget_and_max_num_seqs_cap_admission():
     sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=10, max_num_seqs=2)
-    seqs = [_seq(4) for _ in range(4)]
-    for s in seqs:
-        sched.add(s)
+    for _ in range(4):
+        add(sched, 4)
     out = sched.schedule()
-    assert list(out.scheduled.values()) == [4, 4]
+    assert [row.num_new for row in out.rows] == [4, 4]
     assert sched.num_running == 2 and sched.num_waiting == 2
 
 
 def test_preempts_the_latest_admitted_and_resumes_it_from_scratch():
     bm = BlockManager(4, 4)  # 16 tokens in all
     sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8)
-    first, second = _seq(7), _seq(7)
-    sched.add(first)
-    sched.add(second)
-    _run_step(sched)  # both prefilled: 2 blocks each, pool full, each now has 8 tokens
+    first, second = add(sched, 7), add(sched, 7)
+    step(sched)  # both prefilled: 2 blocks each, pool full, each now has 8 tokens
     assert bm.num_free_blocks == 0
-    _run_step(sched)  # first computes token 8: fits in its 2 blocks; second the same
-    out = _run_step(sched)  # first needs a third block: second (admitted last) is preempted
+    step(sched)  # first computes token 8: fits in its 2 blocks; second the same
+    out = step(sched)  # first needs a third block: second (admitted last) is preempted
     assert out.preempted == [second]
     assert second.status is SequenceStatus.WAITING and second.num_computed_tokens == 0
-    assert second.block_table == [] and second.request.metrics.num_preemptions == 1
+    assert second.block_table == [] and second.request.num_preemptions == 1
     bm.check_invariants(sched.running)
-    sched.remove(first)
+    sched.finish_requests([first.request.request_id])
     out = sched.schedule()
-    assert out.scheduled == {second: second.num_tokens}  # recomputes prompt and outputs together
+    assert scheduled(out) == {second: second.num_tokens}  # recomputes prompt and outputs together
     bm.check_invariants(sched.running)
 
 
 def test_fcfs_head_of_queue_is_not_overtaken():
-    bm = BlockManager(4, 4)
-    sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8)
-    big, small = _seq(20), _seq(2)
-    sched.add(big)
-    sched.add(small)
-    out = sched.schedule()
-    assert out.scheduled == {}  # big doesn't fit; small must wait behind it
+    sched = Scheduler(BlockManager(4, 4), max_num_batched_tokens=64, max_num_seqs=8)
+    add(sched, 20)
+    add(sched, 2)
+    assert not sched.schedule()  # the first doesn't fit; the small one must wait behind it
 
 
 def test_priority_policy_admits_urgent_request_first_and_preempts_the_lowest():
     bm = BlockManager(4, 4)
     sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8, policy="priority")
-    low_a, low_b = _seq(7, priority=5), _seq(7, priority=5)
-    sched.add(low_a)
-    sched.add(low_b)
-    _run_step(sched)
+    add(sched, 7, priority=5)
+    low_b = add(sched, 7, priority=5)
+    step(sched)
     assert bm.num_free_blocks == 0
-    waiting_low = _seq(4, priority=5)
-    urgent = _seq(4, priority=0)
-    sched.add(waiting_low)
-    sched.add(urgent)
+    waiting_low = add(sched, 4, priority=5)
+    urgent = add(sched, 4, priority=0)
     assert sched.waiting[0] is urgent
     out = sched.schedule()
-    assert urgent in out.scheduled and waiting_low not in out.scheduled
+    assert urgent in scheduled(out) and waiting_low not in scheduled(out)
     assert out.preempted == [low_b]  # lowest priority, latest arrival
+    bm.check_invariants(sched.running)
+
+
+# ---- overlapped scheduling -------------------------------------------------------------------------
+
+
+def test_the_next_step_decodes_the_pending_token_and_learns_it_one_step_later():
+    sched = Scheduler(BlockManager(16, 4), max_num_batched_tokens=64, max_num_seqs=8)
+    seq = add(sched, 5)
+    first = sched.schedule()  # the prompt: samples one token
+    assert first.rows[0].pending_source == -1 and seq.num_pending == 1
+    second = sched.schedule()  # scheduled before the first step's token is known
+    assert scheduled(second) == {seq: 1}
+    assert second.rows[0].begin == 5 and second.rows[0].pending_source == 0  # sample row 0 of the first step
+    assert seq.num_tokens == 5 and seq.num_pending == 2 and seq.num_computed_tokens == 6
+    sched.update_from_output(first, sampled(first, token=40))
+    assert seq.token_ids[5:] == [40] and seq.num_pending == 1
+    sched.update_from_output(second, sampled(second, token=41))
+    assert seq.token_ids[5:] == [40, 41] and seq.num_pending == 0
+
+
+def test_a_stop_learned_late_drops_the_extra_token_and_frees_every_block():
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8, eos_token_ids=[EOS])
+    seq = add(sched, 5, params=SamplingParams(max_tokens=50))
+    other = add(sched, 6, params=SamplingParams(max_tokens=50))
+    first = sched.schedule()
+    second = sched.schedule()
+    outputs = sched.update_from_output(first, sampled(first, token=EOS))  # both stop on their first token
+    assert [(o.token_id, o.finish_reason) for o in outputs] == [(EOS, "stop"), (EOS, "stop")]
+    assert seq.is_finished and other.is_finished and not sched.has_unfinished()
+    assert bm.num_free_blocks == 16
+    assert sched.update_from_output(second, sampled(second, token=9)) == []  # computed, and dropped
+    assert seq.token_ids[5:] == [EOS]
+    bm.check_invariants([])
+
+
+def test_no_step_is_scheduled_past_max_tokens():
+    sched = Scheduler(BlockManager(16, 4), max_num_batched_tokens=64, max_num_seqs=8)
+    seq = add(sched, 5, params=SamplingParams(max_tokens=2))
+    first = sched.schedule()
+    second = sched.schedule()  # the second token
+    assert not sched.schedule()  # two tokens are on their way: nothing more to compute
+    sched.update_from_output(first, sampled(first))
+    outputs = sched.update_from_output(second, sampled(second))
+    assert outputs[0].finish_reason == "length" and seq.num_output_tokens == 2 and seq.is_finished
+
+
+def test_penalised_requests_wait_for_their_pending_token():
+    sched = Scheduler(BlockManager(16, 4), max_num_batched_tokens=64, max_num_seqs=8)
+    plain = add(sched, 5)
+    penalised = add(sched, 5, params=SamplingParams(max_tokens=None, repetition_penalty=1.2))
+    first = sched.schedule()
+    assert set(scheduled(sched.schedule())) == {plain}  # the penalty reads the history: it waits
+    sched.update_from_output(first, sampled(first))
+    assert penalised in scheduled(sched.schedule())
+
+
+def test_a_sequence_preempted_with_a_token_in_flight_recomputes_once_it_is_known():
+    bm = BlockManager(4, 4)  # 16 tokens
+    sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8)
+    first, second = add(sched, 7), add(sched, 7)
+    step_a = sched.schedule()  # both prompts: two blocks each, the pool is full
+    step_b = sched.schedule()  # both decode their pending token (the 8th slot of their blocks)
+    sched.update_from_output(step_a, sampled(step_a))
+    step_c = sched.schedule()  # first needs a third block: second goes, with step B's token in flight
+    assert step_c.preempted == [second] and second.num_pending == 1
+    sched.finish_requests([first.request.request_id])
+    assert not sched.schedule()  # blocks are free, but second's tokens are not all known yet
+    sched.update_from_output(step_b, sampled(step_b, token=9))
+    sched.update_from_output(step_c, sampled(step_c))
+    assert second.token_ids[7:] == [7, 9] and second.num_pending == 0
+    assert scheduled(sched.schedule()) == {second: 9}  # prompt and both outputs, recomputed
     bm.check_invariants(sched.running)

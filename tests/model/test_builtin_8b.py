@@ -125,14 +125,14 @@ def test_engine_starts_from_a_config_only_8b_shrunk_in_layers(llama_8b_dir: Path
 
     llm = LLM(str(shrunk), load_format="dummy", device="cpu", max_model_len=128, num_kv_blocks=16)
     engine = llm.engine
-    model = engine.runner.model
-    assert engine.runner.dtype == torch.bfloat16  # the checkpoint's dtype on CPU
+    model = engine.core.runner.model
+    assert engine.core.runner.dtype == torch.bfloat16  # the checkpoint's dtype on CPU
     assert model.lm_head.weight.shape == (128256, 4096) and model.lm_head.weight.dtype == torch.bfloat16
     embed = model.embed_tokens.weight
     assert embed[:1000].float().std().item() == pytest.approx(0.02, rel=0.05)
     assert not torch.equal(embed[0], embed[1])
     assert torch.equal(model.norm.weight, torch.ones(4096, dtype=torch.bfloat16))
-    assert {128001, 128008, 128009} <= engine.eos_token_ids
+    assert {128001, 128008, 128009} <= engine.facts.eos_token_ids
     out = llm.generate([list(range(100, 120))], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
     assert all(0 <= t < 128256 for t in out[0].outputs[0].token_ids)

@@ -1,7 +1,10 @@
 """The fused Triton kernels (add + RMSNorm, RMSNorm, rotary, SiLU-and-mul) against the torch code of
 `layers.py`, and the tiny models with the fused path forced on against it off. Without CUDA the kernels
 run in Triton's interpreter on CPU: float32 to rounding, float16 bit for bit (the interpreter rounds
-float16 as the GPU does; its bfloat16 casts truncate, so bfloat16 is checked by the `gpu` class)."""
+float16 as the GPU does; its bfloat16 casts truncate, so bfloat16 is checked natively by the `gpu`
+class). Without a GPU, bfloat16 is checked in two halves: the kernels' rounding order, written as torch
+ops, against the torch code on any device, and the kernels compiled for sm_90 (as launched: no FP
+fusion) containing no 16-bit multiply-add that would skip one of those roundings."""
 
 from __future__ import annotations
 
@@ -9,8 +12,9 @@ import os
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -23,6 +27,7 @@ pytest.importorskip("triton")
 from llmserve.model import fused_kernels, layers  # noqa: E402
 from llmserve.model.config import RopeConfig  # noqa: E402
 from llmserve.model.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from llmserve.model.runner import StepBatch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -174,30 +179,101 @@ def test_empty_batches_launch_nothing():
     assert fused_kernels.silu_and_mul(torch.empty(0, 192, device=DEVICE)).shape == (0, 96)
 
 
-def _rounding_order_checks(dtype: torch.dtype, min_identical: float) -> None:
-    """Every kernel against the torch code in a 16-bit dtype: each intermediate the torch code stores
-    is rounded the same way, so nearly every element is bit-identical."""
+def _rounding_order_checks(dtype: torch.dtype, min_identical: float, kernels=fused_kernels) -> None:
+    """Every kernel (or `kernels`' stand-ins) against the torch code in a 16-bit dtype: each
+    intermediate the torch code stores is rounded the same way, so nearly every element is bit-identical."""
     norm = _norm_module(1000, dtype)
     x, residual = _rand(37, 1000, dtype=dtype, seed=11), _rand(37, 1000, dtype=dtype, seed=12, scale=4.0)
-    out, new_residual = fused_kernels.fused_add_rms_norm(x, residual, norm.weight, EPS)
+    out, new_residual = kernels.fused_add_rms_norm(x, residual, norm.weight, EPS)
     assert torch.equal(new_residual, residual + x)
     _assert_rounding_close(out, norm(residual + x), min_identical)
-    _assert_rounding_close(fused_kernels.rms_norm(x, norm.weight, EPS), norm(x), min_identical)
+    _assert_rounding_close(kernels.rms_norm(x, norm.weight, EPS), norm(x), min_identical)
     _, q, k, _ = _qkv_views(37, 32, 8, 128, dtype, seed=13)
     head_norm = _norm_module(128, dtype)
-    _assert_rounding_close(fused_kernels.rms_norm(q, head_norm.weight, EPS), head_norm(q), min_identical)
+    _assert_rounding_close(kernels.rms_norm(q, head_norm.weight, EPS), head_norm(q), min_identical)
     rotary, positions = _rotary(128), _positions(37, 4096, seed=14)
-    out_q, out_k = fused_kernels.apply_rotary(positions, q, k, rotary.cos_cache, rotary.sin_cache)
+    out_q, out_k = kernels.apply_rotary(positions, q, k, rotary.cos_cache, rotary.sin_cache)
     expected_q, expected_k = rotary(positions, q, k)
     _assert_rounding_close(out_q, expected_q, min_identical)
     _assert_rounding_close(out_k, expected_k, min_identical)
     gate_up = _rand(37, 3000, dtype=dtype, seed=15, scale=3.0)
-    _assert_rounding_close(fused_kernels.silu_and_mul(gate_up), layers.silu_and_mul(gate_up), min_identical)
+    _assert_rounding_close(kernels.silu_and_mul(gate_up), layers.silu_and_mul(gate_up), min_identical)
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter's float16; the gpu class checks bfloat16 natively")
 def test_float16_rounds_every_intermediate_as_the_torch_code(fused_off):
     _rounding_order_checks(torch.float16, min_identical=0.999)
+
+
+def _stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 x rounded to dtype and back: a rounding point of the kernels (`_rounded`, a store, or a
+    16-bit mul.rn/add.rn/sub.rn of the compiled code, which rounds as the float32 op and a cast do)."""
+    return x.to(dtype).float()
+
+
+def _emulated_norm(x, weight, eps, dtype):
+    mean_square = (x * x).sum(-1, keepdim=True) / x.shape[-1]
+    normed = _stored(x * torch.rsqrt(mean_square + eps), dtype)  # cast before the scale
+    return (normed * weight.float()).to(dtype)
+
+
+def _emulated_rotary(rotate_half):
+    def apply_rotary(positions, q, k, cos_cache, sin_cache):
+        cos = _stored(cos_cache[positions], q.dtype).unsqueeze(1)
+        sin = _stored(sin_cache[positions], q.dtype).unsqueeze(1)
+        return tuple(rotate_half(*x.float().chunk(2, dim=-1), cos, sin, x.dtype).to(x.dtype) for x in (q, k))
+
+    return apply_rotary
+
+
+def _emulated_silu_and_mul(gate_up):
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (_stored(gate / (1.0 + torch.exp(-gate)), gate_up.dtype) * up).to(gate_up.dtype)
+
+
+def _fma(a, b, c, dtype):
+    """a * b + c rounded once to dtype (float64 holds the product of two 16-bit floats exactly)."""
+    return _stored(a.double() * b.double() + c.double(), dtype)
+
+
+def _per_op_rotate(x1, x2, cos, sin, dtype):
+    return torch.cat((_stored(x1 * cos, dtype) - _stored(x2 * sin, dtype),
+                      _stored(x2 * cos, dtype) + _stored(x1 * sin, dtype)), dim=-1)
+
+
+def _contracted_rotate(x1, x2, cos, sin, dtype):
+    """As Triton 3.9 compiled the rotary for sm_90 with FP fusion on (its default then): a 16-bit
+    multiply and one fma.rn per output, so x1 * cos and x1 * sin are never rounded on their own."""
+    return torch.cat((_fma(x1, cos, -_stored(x2 * sin, dtype), dtype),
+                      _fma(x1, sin, _stored(x2 * cos, dtype), dtype)), dim=-1)
+
+
+# The kernels' arithmetic as torch ops in float32, rounded where the kernels round when compiled without
+# FP fusion (as launched): each product and sum of the rotary, the new residual, the normalised value
+# before the scale, the activation before the multiply, and each output.
+_PER_OP_ROUNDING = SimpleNamespace(
+    rms_norm=lambda x, weight, eps: _emulated_norm(x.float(), weight, eps, x.dtype),
+    fused_add_rms_norm=lambda x, residual, weight, eps: (
+        _emulated_norm(_stored(x.float() + residual.float(), x.dtype), weight, eps, x.dtype), residual + x),
+    apply_rotary=_emulated_rotary(_per_op_rotate),
+    silu_and_mul=_emulated_silu_and_mul,
+)
+
+
+def test_bfloat16_rounding_order_of_the_kernels_is_the_torch_codes(fused_off):
+    # bit for bit on CPU (the float32 sums and rsqrt of a GPU move an element now and then)
+    _rounding_order_checks(torch.bfloat16, min_identical=0.999, kernels=_PER_OP_ROUNDING)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_contracted_multiply_add_in_the_rotary_breaks_the_claim(dtype, fused_off):
+    # what the native bfloat16 check measured before launches turned FP fusion off: about 81.5%
+    _, q, k, _ = _qkv_views(37, 32, 8, 128, dtype, seed=13)
+    rotary, positions = _rotary(128), _positions(37, 4096, seed=14)
+    expected_q, expected_k = rotary(positions, q, k)
+    out_q, out_k = _emulated_rotary(_contracted_rotate)(positions, q, k, rotary.cos_cache, rotary.sin_cache)
+    for out, expected in ((out_q, expected_q), (out_k, expected_k)):
+        assert (out == expected).float().mean().item() < 0.9
 
 
 # ---- when the fused path runs -------------------------------------------------------------------
@@ -272,29 +348,18 @@ def test_the_modules_dispatch_to_the_kernels_when_forced(monkeypatch):
 # ---- the tiny models, fused path on vs off ------------------------------------------------------
 
 
-@dataclass
-class _Sequence:
-    """The fields of an engine sequence that `ModelRunner.prepare_inputs` reads."""
-
-    token_ids: list[int]
-    block_table: list[int]
-    num_computed_tokens: int = 0
-
-
 def _prefill_then_decode_logits(llm, monkeypatch, fused: bool) -> list[torch.Tensor]:
     """Logits of every token of a two-prompt prefill, then of one decode step of both, run on fresh
     KV caches with the fused path on or off."""
     _set_fused(monkeypatch, fused)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     kv_caches = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner.kv_caches]
-    first = _Sequence([5, 17, 300, 41, 9, 77, 2], [3])
-    second = _Sequence([250, 13, 600, 8, 1000, 44, 61, 19, 3, 700, 12], [1, 0])
+    first, second = [5, 17, 300, 41, 9, 77, 2], [250, 13, 600, 8, 1000, 44, 61, 19, 3, 700, 12]
+    tables = [[3], [1, 0]]
+    prefill = StepBatch(np.array(first + second), np.array([0, 0]), np.array([7, 11]), tables, [], [])
+    decode = StepBatch(np.array([123, 456]), np.array([7, 11]), np.array([1, 1]), tables, [], [])
     logits = []
-    for batch in ([(first, 7), (second, 11)], [(first, 1), (second, 1)]):
-        if batch[0][1] == 1:  # decode: one more token each, after the prefilled ones
-            first.num_computed_tokens, second.num_computed_tokens = 7, 11
-            first.token_ids.append(123)
-            second.token_ids.append(456)
+    for batch in (prefill, decode):
         input_ids, positions, meta = runner.prepare_inputs(batch)
         runner.attn_backend.prepare(meta)
         with torch.inference_mode():
@@ -344,8 +409,10 @@ def test_tiny_model_logits_and_greedy_tokens_match_with_the_fused_path(arch, req
 # ---- compiling for a GPU without one ------------------------------------------------------------
 
 # Each kernel compiled for an sm_90 GPU with Triton's bundled ptxas, in a process without
-# TRITON_INTERPRET (the interpreter accepts code the compiler rejects). Pointers and strides carry the
-# divisibility the JIT infers at launch.
+# TRITON_INTERPRET (the interpreter accepts code the compiler rejects), with the options the wrappers
+# launch it with. Pointers and strides carry the divisibility the JIT infers at launch. Its PTX must have
+# no 16-bit multiply-add (fma.rn.bf16, fma.rn.f16x2, ...): one would skip the rounding of a product that
+# the torch code stores, as the rotary kernel's did with FP fusion on.
 _AOT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -361,7 +428,11 @@ _AOT = textwrap.dedent("""
             sig[name] = typed.get(name, "*" + dtype if name.endswith("_ptr") else "i32")
             if name.endswith("_ptr") or name.startswith("stride_"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-        triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32))
+        compiled = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=K.NO_FP_FUSION)
+        opcodes = [line.split()[0] for line in compiled.asm["ptx"].splitlines() if line.strip()]
+        fused = [op for op in opcodes if op.startswith("fma.") and "f16" in op]
+        assert not fused, (fn.__name__, dtype, fused)
 
     for dtype in ("bf16", "fp16", "fp32"):
         for has_residual in (True, False):
@@ -372,6 +443,30 @@ _AOT = textwrap.dedent("""
         build(K.silu_and_mul_kernel, dtype, dict(BLOCK=K.SILU_BLOCK), {})
     print("compiled")
 """)
+
+
+def test_every_launch_turns_fp_fusion_off(monkeypatch):
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, kwargs))
+
+    for name in ("rms_norm_kernel", "rotary_kernel", "silu_and_mul_kernel"):
+        monkeypatch.setattr(fused_kernels, name, Recorder(name))
+    x, weight = _rand(3, 96), torch.ones(96, device=DEVICE)
+    fused_kernels.rms_norm(x, weight, EPS)
+    fused_kernels.fused_add_rms_norm(x, x, weight, EPS)
+    _, q, k, _ = _qkv_views(3, 4, 2, 64, torch.float32, seed=28)
+    fused_kernels.apply_rotary(_positions(3, 100, seed=29), q, k, *torch.ones(2, 100, 32, device=DEVICE))
+    fused_kernels.silu_and_mul(_rand(3, 192))
+    assert [name for name, _ in launches] == ["rms_norm_kernel", "rms_norm_kernel", "rotary_kernel",
+                                              "silu_and_mul_kernel"]
+    assert all(kwargs.items() >= fused_kernels.NO_FP_FUSION.items() for _, kwargs in launches)
+    assert fused_kernels.NO_FP_FUSION == {"enable_fp_fusion": False}
 
 
 def test_kernels_compile_for_a_cuda_gpu():

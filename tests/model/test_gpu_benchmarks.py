@@ -48,10 +48,10 @@ def test_smoke_runs_print_tables_and_feed_the_summary(
 
     overhead = bench("gpu_overhead").main([*model, "--json", str(tmp_path / "overhead.json")])
     printed = capsys.readouterr().out
-    assert "schedule+prepare % of step" in printed
-    result = overhead["run"]
-    assert (result["batch"], result["steps"]) == (4, 4)
-    assert 0 < result["schedule_ms"] + result["prepare_ms"] + result["gpu_ms"] < result["step_ms"]
+    assert "host not hidden ms" in printed
+    [result] = overhead["runs"]
+    assert (result["batch"], result["steps"], result["async_scheduling"]) == (4, 4, True)
+    assert 0 < result["schedule_ms"] + result["prepare_ms"] + result["device_ms"] < result["step_ms"]
 
     parity = bench("gpu_parity").main([*model, "--json", str(tmp_path / "parity.json")])
     assert parity["passed"] and [r["identical"] for r in parity["runs"]] == [4, 4]

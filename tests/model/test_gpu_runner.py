@@ -8,7 +8,6 @@ import gc
 import logging
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +27,13 @@ from llmserve.model.cuda_graphs import (
     padded_batch_size,
 )
 from llmserve.model.memory import MemoryProfile, kv_cache_budget, num_kv_blocks, profile_prompt_lengths
-from llmserve.model.runner import ModelRunner, _padded_block_tables, choose_attention_backend, resolve_dtype
+from llmserve.model.runner import (
+    ModelRunner,
+    StepBatch,
+    _padded_block_tables,
+    choose_attention_backend,
+    resolve_dtype,
+)
 from llmserve.sampling.sampler import Sampler, SamplingMetadata, SamplingRow
 
 GiB = 1 << 30
@@ -137,7 +142,7 @@ def test_decode_graph_path_matches_eager(tiny_llama_dir: Path, monkeypatch: pyte
     expected = _greedy_outputs(LLM(str(tiny_llama_dir), **kwargs), prompts, max_tokens)
 
     graphed = LLM(str(tiny_llama_dir), **kwargs)
-    runner = graphed.engine.runner
+    runner = graphed.engine.core.runner
     assert runner.graphs is None  # graphs are only captured on CUDA by default
     runner.capture_decode_graphs(EagerReplay())
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4]
@@ -225,10 +230,10 @@ def test_padded_block_tables() -> None:
 def test_prepare_step_for_decodes_then_a_prefill_chunk(tiny_llama_dir: Path) -> None:
     config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=8, block_size=4)
     runner = ModelRunner(config, ModelConfig.from_pretrained(tiny_llama_dir), tiny_llama_dir, max_model_len=64)
-    decode = SimpleNamespace(token_ids=[5, 6, 7, 8, 9], num_computed_tokens=4, block_table=[2, 6])
-    prefill = SimpleNamespace(token_ids=[1, 2, 3, 4, 5, 6], num_computed_tokens=2, block_table=[1, 3])
     row = SamplingRow(SamplingParams(temperature=0), seed=0, sample_index=0, prompt_token_ids=(), output_token_ids=())
-    inputs = runner.prepare_step([(decode, 1), (prefill, 3)], [1, 0], [row, row])  # type: ignore[list-item]
+    # A decode at position 4 (blocks 2, 6), then a prefill chunk of 3 tokens from position 2 (blocks 1, 3).
+    batch = StepBatch(np.array([9, 3, 4, 5]), np.array([4, 2]), np.array([1, 3]), [[2, 6], [1, 3]], [1, 0], [row, row])
+    inputs = runner.prepare_step(batch)
     meta = inputs.meta
     assert inputs.input_ids.tolist() == [9, 3, 4, 5]
     assert inputs.positions.tolist() == [4, 2, 3, 4]
@@ -243,16 +248,29 @@ def test_prepare_step_for_decodes_then_a_prefill_chunk(tiny_llama_dir: Path) -> 
 def test_prepare_inputs_for_decodes_only_reads_each_slot_from_its_own_block(tiny_llama_dir: Path) -> None:
     config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=8, block_size=4)
     runner = ModelRunner(config, ModelConfig.from_pretrained(tiny_llama_dir), tiny_llama_dir, max_model_len=64)
-    at_block_start = SimpleNamespace(token_ids=[1, 2, 3, 4, 5], num_computed_tokens=4, block_table=[7, 2])
-    mid_block = SimpleNamespace(token_ids=[1, 2, 3, 4, 5, 6, 7], num_computed_tokens=6, block_table=[5, 3])
-    first_token = SimpleNamespace(token_ids=[9], num_computed_tokens=0, block_table=[4])
-    batch = [(at_block_start, 1), (mid_block, 1), (first_token, 1)]
-    input_ids, positions, meta = runner.prepare_inputs(batch)  # type: ignore[arg-type]
+    # At a block's start (position 4), mid-block (position 6) and a first token (position 0).
+    batch = StepBatch(np.array([5, 7, 9]), np.array([4, 6, 0]), np.array([1, 1, 1]), [[7, 2], [5, 3], [4]], [], [])
+    input_ids, positions, meta = runner.prepare_inputs(batch)
     assert input_ids.tolist() == [5, 7, 9] and positions.tolist() == [4, 6, 0]
     assert meta.slot_mapping.tolist() == [2 * 4 + 0, 3 * 4 + 2, 4 * 4 + 0]
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3] and meta.seq_lens.tolist() == [5, 7, 1]
     assert meta.block_tables.tolist() == [[7, 2], [5, 3], [4, 0]]
     assert (meta.num_decodes, meta.max_seq_len, meta.seq_lens_host) == (3, 7, [5, 7, 1])
+
+
+def test_a_pending_token_is_the_previous_steps_sample_taken_on_the_device(tiny_llama_dir: Path) -> None:
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=8, block_size=4)
+    runner = ModelRunner(config, ModelConfig.from_pretrained(tiny_llama_dir), tiny_llama_dir, max_model_len=64)
+    row = SamplingRow(SamplingParams(temperature=0), seed=0, sample_index=0, prompt_token_ids=(), output_token_ids=())
+    prompt = [5, 17, 300, 41, 9]
+    first = runner.execute(StepBatch(np.array(prompt), np.array([0]), np.array([5]), [[0, 1]], [0], [row])).result()
+    assert first is not None
+    # The next step names its input as sample 0 of the step before; the host never sees the id.
+    pending = StepBatch(np.array([0]), np.array([5]), np.array([1]), [[0, 1]], [0], [row],
+                        pending_index=np.array([0]), pending_source=np.array([0]))
+    second = runner.execute(pending).result()
+    known = StepBatch(np.array(first.token_ids), np.array([5]), np.array([1]), [[0, 1]], [0], [row])
+    assert second is not None and runner.execute(known).result().token_ids == second.token_ids
 
 
 # ---- sampling without host reads ------------------------------------------------------------------
@@ -329,18 +347,18 @@ def _cuda_prompts() -> tuple[list[list[int]], list[int]]:
 @needs_cuda
 def test_cuda_defaults_bfloat16_profiled_pool_and_graphs(small_llama_dir: Path) -> None:
     llm = LLM(str(small_llama_dir), max_model_len=2048, max_num_seqs=32, gpu_memory_utilization=0.5)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     assert runner.dtype == torch.bfloat16  # the checkpoint is float32
     profile = runner.memory_profile
     assert profile is not None and profile.peak_torch_bytes > 0
-    per_block = llm.engine.model_config.kv_bytes_per_token(torch.bfloat16) * 16
+    per_block = llm.engine.facts.model_config.kv_bytes_per_token(torch.bfloat16) * 16
     assert runner.num_blocks == (int(profile.total_bytes * 0.5) - profile.non_kv_bytes) // per_block
     assert (runner.graphs is not None) == (runner.attn_backend.name == "triton")
     del llm, runner
     _release_cuda_memory()  # a live engine's memory would count against the next one's budget
     eager = LLM(str(small_llama_dir), max_model_len=2048, max_num_seqs=32, gpu_memory_utilization=0.3,
                 enforce_eager=True)
-    assert eager.engine.runner.graphs is None
+    assert eager.engine.core.runner.graphs is None
 
 
 @pytest.mark.gpu
@@ -352,7 +370,7 @@ def test_cuda_graphs_and_backends_agree_in_float32(small_llama_dir: Path) -> Non
     for backend, eager in (("torch", True), ("triton", True), ("triton", False)):
         llm = LLM(str(small_llama_dir), dtype="float32", max_model_len=1024, max_num_seqs=16,
                   attention_backend=backend, enforce_eager=eager, gpu_memory_utilization=0.3)
-        assert (llm.engine.runner.graphs is None) == eager
+        assert (llm.engine.core.runner.graphs is None) == eager
         results[(backend, eager)] = _greedy_outputs(llm, prompts, max_tokens)
         del llm
         _release_cuda_memory()
@@ -369,29 +387,29 @@ def test_cuda_step_reads_nothing_back_until_the_sampled_ids(small_llama_dir: Pat
     for i in range(4):
         engine.add_request(f"r{i}", list(range(10, 60 + i)), SamplingParams(temperature=1.0, top_p=0.9, max_tokens=64,
                                                                              ignore_eos=True, logprobs=2))
-    while any(s.num_output_tokens < 2 for s in engine.live_sequences()):
-        engine.step()  # prefill, then decodes
-    scheduled = engine.scheduler.schedule()
-    batch = sorted(scheduled.scheduled.items(), key=lambda item: item[1] != 1)
-    logits_rows, rows, _ = engine._sampling_plan(batch)
-    inputs = engine.runner.prepare_step(batch, logits_rows, rows)
+    while any(s.num_output_tokens < 2 for s in engine.core.live_sequences()):
+        engine.step()  # prefill, then decodes (one of them in flight, with a pending token each)
+    batch = engine.core.build_step_batch(engine.core.scheduler.schedule())
+    assert batch.pending_index is not None  # its inputs come from the step still running
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        output = engine.runner.run_step(inputs)
+        handle = engine.core.runner.execute(batch)  # inputs sent, forward, sampling, ids on their way back
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert output is not None and output.token_ids.shape == (4,)
+    output = handle.result()
+    assert output is not None and len(output.token_ids) == 4
 
 
 def test_cli_engine_flags_for_the_gpu_path() -> None:
-    from llmserve.cli import build_parser, engine_kwargs
+    from llmserve.cli import build_parser
+    from llmserve.config import engine_config_kwargs
 
     parse = build_parser().parse_args
-    kwargs = engine_kwargs(parse(["generate", "--prompt", "x", "--enforce-eager", "--gpu-memory-utilization", "0.8",
-                                  "--attention-backend", "torch"]))
+    kwargs = engine_config_kwargs(parse(["generate", "--prompt", "x", "--enforce-eager",
+                                         "--gpu-memory-utilization", "0.8", "--attention-backend", "torch"]))
     assert (kwargs["enforce_eager"], kwargs["gpu_memory_utilization"], kwargs["attention_backend"]) == (True, 0.8, "torch")
-    defaults = engine_kwargs(parse(["serve"]))
+    defaults = engine_config_kwargs(parse(["serve"]))
     assert (defaults["enforce_eager"], defaults["gpu_memory_utilization"], defaults["attention_backend"]) == (
         False, 0.9, None)
     assert EngineConfig(model="m", **defaults).enforce_eager is False

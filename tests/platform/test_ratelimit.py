@@ -25,7 +25,6 @@ from llmserve.platform.ratelimit import (
     RateLimiter,
     RateLimiterUnavailable,
     format_duration,
-    make_rate_limiter,
 )
 from llmserve.platform.ratelimit_redis import RedisRateLimiter
 
@@ -551,6 +550,8 @@ def test_in_process_forgets_idle_buckets() -> None:
 
 
 def test_make_rate_limiter_picks_the_backend() -> None:
+    from llmserve.server.serve import make_rate_limiter  # the server's wiring; imports the engine
+
     async def scenario() -> None:
         local = make_rate_limiter(None)
         shared = make_rate_limiter(REDIS_URL)

@@ -4,21 +4,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import openai
 import pytest
-import torch
 from fastapi import FastAPI
 
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
-from llmserve.engine.llm_engine import EngineStats
+from llmserve.engine.messages import EngineStats
 from llmserve.server.app import build_app
 from llmserve.server.serve import GracefulServer
+
+T = TypeVar("T")
 
 MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 512
@@ -31,6 +34,7 @@ class LiveServer:
     base_url: str  # http://127.0.0.1:PORT
     engine: AsyncLLM
     app: FastAPI
+    loop: asyncio.AbstractEventLoop  # the server's, which the engine client lives on
     model: str = MODEL_NAME
 
     def client(self, **kwargs) -> openai.OpenAI:
@@ -39,25 +43,35 @@ class LiveServer:
     def async_client(self, **kwargs) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="x", max_retries=0, **kwargs)
 
+    def ask(self, question: Callable[[AsyncLLM], Awaitable[T]]) -> T:
+        """Ask the engine (its core, over its interface) on the server's loop; blocks for the answer."""
+        return asyncio.run_coroutine_threadsafe(question(self.engine), self.loop).result(timeout=120)
+
+    async def ask_async(self, question: Callable[[AsyncLLM], Awaitable[T]]) -> T:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(question(self.engine), self.loop))
+
     def idle_stats(self) -> EngineStats:
-        """Wait (without sleeping) until the engine has nothing left to run, then return fresh stats."""
-
-        async def wait() -> EngineStats:
-            await self.engine.wait_idle()
-            await self.engine.check_invariants()
-            return await self.engine.stats()
-
-        return asyncio.run(wait())
+        """Wait (without sleeping) until the engine core has nothing left to run, check its block
+        accounting, and return its fresh stats."""
+        return self.ask(idle_stats)
 
 
-def start_server(app: FastAPI) -> tuple[GracefulServer, threading.Thread, str]:
+async def idle_stats(engine: AsyncLLM) -> EngineStats:
+    await engine.wait_idle()
+    await engine.check_invariants()
+    return await engine.stats()
+
+
+def start_server(app: FastAPI) -> tuple[GracefulServer, threading.Thread, str, asyncio.AbstractEventLoop]:
     import uvicorn
 
     listening = threading.Event()
     address: list[str] = []
+    loops: list[asyncio.AbstractEventLoop] = []
 
     def on_listening(host: str, port: int) -> None:
         address.append(f"http://{host}:{port}")
+        loops.append(asyncio.get_running_loop())
         listening.set()
 
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5)
@@ -66,38 +80,50 @@ def start_server(app: FastAPI) -> tuple[GracefulServer, threading.Thread, str]:
     thread.start()
     if not listening.wait(timeout=60):
         raise RuntimeError("the test server did not start")
-    return server, thread, address[0]
+    return server, thread, address[0], loops[0]
 
 
 @contextmanager
 def tiny_engine_running(model_dir, num_kv_blocks: int, max_num_batched_tokens: int) -> Iterator[AsyncLLM]:
-    """The tiny model's engine in float32, with one intra-op thread while it runs: on a shared 2-core
-    machine OpenMP's spinning threads make step times erratic."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = AsyncLLM.from_config(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            num_kv_blocks=num_kv_blocks,
-            max_model_len=MAX_MODEL_LEN,
-            max_num_batched_tokens=max_num_batched_tokens,
+    """The tiny model's engine in float32, its core process with one intra-op thread: on a shared
+    2-core machine OpenMP's spinning threads make step times erratic."""
+    with one_thread_engine_cores():
+        engine = AsyncLLM.from_config(
+            EngineConfig(
+                model=str(model_dir),
+                dtype="float32",
+                num_kv_blocks=num_kv_blocks,
+                max_model_len=MAX_MODEL_LEN,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
         )
-    )
     try:
         yield engine
     finally:
         engine.close()
-        torch.set_num_threads(threads)
+
+
+@contextmanager
+def one_thread_engine_cores() -> Iterator[None]:
+    """Engine core processes started meanwhile use one OpenMP thread (they read it at start)."""
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
 
 
 @pytest.fixture(scope="module")
 def live_server(tiny_llama_dir) -> Iterator[LiveServer]:
     with tiny_engine_running(tiny_llama_dir, NUM_KV_BLOCKS, MAX_NUM_BATCHED_TOKENS) as engine:
         app = build_app(engine, MODEL_NAME, model_root=str(tiny_llama_dir), max_waiting_requests=1024)
-        server, thread, base_url = start_server(app)
+        server, thread, base_url, loop = start_server(app)
         try:
-            yield LiveServer(base_url=base_url, engine=engine, app=app)
+            yield LiveServer(base_url=base_url, engine=engine, app=app, loop=loop)
         finally:
             server.should_exit = True
             thread.join(timeout=30)

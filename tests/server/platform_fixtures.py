@@ -106,7 +106,7 @@ def serve_platform(
         app = build_app(engine, MODEL, platform=platform, aliases=aliases)
     else:
         app = build_app(models=models, platform=platform, aliases=aliases)
-    server, thread, base_url = start_server(app)
+    server, thread, base_url, _ = start_server(app)
     try:
         yield PlatformServer(base_url, engine, platform, database, keys, clock, server)
     finally:

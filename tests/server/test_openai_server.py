@@ -21,7 +21,8 @@ import pytest
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.server.app import build_app
-from tests.server.conftest import MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MODEL_NAME, LiveServer
+from tests import faulty_model
+from tests.server.conftest import MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MODEL_NAME, LiveServer, idle_stats
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -627,36 +628,41 @@ def test_an_unexpected_failure_is_a_500_in_openai_shape_and_serving_goes_on(serv
     _assert_idle_and_empty(server)
 
 
-def test_a_crashed_engine_fails_requests_and_health(tiny_llama_dir):
+def test_a_failing_engine_step_fails_requests_and_health_until_a_new_core_serves(tiny_llama_dir, tmp_path,
+                                                                                 monkeypatch):
+    monkeypatch.setenv("LLMSERVE_PLUGINS", "tests.faulty_model")
     engine = AsyncLLM.from_config(
         EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=MAX_MODEL_LEN
+            model=str(faulty_model.faulty_copy(tiny_llama_dir, tmp_path / "faulty")), dtype="float32",
+            num_kv_blocks=64, max_model_len=MAX_MODEL_LEN,
         )
     )
-
-    def crash():
-        raise RuntimeError("device lost")
-
-    engine._engine.step = crash
     app = build_app(engine, MODEL_NAME)
+    poison = {"model": MODEL_NAME, "prompt": [5, faulty_model.FAULT_TOKEN], "max_tokens": 5}
 
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            streamed = await http.post(CHAT, json=_chat(max_tokens=5, stream=True))
+            streamed = await http.post(COMPLETIONS, json={**poison, "stream": True})
             assert streamed.status_code == 200
             events = [e for e in streamed.text.split("\n\n") if e]
             assert events[-1] == "data: [DONE]"
-            assert json.loads(events[-2][len("data: ") :])["error"]["code"] == "engine_dead"
+            error = json.loads(events[-2][len("data: ") :])["error"]
+            assert error["code"] == "engine_dead" and "injected fault" in error["message"]
             health = await http.get("/health")
             assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
             refused = await http.post(CHAT, json=_chat(max_tokens=5))
-            assert (
-                refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable_error"
-            )
+            assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable_error"
+            assert int(refused.headers["retry-after"]) >= 1
+            while (await http.get("/health")).status_code == 503:  # as a load balancer would poll it
+                await asyncio.sleep(0.05)
+            served = await http.post(CHAT, json=_chat(max_tokens=5))
+            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 5
+            metrics = (await http.get("/metrics")).text
+            assert f'llmserve:engine_core_restarts_total{{model_name="{MODEL_NAME}"}} 1.0' in metrics
 
     try:
-        asyncio.run(main())
+        asyncio.run(asyncio.wait_for(main(), timeout=120))
     finally:
         engine.close()
 
@@ -759,17 +765,15 @@ def test_clients_that_disconnect_free_everything(server):
         async with httpx.AsyncClient(base_url=server.base_url, limits=limits, timeout=120) as http:
             counts = await asyncio.gather(*(read_then_hang_up(http) for _ in range(50)))
             assert counts == [3] * 50
-            await engine.wait_idle()  # the hung-up streams are gone, so "running" below means these four
+            await server.ask_async(AsyncLLM.wait_idle)  # the hung-up streams are gone: "running" below is these four
             # non-streaming: the client gives up once its request is running
             pending = [asyncio.ensure_future(http.post(CHAT, json=body)) for _ in range(4)]
-            while (await engine.stats()).num_running < 4:
-                await asyncio.sleep(0)  # yields to the event loop only; the engine thread answers stats
+            while (await server.ask_async(AsyncLLM.stats)).num_running < 4:
+                pass  # each answer comes from the engine core, between its steps
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        await engine.wait_idle()
-        await engine.check_invariants()
-        return await engine.stats()
+        return await server.ask_async(idle_stats)
 
     stats = asyncio.run(main())
     assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_used_blocks == 0

@@ -5,16 +5,15 @@ second turn, /metrics parsed with prometheus_client and its counters equal to wh
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmserve.cli import build_parser, engine_kwargs
-from llmserve.config import EngineConfig
+from llmserve.cli import build_parser
+from llmserve.config import EngineConfig, engine_config_kwargs
 from llmserve.engine.async_llm import AsyncLLM, EngineEvents
-from llmserve.engine.llm_engine import StepRecord
+from llmserve.engine.messages import StepRecord
 from llmserve.server.app import build_app
 from llmserve.server.slo import SLO
 from tests.server.conftest import MODEL_NAME, start_server
@@ -129,20 +128,20 @@ def test_engine_flags_reach_the_engine_config():
     args = build_parser().parse_args(
         ["serve", "--scheduling-policy", "priority", "--no-prefix-caching", "--slo-ttft-ms", "250", "--slo-tpot-ms", "40"]
     )
-    kwargs = engine_kwargs(args)
+    kwargs = engine_config_kwargs(args)
     assert kwargs["scheduling_policy"] == "priority" and kwargs["enable_prefix_caching"] is False
     assert (args.slo_ttft_ms, args.slo_tpot_ms) == (250.0, 40.0)
-    assert engine_kwargs(build_parser().parse_args(["serve"]))["enable_prefix_caching"] is True
+    assert engine_config_kwargs(build_parser().parse_args(["serve"]))["enable_prefix_caching"] is True
 
 
 @pytest.fixture
 def priority_server(tiny_llama_dir):
     engine = AsyncLLM.from_config(
         EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=256,
-                     scheduling_policy="priority")
+                     scheduling_policy="priority", max_num_seqs=1)
     )
     app = build_app(engine, MODEL_NAME, slo=SLO(ttft_ms=500))
-    server, thread, base_url = start_server(app)
+    server, thread, base_url, _ = start_server(app)
     try:
         yield engine, app, base_url
     finally:
@@ -152,42 +151,29 @@ def priority_server(tiny_llama_dir):
 
 
 def test_priority_field_orders_the_waiting_queue(priority_server):
-    engine, _, base_url = priority_server
-    entered, gate = threading.Event(), threading.Event()
+    engine, _, base_url = priority_server  # one sequence runs at a time; the rest wait in the core's queue
 
-    def hold(_engine) -> None:
-        entered.set()
-        gate.wait(30)
+    async def main() -> list[int]:
+        finished: list[int] = []
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
 
-    holder = threading.Thread(target=lambda: asyncio.run(engine.call(hold)))
-    holder.start()
-    assert entered.wait(30)  # the engine thread is held: what comes next is taken in one batch
+            async def send(priority: int) -> None:
+                body = {"model": MODEL_NAME, "prompt": [5] * 10, "max_tokens": 2, "priority": priority}
+                (await http.post("/v1/completions", json=body)).raise_for_status()
+                finished.append(priority)
 
-    def send(priority: int) -> None:
-        body = {"model": MODEL_NAME, "prompt": [5] * 10, "max_tokens": 2, "priority": priority}
-        httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).raise_for_status()
+            blocker = {"model": MODEL_NAME, "prompt": [7] * 10, "max_tokens": 200, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=blocker) as stream:
+                lines = stream.aiter_lines()
+                while not (await anext(lines)).startswith("data: "):
+                    pass  # the blocker runs
+                senders = [asyncio.ensure_future(send(priority)) for priority in (5, 9, 0)]
+                while engine.num_waiting < 3:  # published by the engine core with every step
+                    await asyncio.sleep(0.01)
+            await asyncio.gather(*senders)
+        return finished
 
-    senders = []
-    for priority in (5, 9, 0):  # sent in this order while the engine is held
-        senders.append(threading.Thread(target=send, args=(priority,)))
-        senders[-1].start()
-        while engine.num_waiting < len(senders):
-            threading.Event().wait(0.01)
-
-    async def waiting_priorities() -> list[int]:
-        # Queued behind the adds (the engine takes them together once the gate opens), before any step.
-        inspect = asyncio.ensure_future(engine.call(lambda e: [s.request.priority for s in e.scheduler.waiting]))
-        await asyncio.sleep(0)  # the call is submitted now
-        gate.set()
-        return await inspect
-
-    result: list[list[int]] = []
-    reader = threading.Thread(target=lambda: result.append(asyncio.run(waiting_priorities())))
-    reader.start()
-    reader.join(30)
-    for t in [holder, *senders]:
-        t.join(30)
-    assert result == [[0, 5, 9]]  # the most urgent first, whatever the arrival order
+    assert asyncio.run(main()) == [0, 5, 9]  # the most urgent first, whatever the arrival order
 
 
 def test_slo_admission_turns_away_what_cannot_meet_the_ttft_target(priority_server):

@@ -86,7 +86,7 @@ def stream(
     tokenizer: Tokenizer, ids: Sequence[int], skip: bool, rng: random.Random | None = None
 ) -> list[str]:
     """Feed `ids` in chunks of 1-3 and check the invariants on every piece."""
-    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], skip_special_tokens=skip)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
     pieces: list[str] = []
     position = 0
     while position < len(ids):
@@ -126,7 +126,7 @@ def test_byte_level_pieces_of_multibyte_text(byte_level: Tokenizer) -> None:
 def test_byte_level_holds_back_partial_character(byte_level: Tokenizer) -> None:
     ids = byte_level.encode("🙂", add_special_tokens=False)
     assert len(ids) > 1  # the emoji's four bytes span several tokens at this vocab size
-    detok = IncrementalDetokenizer(byte_level, [], skip_special_tokens=True)
+    detok = IncrementalDetokenizer(byte_level, skip_special_tokens=True)
     assert [detok.add([token]) for token in ids[:-1]] == [""] * (len(ids) - 1)
     assert detok.add([ids[-1]]) == "🙂"
     assert detok.flush() == ""
@@ -134,7 +134,7 @@ def test_byte_level_holds_back_partial_character(byte_level: Tokenizer) -> None:
 
 def test_flush_emits_incomplete_tail_like_decode(byte_level: Tokenizer) -> None:
     ids = byte_level.encode("ok🙂", add_special_tokens=False)[:-1]
-    detok = IncrementalDetokenizer(byte_level, [], skip_special_tokens=True)
+    detok = IncrementalDetokenizer(byte_level, skip_special_tokens=True)
     emitted = "".join(detok.add([token]) for token in ids)
     tail = detok.flush()
     assert emitted + tail == byte_level.decode(ids)
@@ -187,13 +187,13 @@ def test_byte_fallback_waits_for_the_end_of_a_byte_run(byte_fallback: Tokenizer)
     e_acute = [byte_fallback.token_to_id("<0xC3>"), byte_fallback.token_to_id("<0xA9>")]
     stray = byte_fallback.token_to_id("<0xA9>")
     word = byte_fallback.encode("ok", add_special_tokens=False)
-    detok = IncrementalDetokenizer(byte_fallback, [], skip_special_tokens=True)
+    detok = IncrementalDetokenizer(byte_fallback, skip_special_tokens=True)
     assert detok.add(word) == "ok"
     assert detok.add(e_acute) == ""  # "é" is complete, but the run may go on
     assert detok.add([stray]) == ""
     assert detok.flush() == "\ufffd\ufffd\ufffd"
     assert byte_fallback.decode([*word, *e_acute, stray]) == "ok\ufffd\ufffd\ufffd"
-    detok = IncrementalDetokenizer(byte_fallback, [], skip_special_tokens=True)
+    detok = IncrementalDetokenizer(byte_fallback, skip_special_tokens=True)
     assert detok.add([*word, *e_acute]) == ""
     assert detok.add(word) == "oké ok"
     assert detok.output_text == byte_fallback.decode([*word, *e_acute, *word])
@@ -245,7 +245,7 @@ def test_decodes_only_a_short_window(kind: str, byte_level: Tokenizer) -> None:
     counting = _CountingTokenizer(tokenizer)
     ids = tokenizer.encode(" ".join(TEXTS[:5]) * 8, add_special_tokens=False)
     assert len(ids) > 300
-    detok = IncrementalDetokenizer(counting, [], skip_special_tokens=True)
+    detok = IncrementalDetokenizer(counting, skip_special_tokens=True)
     text = "".join(detok.add([token]) for token in ids) + detok.flush()
     assert text == tokenizer.decode(ids)
     # the window is one token of context plus what is held back (a byte-fallback run is held whole):

@@ -1,0 +1,246 @@
+"""The engine core: the scheduler, the block manager and the model runner. Token ids in, one step at
+a time, the new token of every running sequence out (vLLM v1's `EngineCore`). It knows no text and
+no HTTP; `core_proc` runs it in a process of its own for the server, `LLMEngine` in process.
+
+A step is: the scheduler decides `{sequence: new tokens}`, the core turns that into a plain
+`StepBatch`, the runner executes it, and the scheduler applies the samples (`update_from_output`).
+
+With `async_scheduling` (overlapped scheduling, SGLang's overlap scheduler and vLLM's async
+scheduling) the core keeps one step in flight: it schedules and launches step N+1 before it reads
+step N's samples, so the host's work for N+1 (scheduling, input preparation) and for N (applying
+tokens, sending outputs) happens while the device computes. Sampled ids stay on the device and feed
+the next step; the host learns them one step later and handles stops then (a sequence that stopped
+on step N's token has one more token computed and dropped). On CUDA kernel launches return at once;
+on a CPU the host is the device, so a step computes when it is launched and there is nothing to
+overlap (a worker thread would only contend for the interpreter lock), but the order of the work is
+the same.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+
+from llmserve.config import EngineConfig
+from llmserve.engine.block_manager import BlockManager
+from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats, StepRecord
+from llmserve.engine.model_facts import ModelFacts
+from llmserve.engine.prefix_cache import hash_root
+from llmserve.engine.scheduler import SampleTarget, Scheduler, SchedulerOutput
+from llmserve.engine.sequence import Request, Sequence
+from llmserve.errors import InvalidRequestError
+from llmserve.heap import freeze_startup_heap
+from llmserve.model.runner import ModelRunner, StepBatch, StepHandle
+from llmserve.sampling.sampler import SamplingRow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    """A step on the device: what was scheduled, and how to get its samples."""
+
+    scheduled: SchedulerOutput
+    handle: StepHandle
+    start_time: float
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, facts: ModelFacts) -> None:
+        self.config = config
+        self.facts = facts
+        self.runner = ModelRunner(config, facts.model_config, facts.model_dir, facts.max_model_len)
+        pool_tokens = self.runner.num_blocks * config.block_size
+        if pool_tokens < facts.max_model_len:
+            raise ValueError(
+                f"The KV cache holds {pool_tokens} tokens, fewer than max_model_len={facts.max_model_len}; "
+                "give it more memory (kv_cache_memory / num_kv_blocks) or lower max_model_len."
+            )
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy,
+            eos_token_ids=facts.eos_token_ids, max_model_len=facts.max_model_len,
+        )
+        # What else changes the KV of the same tokens; a LoRA adapter would join per request.
+        self._cache_identity = (str(facts.model_dir), config.revision, str(self.runner.dtype))
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+        self.num_requests_added = 0
+        self.last_step: StepRecord | None = None
+        self._in_flight: _Launched | None = None
+        self._last_end = 0.0
+        freeze_startup_heap()
+        logger.info(
+            "engine core ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d, %s scheduling",
+            facts.model_config.architecture, self.runner.dtype, self.runner.num_blocks, config.block_size,
+            facts.max_model_len, "overlapped" if config.async_scheduling else "serial",
+        )
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request the front end validated."""
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"Request id {request.request_id!r} is already in use.", param="request_id")
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                params=request.params,
+                seed=request.seed,
+                arrival_order=next(self._arrivals),
+                priority=request.priority,
+                cache_root=hash_root(*self._cache_identity, request.cache_salt),
+            )
+        )
+        self.num_requests_added += 1
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop requests wherever they are; their blocks return to the pool at once."""
+        self.scheduler.finish_requests(request_ids)
+
+    def stop_choices(self, choices: list[tuple[str, int]]) -> None:
+        """End the choices that stop strings ended in the front end."""
+        self.scheduler.finish_choices(choices)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs | None:
+        """Run one step; return the outputs of the step that completed (None when none did)."""
+        if self.config.async_scheduling:
+            return self._step_overlapped()
+        launched = self._launch()
+        return None if launched is None else self._complete(launched)
+
+    def _step_overlapped(self) -> EngineCoreOutputs | None:
+        previous, self._in_flight = self._in_flight, self._launch()
+        return None if previous is None else self._complete(previous)
+
+    def _launch(self) -> _Launched | None:
+        start = time.monotonic()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return None
+        for seq in scheduled.admitted:
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = start
+        return _Launched(scheduled, self.runner.execute(self.build_step_batch(scheduled)), start)
+
+    def _complete(self, launched: _Launched) -> EngineCoreOutputs:
+        result = launched.handle.result()
+        outputs = self.scheduler.update_from_output(launched.scheduled, result)
+        end = time.monotonic()
+        # Under overlap a step's host work hides behind the previous one: it took from the later of
+        # its launch and the previous step's end.
+        self._record_step(max(launched.start_time, self._last_end), end, launched.scheduled)
+        self._last_end = end
+        return EngineCoreOutputs(outputs, self.last_step, self.stats())
+
+    def _record_step(self, start: float, end: float, scheduled: SchedulerOutput) -> None:
+        num_decodes = sum(1 for row in scheduled.rows if row.num_new == 1)
+        num_tokens = scheduled.num_batched_tokens
+        self.num_steps += 1
+        self.last_step = StepRecord(
+            start_time=start,
+            end_time=end,
+            num_tokens=num_tokens,
+            num_prefill_tokens=num_tokens - num_decodes,
+            num_seqs=len(scheduled.rows),
+            num_decodes=num_decodes,
+            num_preempted=len(scheduled.preempted),
+        )
+
+    # ---- the plain step batch -------------------------------------------------------------------
+    def build_step_batch(self, scheduled: SchedulerOutput) -> StepBatch:
+        rows = scheduled.rows
+        count = len(rows)
+        num_new = np.fromiter((row.num_new for row in rows), dtype=np.int64, count=count)
+        begins = np.fromiter((row.begin for row in rows), dtype=np.int64, count=count)
+        starts = np.cumsum(num_new) - num_new
+        pending = [(int(starts[i]) + row.num_new - 1, row.pending_source)
+                   for i, row in enumerate(rows) if row.pending_source >= 0]
+        total = int(num_new.sum())
+        if total == count:  # decodes only: one token each
+            tokens = (row.seq.token_ids[row.begin] if row.pending_source < 0 else 0 for row in rows)
+        else:
+            tokens = chain.from_iterable(_row_tokens(row.seq.token_ids, row.begin, row.num_new) for row in rows)
+        input_ids = np.fromiter(tokens, dtype=np.int64, count=total)
+        return StepBatch(
+            input_ids=input_ids,
+            num_computed=begins,
+            num_new=num_new,
+            block_tables=[row.seq.block_table for row in rows],
+            logits_rows=[target.row for target in scheduled.samples],
+            sampling_rows=[self._sampling_row(target) for target in scheduled.samples],
+            pending_index=np.array([i for i, _ in pending], dtype=np.int64) if pending else None,
+            pending_source=np.array([s for _, s in pending], dtype=np.int64) if pending else None,
+            blocks_to_copy=self.scheduler.take_copies(),
+        )
+
+    def _sampling_row(self, target: SampleTarget) -> SamplingRow:
+        seq, choice = target.seq, target.choice
+        params = seq.request.params
+        penalised = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+        num_outputs = seq.num_output_tokens + seq.num_pending - 1  # before this step's token
+        banned: tuple[int, ...] = ()
+        if num_outputs < params.min_tokens:
+            request = seq.request
+            if request.min_tokens_banned is None:
+                request.min_tokens_banned = tuple(sorted(self.facts.eos_token_ids | set(params.stop_token_ids)))
+            banned = request.min_tokens_banned
+        return SamplingRow(
+            params=params,
+            seed=seq.seed if choice == seq.index else seq.request.seed_for_choice(choice),
+            sample_index=num_outputs,
+            prompt_token_ids=seq.prompt_token_ids if penalised else (),
+            output_token_ids=seq.output_token_ids if penalised else (),
+            banned_token_ids=banned,
+        )
+
+    # ---- introspection --------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm, scheduler = self.block_manager, self.scheduler
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_unfinished_requests=len(scheduler.requests),
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            kv_cache_usage=bm.usage,
+            num_preemptions=scheduler.num_preemptions,
+            num_cached_blocks=bm.num_cached_blocks,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_steps=self.num_steps,
+            num_pending_prefill_tokens=scheduler.num_pending_prefill_tokens(),
+            num_requests_added=self.num_requests_added,
+        )
+
+    def live_sequences(self) -> list[Sequence]:
+        return self.scheduler.live_sequences()
+
+    def check_invariants(self) -> None:
+        """Block accounting is exact: every block is free or owned, ref counts equal owners."""
+        self.block_manager.check_invariants(self.live_sequences())
+
+    def shutdown(self) -> None:
+        """Drop every request (their blocks return to the pool) and let the step in flight end."""
+        self.scheduler.finish_requests(list(self.scheduler.requests))
+        if self._in_flight is not None:
+            self._in_flight.handle.result()
+            self._in_flight = None
+
+
+def _row_tokens(token_ids: list[int], begin: int, num_new: int) -> list[int]:
+    """A row's new tokens; a pending last one (not known on the host yet) as a 0 placeholder."""
+    tokens = token_ids[begin : begin + num_new]
+    return tokens if len(tokens) == num_new else tokens + [0]

@@ -1,0 +1,154 @@
+"""The engine core's own process (vLLM v1's `EngineCoreProc`): a busy loop that takes requests,
+aborts and utility calls from the front end over ZeroMQ, runs engine steps while there is work, and
+sends one message per step back. The front end starts it (`core_client`), and it never outlives
+the front end: when the parent process is gone, it exits.
+
+A failure, at start or in a step, is reported with a last `EngineCoreDead` message before the
+process exits with a non-zero status; the front end fails what was in flight and starts a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from llmserve.config import EngineConfig
+from llmserve.engine.core import EngineCore
+from llmserve.engine.messages import (
+    AbortRequests,
+    EngineCoreDead,
+    EngineCoreInput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    Shutdown,
+    StopChoices,
+    UtilityCall,
+    UtilityResult,
+)
+from llmserve.engine.model_facts import ModelFacts
+from llmserve.plugins import load_plugins
+
+logger = logging.getLogger(__name__)
+
+# What the front end may call between steps (`UtilityCall.method`); wait_idle answers once idle.
+UTILITY_METHODS = ("stats", "check_invariants", "wait_idle")
+
+
+class EngineCoreProc:
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreInput)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._idle_waiters: list[int] = []
+        self._changed = False  # a message changed the core's state since the last step
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            EngineCoreRequest: core.add_request,
+            AbortRequests: lambda message: core.abort_requests(message.request_ids),
+            StopChoices: lambda message: core.stop_choices(message.choices),
+            UtilityCall: self._call,
+        }
+
+    def run(self) -> None:
+        """Serve until told to shut down."""
+        while True:
+            self._changed = False
+            if self._take_inputs(block=not self.core.has_work()):
+                return
+            if self.core.has_work():
+                outputs = self.core.step()
+                if outputs is not None:
+                    self._send(outputs)
+            elif self._changed:  # e.g. the last request aborted: no step will report it
+                self._send(EngineCoreOutputs([], None, self.core.stats()))
+            if self._idle_waiters and not self.core.has_work():
+                for call_id in self._idle_waiters:
+                    self._send(UtilityResult(call_id))
+                self._idle_waiters.clear()
+
+    def _take_inputs(self, block: bool) -> bool:
+        """Handle every message waiting (waiting for one first when `block`); True on shutdown."""
+        flags = 0 if block else zmq.NOBLOCK
+        while True:
+            try:
+                message = self._decoder.decode(self.inputs.recv(flags, copy=False).buffer)
+            except zmq.Again:
+                return False
+            if isinstance(message, Shutdown):
+                return True
+            self._changed = True
+            self._handlers[type(message)](message)
+            flags = zmq.NOBLOCK
+
+    def _call(self, call: UtilityCall) -> None:
+        if call.method not in UTILITY_METHODS:
+            self._send(UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}"))
+        elif call.method == "wait_idle":
+            self._idle_waiters.append(call.call_id)
+        else:
+            try:
+                result = getattr(self.core, call.method)(*call.args)
+            except Exception as exc:
+                self._send(UtilityResult(call.call_id, error=repr(exc)))
+            else:
+                self._send(UtilityResult(call.call_id, result))
+
+    def _send(self, message: msgspec.Struct) -> None:
+        self.outputs.send(self._encoder.encode(message), copy=False)
+
+
+def run_engine_core(config: EngineConfig, facts: ModelFacts, input_address: str, output_address: str,
+                    log_level: int) -> None:
+    """The process's entry point: connect, build the core, announce it, serve; report any failure."""
+    _exit_with_parent()
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.setsockopt(zmq.RCVHWM, 0)
+    inputs.bind(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)  # let the last word go out before the process ends
+    outputs.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow front end
+    outputs.bind(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        load_plugins()
+        core = EngineCore(config, facts)
+        outputs.send(encoder.encode(EngineCoreReady(os.getpid(), core.runner.num_blocks)))
+        EngineCoreProc(core, inputs, outputs).run()
+        core.shutdown()
+        outputs.send(encoder.encode(EngineCoreOutputs([], None, core.stats())))  # all freed: the last word
+    except BaseException as exc:  # noqa: BLE001 - whatever it is, the front end must hear of it
+        logger.exception("the engine core failed")
+        outputs.send(encoder.encode(EngineCoreDead(f"{type(exc).__name__}: {exc}")))
+        outputs.close()
+        context.term()
+        sys.exit(1)
+    outputs.close()
+    inputs.close(linger=0)
+    context.term()
+
+
+def _exit_with_parent() -> None:
+    """Exit at once when the front end's process ends, however it ends (even `kill -9`): a thread
+    waits on the parent's sentinel, which becomes ready when the parent is gone."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, name="llmserve-parent-watch", daemon=True).start()

@@ -1,0 +1,97 @@
+"""Every check and default a request gets before it reaches the engine core, in one place: the prompt
+(tokenized, non-empty, ids in the vocabulary, room left in the context), the sampling parameters
+against the model (stop token ids, the default and the limit of max_tokens, generation_config's
+defaults) and the request's seed. Raises `InvalidRequestError` naming the offending parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+
+from llmserve.config import EngineConfig
+from llmserve.engine.messages import EngineCoreRequest
+from llmserve.engine.model_facts import ModelFacts
+from llmserve.errors import ContextLengthExceededError, InvalidRequestError
+from llmserve.sampling.params import SamplingParams
+from llmserve.tokenizer.tokenizer import Tokenizer
+
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, facts: ModelFacts, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = facts.model_config.vocab_size
+        self.max_model_len = facts.max_model_len
+        self._defaults = _generation_defaults(facts.generation_config)
+        self._rng = random.Random(config.seed)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's behaviour: the checkpoint's generation_config supplies default sampling settings."""
+        return dataclasses.replace(self._defaults)
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt's token ids: text is encoded, ids are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:  # encoding "" could still give a BOS token
+                raise InvalidRequestError("The prompt is empty.", param="prompt")
+            return self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("The prompt is empty.", param="prompt")
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"Prompt token ids must be integers in [0, {vocab}).", param="prompt")
+        return token_ids
+
+    def max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The completion budget: `max_tokens`, or what the context window leaves when it is unset."""
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {num_prompt_tokens} "
+                "tokens (at least one more is needed for the output).",
+                param="prompt",
+            )
+        if params.max_tokens is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + params.max_tokens > limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
+        return params.max_tokens
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> EngineCoreRequest:
+        """The engine core's request, validated and with every default filled in."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string.", param="cache_salt")
+        params = params or self.default_sampling_params()
+        token_ids = self.tokenize(prompt)
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(
+                f"stop_token_ids must be below the vocabulary size {self.vocab_size}.", param="stop_token_ids"
+            )
+        max_tokens = self.max_tokens(len(token_ids), params)
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        return EngineCoreRequest(request_id, token_ids, params, seed, priority, cache_salt)
+
+
+def _generation_defaults(generation_config: dict) -> SamplingParams:
+    gen = generation_config
+    do_sample = gen.get("do_sample", True)
+    overrides = {k: gen[k] for k in _GENERATION_DEFAULTS if k in gen and (do_sample or k == "repetition_penalty")}
+    return SamplingParams(**overrides)

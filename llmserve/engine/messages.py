@@ -1,0 +1,150 @@
+"""What crosses the boundary between the front end and the engine core: small typed structs,
+encoded with msgspec's MessagePack (no pickling of objects with behaviour).
+
+In: requests (token ids and sampling parameters), aborts, utility calls, shutdown.
+Out: one `EngineCoreOutputs` per engine step, carrying the new token of every sequence that got one,
+the step's record and the core's stats; answers to utility calls; a last word if the core dies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from llmserve.sampling.params import SamplingParams
+
+
+class EngineStats(msgspec.Struct, array_like=True, gc=False):
+    num_running: int
+    num_waiting: int
+    num_unfinished_requests: int
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    num_cached_blocks: int = 0  # blocks named in the prefix cache (held or evictable)
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admissions
+    prefix_cache_hits: int = 0  # of which found cached
+    num_steps: int = 0
+    num_pending_prefill_tokens: int = 0  # tokens still to prefill (waiting, and running prompt chunks)
+    num_requests_added: int = 0  # requests the core has taken in since it started
+
+
+class StepRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """What one step did, with its timestamps (time.monotonic seconds); for metrics and load estimates."""
+
+    start_time: float
+    end_time: float
+    num_tokens: int  # tokens in the forward pass
+    num_prefill_tokens: int  # of which in prompt (or recompute) chunks
+    num_seqs: int
+    num_decodes: int  # sequences computing one token
+    num_preempted: int
+
+    @property
+    def duration(self) -> float:
+        return self.end_time - self.start_time
+
+
+# ---- in ------------------------------------------------------------------------------------------
+
+
+class EngineCoreRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Drop these requests (their client is gone) and free their KV."""
+
+    request_ids: list[str]
+
+
+class StopChoices(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Finish these choices (request id, choice index): a stop string ended them in the front end."""
+
+    choices: list[tuple[str, int]]
+
+
+class UtilityCall(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Run `EngineCore.<method>(*args)` between steps and answer with a `UtilityResult`."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True, gc=False):
+    pass
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | StopChoices | UtilityCall | Shutdown
+
+
+# ---- out -----------------------------------------------------------------------------------------
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One new token of one sequence (choice `index` of request `request_id`)."""
+
+    request_id: str
+    token_id: int
+    index: int = 0
+    finish_reason: str | None = None  # "stop" | "length": the core ended it on this token
+    stop_reason: int | None = None  # the stop token id that ended it
+    logprob: float | None = None  # of the token, when the request asked for logprobs
+    top_ids: list[int] | None = None  # the top logprobs, as many as asked for
+    top_logprobs: list[float] | None = None
+    scheduled_time: float | None = None  # on the request's first output: when it was first scheduled
+    num_cached_tokens: int | None = None  # on the first output: prompt tokens found in the prefix cache
+    num_preemptions: int = 0  # on the last output
+
+
+class EngineCoreOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
+    outputs: list[EngineCoreOutput]
+    step: StepRecord | None = None
+    stats: EngineStats | None = None
+
+
+class UtilityResult(msgspec.Struct, tag=True, array_like=True, gc=False):
+    call_id: int
+    result: Any = None
+    error: str | None = None  # the exception's repr when the call raised
+
+
+class EngineCoreReady(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """The core loaded its model and takes requests."""
+
+    pid: int
+    num_blocks: int
+
+
+class EngineCoreDead(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """The core's last message: it failed (to start, or in a step) and is exiting."""
+
+    error: str
+
+
+EngineCoreMessage = EngineCoreOutputs | UtilityResult | EngineCoreReady | EngineCoreDead
+
+
+def input_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def input_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineCoreInput)
+
+
+def output_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def output_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineCoreMessage)

@@ -1,0 +1,80 @@
+"""What both sides of the engine need to know about the model before anything runs: where it is, its
+configuration, its generation defaults, the tokens that end a sequence, and the context limit.
+
+The front end reads them (it has the tokenizer) and hands them to the engine core once, at start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmserve.config import EngineConfig
+from llmserve.model.config import ModelConfig
+from llmserve.model.loader import resolve_model_path
+from llmserve.model.registry import model_class
+from llmserve.plugins import load_plugins
+from llmserve.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelFacts:
+    model_dir: Path
+    model_config: ModelConfig
+    generation_config: dict
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+
+def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
+    """Resolve the model (a local directory or a hub id), read its facts and load its tokenizer;
+    fails fast on an unsupported architecture or an impossible max_model_len."""
+    config.validate()
+    load_plugins()
+    model_dir = resolve_model_path(config.model, config.revision)
+    model_config = ModelConfig.from_pretrained(model_dir)
+    model_class(model_config.architecture)
+    tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
+    generation_config = _read_json(model_dir / "generation_config.json")
+    facts = ModelFacts(
+        model_dir=model_dir,
+        model_config=model_config,
+        generation_config=generation_config,
+        eos_token_ids=_eos_token_ids(model_config, generation_config, tokenizer),
+        max_model_len=_max_model_len(config, model_config),
+    )
+    return facts, tokenizer
+
+
+def _eos_token_ids(model_config: ModelConfig, generation_config: dict, tokenizer: Tokenizer) -> frozenset[int]:
+    ids = set(model_config.eos_token_ids)
+    gen_eos = generation_config.get("eos_token_id")
+    ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if model_config.sliding_window:
+        limit = min(limit, model_config.sliding_window)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit}.")
+    return config.max_model_len
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        logger.warning("ignoring unreadable %s", path)
+        return {}
