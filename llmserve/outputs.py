@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -20,7 +20,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Timestamps (time.monotonic seconds) the engine records as the request moves along."""
 
@@ -31,6 +31,10 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
 
+    def snapshot(self) -> RequestMetrics:
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
+                              self.last_token_time, self.finished_time, self.num_preemptions)
+
     @property
     def queue_time(self) -> float | None:
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
@@ -40,7 +44,7 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -49,5 +53,3 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    error: str | None = None
-    extra: dict = field(default_factory=dict)

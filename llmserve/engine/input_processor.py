@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from array import array
 from collections.abc import Sequence
 
 from llmserve.config import EngineConfig
@@ -41,9 +42,12 @@ class InputProcessor:
         token_ids = list(prompt)
         if not token_ids:
             raise InvalidRequestError("The prompt is empty.", param="prompt")
-        vocab = self.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"Prompt token ids must be integers in [0, {vocab}).", param="prompt")
+        try:  # one C-level pass: anything but an int (or one beyond 64 bits) fails the conversion
+            ids = array("q", token_ids)
+        except (TypeError, OverflowError):
+            ids = None
+        if ids is None or min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidRequestError(f"Prompt token ids must be integers in [0, {self.vocab_size}).", param="prompt")
         return token_ids
 
     def max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:

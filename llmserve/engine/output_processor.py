@@ -8,7 +8,6 @@ front end (`ProcessedOutputs.stopped`) and drops the sequence then.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -97,11 +96,11 @@ class RequestState:
     metrics: RequestMetrics
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    num_finished_choices: int = 0
 
     @property
     def finished(self) -> bool:
-        choices = self.choices
-        return len(choices) == self.params.n and all(c.finish_reason is not None for c in choices.values())
+        return self.num_finished_choices == self.params.n
 
     def output(self) -> RequestOutput:
         """A snapshot: nothing in it changes as the request goes on, so other tasks may keep it."""
@@ -113,7 +112,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[c.snapshot() for c in ordered],
             finished=self.finished,
-            metrics=copy.copy(self.metrics),
+            metrics=self.metrics.snapshot(),
             num_cached_tokens=self.num_cached_tokens,
         )
 
@@ -156,6 +155,8 @@ class OutputProcessor:
             self._note_times(state, output, now)
             if choice.add(output):
                 stopped.append((state.request_id, output.index))
+            if choice.finish_reason is not None:
+                state.num_finished_choices += 1
             touched[state.request_id] = state
         results = []
         for state in touched.values():
@@ -184,12 +185,12 @@ class OutputProcessor:
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
-        for choice in state.choices.values():
+        for index in range(state.params.n):
+            choice = state.choices.get(index)
+            if choice is None:
+                choice = state.choices[index] = ChoiceState(index, self.tokenizer, state.params)
             if choice.finish_reason is None:
                 choice.finish_reason = "abort"
-        for index in range(state.params.n):
-            if index not in state.choices:
-                state.choices[index] = ChoiceState(index, self.tokenizer, state.params)
-                state.choices[index].finish_reason = "abort"
+        state.num_finished_choices = state.params.n
         state.metrics.finished_time = time.monotonic()
         return state.output()

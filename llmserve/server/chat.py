@@ -30,8 +30,10 @@ from llmserve.server.sampling import to_sampling_params
 from llmserve.server.state import ModelEndpoint, ServerState, get_state
 from llmserve.server.streaming import (
     SSE_DONE,
+    ChunkEnvelope,
     Delta,
     StreamCursor,
+    content_choice_json,
     event_stream,
     final_output,
     sse,
@@ -188,14 +190,14 @@ def _chat_response(output: RequestOutput, ctx: _ChatContext) -> tuple[ChatComple
 # ---- streamed -------------------------------------------------------------------------------------
 
 
-def _chunk_choice(index: int, delta: Delta, ctx: _ChatContext) -> ChatChunkChoice:
-    logprobs = None
-    if ctx.top_logprobs is not None and delta.logprobs is not None:
-        logprobs = chat_logprobs(delta.token_ids, delta.logprobs, ctx.top_logprobs, ctx.texts)
+def _chunk_choice(index: int, delta: Delta, ctx: _ChatContext) -> ChatChunkChoice | str:
+    """A chunk's choice (as JSON when it has no logprobs)."""
+    if ctx.top_logprobs is None or delta.logprobs is None:
+        return content_choice_json(index, delta.text, delta.finish_reason)
     return ChatChunkChoice(
         index=index,
         delta=DeltaMessage(content=delta.text or None),
-        logprobs=logprobs,
+        logprobs=chat_logprobs(delta.token_ids, delta.logprobs, ctx.top_logprobs, ctx.texts),
         finish_reason=delta.finish_reason,
     )
 
@@ -211,6 +213,8 @@ async def _chat_events(ctx: _ChatContext, messages: list[ChatMessage]) -> AsyncI
                 id=ctx.response_id, created=created, model=ctx.model, choices=choices, usage=usage
             )
         )
+
+    envelope = ChunkEnvelope(ChatCompletionChunk(id=ctx.response_id, created=created, model=ctx.model, choices=[]))
 
     try:
         first = [
@@ -229,7 +233,7 @@ async def _chat_events(ctx: _ChatContext, messages: list[ChatMessage]) -> AsyncI
             deltas = [(o.index, cursors[o.index].advance(o)) for o in output.outputs]
             choices = [_chunk_choice(i, d, ctx) for i, d in deltas if d is not None]
             if choices:
-                yield chunk(choices)
+                yield envelope.event(choices)
             if all(c.done for c in cursors) and not output.finished:
                 stream.abort()  # every choice was stopped by the output filter
                 break

@@ -29,11 +29,13 @@ from llmserve.server.sampling import to_sampling_params
 from llmserve.server.state import ServerState, get_state
 from llmserve.server.streaming import (
     SSE_DONE,
+    ChunkEnvelope,
     StreamCursor,
     event_stream,
     final_outputs,
     merged,
     sse,
+    text_choice_json,
 )
 from llmserve.server.submit import Started, check_prompt, count_output_blocks, start_requests
 
@@ -145,14 +147,15 @@ class _ChoiceCursor(StreamCursor):
         self.index = index
         self.offset = text_offset  # text_offset of the next token (after an echoed prompt)
 
-    def next_choice(self, completion: CompletionOutput, ctx: _CompletionContext) -> CompletionChoice | None:
+    def next_choice(self, completion: CompletionOutput, ctx: _CompletionContext) -> CompletionChoice | str | None:
+        """The next chunk's choice (as JSON when it has no logprobs), or None when there is none yet."""
         delta = self.advance(completion)
         if delta is None:
             return None
-        logprobs = None
-        if ctx.logprobs is not None and delta.logprobs is not None:
-            logprobs = completion_logprobs(delta.token_ids, delta.logprobs, ctx.logprobs, ctx.texts, self.offset)
-            self.offset += sum(len(t) for t in logprobs.tokens)
+        if ctx.logprobs is None or delta.logprobs is None:
+            return text_choice_json(self.index, delta.text, delta.finish_reason)
+        logprobs = completion_logprobs(delta.token_ids, delta.logprobs, ctx.logprobs, ctx.texts, self.offset)
+        self.offset += sum(len(t) for t in logprobs.tokens)
         return CompletionChoice(index=self.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)
 
 
@@ -167,6 +170,9 @@ async def _completion_events(ctx: _CompletionContext) -> AsyncIterator[str]:
                 id=ctx.response_id, created=created, model=ctx.model, choices=choices, usage=usage
             )
         )
+
+    envelope = ChunkEnvelope(CompletionResponse(id=ctx.response_id, created=created, model=ctx.model, choices=[],
+                                                usage=None))
 
     cursors: dict[int, _ChoiceCursor] = {}
     finals: dict[int, RequestOutput] = {}
@@ -197,7 +203,7 @@ async def _completion_events(ctx: _CompletionContext) -> AsyncIterator[str]:
                 if not output.finished:
                     streams[position].abort()  # every choice was stopped by the output filter
             if choices:
-                yield chunk(choices)
+                yield envelope.event(choices)
             if len(finals) == len(streams):
                 break
         status = "content_filter" if ctx.count_blocks(cursors.values()) else "completed"

@@ -157,8 +157,15 @@ class Telemetry:
         self._events: queue.SimpleQueue[EngineEvents] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._progress: dict[str, _Progress] = {}
+        # This model's series, looked up once (a labels() lookup per token adds up).
+        self._prompt_tokens = metrics.prompt_tokens.labels(model_name)
+        self._generation_tokens = metrics.generation_tokens.labels(model_name)
+        self._ttft = metrics.ttft.labels(model_name)
+        self._itl = metrics.itl.labels(model_name)
+        self._iteration_tokens = metrics.iteration_tokens.labels(model_name)
+        self._batch_size = metrics.batch_size.labels(model_name)
 
-    # ---- the engine thread's side: only a queue put ------------------------------------------------
+    # ---- the engine's side: only a queue put ---------------------------------------------------------
     def on_events(self, events: EngineEvents) -> None:
         self._events.put(events)
 
@@ -180,24 +187,27 @@ class Telemetry:
         self.metrics.rejected.labels(self.model_name, reason).inc()
 
     def _observe_step(self, step: StepRecord) -> None:
-        self.metrics.iteration_tokens.labels(self.model_name).observe(step.num_tokens)
-        self.metrics.batch_size.labels(self.model_name).observe(step.num_seqs)
+        self._iteration_tokens.observe(step.num_tokens)
+        self._batch_size.observe(step.num_seqs)
         self.estimator.observe(step)
 
     def _observe_output(self, output: RequestOutput) -> None:
-        name, metrics = self.model_name, output.metrics
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        metrics = output.metrics
+        completions = output.outputs
+        num_tokens = len(completions[0].token_ids) if len(completions) == 1 else sum(
+            len(c.token_ids) for c in completions)
         progress = self._progress.get(output.request_id)
         if progress is None:
             progress = self._progress[output.request_id] = _Progress(0, None)
             if metrics.first_scheduled_time is not None:
-                self.metrics.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+                self._prompt_tokens.inc(len(output.prompt_token_ids))
             if metrics.time_to_first_token is not None:
-                self.metrics.ttft.labels(name).observe(metrics.time_to_first_token)
+                self._ttft.observe(metrics.time_to_first_token)
         elif metrics.last_token_time is not None and num_tokens > progress.num_tokens:
-            self.metrics.itl.labels(name).observe(metrics.last_token_time - (progress.last_token_time or 0.0))
-        self.metrics.generation_tokens.labels(name).inc(max(0, num_tokens - progress.num_tokens))
-        progress.num_tokens = max(progress.num_tokens, num_tokens)
+            self._itl.observe(metrics.last_token_time - (progress.last_token_time or 0.0))
+        if num_tokens > progress.num_tokens:
+            self._generation_tokens.inc(num_tokens - progress.num_tokens)
+            progress.num_tokens = num_tokens
         progress.last_token_time = metrics.last_token_time
         if output.finished:
             del self._progress[output.request_id]

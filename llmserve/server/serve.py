@@ -8,7 +8,6 @@ them), the engine stops, and the process exits 0.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
@@ -251,7 +250,7 @@ def run_server(args: argparse.Namespace) -> int:
         state.background(announce_when_ready())
 
     try:
-        asyncio.run(GracefulServer(config_uv, on_signal, on_listening).serve())
+        GracefulServer(config_uv, on_signal, on_listening).run()  # on uvloop when it is installed
     finally:
         for endpoint in state.endpoints():
             endpoint.engine.close(timeout=args.shutdown_timeout)
