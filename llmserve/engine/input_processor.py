@@ -35,13 +35,11 @@ class InputProcessor:
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """A prompt's token ids: text is encoded, ids are checked against the vocabulary."""
+        if not len(prompt):  # checked before encoding: "" could still encode to a BOS token
+            raise InvalidRequestError("The prompt is empty.", param="prompt")
         if isinstance(prompt, str):
-            if not prompt:  # encoding "" could still give a BOS token
-                raise InvalidRequestError("The prompt is empty.", param="prompt")
             return self.tokenizer.encode(prompt)
         token_ids = list(prompt)
-        if not token_ids:
-            raise InvalidRequestError("The prompt is empty.", param="prompt")
         try:  # one C-level pass: anything but an int (or one beyond 64 bits) fails the conversion
             ids = array("q", token_ids)
         except (TypeError, OverflowError):

@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -26,8 +26,13 @@ from llmserve.engine.messages import StepRecord
 from llmserve.outputs import RequestOutput
 from llmserve.server.slo import SLO, LoadEstimator
 
-if TYPE_CHECKING:
-    from llmserve.server.state import ModelEndpoint
+
+class ServedModel(Protocol):
+    """What the metrics read of a served model (the server's `ModelEndpoint`)."""
+
+    name: str
+    engine: AsyncLLM
+    telemetry: Telemetry | None
 
 router = APIRouter()
 
@@ -45,13 +50,13 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 class EngineCollector(Collector):
     """Scrape-time values from each ready engine's published stats, one sample per model."""
 
-    def __init__(self, endpoints: Callable[[], list[ModelEndpoint]]) -> None:
+    def __init__(self, endpoints: Callable[[], list[ServedModel]]) -> None:
         self.endpoints = endpoints
 
     def collect(self) -> Iterator[Metric]:
         endpoints = self.endpoints()
 
-        def family(kind: type, name: str, documentation: str, value: Callable[[ModelEndpoint], float]) -> Metric:
+        def family(kind: type, name: str, documentation: str, value: Callable[[ServedModel], float]) -> Metric:
             metric = kind(name, documentation, labels=LABELS)
             for endpoint in endpoints:
                 metric.add_metric([endpoint.name], value(endpoint))
@@ -87,7 +92,7 @@ class EngineCollector(Collector):
 class ServerMetrics:
     """Every metric family the server exports, made once per app; per-model series carry `model_name`."""
 
-    def __init__(self, endpoints: Callable[[], list[ModelEndpoint]]) -> None:
+    def __init__(self, endpoints: Callable[[], list[ServedModel]]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(endpoints))
         self._endpoints = endpoints
