@@ -11,7 +11,10 @@
 #   parity        float32 greedy outputs: torch backend = triton backend = triton + CUDA graphs
 #   decode        batch-1 decode on the Llama-3.1-8B shape, bf16: tok/s and % of copy bandwidth (goal >= 80%)
 #   throughput    1,000 requests (in/out 100-1,024 tokens) against transformers static batches (goal >= 10x)
-#   overhead      scheduling + input preparation as a share of the step at batch 256 (goal < 10%)
+#   overhead      host time not hidden behind the device at batch 256, overlap on and off (goal < 10%)
+#   serving       `llmserve serve` against `LLM.generate` on the 8B shape, 1,000 requests, in/out 100-1,024,
+#                 at rate inf and at 8 req/s (goals: >= 95% of offline tok/s, ITL p50 <= 1.1x TPOT p50);
+#                 the server needs fastapi, uvicorn, pydantic, pyzmq, msgspec, ... in $PYTHON's environment
 # Each step's output goes to OUT_DIR/<step>.log (and .json for the benchmarks); a summary table is last.
 # Expected on one H200: roughly 1-2 min of tests and parity, 1 min decode, 4-5 min throughput (most
 # of it the transformers baseline), 1 min overhead. Where one call must stay under 10 minutes, split
@@ -21,7 +24,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 OUT_DIR=${OUT_DIR:-bench_out/gpu}
-STEPS=${STEPS:-gpu-tests triton-tests parity decode throughput overhead}
+STEPS=${STEPS:-gpu-tests triton-tests parity decode throughput overhead serving}
 MODEL_8B=${MODEL_8B:-$OUT_DIR/llama-3.1-8b}
 NUM_PROMPTS=${NUM_PROMPTS:-1000}
 HF_SAMPLE_BATCHES=${HF_SAMPLE_BATCHES:-2}  # transformers static batches of 128 actually timed
@@ -67,7 +70,7 @@ fi
 if wanted parity; then
   run_step parity "$PYTHON" benchmarks/gpu_parity.py --json "$OUT_DIR/parity.json"
 fi
-if wanted decode || wanted throughput || wanted overhead; then
+if wanted decode || wanted throughput || wanted overhead || wanted serving; then
   [ -f "$MODEL_8B/config.json" ] || "$PYTHON" -m llmserve.cli make-model "$MODEL_8B" --size 8b
 fi
 if wanted decode; then
@@ -79,6 +82,14 @@ if wanted throughput; then
 fi
 if wanted overhead; then
   run_step overhead "$PYTHON" benchmarks/gpu_overhead.py --model "$MODEL_8B" --json "$OUT_DIR/overhead.json"
+fi
+
+if wanted serving; then
+  SERVING=(--model "$MODEL_8B" --engine-args "--load-format dummy" --num-prompts "$NUM_PROMPTS"
+           --input-len 100:1024 --output-len 100:1024 --rounds 1)
+  run_step serving "$PYTHON" benchmarks/serve_vs_offline.py "${SERVING[@]}" --json "$OUT_DIR/serving.json"
+  run_step serving-8rps "$PYTHON" benchmarks/serve_vs_offline.py "${SERVING[@]}" --server-only --request-rate 8 \
+    --json "$OUT_DIR/serving-8rps.json"
 fi
 
 echo

@@ -8,6 +8,8 @@ greedy. Reports output tok/s of both, their ratio, and the server's TTFT, TPOT a
 
     python benchmarks/serve_vs_offline.py --rounds 3 --json bench_out/serve_vs_offline.json
     python benchmarks/serve_vs_offline.py --model DIR --engine-args "--max-num-seqs 128" --server-only
+    python benchmarks/serve_vs_offline.py --model 8B_DIR --engine-args "--load-format dummy" \
+        --num-prompts 1000 --input-len 100:1024 --output-len 100:1024 --request-rate 8   # on a GPU
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def run_server(args: argparse.Namespace, out_dir: Path, label: str) -> dict[str,
         bench = [sys.executable, "-m", "llmserve.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                  "--tokenizer", args.model, "--dataset", "random", "--prompt-format", "ids",
                  "--random-input-len-range", args.input_len, "--random-output-len-range", args.output_len,
-                 "--exact-output-len", "--num-prompts", str(args.num_prompts), "--request-rate", "inf",
+                 "--exact-output-len", "--num-prompts", str(args.num_prompts), "--request-rate", args.request_rate,
                  "--seed", str(args.seed), "--num-warmups", "8", "--no-progress", "--result-json", str(result_path)]
         subprocess.run(bench, check=True, capture_output=True, text=True)
         run = json.loads(result_path.read_text())["runs"][0]
@@ -127,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--input-len", default="32:128")
     ap.add_argument("--output-len", default="64:128")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-rate", default="inf", help="the server's load (the offline side always gets all at once)")
     ap.add_argument("--rounds", type=int, default=3, help="offline then server, this many times")
     ap.add_argument("--server-only", action="store_true", help="no offline runs (e.g. a before/after of the server)")
     ap.add_argument("--tree", default=None, help="serve from this source tree (PYTHONPATH), e.g. an older worktree")

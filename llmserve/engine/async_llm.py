@@ -83,16 +83,30 @@ class _Slot:
     engine holds the slot, never the `RequestStream`, so a stream nobody references any more is
     garbage-collected (and its finalizer aborts the request) even while the request runs."""
 
-    __slots__ = ("item", "ready")
+    __slots__ = ("item", "waiter")
 
     def __init__(self) -> None:
         self.item: RequestOutput | BaseException | None = None
-        self.ready = asyncio.Event()
+        self.waiter: asyncio.Future[None] | None = None  # the reader's, while it waits
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if not isinstance(self.item, BaseException):  # an error is final
             self.item = item
-            self.ready.set()
+            waiter = self.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    async def take(self) -> RequestOutput | BaseException:
+        """The newest item, once there is one."""
+        if self.item is None:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        item, self.item = self.item, None
+        assert item is not None
+        return item
 
 
 @dataclass
@@ -129,15 +143,10 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._state.done:
             raise StopAsyncIteration
-        slot = self._slot
-        if slot.item is None:
-            await slot.ready.wait()
-        item, slot.item = slot.item, None
-        slot.ready.clear()
+        item = await self._slot.take()
         if isinstance(item, BaseException):
             self._state.done = True
             raise item
-        assert item is not None
         if item.finished:
             self._state.done = True
         if self.prompt is not None:

@@ -44,7 +44,7 @@ LPM_MAX_QUEUE = 128  # past this many waiting, admission is in plain queue order
 MAX_OVERTAKES = 32  # a waiting sequence lets at most this many cache hits go first
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRow:
     seq: Sequence
     begin: int  # the sequence's computed tokens before this step: its first new position
@@ -52,7 +52,7 @@ class ScheduledRow:
     pending_source: int = -1  # when its last new token is still pending: the previous step's sample row
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleTarget:
     row: int  # the row whose last new token gives the logits
     seq: Sequence
@@ -201,21 +201,24 @@ class Scheduler:
         """Rows in batch order (decodes first, scheduling order kept), computed counts advanced, and
         one sample for each row whose new tokens reach its end (n of them for an unforked n > 1)."""
         items = sorted(scheduled.items(), key=lambda item: item[1] != 1)
+        rows, samples = out.rows, out.samples
+        naming = self.block_manager.enable_prefix_caching
         for row, (seq, num_new) in enumerate(items):
             begin = seq.num_computed_tokens
-            source = seq.pending_sample_row if begin + num_new > seq.num_tokens else -1
-            out.rows.append(ScheduledRow(seq, begin, num_new, source))
-            seq.num_computed_tokens += num_new
-            self._name_full_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens_with_pending:
+            known = len(seq.token_ids)
+            rows.append(ScheduledRow(seq, begin, num_new, seq.pending_sample_row if begin + num_new > known else -1))
+            seq.num_computed_tokens = computed = begin + num_new
+            if naming:
+                self._name_full_blocks(seq)
+            if computed < known + seq.num_pending:
                 continue  # a prefill chunk that doesn't reach the end yet
             request = seq.request
-            seq.pending_sample_row = len(out.samples)
+            seq.pending_sample_row = len(samples)
             seq.num_pending += 1
-            if request.params.n == 1 or request.forked:
-                out.samples.append(SampleTarget(row, seq, seq.index))
+            if request.forked or request.params.n == 1:
+                samples.append(SampleTarget(row, seq, seq.index))
             else:
-                out.samples.extend(SampleTarget(row, seq, choice) for choice in range(request.params.n))
+                samples.extend(SampleTarget(row, seq, choice) for choice in range(request.params.n))
                 request.forked = True
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
@@ -321,27 +324,31 @@ class Scheduler:
         finished: list[Sequence] = []
         # Fork first: a parent that finishes on its first token would take its blocks with it.
         targets = [self._resolve(target) for target in out.samples]
-        for row, target_seq in enumerate(targets):
-            if target_seq is None:
+        for row, seq in enumerate(targets):
+            if seq is None:
                 continue
             assert result is not None
             token = result.token_ids[row]
-            target_seq.token_ids.append(token)
-            output = EngineCoreOutput(target_seq.request.request_id, token, target_seq.index)
-            if result.logprobs is not None and target_seq.request.params.logprobs is not None:
-                k = target_seq.request.params.logprobs
+            seq.token_ids.append(token)
+            request = seq.request
+            output = EngineCoreOutput(request.request_id, token, seq.index)
+            if result.logprobs is not None and request.params.logprobs is not None:
+                k = request.params.logprobs
                 output.logprob = result.logprobs[row]
                 output.top_ids = result.top_logprob_ids[row][:k]  # type: ignore[index]
                 output.top_logprobs = result.top_logprobs[row][:k]  # type: ignore[index]
-            self._first_output_facts(target_seq, output)
-            if self._check_stop(target_seq, token):
-                output.finish_reason, output.stop_reason = target_seq.finish_reason, target_seq.stop_reason
-                output.num_preemptions = target_seq.request.num_preemptions
-                finished.append(target_seq)
+            if seq.index == 0 and seq.num_output_tokens == 1:  # facts the front end reads once
+                output.scheduled_time = request.first_scheduled_time
+                output.num_cached_tokens = request.num_cached_tokens or 0
+            if self._check_stop(seq, token):
+                output.finish_reason, output.stop_reason = seq.finish_reason, seq.stop_reason
+                output.num_preemptions = request.num_preemptions
+                finished.append(seq)
             outputs.append(output)
-        for row in out.rows:
-            if not row.seq.is_finished:
-                self._name_full_blocks(row.seq)
+        if self.block_manager.enable_prefix_caching:
+            for row in out.rows:
+                if not row.seq.is_finished:
+                    self._name_full_blocks(row.seq)
         for seq in finished:
             self._remove(seq)
             if seq.request.is_finished:
@@ -349,12 +356,12 @@ class Scheduler:
         return outputs
 
     def _name_full_blocks(self, seq: Sequence) -> None:
-        """Name the blocks that are full of scheduled tokens with known ids in the prefix cache. A
-        block named when its step is scheduled is only read by later steps, which run after it."""
-        if self.block_manager.enable_prefix_caching:
-            filled = (seq.num_registered_blocks + 1) * self.block_manager.block_size  # its next block is full
-            if seq.num_computed_tokens >= filled and seq.num_tokens >= filled:
-                self.block_manager.register_computed(seq)
+        """Name the blocks that are full of scheduled tokens with known ids in the prefix cache (when
+        it is on). A block named when its step is scheduled is only read by later steps, which run
+        after it."""
+        filled = (seq.num_registered_blocks + 1) * self.block_manager.block_size  # its next block is full
+        if seq.num_computed_tokens >= filled and len(seq.token_ids) >= filled:
+            self.block_manager.register_computed(seq)
 
     def _resolve(self, target: SampleTarget) -> Sequence | None:
         """The sequence a sample goes to (forking it now for a new choice); None when it is gone."""
@@ -365,12 +372,6 @@ class Scheduler:
         if seq.request.request_id not in self.requests:
             return None  # the request was aborted while the step ran
         return self._fork(seq, target.choice)
-
-    def _first_output_facts(self, seq: Sequence, output: EngineCoreOutput) -> None:
-        if seq.num_output_tokens == 1 and seq.index == 0:
-            request = seq.request
-            output.scheduled_time = request.first_scheduled_time
-            output.num_cached_tokens = request.num_cached_tokens or 0
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Finish `seq` if the token it just got ends it (stop strings are the front end's)."""
