@@ -83,9 +83,9 @@ def run_server(args: argparse.Namespace, out_dir: Path, label: str) -> dict[str,
     port = _free_port()
     command = [sys.executable, "-m", "llmserve.cli", "serve", "--model", args.model, "--port", str(port),
                "--no-platform", *shlex.split(args.engine_args), *shlex.split(args.serve_args)]
-    env = {**os.environ, "PYTHONPATH": args.tree} if args.tree else None
     log = open(out_dir / f"{label}-server.log", "w")  # noqa: SIM115 - closed below
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # Run from the tree's root: `python -m` puts the working directory first on the import path.
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=args.tree)
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", server)
         result_path = out_dir / f"{label}.json"
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--request-rate", default="inf", help="the server's load (the offline side always gets all at once)")
     ap.add_argument("--rounds", type=int, default=3, help="offline then server, this many times")
     ap.add_argument("--server-only", action="store_true", help="no offline runs (e.g. a before/after of the server)")
-    ap.add_argument("--tree", default=None, help="serve from this source tree (PYTHONPATH), e.g. an older worktree")
+    ap.add_argument("--tree", default=None, help="serve from this source tree, e.g. an older git worktree")
     ap.add_argument("--label", default="llmserve")
     ap.add_argument("--json", default=None)
     ap.add_argument("--offline-worker", action="store_true", help=argparse.SUPPRESS)

@@ -125,9 +125,8 @@ class RequestStream:
     aborts the request.
     """
 
-    def __init__(self, owner: AsyncLLM, request_id: str, prompt: str | None) -> None:
+    def __init__(self, owner: AsyncLLM, request_id: str) -> None:
         self.request_id = request_id
-        self.prompt = prompt
         self._owner = owner
         self._slot = _Slot()
         self._state = _StreamState(request_id)
@@ -149,8 +148,6 @@ class RequestStream:
             raise item
         if item.finished:
             self._state.done = True
-        if self.prompt is not None:
-            item.prompt = self.prompt
         return item
 
     def abort(self) -> None:
@@ -265,9 +262,8 @@ class AsyncLLM:
         if request_id in self._streams:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
         request = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
-        text = prompt if isinstance(prompt, str) else None
-        self.output_processor.add_request(request_id, text, request.prompt_token_ids, request.params, time.monotonic())
-        stream = RequestStream(self, request_id, text)
+        self.output_processor.add_request(request, prompt, time.monotonic())
+        stream = RequestStream(self, request_id)
         self._streams[request_id] = stream._slot
         self._num_sent += 1
         self._core.send(request)

@@ -7,12 +7,14 @@ core (after a crash) never sees a message meant for the one before it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import tempfile
 import threading
 import uuid
+from collections.abc import Iterator
 from multiprocessing.connection import wait as wait_for_handles
 from pathlib import Path
 
@@ -58,7 +60,8 @@ class EngineCoreProcess:
             name="llmserve-engine-core",
             daemon=True,
         )
-        self.process.start()
+        with _openmp_waits_passively():
+            self.process.start()
         self.ready: EngineCoreReady | None = None
         self._closed = False
 
@@ -124,3 +127,20 @@ class EngineCoreProcess:
         for path in self._dir.iterdir():
             path.unlink(missing_ok=True)
         os.rmdir(self._dir)
+
+
+@contextlib.contextmanager
+def _openmp_waits_passively() -> Iterator[None]:
+    """Start the core with OpenMP threads that sleep, not spin, between parallel regions (unless
+    OMP_WAIT_POLICY says otherwise). On a CPU the core and this process share the cores: spinning
+    intra-op threads took the front end's core (a host-bound model served at half speed), while a
+    single thread left a compute-bound one 35% slower; passive threads keep both (measured in
+    BENCHMARKS.md). OpenMP reads the variable once, when the core's process loads it."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]

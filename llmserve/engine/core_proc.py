@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import torch
 import zmq
 
 from llmserve.config import EngineConfig
@@ -37,7 +36,6 @@ from llmserve.engine.messages import (
     UtilityResult,
 )
 from llmserve.engine.model_facts import ModelFacts
-from llmserve.model.runner import resolve_device
 from llmserve.plugins import load_plugins
 
 logger = logging.getLogger(__name__)
@@ -115,7 +113,6 @@ def run_engine_core(config: EngineConfig, facts: ModelFacts, input_address: str,
     """The process's entry point: connect, build the core, announce it, serve; report any failure."""
     _exit_with_parent()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
-    _leave_a_core_for_the_front_end(config)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.setsockopt(zmq.RCVHWM, 0)
@@ -141,15 +138,6 @@ def run_engine_core(config: EngineConfig, facts: ModelFacts, input_address: str,
     outputs.close()
     inputs.close(linger=0)
     context.term()
-
-
-def _leave_a_core_for_the_front_end(config: EngineConfig) -> None:
-    """On a CPU the front end (HTTP, detokenizing, streaming) needs a core of its own: with every core
-    in torch's intra-op pool, OpenMP's waiting threads spin on it. Unless OMP_NUM_THREADS says
-    otherwise, the core computes on one core fewer than the process may use."""
-    if "OMP_NUM_THREADS" in os.environ or resolve_device(config.device).type != "cpu":
-        return
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
 
 
 def _exit_with_parent() -> None:

@@ -53,10 +53,7 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
         request = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
-        self.output_processor.add_request(
-            request_id, prompt if isinstance(prompt, str) else None, request.prompt_token_ids, request.params,
-            arrival_time if arrival_time is not None else time.monotonic(),
-        )
+        self.output_processor.add_request(request, prompt, arrival_time if arrival_time is not None else time.monotonic())
         self.core.add_request(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:

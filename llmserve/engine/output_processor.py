@@ -9,10 +9,10 @@ front end (`ProcessedOutputs.stopped`) and drops the sequence then.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from llmserve.engine.messages import EngineCoreOutput
+from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmserve.sampling.params import RequestOutputKind, SamplingParams
 from llmserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -128,12 +128,11 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
 
-    def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-        arrival_time: float,
-    ) -> None:
-        self.requests[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time=arrival_time)
+    def add_request(self, request: EngineCoreRequest, prompt: str | Sequence[int], arrival_time: float) -> None:
+        """Follow `request` (as the input processor made it from `prompt`)."""
+        text = prompt if isinstance(prompt, str) else None
+        self.requests[request.request_id] = RequestState(
+            request.request_id, text, request.prompt_token_ids, request.params, RequestMetrics(arrival_time)
         )
 
     def has_unfinished(self) -> bool:
