@@ -64,6 +64,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="past this many queued: 503")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     serve.add_argument(
+        "--max-request-body-bytes", type=int, default=8 * 1024 * 1024, help="a larger request body gets a 413"
+    )
+    serve.add_argument(
         "--slo-ttft-ms", type=float, default=None,
         help="time-to-first-token target: requests that cannot meet it at the current load get a 503",
     )
@@ -85,6 +88,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--redis-url", default=None, help="share rate limits between replicas through Redis (redis://host:6379/0)"
     )
     platform.add_argument(
+        "--redis-timeout-ms", type=float, default=100.0,
+        help="a rate-limit call whose Redis reply takes longer fails; after 3 failures in a row Redis is "
+        "left alone for 5 s",
+    )
+    platform.add_argument(
+        "--rate-limit-failure-mode", choices=["open", "closed"], default="open",
+        help="when Redis cannot be reached: admit requests without limits (open) or answer 503 (closed)",
+    )
+    platform.add_argument(
         "--no-platform", action="store_true",
         help="serve without keys, rate limits, usage metering or conversations (no database)",
     )
@@ -92,6 +104,29 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     platform.add_argument(
         "--conversation-retention-days", type=float, default=30.0,
         help="deleted conversations are purged after this many days",
+    )
+    platform.add_argument(
+        "--usage-journal", default=None, metavar="DIR",
+        help="directory of the local usage journal that keeps usage through a crash "
+        "(default: next to the SQLite file, else in the data directory)",
+    )
+    platform.add_argument(
+        "--conversation-max-message-bytes", type=int, default=None,
+        help="a stored conversation message may have at most this many UTF-8 bytes (default 1 MiB; 413 beyond)",
+    )
+    platform.add_argument(
+        "--conversation-max-messages", type=int, default=None,
+        help="a conversation may hold at most this many messages, every branch counted (default 10000; 413 beyond)",
+    )
+    platform.add_argument(
+        "--public-metrics", action="store_true", help="answer /metrics without an API key once keys exist"
+    )
+    platform.add_argument(
+        "--public-openapi", action="store_true", help="answer /openapi.json without an API key once keys exist"
+    )
+    platform.add_argument(
+        "--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
+        help="let browser pages from these origins call the API (CORS; '*' for any; default: same origin only)",
     )
     serve.set_defaults(func=cmd_serve)
 

@@ -4,26 +4,31 @@ Each message points at its parent, and the conversation at its head (the newest 
 active branch). Appending with an earlier message as the parent, to regenerate a reply or edit a
 turn, starts a new branch and leaves the old one in place. Deleting is soft: the conversation is
 hidden at once and `purge()` removes it for good after the retention period.
+
+What a conversation may hold is bounded (ConversationLimits): the bytes of one message, the messages
+added at once, and the messages of one conversation (every branch counted).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
-from sqlalchemy import and_, delete, literal, or_, select
+from sqlalchemy import CTE, and_, delete, func, literal, or_, select
 from sqlalchemy.orm import Session, aliased
 
-from llmserve.errors import LLMServeError
+from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.store.db import Database
 from llmserve.store.schema import MODEL_NAME_LENGTH, NAME_LENGTH, ConversationRow, MessageRow, utcnow
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DERIVED_TITLE_LENGTH = 60
 MAX_PAGE_SIZE = 100
+ORDERS = ("asc", "desc")
+Order = Literal["asc", "desc"]
 
 
 class ConversationNotFound(LLMServeError):
@@ -32,6 +37,61 @@ class ConversationNotFound(LLMServeError):
     def __init__(self, conversation_id: str) -> None:
         super().__init__(f"conversation {conversation_id!r} not found")
         self.conversation_id = conversation_id
+
+
+class ConversationLimitExceeded(LLMServeError):
+    """A message too large, or too many messages at once or in one conversation (413 over HTTP)."""
+
+    def __init__(self, message: str, param: str, code: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ConversationLimits:
+    """What a conversation may hold. The defaults keep one page of messages, and one conversation's
+    history, small enough to load and template in a request."""
+
+    max_message_bytes: int = 1 << 20  # UTF-8 bytes of one message's content (1 MiB)
+    max_messages_per_request: int = 100  # added by one call: a create, or one chat turn's messages
+    max_messages: int = 10_000  # in one conversation, every branch counted
+
+    def __post_init__(self) -> None:
+        for name in ("max_message_bytes", "max_messages_per_request", "max_messages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def check(self, contents: Sequence[str], existing: int = 0) -> None:
+        """Raise ConversationLimitExceeded unless `contents` may join a conversation of `existing` messages."""
+        if len(contents) > self.max_messages_per_request:
+            raise ConversationLimitExceeded(
+                f"At most {self.max_messages_per_request} messages can be added at once; got {len(contents)}.",
+                param="messages", code="too_many_messages",
+            )
+        for i, content in enumerate(contents):
+            size = len(content.encode("utf-8", "surrogatepass"))
+            if size > self.max_message_bytes:
+                raise ConversationLimitExceeded(
+                    f"A stored message may have at most {self.max_message_bytes} bytes of content; "
+                    f"messages[{i}] has {size}.",
+                    param=f"messages[{i}].content", code="message_too_large",
+                )
+        if existing + len(contents) > self.max_messages:
+            raise ConversationLimitExceeded(
+                f"A conversation holds at most {self.max_messages} messages; it has {existing} and "
+                f"{len(contents)} more were to be added.",
+                param="messages", code="conversation_too_long",
+            )
+
+
+@dataclass(frozen=True)
+class BranchTotals:
+    """The active branch's size: its messages and their stored token counts."""
+
+    messages: int
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -141,8 +201,9 @@ class ConversationStore:
     from any thread. `key_id` is the caller's key (None in local mode); other keys' conversations
     raise ConversationNotFound, exactly like unknown or deleted ones."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, limits: ConversationLimits | None = None) -> None:
         self._db = db
+        self.limits = limits or ConversationLimits()
 
     def create(
         self,
@@ -156,6 +217,7 @@ class ConversationStore:
         turns = [dict(m) for m in messages or ()]
         for turn in turns:
             _check_message(turn.get("role"), turn.get("content"), turn.get("token_count"))
+        self.limits.check([turn["content"] for turn in turns])
         title = _checked_title(title)
         if title is None:
             title = next((derive_title(t["content"]) for t in turns if t["role"] == "user"), None)
@@ -180,11 +242,10 @@ class ConversationStore:
     def list(self, key_id: str | None, limit: int = 20, after: str | None = None) -> tuple[list[Conversation], bool]:
         """One page of the key's conversations, newest first, without messages, and whether more follow.
 
-        `after` is the id of the last conversation of the previous page. Raises ValueError for a
-        limit outside 1..100 or an unknown `after`.
+        `after` is the id of the last conversation of the previous page. Raises InvalidRequestError
+        (a ValueError) for a limit outside 1..100 or an unknown `after`.
         """
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE_SIZE:
-            raise ValueError(f"limit must be between 1 and {MAX_PAGE_SIZE}")
+        _check_limit(limit)
         conv = ConversationRow
         query = (
             select(conv)
@@ -196,7 +257,7 @@ class ConversationStore:
             if after is not None:
                 cursor = session.scalars(select(conv).where(conv.id == after, _owned_by(key_id))).first()
                 if cursor is None:
-                    raise ValueError(f"unknown pagination cursor {after!r}")
+                    raise _unknown_cursor("after", after)
                 query = query.where(or_(
                     conv.created_at < cursor.created_at,
                     and_(conv.created_at == cursor.created_at, conv.id < cursor.id),
@@ -209,6 +270,67 @@ class ConversationStore:
         with self._db.session() as session:
             conversation = self._owned(session, key_id, conversation_id)
             return _to_conversation(conversation, self._branch(session, conversation.head_message_id))
+
+    def summary(self, key_id: str | None, conversation_id: str) -> tuple[Conversation, BranchTotals]:
+        """The conversation without its messages, and the size of its active branch."""
+        with self._db.session() as session:
+            conversation = self._owned(session, key_id, conversation_id)
+            totals = BranchTotals(0, 0)
+            if conversation.head_message_id is not None:
+                path = self._path(conversation.head_message_id)
+                count, tokens = session.execute(
+                    select(func.count(), func.coalesce(func.sum(MessageRow.token_count), 0))
+                    .select_from(MessageRow)
+                    .join(path, MessageRow.id == path.c.id)
+                ).one()
+                totals = BranchTotals(count, tokens)
+            return _to_conversation(conversation), totals
+
+    def messages(
+        self,
+        key_id: str | None,
+        conversation_id: str,
+        limit: int = 20,
+        order: Order = "desc",
+        after: str | None = None,
+        before: str | None = None,
+    ) -> tuple[list[Message], bool]:
+        """One page of the active branch's messages, and whether more follow in that direction.
+
+        `order` "desc" lists newest first. `after` (or `before`) is a message id of the branch: the
+        page holds the messages right after (or right before) it in the listing's order. Raises
+        ConversationNotFound, or InvalidRequestError for a bad limit or order, or a cursor that is
+        not a message of the active branch.
+        """
+        _check_limit(limit)
+        if order not in ORDERS:
+            raise InvalidRequestError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        if after is not None and before is not None:
+            raise InvalidRequestError("Give either after or before, not both.", param="before")
+        cursor_param, cursor = ("before", before) if before is not None else ("after", after)
+        with self._db.session() as session:
+            head_id = self._owned(session, key_id, conversation_id).head_message_id
+            path = self._path(head_id or "")  # no head, no path: an empty page
+            # A message's place in the listing: its distance from the head, negated for oldest first.
+            place = path.c.depth if order == "desc" else -path.c.depth
+            query = select(MessageRow).join(path, MessageRow.id == path.c.id).limit(limit + 1)
+            if cursor is not None:
+                depth = session.scalar(select(path.c.depth).where(path.c.id == cursor))
+                if depth is None:
+                    raise _unknown_cursor(cursor_param, cursor)
+                cursor_place = depth if order == "desc" else -depth
+                query = query.where(place < cursor_place if before is not None else place > cursor_place)
+            # A page before the cursor is the nearest messages to it: fetched backwards, then turned round.
+            rows = list(session.scalars(query.order_by(place.desc() if before is not None else place)))
+        page = rows[:limit]
+        if before is not None:
+            page.reverse()
+        return [_to_message(row) for row in page], len(rows) > limit
+
+    def message_count(self, key_id: str | None, conversation_id: str) -> int:
+        """How many messages the conversation holds, every branch counted (what its limit counts)."""
+        with self._db.session() as session:
+            return self._message_count(session, self._owned(session, key_id, conversation_id).id)
 
     def history(self, key_id: str | None, conversation_id: str, up_to: str | None = None) -> list[Message]:
         """The active branch's messages, oldest first: the context for the next turn. With `up_to`, the
@@ -235,12 +357,15 @@ class ConversationStore:
         """Add a message after `parent_id` (default: the head) and make it the head.
 
         An earlier parent branches: the path from the root to the new message becomes the active
-        branch. Raises ConversationNotFound, or ValueError for bad input or a parent from elsewhere.
+        branch. Raises ConversationNotFound, ConversationLimitExceeded, or ValueError for bad input
+        or a parent from elsewhere.
         """
         _check_message(role, content, token_count)
         with self._db.session(write=True) as session:
-            # Locked so concurrent appends to one conversation chain up instead of forking.
+            # Locked so concurrent appends to one conversation chain up instead of forking (and
+            # cannot both take the last place under the message limit).
             conversation = self._owned(session, key_id, conversation_id, lock=True)
+            self.limits.check([content], existing=self._message_count(session, conversation.id))
             if parent_id is None:
                 parent_id = conversation.head_message_id
             else:
@@ -290,18 +415,37 @@ class ConversationStore:
         return conversation
 
     @staticmethod
-    def _branch(session: Session, head_id: str | None) -> list[MessageRow]:
-        """The messages from the root to `head_id`, oldest first, in one recursive query."""
-        if head_id is None:
-            return []
+    def _message_count(session: Session, conversation_id: str) -> int:
+        query = select(func.count()).select_from(MessageRow).where(MessageRow.conversation_id == conversation_id)
+        return session.scalar(query) or 0
+
+    @staticmethod
+    def _path(head_id: str) -> CTE:
+        """The ids from `head_id` up to the root, each with its `depth` (0 for the head)."""
         path = (
             select(MessageRow.id, MessageRow.parent_id, literal(0).label("depth"))
             .where(MessageRow.id == head_id)
             .cte("path", recursive=True)
         )
         parent = aliased(MessageRow)
-        path = path.union_all(
+        return path.union_all(
             select(parent.id, parent.parent_id, path.c.depth + 1).where(parent.id == path.c.parent_id)
         )
+
+    @classmethod
+    def _branch(cls, session: Session, head_id: str | None) -> list[MessageRow]:
+        """The messages from the root to `head_id`, oldest first, in one recursive query."""
+        if head_id is None:
+            return []
+        path = cls._path(head_id)
         query = select(MessageRow).join(path, MessageRow.id == path.c.id).order_by(path.c.depth.desc())
         return list(session.scalars(query))
+
+
+def _check_limit(limit: object) -> None:
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE_SIZE:
+        raise InvalidRequestError(f"limit must be between 1 and {MAX_PAGE_SIZE}", param="limit")
+
+
+def _unknown_cursor(param: str, cursor: str | None) -> InvalidRequestError:
+    return InvalidRequestError(f"unknown pagination cursor {cursor!r}", param=param, code="invalid_cursor")

@@ -1,9 +1,16 @@
-"""Per-key rate limits: token buckets for requests per minute (RPM) and tokens per minute (TPM).
+"""Per-key rate limits: requests per minute (RPM) and tokens per minute (TPM) over a sliding window.
 
-Each limited dimension is a bucket holding at most one minute's allowance, refilled continuously at
-limit/60 per second. A request takes 1 from the RPM bucket and its reservation (prompt tokens plus
-`max_tokens`) from the TPM bucket, both or neither, at admission; `settle` gives back what the request
-did not use once it ends. Reserving up front is what keeps concurrent requests from overshooting TPM.
+A request counts against its key for 60 s from its admission: it takes 1 request and its reservation
+(prompt tokens plus `max_tokens`) at admission, both or neither, and is admitted only if the requests
+and tokens counted in the last 60 s leave room for it. So over ANY 60 s window the tokens admitted for
+a key never exceed the TPM limit (and requests the RPM limit); a token bucket, which starts full and
+refills continuously, lets up to twice the limit through in one rolling minute. `settle` gives back
+what the request did not use once it ends. Reserving up front is what keeps concurrent requests from
+overshooting TPM.
+
+Admissions are kept in slots of 1/8 s (so memory per key is bounded, not one entry per request); a
+slot expires 60 s after the last admission in it, which can only keep a request counted a little
+longer, never shorter.
 
 Two backends share the arithmetic here: `InProcessRateLimiter` (one server process) and
 `RedisRateLimiter` in `ratelimit_redis` (several replicas sharing one limit), which builds on this
@@ -16,28 +23,30 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from llmserve.errors import LLMServeError
 
 LimitKind = Literal["requests", "tokens"]
 
-SECONDS_PER_MINUTE = 60.0
-# A bucket left alone this long is full again, so forgetting it changes nothing.
-FULL_REFILL_S = SECONDS_PER_MINUTE
-# Float slack when comparing bucket levels, so waiting exactly `retry_after_s` always suffices.
-LEVEL_EPSILON = 1e-9
+WINDOW_S = 60.0
+SLOTS_PER_SECOND = 8  # a power of two, so slot boundaries are exact floats
+# Float slack when comparing times, so waiting exactly `retry_after_s` always suffices.
+TIME_EPSILON = 1e-9
 
 
 class RateLimiterUnavailable(LLMServeError):
     """The shared rate-limit store (Redis) cannot be reached; the caller decides to fail open or closed.
 
-    Recommended: fail open (admit, log a warning, count it in a metric, send no rate-limit headers), so
-    an outage of the limiter's store does not take serving down with it. Fail closed (503) only where
-    the limits guard spend or abuse rather than fairness.
+    `retry_after_s`: when the store will next be tried (the circuit breaker's cool-down), if known.
     """
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -62,17 +71,29 @@ class Limits:
 
 @dataclass(eq=False)
 class Reservation:
-    """Tokens taken from `key`'s TPM bucket at admission; hand it to `RateLimiter.settle` when done."""
+    """Tokens counted against `key` at admission, in window slot `slot`; hand it to `RateLimiter.settle`."""
 
     key: str
     tokens: int
     tpm: int | None
+    slot: int | None = None  # None: nothing was counted (an unlimited key)
     settled: bool = False
+
+
+@dataclass(frozen=True)
+class WindowState:
+    """What a key's window holds right after a decision, and the times that follow from it."""
+
+    requests: int  # admitted requests still counted
+    tokens: int  # tokens still counted
+    reset_s: float  # until everything counted has expired
+    requests_wait_s: float | None  # until the request fits the RPM limit (None: it fits, or unlimited)
+    tokens_wait_s: float | None  # until it fits the TPM limit (None: it fits, unlimited, or never)
 
 
 @dataclass
 class RateLimitResult:
-    """The admission decision plus the bucket state that OpenAI's rate-limit headers report."""
+    """The admission decision plus the window state that OpenAI's rate-limit headers report."""
 
     allowed: bool
     kind: LimitKind | None  # the limit that denied the request
@@ -80,7 +101,7 @@ class RateLimitResult:
     never: bool  # the reservation alone exceeds the TPM limit: no amount of waiting helps
     limit_requests: int | None
     remaining_requests: int | None
-    reset_requests_s: float | None  # time until the RPM bucket is full again
+    reset_requests_s: float | None  # time until no request is counted any more
     limit_tokens: int | None
     remaining_tokens: int | None
     reset_tokens_s: float | None
@@ -156,40 +177,39 @@ def validate_used_tokens(used_tokens: int) -> None:
         raise ValueError(f"used_tokens must be a non-negative integer, got {used_tokens!r}.")
 
 
-def refill(level: float | None, elapsed_s: float, capacity: int) -> float:
-    """The bucket's level `elapsed_s` after it was `level` (None: never touched, so full)."""
-    if level is None:
-        return float(capacity)
-    return min(float(capacity), level + max(0.0, elapsed_s) * capacity / SECONDS_PER_MINUTE)
+def slot_of(now: float) -> int:
+    """The window slot an admission at `now` (seconds) is counted in."""
+    return math.floor(now * SLOTS_PER_SECOND)
 
 
-def fits(level: float, needed: float) -> bool:
-    return level + LEVEL_EPSILON >= needed
+def expired(last_admitted: float, now: float) -> bool:
+    """Whether a slot whose last admission was at `last_admitted` no longer counts at `now`."""
+    return now + TIME_EPSILON >= last_admitted + WINDOW_S
 
 
-def refund_level(level: float, refund: int, capacity: int) -> float:
-    """The level after giving back `refund` tokens, without moving the bucket's timestamp.
+def time_until_expired(last_admitted: float, now: float) -> float:
+    return max(0.0, last_admitted + WINDOW_S - now)
 
-    Capping here and capping again at the next refill gives the same level as refilling first, since
-    min(c, min(c, x) + y) == min(c, x + y) for y >= 0; so a refund needs no clock.
-    """
-    return min(float(capacity), level + refund)
+
+def fits(limits: Limits, requests: int, tokens: int, reserve_tokens: int) -> bool:
+    """Whether one more request reserving `reserve_tokens` fits with what the window already counts."""
+    return (limits.rpm is None or requests + 1 <= limits.rpm) and (
+        limits.tpm is None or tokens + reserve_tokens <= limits.tpm
+    )
 
 
 def admitted_unlimited(key: str, reserve_tokens: int) -> RateLimitResult:
-    """The result for a key with no limits: admitted without touching any bucket."""
-    result = decide(Limits(), reserve_tokens, True, 0.0, 0.0)
+    """The result for a key with no limits: admitted without counting anything."""
+    result = decide(Limits(), reserve_tokens, True, WindowState(0, 0, 0.0, None, None))
     result.reservation = Reservation(key=key, tokens=reserve_tokens, tpm=None)
     return result
 
 
-def decide(
-    limits: Limits, reserve_tokens: int, allowed: bool, requests: float, tokens: float
-) -> RateLimitResult:
-    """The result for a decision given the bucket levels after it (levels of unlimited dimensions ignored).
+def decide(limits: Limits, reserve_tokens: int, allowed: bool, window: WindowState) -> RateLimitResult:
+    """The result for a decision given the window after it (counts of unlimited dimensions ignored).
 
-    Both backends make the admission decision atomically with `fits` and report it through here, so
-    the headers and retry times are computed one way.
+    Both backends decide atomically with `fits` and report through here, so headers and retry times
+    are computed one way.
     """
     rpm, tpm = limits.rpm, limits.tpm
     never = not allowed and tpm is not None and reserve_tokens > tpm
@@ -198,42 +218,32 @@ def decide(
     if never:
         kind = "tokens"
     elif not allowed:
-        kind, retry_after_s = _binding_limit(limits, reserve_tokens, requests, tokens)
+        kind, retry_after_s = _binding_limit(limits, window)
     return RateLimitResult(
         allowed=allowed,
         kind=kind,
         retry_after_s=retry_after_s,
         never=never,
         limit_requests=rpm,
-        remaining_requests=None if rpm is None else _whole_units(requests),
-        reset_requests_s=None if rpm is None else _time_to_fill(requests, rpm, rpm),
+        remaining_requests=None if rpm is None else max(0, rpm - window.requests),
+        reset_requests_s=None if rpm is None else (window.reset_s if window.requests else 0.0),
         limit_tokens=tpm,
-        remaining_tokens=None if tpm is None else _whole_units(tokens),
-        reset_tokens_s=None if tpm is None else _time_to_fill(tokens, tpm, tpm),
+        remaining_tokens=None if tpm is None else max(0, tpm - window.tokens),
+        reset_tokens_s=None if tpm is None else (window.reset_s if window.tokens else 0.0),
     )
 
 
-def _binding_limit(
-    limits: Limits, reserve_tokens: int, requests: float, tokens: float
-) -> tuple[LimitKind, float]:
+def _binding_limit(limits: Limits, window: WindowState) -> tuple[LimitKind, float]:
     """Which limit denied the request and how long until both have room for it."""
     waits: dict[LimitKind, float] = {}
-    if limits.rpm is not None and not fits(requests, 1):
-        waits["requests"] = _time_to_fill(requests, 1, limits.rpm)
-    if limits.tpm is not None and not fits(tokens, reserve_tokens):
-        waits["tokens"] = _time_to_fill(tokens, reserve_tokens, limits.tpm)
+    if limits.rpm is not None and window.requests_wait_s is not None:
+        waits["requests"] = window.requests_wait_s
+    if limits.tpm is not None and window.tokens_wait_s is not None:
+        waits["tokens"] = window.tokens_wait_s
     if not waits:  # unreachable while the backends decide with `fits`; never crash a request over it
         return ("requests" if limits.rpm is not None else "tokens"), 0.0
     kind = max(waits, key=lambda name: waits[name])
     return kind, waits[kind]
-
-
-def _time_to_fill(level: float, target: float, per_minute: int) -> float:
-    return max(0.0, target - level) * SECONDS_PER_MINUTE / per_minute
-
-
-def _whole_units(level: float) -> int:
-    return math.floor(level + LEVEL_EPSILON)
 
 
 class RateLimiter(ABC):
@@ -241,7 +251,7 @@ class RateLimiter(ABC):
 
     @abstractmethod
     async def acquire(self, key: str, limits: Limits, reserve_tokens: int) -> RateLimitResult:
-        """Take 1 request and `reserve_tokens` tokens from `key`'s buckets, both or neither."""
+        """Count 1 request and `reserve_tokens` tokens against `key`'s window, both or neither."""
 
     @abstractmethod
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
@@ -255,19 +265,78 @@ class RateLimiter(ABC):
 
 
 @dataclass
-class _Buckets:
-    requests: float | None  # None: full (never drawn on, or unlimited when last seen)
-    tokens: float | None
-    stamp: float  # clock time the levels refer to
+class _Slot:
+    index: int
+    last_admitted: float
+    requests: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class _Window:
+    """One key's admissions in the last minute, oldest slot first, with running totals."""
+
+    slots: deque[_Slot] = field(default_factory=deque)
+    by_index: dict[int, _Slot] = field(default_factory=dict)
+    requests: int = 0
+    tokens: int = 0
+
+    def expire(self, now: float) -> None:
+        while self.slots and expired(self.slots[0].last_admitted, now):
+            slot = self.slots.popleft()
+            del self.by_index[slot.index]
+            self.requests -= slot.requests
+            self.tokens -= slot.tokens
+
+    def add(self, now: float, tokens: int) -> _Slot:
+        newest = self.slots[-1] if self.slots else None
+        if newest is not None and newest.index >= slot_of(now):  # also a clock that stepped back
+            slot = newest
+        else:
+            slot = _Slot(slot_of(now), now)
+            self.slots.append(slot)
+            self.by_index[slot.index] = slot
+        slot.last_admitted = max(slot.last_admitted, now)
+        slot.requests += 1
+        slot.tokens += tokens
+        self.requests += 1
+        self.tokens += tokens
+        return slot
+
+    def refund(self, index: int, tokens: int) -> None:
+        """Give back tokens counted in slot `index`; an expired slot no longer counts: nothing to do."""
+        slot = self.by_index.get(index)
+        if slot is not None:
+            tokens = min(tokens, slot.tokens)
+            slot.tokens -= tokens
+            self.tokens -= tokens
+
+    def state(self, limits: Limits, reserve_tokens: int, now: float, denied: bool) -> WindowState:
+        reset_s = time_until_expired(self.slots[-1].last_admitted, now) if self.slots else 0.0
+        requests_wait = tokens_wait = None
+        if denied and limits.rpm is not None and self.requests + 1 > limits.rpm:
+            requests_wait = self._wait(self.requests + 1 - limits.rpm, now, by_tokens=False)
+        if denied and limits.tpm is not None and self.tokens + reserve_tokens > limits.tpm >= reserve_tokens:
+            tokens_wait = self._wait(self.tokens + reserve_tokens - limits.tpm, now, by_tokens=True)
+        return WindowState(self.requests, self.tokens, reset_s, requests_wait, tokens_wait)
+
+    def _wait(self, excess: int, now: float, by_tokens: bool) -> float:
+        """Until enough of the oldest slots expire to free `excess` (only walked on a denial)."""
+        freed = 0
+        for slot in self.slots:
+            freed += slot.tokens if by_tokens else slot.requests
+            if freed >= excess:
+                return time_until_expired(slot.last_admitted, now)
+        return time_until_expired(self.slots[-1].last_admitted, now)  # unreachable: totals are the sums
 
 
 class InProcessRateLimiter(RateLimiter):
-    """Buckets in this process's memory: exact and fast, but each server replica has its own limit."""
+    """Windows in this process's memory: exact and fast, but each server replica has its own limit."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()  # never held across an await
-        self._buckets: dict[str, _Buckets] = {}
+        self._windows: dict[str, _Window] = {}
         self._last_sweep = clock()
 
     async def acquire(self, key: str, limits: Limits, reserve_tokens: int) -> RateLimitResult:
@@ -276,23 +345,18 @@ class InProcessRateLimiter(RateLimiter):
             return admitted_unlimited(key, reserve_tokens)
         with self._lock:
             now = self._clock()
-            self._forget_full_buckets(now)
-            saved = self._buckets.get(key)
-            requests, tokens = self._levels_now(saved, limits, now)
-            allowed = (limits.rpm is None or fits(requests, 1)) and (
-                limits.tpm is None or fits(tokens, reserve_tokens)
-            )
+            self._forget_idle_windows(now)
+            window = self._windows.get(key) or _Window()
+            window.expire(now)
+            allowed = fits(limits, window.requests, window.tokens, reserve_tokens)
+            slot = None
             if allowed:
-                requests = max(0.0, requests - 1) if limits.rpm is not None else requests
-                tokens = max(0.0, tokens - reserve_tokens) if limits.tpm is not None else tokens
-                self._buckets[key] = _Buckets(
-                    requests=requests if limits.rpm is not None else None,
-                    tokens=tokens if limits.tpm is not None else None,
-                    stamp=now,
-                )
-        result = decide(limits, reserve_tokens, allowed, requests, tokens)
-        if allowed:
-            result.reservation = Reservation(key=key, tokens=reserve_tokens, tpm=limits.tpm)
+                slot = window.add(now, reserve_tokens)
+                self._windows[key] = window
+            state = window.state(limits, reserve_tokens, now, denied=not allowed)
+        result = decide(limits, reserve_tokens, allowed, state)
+        if slot is not None:
+            result.reservation = Reservation(key=key, tokens=reserve_tokens, tpm=limits.tpm, slot=slot.index)
         return result
 
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
@@ -301,30 +365,23 @@ class InProcessRateLimiter(RateLimiter):
             if reservation.settled:
                 return
             reservation.settled = True
-            refund = reservation.tokens - min(used_tokens, reservation.tokens)
-            saved = self._buckets.get(reservation.key)
-            # A forgotten bucket, or one with no TPM level, is full: nothing to give back to.
-            if refund == 0 or reservation.tpm is None or saved is None or saved.tokens is None:
-                return
-            saved.tokens = refund_level(saved.tokens, refund, reservation.tpm)
+            window = self._windows.get(reservation.key)
+            if window is not None and reservation.slot is not None:
+                window.refund(reservation.slot, reservation.tokens - min(used_tokens, reservation.tokens))
 
-    @staticmethod
-    def _levels_now(saved: _Buckets | None, limits: Limits, now: float) -> tuple[float, float]:
-        elapsed = 0.0 if saved is None else now - saved.stamp
-        requests = refill(None if saved is None else saved.requests, elapsed, limits.rpm or 0)
-        tokens = refill(None if saved is None else saved.tokens, elapsed, limits.tpm or 0)
-        return requests, tokens
-
-    def _forget_full_buckets(self, now: float) -> None:
-        """Drop buckets idle long enough to be full again; runs at most once per refill period."""
-        if now - self._last_sweep < FULL_REFILL_S:
+    def _forget_idle_windows(self, now: float) -> None:
+        """Drop windows whose every admission has expired; runs at most once per window length."""
+        if now - self._last_sweep < WINDOW_S:
             return
         self._last_sweep = now
-        idle = [key for key, saved in self._buckets.items() if now - saved.stamp >= FULL_REFILL_S]
+        idle = [
+            key for key, window in self._windows.items()
+            if not window.slots or expired(window.slots[-1].last_admitted, now)
+        ]
         for key in idle:
-            del self._buckets[key]
+            del self._windows[key]
 
     def __len__(self) -> int:
-        """How many keys' buckets are held (bounded by the keys active in the last two minutes)."""
+        """How many keys' windows are held (bounded by the keys active in the last two minutes)."""
         with self._lock:
-            return len(self._buckets)
+            return len(self._windows)

@@ -144,6 +144,7 @@ class ModelRouter(Generic[T]):
         self._loading_retry_after_s = loading_retry_after_s
         self._models: dict[str, _Model[T]] = {}
         self._aliases: dict[str, Targets] = {}
+        self._unlisted: set[str] = set()  # aliases answered but not listed (a model's path as typed)
         self._lock = threading.Lock()  # loader threads call set_ready / set_failed
 
     def add_model(self, name: str, handle: T) -> None:
@@ -165,8 +166,9 @@ class ModelRouter(Generic[T]):
             model = self._known_model(name)
             model.state, model.handle, model.error = LoadState.FAILED, None, str(error)
 
-    def add_alias(self, alias: str, targets: str | Sequence[tuple[str, float]]) -> None:
-        """Point `alias` at one model (a name) or several ((name, weight) pairs, normalised here)."""
+    def add_alias(self, alias: str, targets: str | Sequence[tuple[str, float]], *, listed: bool = True) -> None:
+        """Point `alias` at one model (a name) or several ((name, weight) pairs, normalised here);
+        an alias not `listed` resolves but is left out of `ready_names`."""
         pairs = [(targets, 1.0)] if isinstance(targets, str) else list(targets)
         normalised = normalise_targets(dict(pairs), alias, names=[name for name, _ in pairs])
         with self._lock:
@@ -178,6 +180,8 @@ class ModelRouter(Generic[T]):
             if unknown:
                 raise ValueError(f"Alias {alias!r} points at {unknown[0]!r}, which is not a served model.")
             self._aliases[alias] = normalised
+            if not listed:
+                self._unlisted.add(alias)
 
     def names(self) -> list[str]:
         """Every name a request may use: models (in the order added), then aliases."""
@@ -215,10 +219,13 @@ class ModelRouter(Generic[T]):
             return [m.handle for m in self._models.values() if m.state is LoadState.READY]  # type: ignore[misc]
 
     def ready_names(self) -> list[str]:
-        """Names a request can use now: ready models, then aliases with a ready target."""
+        """Names to list now: ready models, then listed aliases with a ready target."""
         ready = set(self._names_in(LoadState.READY))
         with self._lock:
-            aliases = [a for a, targets in self._aliases.items() if any(t in ready for t, _ in targets)]
+            aliases = [
+                a for a, targets in self._aliases.items()
+                if a not in self._unlisted and any(t in ready for t, _ in targets)
+            ]
         return [name for name in self.model_names() if name in ready] + aliases
 
     def state(self, name: str) -> LoadState:

@@ -3,7 +3,9 @@
 `UsageRecorder.record()` only appends to a buffer; a daemon thread writes the buffer every
 `flush_interval` seconds (and sooner when `max_batch` records are waiting) with an insert that
 ignores request ids already stored, so recording a request twice counts it once. `close()` writes
-what is left, so a clean shutdown loses nothing; a crash loses at most the last interval.
+what is left, so a clean shutdown loses nothing. With a `UsageJournal` (usage_journal.py), every
+record is also journaled on local disk before the response ends, and what a crash left in the
+journal is written at the next start; without one, a crash loses at most the last interval.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Insert, String, func, select
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
@@ -33,6 +35,11 @@ from llmserve.store.schema import (
     utcnow,
 )
 
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from llmserve.platform.usage_journal import UsageJournal
+
 logger = logging.getLogger(__name__)
 
 GROUP_BY_CHOICES = ("model", "key", "day")
@@ -47,6 +54,8 @@ class UsageStatus:
     ERROR = "error"
     FILTERED = "filtered"
     RATE_LIMITED = "rate_limited"
+    INTERRUPTED = "interrupted"  # the server died mid-request; the tokens journaled so far are counted
+    ABORTED_BY_SERVER = "aborted_by_server"  # still running when the shutdown timeout ran out
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,9 @@ class UsageRecorder:
     retries them. Counters: `written` (records handed to the database, duplicates included),
     `failed` (records the database refused, dropped), `dropped` (lost to the buffer limit or
     recorded after close), `flushes` (batches sent to the database).
+
+    With a `journal`, records are journaled as they come and reported to it once in the database;
+    the records a previous run left in it are buffered at once (call `flush()` to write them).
     """
 
     def __init__(
@@ -99,6 +111,7 @@ class UsageRecorder:
         flush_interval: float = 1.0,
         max_batch: int = 1000,
         max_buffered: int = 1_000_000,
+        journal: UsageJournal | None = None,
     ) -> None:
         if flush_interval <= 0 or max_batch < 1 or max_buffered < max_batch:
             raise ValueError("need flush_interval > 0 and 1 <= max_batch <= max_buffered")
@@ -107,6 +120,7 @@ class UsageRecorder:
         self._max_batch = max_batch
         self._max_buffered = max_buffered
         self._buffer: deque[UsageRecord] = deque()
+        self.journal = journal
         self._buffer_lock = threading.Lock()
         self._flush_lock = threading.Lock()  # one flush at a time keeps records in order
         self._wake = threading.Event()
@@ -117,6 +131,8 @@ class UsageRecorder:
         self.failed = 0
         self.dropped = 0
         self.flushes = 0
+        if journal is not None:
+            self._buffer.extend(journal.recover())
         self._thread = threading.Thread(target=self._flush_periodically, name="llmserve-usage-writer", daemon=True)
         self._thread.start()
 
@@ -125,9 +141,26 @@ class UsageRecorder:
         """Records buffered and not yet written."""
         return len(self._buffer)
 
-    def record(self, record: UsageRecord) -> None:
-        """Queue `record` for writing. Non-blocking; raises ValueError for an invalid record."""
+    def started(self, request_id: str, key_id: str | None, model: str, prompt_tokens: int, at: datetime) -> None:
+        """Journal a request as running, so that a crash leaves it recorded as interrupted."""
+        if self.journal is not None:
+            self.journal.start(request_id, key_id, model, prompt_tokens, at)
+
+    def progress(self, request_id: str, completion_tokens: int, cached_tokens: int) -> None:
+        """Journal a running request's token counts so far."""
+        if self.journal is not None:
+            self.journal.tokens(request_id, completion_tokens, cached_tokens)
+
+    def journal_end(self, record: UsageRecord) -> Future[None] | None:
+        """Journal `record` ahead of `record()`; the future resolves once it is on disk (None: no journal,
+        or journaled already). Raises ValueError for an invalid record."""
         record.validate()
+        return self.journal.end(record) if self.journal is not None else None
+
+    def record(self, record: UsageRecord) -> None:
+        """Queue `record` for writing (and journal it, unless `journal_end` did). Non-blocking; raises
+        ValueError for an invalid record."""
+        self.journal_end(record)
         with self._buffer_lock:
             if self._closed:
                 self.dropped += 1
@@ -166,7 +199,10 @@ class UsageRecorder:
         self._thread.join()
         self.flush()
         if self._buffer:
-            logger.error("%d usage records could not be written before shutdown", len(self._buffer))
+            kept = " (they stay in the usage journal for the next start)" if self.journal is not None else ""
+            logger.error("%d usage records could not be written before shutdown%s", len(self._buffer), kept)
+        if self.journal is not None:
+            self.journal.close()
 
     def _flush_periodically(self) -> None:
         while not self._stopping.is_set():
@@ -202,6 +238,7 @@ class UsageRecorder:
             return self._write_one_by_one(batch)
         self._note_recovery()
         self.written += len(batch)
+        self._settled(batch)
         return len(batch), True
 
     def _write_one_by_one(self, batch: list[UsageRecord]) -> tuple[int, bool]:
@@ -221,9 +258,15 @@ class UsageRecorder:
             else:
                 self.written += 1
                 written += 1
+                self._settled([record])
         return written, True
 
+    def _settled(self, records: Sequence[UsageRecord]) -> None:
+        if self.journal is not None:
+            self.journal.settled([r.request_id for r in records])
+
     def _drop_refused(self, record: UsageRecord, exc: Exception) -> None:
+        self._settled([record])  # the database would refuse it again
         self.failed += 1
         logger.error("usage record %s refused by the database, dropped: %s", record.request_id, exc)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llmserve
@@ -18,8 +19,10 @@ from llmserve.platform.routing import ModelRouter
 from llmserve.server import chat, completions, conversations, health, metrics, tokens, usage
 from llmserve.server import models as models_api
 from llmserve.server.errors import install_error_handlers, shutting_down
-from llmserve.server.gateway import AuthMiddleware, Platform
+from llmserve.server.gateway import ALWAYS_PUBLIC_PATHS, AuthMiddleware, Platform
+from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from llmserve.server.metrics import ServerMetrics
+from llmserve.server.openapi import install_openapi
 from llmserve.server.slo import SLO
 from llmserve.server.state import ModelEndpoint, ServerState
 
@@ -30,6 +33,12 @@ PURGE_INTERVAL_SECONDS = 3600.0
 
 # Paths still answered while draining (monitoring keeps working until the process exits).
 _ALWAYS_SERVED = ("/metrics",)
+
+# Response headers a cross-origin page may read (beyond the CORS-safelisted ones).
+_EXPOSED_HEADERS = [
+    "retry-after", "retry-after-ms", "x-conversation-id",
+    *(f"x-ratelimit-{part}-{limit}" for part in ("limit", "remaining", "reset") for limit in ("requests", "tokens")),
+]
 
 
 class DrainMiddleware:
@@ -73,6 +82,7 @@ def _lifespan(state: ServerState, specs: Sequence[ModelSpec], slo: SLO, owns_eng
         with contextlib.suppress(asyncio.CancelledError):
             await drainer
         state.draining = True
+        state.workers.shutdown()
         for loader in loaders:
             loader.cancel()
         if owns_engine:
@@ -137,19 +147,28 @@ def build_app(
     models: Sequence[ModelSpec] = (),
     aliases: Mapping[str, Sequence[tuple[str, float]]] | None = None,
     model_aliases: Sequence[str] = (),
+    unlisted_aliases: Collection[str] = (),
     model_root: str | None = None,
     max_waiting_requests: int = 1024,
     owns_engine: bool = False,
     shutdown_timeout: float = 30.0,
     slo: SLO | None = None,
     platform: Platform | None = None,
+    public_metrics: bool = False,
+    public_openapi: bool = False,
+    allowed_origins: Sequence[str] = (),
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """An OpenAI-compatible app over one engine (`engine_client` served as `served_model_name`, also
     answering to `model_aliases`) or several (`models`, routed by name and `aliases`).
 
     With `owns_engine`, the app's shutdown (after the HTTP server drained) stops the engines, giving
     what still runs `shutdown_timeout` seconds; otherwise the caller closes them. `platform` adds API
-    keys, rate limits, usage metering, conversations and safety filters.
+    keys, rate limits, usage metering, conversations and safety filters; once keys exist, every path
+    but /health needs one, and /metrics and the OpenAPI document too unless `public_metrics` or
+    `public_openapi`. `unlisted_aliases` (among `aliases`) are answered but not listed in /v1/models.
+    `allowed_origins` turns on CORS for those origins ("*": any). A body over `max_request_body_bytes`
+    gets a 413 before anything reads it.
     """
     specs = list(models)
     if engine_client is not None:
@@ -171,7 +190,7 @@ def build_app(
         if alias != specs[0].name and alias not in router.names():
             router.add_alias(alias, [(specs[0].name, 1.0)])
     for alias, targets in (aliases or {}).items():
-        router.add_alias(alias, list(targets))
+        router.add_alias(alias, list(targets), listed=alias not in unlisted_aliases)
     app = FastAPI(
         title="llmserve",
         version=llmserve.__version__,
@@ -181,9 +200,30 @@ def build_app(
     )
     app.state.llmserve = state
     install_error_handlers(app)
+    install_openapi(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if platform is not None and platform.keys is not None:
-        app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=state.metrics)
+        public = _public_paths(app, public_metrics, public_openapi)
+        app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=state.metrics, public_paths=public)
     app.add_middleware(DrainMiddleware, state=state)
+    if allowed_origins:
+        # Added last, so outermost: preflights are answered before auth, and 401s, 429s and 503s carry
+        # the CORS headers a browser needs to show them. Keys travel in a header, not cookies.
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"],
+            expose_headers=_EXPOSED_HEADERS,
+        )
     for module in (chat, completions, models_api, tokens, health, metrics, usage, conversations):
         app.include_router(module.router)
     return app
+
+
+def _public_paths(app: FastAPI, public_metrics: bool, public_openapi: bool) -> frozenset[str]:
+    """The paths answered without a key once keys exist."""
+    public = set(ALWAYS_PUBLIC_PATHS)
+    if public_metrics:
+        public.add("/metrics")
+    if public_openapi:
+        oauth2_redirect = app.swagger_ui_oauth2_redirect_url if app.docs_url else None
+        public.update(path for path in (app.openapi_url, app.docs_url, app.redoc_url, oauth2_redirect) if path)
+    return frozenset(public)

@@ -11,9 +11,10 @@ from fastapi.responses import JSONResponse, Response
 from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.outputs import RequestOutput
 from llmserve.server import errors
-from llmserve.server.conversations import ConversationTurn, open_turn
+from llmserve.server.conversations import ConversationTurn, fit_history, open_turn
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, chat_logprobs
+from llmserve.server.openapi import documented
 from llmserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -38,7 +39,14 @@ from llmserve.server.streaming import (
     final_output,
     sse,
 )
-from llmserve.server.submit import Started, check_prompt, count_output_blocks, start_requests
+from llmserve.server.submit import (
+    Started,
+    check_request_size,
+    count_output_blocks,
+    screen_prompts,
+    start_requests,
+)
+from llmserve.server.workers import WorkerPool
 
 router = APIRouter()
 
@@ -101,25 +109,49 @@ def _echo_text(body: ChatCompletionRequest) -> str:
     return last.text() if body.echo and last.role == "assistant" else ""
 
 
-@router.post("/v1/chat/completions", response_model=None)
+async def _chat_prompt(
+    workers: WorkerPool,
+    endpoint: ModelEndpoint,
+    body: ChatCompletionRequest,
+    new_messages: list[dict[str, str]],
+    turn: ConversationTurn | None,
+    max_tokens: int | None,
+) -> tuple[str, list[int]]:
+    """The templated, tokenized prompt: a conversation's history (fitted to the context window as
+    `truncation` says, leaving room for `max_tokens`), then the new messages."""
+
+    def render(messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        text = endpoint.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        return text, endpoint.continuations.encode(text, body.cache_salt)
+
+    history = turn.history if turn is not None else []
+    max_prompt_tokens = endpoint.engine.max_model_len - (max_tokens or 1)
+    text, ids, truncated = await workers.run(
+        fit_history, render, history, new_messages, max_prompt_tokens, body.truncation
+    )
+    if turn is not None:
+        turn.truncated = truncated
+    return text, ids
+
+
+@router.post("/v1/chat/completions", response_model=None, responses=documented(ChatCompletionResponse, stream=True))
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
     key = request_key(request.state)
     endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
     errors.reject_unsupported(body.unsupported_params())
     new_messages = template_messages(body.messages)
-    check_prompt(state, endpoint, [m["content"] for m in new_messages], "messages")
-    turn = await open_turn(state, key, body.conversation_id, body.parent_message_id)
-    history = turn.history if turn is not None else []
-    prompt_text = endpoint.engine.tokenizer.apply_chat_template(
-        history + new_messages, add_generation_prompt=body.add_generation_prompt
-    )
-    prompt_ids = endpoint.continuations.encode(prompt_text, body.cache_salt)
+    endpoint.prompt_bound.check(sum(len(m["content"]) for m in new_messages), "messages")
+    turn = await open_turn(state, key, body.conversation_id, body.parent_message_id, new_messages)
     max_tokens, max_tokens_param = body.requested_max_tokens()
+    prompt_text, prompt_ids = await _chat_prompt(state.workers, endpoint, body, new_messages, turn, max_tokens)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = to_sampling_params(
         body, endpoint.engine.default_sampling_params(), max_tokens, max_tokens_param, logprobs=top_logprobs
     )
+    renames = {"prompt": "messages", "max_tokens": max_tokens_param}
+    check_request_size(endpoint, [prompt_ids], params, renames)
+    await screen_prompts(state, endpoint, lambda: [m["content"] for m in new_messages], "messages")
     started = await start_requests(
         state,
         endpoint,
@@ -128,7 +160,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         [prompt_ids],
         params,
         body.priority,
-        {"prompt": "messages", "max_tokens": max_tokens_param},
+        renames,
         body.cache_salt,
     )
     ctx = _ChatContext(
@@ -151,7 +183,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return event_stream(_chat_events(ctx, body.messages), headers)
     output = await started.run_to_end(request, final_output(started.streams[0], started.meter.observe))
     response, blocked = _chat_response(output, ctx)
-    started.meter.finish("content_filter" if blocked else "completed")
+    await started.meter.finish_durably("content_filter" if blocked else "completed")
     if not blocked:
         ctx.remember_replies(output)
     first = response.choices[0]
@@ -245,10 +277,12 @@ async def _chat_events(ctx: _ChatContext, messages: list[ChatMessage]) -> AsyncI
         if last is not None:
             reply = cursors[0].guard.released_text if cursors[0].guard is not None else last.outputs[0].text
             await ctx.save_turn(messages, reply, len(last.outputs[0].token_ids))
+        await meter.finish_durably(status)  # metered before the client sees the end
         yield SSE_DONE
     except LLMServeError as exc:  # the engine died or is shutting down mid-stream
         status = "error"
         yield sse(errors.from_exception(exc).body_json())
+        await meter.finish_durably(status)
         yield SSE_DONE
     finally:
         ctx.started.abort(status)

@@ -18,6 +18,7 @@ from llmserve.platform.safety import OutputGuard
 from llmserve.server import errors
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, completion_logprobs
+from llmserve.server.openapi import documented
 from llmserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -26,7 +27,7 @@ from llmserve.server.protocol import (
     now,
 )
 from llmserve.server.sampling import to_sampling_params
-from llmserve.server.state import ServerState, get_state
+from llmserve.server.state import ModelEndpoint, ServerState, get_state
 from llmserve.server.streaming import (
     SSE_DONE,
     ChunkEnvelope,
@@ -37,7 +38,13 @@ from llmserve.server.streaming import (
     sse,
     text_choice_json,
 )
-from llmserve.server.submit import Started, check_prompt, count_output_blocks, start_requests
+from llmserve.server.submit import (
+    Started,
+    check_request_size,
+    count_output_blocks,
+    screen_prompts,
+    start_requests,
+)
 
 router = APIRouter()
 
@@ -58,7 +65,7 @@ class _CompletionContext:
         return count_output_blocks(self.state, self.model, self.response_id, cursors)
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, responses=documented(CompletionResponse, stream=True))
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     key = request_key(request.state)
@@ -68,8 +75,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         body, endpoint.engine.default_sampling_params(), body.max_tokens, logprobs=body.logprobs
     )
     prompts = body.prompts()
-    prompt_ids = [endpoint.engine.input_processor.tokenize(p) for p in prompts]
-    check_prompt(state, endpoint, [_prompt_text(p, endpoint.token_texts) for p in prompts], "prompt")
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            endpoint.prompt_bound.check(len(prompt))
+    prompt_ids = await state.workers.run(_tokenize, endpoint, prompts)
+    check_request_size(endpoint, prompt_ids, params)
+    await screen_prompts(state, endpoint, lambda: [_prompt_text(p, endpoint.token_texts) for p in prompts], "prompt")
     started = await start_requests(
         state, endpoint, key, "cmpl", prompt_ids, params, body.priority, cache_salt=body.cache_salt
     )
@@ -88,8 +99,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         return event_stream(_completion_events(ctx), started.headers)
     outputs = await started.run_to_end(request, final_outputs(started.streams, started.meter.observe))
     response, blocked = _completion_response(outputs, ctx)
-    started.meter.finish("content_filter" if blocked else "completed")
+    await started.meter.finish_durably("content_filter" if blocked else "completed")
     return JSONResponse(response.model_dump(), headers=started.headers)
+
+
+def _tokenize(endpoint: ModelEndpoint, prompts: Sequence[str | list[int]]) -> list[list[int]]:
+    """Text prompts encoded, id prompts checked against the vocabulary (before anything decodes them)."""
+    return [endpoint.engine.input_processor.tokenize(p) for p in prompts]
 
 
 def _prompt_text(prompt: str | list[int], texts: TokenTexts) -> str:
@@ -209,10 +225,12 @@ async def _completion_events(ctx: _CompletionContext) -> AsyncIterator[str]:
         status = "content_filter" if ctx.count_blocks(cursors.values()) else "completed"
         if ctx.include_usage:
             yield chunk([], _usage([finals[i] for i in sorted(finals)]))
+        await meter.finish_durably(status)  # metered before the client sees the end
         yield SSE_DONE
     except LLMServeError as exc:  # the engine died or is shutting down mid-stream
         status = "error"
         yield sse(errors.from_exception(exc).body_json())
+        await meter.finish_durably(status)
         yield SSE_DONE
     finally:
         ctx.started.abort(status)

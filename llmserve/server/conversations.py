@@ -3,25 +3,45 @@ completion continue one (`conversation_id`): its history goes before the new mes
 reuses the earlier turns' KV from the prefix cache, and the new turn plus the reply are appended.
 
 A conversation belongs to the key that made it; any other key gets a 404, as for an unknown id.
+Its messages are listed a page at a time (`GET /v1/conversations/{id}/messages`, in the shape of OpenAI's
+Conversations items list). What a conversation may hold is bounded by the store's limits (413).
+
+When the history plus the new turn would not fit the model's context window, `truncation: "auto"` drops
+the oldest turns (never the leading system messages, never the request's own messages) and the response
+says how many messages it dropped in `x-llmserve-truncated-messages`; `"disabled"` (the default, as in
+OpenAI's Responses API) leaves the prompt whole, so the request fails with the usual 400.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmserve.platform.conversations import Conversation, ConversationNotFound, ConversationStore
+from llmserve.platform.conversations import (
+    MAX_PAGE_SIZE,
+    BranchTotals,
+    Conversation,
+    ConversationLimitExceeded,
+    ConversationNotFound,
+    ConversationStore,
+    Message,
+)
 from llmserve.platform.keys import ApiKey
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import request_key
 from llmserve.server.state import ServerState, get_state
 
 router = APIRouter()
+
+TRUNCATED_HEADER = "x-llmserve-truncated-messages"
+Truncation = Literal["auto", "disabled"]
+ChatMessages = list[dict[str, str]]
 
 
 def _not_found(conversation_id: str, param: str | None = None) -> APIError:
@@ -40,6 +60,10 @@ def _key_id(key: ApiKey | None) -> str | None:
     return key.id if key is not None else None
 
 
+def _too_large(exc: ConversationLimitExceeded) -> APIError:
+    return APIError(413, exc.message, param=exc.param, code=exc.code)
+
+
 # ---- the chat completion hook ---------------------------------------------------------------------
 
 
@@ -51,8 +75,9 @@ class ConversationTurn:
     key_id: str | None
     conversation_id: str
     parent_id: str | None  # the message the new turn follows
-    history: list[dict[str, str]]
+    history: ChatMessages
     reply_id: str | None = None
+    truncated: int = 0  # history messages left out of the prompt to fit the context window
 
     async def save(self, messages: list[dict[str, str]], reply: str, reply_tokens: int) -> None:
         """Append the request's messages, then the assistant's reply, after `parent_id`."""
@@ -69,14 +94,18 @@ class ConversationTurn:
         ).id
 
     def headers(self) -> dict[str, str]:
-        return {"x-conversation-id": self.conversation_id}
+        return {"x-conversation-id": self.conversation_id, TRUNCATED_HEADER: str(self.truncated)}
 
 
 async def open_turn(
-    state: ServerState, key: ApiKey | None, conversation_id: str | None, parent_message_id: str | None
+    state: ServerState,
+    key: ApiKey | None,
+    conversation_id: str | None,
+    parent_message_id: str | None,
+    new_messages: ChatMessages,
 ) -> ConversationTurn | None:
     """The stored history a chat completion continues (404 for an unknown or foreign conversation, 400
-    for a parent message that is not in it)."""
+    for a parent message that is not in it, 413 when the new turn would break the store's limits)."""
     if conversation_id is None:
         if parent_message_id is not None:
             raise APIError(400, "parent_message_id needs a conversation_id.", param="parent_message_id")
@@ -84,14 +113,84 @@ async def open_turn(
     store = _store(state)
     key_id = _key_id(key)
     try:
-        path = await asyncio.to_thread(store.history, key_id, conversation_id, parent_message_id)
+        path = await asyncio.to_thread(_turn_context, store, key_id, conversation_id, parent_message_id, new_messages)
     except ConversationNotFound:
         raise _not_found(conversation_id, "conversation_id") from None
+    except ConversationLimitExceeded as exc:
+        raise _too_large(exc) from None
     except ValueError as exc:
         raise APIError(400, str(exc), param="parent_message_id") from None
-    history = [{"role": m.role, "content": m.content} for m in path]
+    # Stored "developer" turns (from POST /v1/conversations) reach the template as "system", like new ones.
+    history = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in path]
     parent = path[-1].id if path else None
     return ConversationTurn(store, key_id, conversation_id, parent, history)
+
+
+def _turn_context(
+    store: ConversationStore, key_id: str | None, conversation_id: str, up_to: str | None, new_messages: ChatMessages
+) -> list[Message]:
+    """The history the turn continues, once it is clear that the turn (its messages and the reply) fits
+    the conversation's limits: checked before generating, so a reply is not computed and then lost."""
+    path = store.history(key_id, conversation_id, up_to)
+    existing = store.message_count(key_id, conversation_id)
+    store.limits.check([m["content"] for m in new_messages], existing=existing + 1)
+    return path
+
+
+# ---- fitting the history into the context window ------------------------------------------------
+
+
+def fit_history(
+    render: Callable[[ChatMessages], tuple[str, list[int]]],
+    history: ChatMessages,
+    new_messages: ChatMessages,
+    max_prompt_tokens: int,
+    truncation: Truncation,
+) -> tuple[str, list[int], int]:
+    """The prompt (text and ids, as `render` makes them) of the history then the new messages, and how
+    many history messages were left out.
+
+    With "auto", when the whole history does not leave `max_prompt_tokens`, the fewest oldest turns
+    (a user message with what follows it) are left out that make it fit, found by bisection; the
+    leading system messages stay. If even none of the turns fits, the prompt without them is returned
+    and the engine's context check refuses it. Runs off the event loop: it templates and tokenizes.
+    """
+    text, ids = render(history + new_messages)
+    if truncation == "disabled" or len(ids) <= max_prompt_tokens or max_prompt_tokens < 1:
+        return text, ids, 0
+    system, turns = _split_turns(history)
+    if not turns:
+        return text, ids, 0
+
+    def without(dropped: int) -> tuple[str, list[int]]:
+        return render(system + [m for turn in turns[dropped:] for m in turn] + new_messages)
+
+    low, high = 1, len(turns)  # the answer is in [low, high]: dropping every turn is the last resort
+    best = without(high)
+    if len(best[1]) > max_prompt_tokens:
+        return best[0], best[1], sum(len(turn) for turn in turns)
+    while low < high:
+        middle = (low + high) // 2
+        attempt = without(middle)
+        if len(attempt[1]) <= max_prompt_tokens:
+            high, best = middle, attempt
+        else:
+            low = middle + 1
+    return best[0], best[1], sum(len(turn) for turn in turns[:high])
+
+
+def _split_turns(history: ChatMessages) -> tuple[ChatMessages, list[ChatMessages]]:
+    """The leading system messages, and the rest as turns that each start at a user message (whatever
+    precedes the first user message is a turn of its own)."""
+    start = 0
+    while start < len(history) and history[start]["role"] == "system":
+        start += 1
+    turns: list[ChatMessages] = []
+    for message in history[start:]:
+        if not turns or message["role"] == "user":
+            turns.append([])
+        turns[-1].append(message)
+    return history[:start], turns
 
 
 # ---- endpoints ------------------------------------------------------------------------------------
@@ -110,50 +209,77 @@ class CreateConversation(BaseModel):
     messages: list[NewMessage] = Field(default_factory=list)
 
 
-def _conversation_json(conversation: Conversation, with_messages: bool = True) -> dict[str, Any]:
-    body = conversation.as_dict(with_messages)
-    if with_messages:
-        body["total_tokens"] = sum(m.token_count or 0 for m in conversation.messages)
-    return body
+def _summary_json(conversation: Conversation, totals: BranchTotals) -> dict[str, Any]:
+    return {**conversation.as_dict(with_messages=False), "message_count": totals.messages, "total_tokens": totals.tokens}
+
+
+def _page_json(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's list shape."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 @router.post("/v1/conversations")
 async def create_conversation(body: CreateConversation, request: Request) -> JSONResponse:
+    """A new conversation, optionally with its first messages; answered without them (list them with
+    GET /v1/conversations/{id}/messages)."""
     store = _store(get_state(request))
     messages = [m.model_dump() for m in body.messages]
     key_id = _key_id(request_key(request.state))
-    conversation = await asyncio.to_thread(store.create, key_id, body.title, body.model, messages)
-    stored = await asyncio.to_thread(store.get, key_id, conversation.id)
-    return JSONResponse(_conversation_json(stored), status_code=201)
+    try:
+        conversation = await asyncio.to_thread(store.create, key_id, body.title, body.model, messages)
+    except ConversationLimitExceeded as exc:
+        raise _too_large(exc) from None
+    summary = await asyncio.to_thread(store.summary, key_id, conversation.id)
+    return JSONResponse(_summary_json(*summary), status_code=201)
 
 
 @router.get("/v1/conversations")
 async def list_conversations(
-    request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None
+    request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE), after: str | None = None
 ) -> JSONResponse:
     store = _store(get_state(request))
     key_id = _key_id(request_key(request.state))
     items, has_more = await asyncio.to_thread(store.list, key_id, limit, after)
-    data = [_conversation_json(c, with_messages=False) for c in items]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": has_more,
-        }
-    )
+    return JSONResponse(_page_json([c.as_dict(with_messages=False) for c in items], has_more))
 
 
 @router.get("/v1/conversations/{conversation_id}")
 async def get_conversation(conversation_id: str, request: Request) -> JSONResponse:
+    """The conversation with the size of its active branch, without the messages themselves."""
     store = _store(get_state(request))
     try:
-        conversation = await asyncio.to_thread(store.get, _key_id(request_key(request.state)), conversation_id)
+        summary = await asyncio.to_thread(store.summary, _key_id(request_key(request.state)), conversation_id)
     except ConversationNotFound:
         raise _not_found(conversation_id) from None
-    return JSONResponse(_conversation_json(conversation))
+    return JSONResponse(_summary_json(*summary))
+
+
+@router.get("/v1/conversations/{conversation_id}/messages")
+async def list_messages(
+    conversation_id: str,
+    request: Request,
+    limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+    before: str | None = None,
+) -> JSONResponse:
+    """A page of the active branch's messages, newest first unless `order=asc`; `after`/`before` take
+    a message id from a previous page."""
+    store = _store(get_state(request))
+    key_id = _key_id(request_key(request.state))
+    try:
+        page, has_more = await asyncio.to_thread(
+            store.messages, key_id, conversation_id, limit, order, after, before
+        )
+    except ConversationNotFound:
+        raise _not_found(conversation_id) from None
+    return JSONResponse(_page_json([m.as_dict() for m in page], has_more))
 
 
 @router.delete("/v1/conversations/{conversation_id}")

@@ -110,6 +110,24 @@ def reject_unsupported(found: Sequence[tuple[str, str]]) -> None:
         raise unsupported(*found[0])
 
 
+def body_too_large(max_bytes: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body is larger than the server's limit of {max_bytes} bytes.",
+        code="request_too_large",
+    )
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from `receive` once a body without (or with a lying) Content-Length passes the limit.
+
+    An HTTPException, so FastAPI's body parsing lets it through to the handler that answers 413."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413)
+        self.max_bytes = max_bytes
+
+
 def overloaded(message: str = "The server is overloaded; retry later.", retry_after: int = RETRY_AFTER_SECONDS) -> APIError:
     return APIError(503, message, code="overloaded", headers={"Retry-After": str(retry_after)})
 
@@ -160,6 +178,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if param is None:
         return APIError(400, "The request body must be a JSON object.", code="invalid_body")
     message = first.get("msg", "Invalid value")
+    if first.get("type") == "extra_forbidden":
+        return APIError(
+            400, f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter"
+        )
     if first.get("type") == "missing":
         return APIError(
             400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
@@ -182,6 +204,8 @@ async def _handle_disconnect(_: Request, exc: Exception) -> Response:
 
 async def _handle_http(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc, BodyTooLarge):
+        return body_too_large(exc.max_bytes).response()
     headers = dict(exc.headers) if exc.headers else None
     return APIError(exc.status_code, str(exc.detail), headers=headers).response()
 

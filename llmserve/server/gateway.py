@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve.outputs import RequestOutput
 from llmserve.platform.keys import ApiKey, KeyCache, looks_like_key
 from llmserve.platform.ratelimit import Limits, RateLimiter, RateLimiterUnavailable, Reservation
-from llmserve.platform.usage import PriceTable, UsageRecord, UsageRecorder
+from llmserve.platform.usage import PriceTable, UsageRecord, UsageRecorder, UsageStatus
 from llmserve.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -31,7 +33,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROTECTED_PREFIX = "/v1/"
+PROGRESS_EVERY_TOKENS = 16  # how often a running request's token count is journaled
+
+# Answered without a key even once keys exist: liveness probes learn nothing about models or load.
+ALWAYS_PUBLIC_PATHS = frozenset({"/health"})
 
 
 @dataclass
@@ -48,6 +53,10 @@ class Platform:
     database: Database | None = None
     conversation_retention: timedelta | None = None  # deleted conversations are purged after this
     metrics: ServerMetrics | None = None
+    # When the rate limiter's store (Redis) is unreachable: "open" admits without limits (they keep
+    # tenants fair, they are not a security boundary), "closed" answers 503.
+    rate_limit_failure_mode: Literal["open", "closed"] = "open"
+    aborting: bool = False  # past the shutdown timeout: what still runs is aborted by the server
     _settling: set[asyncio.Task] = field(default_factory=set)
 
     async def aclose(self) -> None:
@@ -70,9 +79,7 @@ class Platform:
         try:
             result = await self.limiter.acquire(key.id, limits, reserve_tokens)
         except RateLimiterUnavailable as exc:
-            # Limits keep tenants fair; they are not a security boundary, so an outage fails open.
-            logger.warning("rate limiter unavailable, admitting without a limit: %s", exc)
-            return Admission(self, None, {})
+            return self._admit_without_limiter(model, exc)
         headers = result.headers()
         if not result.allowed:
             if self.metrics is not None:
@@ -82,6 +89,18 @@ class Platform:
                 type=result.kind or "tokens", headers=headers,
             )
         return Admission(self, result.reservation, headers)
+
+    def _admit_without_limiter(self, model: str, exc: RateLimiterUnavailable) -> Admission:
+        """The limiter's store is down: admit (fail open) or refuse with a 503 (closed), counted in a
+        metric; the limiter logs the outage once per state change, so nothing is logged per request."""
+        closed = self.rate_limit_failure_mode == "closed"
+        if self.metrics is not None:
+            self.metrics.rate_limit_decisions_without_redis.labels(model, "rejected" if closed else "admitted").inc()
+        if not closed:
+            return Admission(self, None, {})
+        retry_after = max(1, math.ceil(exc.retry_after_s or 0.0))
+        raise APIError(503, "Rate limiting is unavailable; retry later.", code="rate_limiter_unavailable",
+                       headers={"Retry-After": str(retry_after)})
 
     def settle_later(self, reservation: Reservation, used_tokens: int, then: Callable[[], None] | None = None) -> None:
         """Return a reservation's unused tokens, then run `then`, without making the caller wait (it
@@ -94,7 +113,9 @@ class Platform:
         try:
             if self.limiter is not None:
                 await self.limiter.settle(reservation, used_tokens)
-        except Exception as exc:  # the reservation then simply expires with the bucket's refill
+        except RateLimiterUnavailable:  # logged by the limiter once per outage; the reservation expires
+            pass
+        except Exception as exc:  # the reservation then simply expires with the window
             logger.warning("could not settle a rate-limit reservation: %s", exc)
         finally:
             if then is not None:
@@ -139,12 +160,34 @@ class Meter:
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self._latest: dict[int, RequestOutput] = {}
+        self._journaled_tokens = 0
+        self._durable: Future[None] | None = None
         self.finished = False
+        if self._usage is not None:
+            self._usage.started(request_id, self._key_id, model, prompt_tokens, self._created_at)
+
+    @property
+    def _usage(self) -> UsageRecorder | None:
+        return self.platform.usage if self.platform is not None else None
+
+    @property
+    def _key_id(self) -> str | None:
+        return self.key.id if self.key is not None else None
+
+    @property
+    def _created_at(self) -> datetime:
+        return datetime.fromtimestamp(self.started_wall, tz=timezone.utc)
 
     def observe(self, position: int, output: RequestOutput) -> None:
         self._latest[position] = output
         if self.first_token_at is None and any(c.token_ids for c in output.outputs):
             self.first_token_at = time.monotonic()
+        usage = self._usage
+        if usage is not None and usage.journal is not None:
+            tokens = self.completion_tokens
+            if tokens - self._journaled_tokens >= PROGRESS_EVERY_TOKENS:
+                self._journaled_tokens = tokens
+                usage.progress(self.request_id, tokens, self.cached_tokens)
 
     @property
     def completion_tokens(self) -> int:
@@ -155,14 +198,18 @@ class Meter:
         return sum(o.num_cached_tokens for o in self._latest.values())
 
     def finish(self, status: str) -> None:
-        """Record the usage and settle the reservation; later calls do nothing."""
+        """Record the usage (journaled at once) and settle the reservation; later calls do nothing."""
         if self.finished:
             return
         self.finished = True
         if self.platform is None:
             return
+        if self.platform.aborting and status in (UsageStatus.ERROR, UsageStatus.DISCONNECTED):
+            status = UsageStatus.ABORTED_BY_SERVER
         usage = self.platform.usage
         record = self._record(status)
+        if usage is not None:
+            self._durable = usage.journal_end(record)
         write = (lambda: usage.record(record)) if usage is not None else None
         if self.admission is not None and self.admission.reservation is not None:
             # Settled before the record is written: once a request's usage is visible, so is its refund.
@@ -172,17 +219,29 @@ class Meter:
         elif write is not None:
             write()
 
+    async def finish_durably(self, status: str) -> None:
+        """`finish`, then wait until the record is on disk in the usage journal (when there is one):
+        called before a response's last byte, so that a response received in full is a response
+        metered, even if the server dies right after."""
+        self.finish(status)
+        if self._durable is None:
+            return
+        try:
+            await asyncio.wrap_future(self._durable)
+        except OSError as exc:  # serving goes on; the record still reaches the database from memory
+            logger.error("usage record %s is not on disk: %s", self.request_id, exc)
+
     def _record(self, status: str) -> UsageRecord:
         ended = time.monotonic()
         return UsageRecord(
             request_id=self.request_id,
-            key_id=self.key.id if self.key is not None else None,
+            key_id=self._key_id,
             model=self.model,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             cached_tokens=self.cached_tokens,
             status=status,
-            created_at=datetime.fromtimestamp(self.started_wall, tz=timezone.utc),
+            created_at=self._created_at,
             ttft_ms=None if self.first_token_at is None else (self.first_token_at - self.started) * 1000,
             latency_ms=(ended - self.started) * 1000,
         )
@@ -215,16 +274,25 @@ def _masked(secret: str) -> str:
 
 
 class AuthMiddleware:
-    """Every /v1/ request needs a valid key once keys exist (401 otherwise); with none, the server is
-    open (local mode). The key found is left in the request's state as `api_key` (None when open)."""
+    """Once keys exist, every HTTP request but those for `public_paths` needs a valid key (401
+    otherwise), so a route added later is private unless made public on purpose; with no keys the
+    server is open (local mode). The key found is left in the request's state as `api_key` (None when
+    open)."""
 
-    def __init__(self, app: ASGIApp, keys: KeyCache, metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: KeyCache,
+        metrics: ServerMetrics | None = None,
+        public_paths: Collection[str] = ALWAYS_PUBLIC_PATHS,
+    ) -> None:
         self.app = app
         self.keys = keys
         self.metrics = metrics
+        self.public_paths = frozenset(public_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] != "http" or scope["path"] in self.public_paths:
             await self.app(scope, receive, send)
             return
         try:

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 
 import llmserve
 from llmserve.server import errors
+from llmserve.server.openapi import documented
+from llmserve.server.protocol import HealthResponse, VersionResponse
 from llmserve.server.state import get_state
 
 router = APIRouter()
 
 
-@router.get("/health")
-async def health(request: Request) -> Response:
-    """200 once every model is loaded and its engine runs; 503 (with the reason) otherwise."""
+@router.get("/health", response_model=None, responses=documented(HealthResponse))
+async def health(request: Request) -> JSONResponse:
+    """200 `{"status": "ok"}` once every model is loaded and its engine runs; 503 (an error naming the
+    reason) otherwise."""
     state = get_state(request)
     loading = state.router.loading_names()
     if loading:
@@ -24,9 +27,9 @@ async def health(request: Request) -> Response:
         if not engine.is_healthy:
             error = engine.dead_error or RuntimeError("the engine thread is not running")
             raise errors.APIError(503, f"The engine of {endpoint.name} is not running: {error}", code="engine_dead")
-    return Response(status_code=200)
+    return JSONResponse(HealthResponse().model_dump())
 
 
-@router.get("/version")
+@router.get("/version", response_model=None, responses=documented(VersionResponse))
 async def version() -> JSONResponse:
-    return JSONResponse({"version": llmserve.__version__})
+    return JSONResponse(VersionResponse(version=llmserve.__version__).model_dump())

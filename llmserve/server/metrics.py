@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -136,6 +137,11 @@ class ServerMetrics:
                                      ["reason"])
         self.rate_limited = counter("llmserve:rate_limited_requests", "Requests refused by a rate limit (429).",
                                     LABELS + ["limit"])
+        self.rate_limit_decisions_without_redis = counter(
+            "llmserve:rate_limit_decisions_without_redis",
+            "Requests admitted or refused (503) without a rate-limit decision, the limiter's Redis being "
+            "unreachable or its circuit open.", LABELS + ["outcome"],
+        )
         self.safety_blocks = counter("llmserve:safety_blocks", "Prompts or outputs blocked by the safety filter.",
                                      LABELS + ["stage", "rule"])
 
@@ -245,7 +251,7 @@ def make_telemetry(engine: AsyncLLM, metrics: ServerMetrics, model_name: str, sl
     return telemetry
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)  # documented as text: Prometheus's exposition format
 async def metrics(request: Request) -> Response:
     server_metrics: ServerMetrics = request.app.state.llmserve.metrics
     server_metrics.drain()

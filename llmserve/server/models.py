@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 
 from llmserve.server import errors
 from llmserve.server.gateway import request_key
+from llmserve.server.openapi import documented
 from llmserve.server.protocol import ModelCard, ModelList
 from llmserve.server.state import ServerState, get_state
 
@@ -23,7 +24,7 @@ def _card(state: ServerState, name: str) -> ModelCard:
     )
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=None, responses=documented(ModelList))
 async def list_models(request: Request) -> JSONResponse:
     state = get_state(request)
     key = request_key(request.state)
@@ -34,10 +35,12 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse(ModelList(data=[_card(state, n) for n in names]).model_dump())
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", response_model=None, responses=documented(ModelCard))
 async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
     state = get_state(request)
     key = request_key(request.state)
     if model_id not in state.router.names() or (key is not None and not key.allows_model(model_id)):
         raise errors.model_not_found(model_id)
-    return JSONResponse(_card(state, model_id).model_dump())
+    # An unlisted alias (a model's path as typed) is answered with the card of the model it names.
+    name = model_id if model_id in state.router.ready_names() else state.endpoint(model_id).name
+    return JSONResponse(_card(state, name).model_dump())

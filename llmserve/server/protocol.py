@@ -1,8 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
-Requests use `extra="ignore"`: a field nobody has heard of is accepted and ignored, as OpenAI-compatible
-servers do. Fields the OpenAI API has but this server does not implement are declared, so that
-`unsupported_params()` can name them in a 400 instead of silently ignoring them. Fields whose type is
+Requests use `extra="forbid"`: a field nobody has heard of is a 400 naming it, never silently ignored.
+Fields that only carry metadata (`metadata`, `store`, `user`, `service_tier`) are declared and accepted
+without effect. Fields the OpenAI API has but this server does not implement are declared, so that
+`unsupported_params()` can name them in a 400. Booleans and integers are strictly typed (`"yes"` is
+not true, `true` is not 1); floats accept integers. Fields whose type is
 a union (`stop`, `prompt`, message `content`) are checked by validators that raise on the field
 itself, so an error's location is the field the client sent, not a union branch.
 """
@@ -18,11 +20,18 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
     field_validator,
     model_serializer,
 )
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_MESSAGES = 2048
+MAX_N = 128
+MAX_PROMPTS = 2048  # in one completions request, as OpenAI
 
 
 def random_id(prefix: str) -> str:
@@ -34,8 +43,8 @@ def now() -> int:
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored (OpenAI-compatible servers accept them); NaN and infinity are refused.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Unknown fields are a 400 (no silent ignores); NaN and infinity are refused.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def _check_unicode(text: str) -> str:
@@ -55,7 +64,7 @@ class _Response(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class PromptTokensDetails(_Response):
@@ -84,6 +93,8 @@ def _check_stop(value: Any) -> Any:
     if isinstance(value, str):
         return _check_unicode(value)
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         return [_check_unicode(s) for s in value]
     raise ValueError("stop must be a string or a list of strings")
 
@@ -92,30 +103,34 @@ class SamplingFields(_Request):
     """Parameters both endpoints share, with vLLM's extras."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    temperature: float | None = None
-    top_p: float | None = None
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     stop: Any = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stream: bool = False
+    seed: StrictInt | None = None
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # metadata only: accepted without effect
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    priority: int = 0
-    echo: bool = False
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    min_tokens: StrictInt = Field(0, ge=0)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    priority: StrictInt = 0
+    echo: StrictBool = False
     cache_salt: str | None = Field(None, min_length=1)  # keeps this request's prefix cache private
     # OpenAI parameters this server does not implement (a 400 names them when they are used)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -176,16 +191,18 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: StrictBool = True
     # llmserve's extras: continue a stored conversation (its history is sent before `messages`), from
     # its latest message or, to branch (regenerate or edit a turn), from `parent_message_id`.
     conversation_id: str | None = Field(None, min_length=1)
     parent_message_id: str | None = Field(None, min_length=1)
+    # The Responses API's name: "auto" drops the oldest stored turns that do not fit the context window.
+    truncation: Literal["auto", "disabled"] = "disabled"
     # OpenAI parameters this server does not implement
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -196,6 +213,9 @@ class ChatCompletionRequest(SamplingFields):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
 
     def unsupported_params(self) -> list[tuple[str, str]]:
         found = self.common_unsupported()
@@ -211,9 +231,11 @@ class ChatCompletionRequest(SamplingFields):
             found.append(("response_format", "response_format types other than 'text' are not supported."))
         if self.modalities is not None and set(self.modalities) - {"text"}:
             found.append(("modalities", "only the 'text' modality is supported."))
-        for name in ("audio", "prediction", "web_search_options"):
+        for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
             if getattr(self, name) is not None:
                 found.append((name, f"{name} is not supported."))
+        if self.parallel_tool_calls is False:
+            found.append(("parallel_tool_calls", "parallel_tool_calls=false is not supported (no tool calls are made)."))
         if self.top_logprobs and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs requires logprobs to be true."))
         for i, message in enumerate(self.messages):
@@ -303,6 +325,8 @@ def _check_prompt(value: Any) -> Any:
     if isinstance(value, str):
         return _check_unicode(value)
     if isinstance(value, list) and value:
+        if len(value) > MAX_PROMPTS and not all(isinstance(t, int) for t in value):
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request")
         if all(isinstance(p, str) for p in value):
             return [_check_unicode(p) for p in value]
         if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
@@ -320,11 +344,11 @@ def _check_prompt(value: Any) -> Any:
 
 class CompletionRequest(SamplingFields):
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI parameters this server does not implement
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -395,9 +419,9 @@ class ModelList(_Response):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
     @field_validator("prompt")
     @classmethod
@@ -413,11 +437,19 @@ class TokenizeResponse(_Response):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+class HealthResponse(_Response):
+    status: Literal["ok"] = "ok"
+
+
+class VersionResponse(_Response):
+    version: str
 
 
 class ErrorInfo(_Response):

@@ -1,13 +1,15 @@
 """`llmserve serve`: the engine, the app and uvicorn, with a graceful shutdown on SIGTERM.
 
 SIGTERM (or Ctrl+C): new requests get a 503 at once, uvicorn stops listening, in-flight requests
-run to completion for up to --shutdown-timeout seconds (then they are cancelled, which aborts
-them), the engine stops, and the process exits 0.
+run to completion for up to --shutdown-timeout seconds (then each one still running is aborted: a
+stream gets an error event and `data: [DONE]`, and its usage is recorded as `aborted_by_server`),
+the engine stops, and the process exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -19,11 +21,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
+from fastapi import FastAPI
 
 from llmserve.config import EngineConfig, engine_config_kwargs
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.platform.conversations import ConversationLimits
 from llmserve.platform.keys import KeyStore
 from llmserve.platform.ratelimit import InProcessRateLimiter, RateLimiter
 from llmserve.platform.routing import ModelsConfig
@@ -31,22 +36,47 @@ from llmserve.server.app import ModelSpec, build_app
 from llmserve.server.gateway import Platform
 from llmserve.server.slo import SLO
 
+if TYPE_CHECKING:
+    from llmserve.platform.usage import UsageRecorder
+    from llmserve.store.db import Database
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_NAME = "llmserve-default"
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+ABORT_GRACE_S = 5.0  # after the shutdown timeout: time for the aborted streams to send their error event
 
 
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server that drains on SIGINT/SIGTERM and then returns normally (exit status 0)
-    instead of re-raising the signal, and reports its address once it listens."""
+    instead of re-raising the signal, and reports its address once it listens.
+
+    With `on_deadline`, requests still running `shutdown_timeout` seconds into the shutdown are
+    ended by it (uvicorn itself cancels them `ABORT_GRACE_S` later, mid-response)."""
 
     def __init__(
-        self, config: uvicorn.Config, on_signal: Callable[[], None], on_listening: Callable[[str, int], None]
+        self,
+        config: uvicorn.Config,
+        on_signal: Callable[[], None],
+        on_listening: Callable[[str, int], None],
+        on_deadline: Callable[[], None] | None = None,
+        shutdown_timeout: float | None = None,
     ) -> None:
         super().__init__(config)
         self._on_signal = on_signal
         self._on_listening = on_listening
+        self._on_deadline = on_deadline
+        self._shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        if self._on_deadline is None or self._shutdown_timeout is None:
+            await super().shutdown(sockets)
+            return
+        deadline = asyncio.get_running_loop().call_later(self._shutdown_timeout, self._on_deadline)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -122,12 +152,12 @@ def parse_model_args(values: list[str] | None, served_model_name: str | None) ->
     return parsed
 
 
-def make_rate_limiter(redis_url: str | None) -> RateLimiter:
+def make_rate_limiter(redis_url: str | None, redis_timeout_ms: float = 100.0) -> RateLimiter:
     """Redis-backed when `redis_url` is given (replicas share limits), else in-process."""
     if redis_url:
         from llmserve.platform.ratelimit_redis import RedisRateLimiter
 
-        return RedisRateLimiter(redis_url)
+        return RedisRateLimiter(redis_url, timeout_s=redis_timeout_ms / 1000)
     return InProcessRateLimiter()
 
 
@@ -138,7 +168,7 @@ def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Pla
     from llmserve.platform.conversations import ConversationStore
     from llmserve.platform.keys import KeyCache, KeyStore
     from llmserve.platform.safety import load_filter
-    from llmserve.platform.usage import Price, PriceTable, UsageRecorder
+    from llmserve.platform.usage import Price, PriceTable
     from llmserve.store.db import default_database_url, open_database
 
     database = open_database(args.database_url or default_database_url())
@@ -154,15 +184,36 @@ def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Pla
     )
     return Platform(
         keys=KeyCache(key_store),
-        limiter=make_rate_limiter(args.redis_url),
-        usage=UsageRecorder(database),
-        conversations=ConversationStore(database),
+        limiter=make_rate_limiter(args.redis_url, args.redis_timeout_ms),
+        rate_limit_failure_mode=args.rate_limit_failure_mode,
+        usage=_usage_recorder(database, args.usage_journal),
+        conversations=ConversationStore(database, _conversation_limits(args)),
         safety=load_filter(spec, rules),
         holdback_chars=safety_config.holdback_chars if safety_config is not None else 32,
         prices=prices,
         database=database,
         conversation_retention=timedelta(days=args.conversation_retention_days),
     )
+
+
+def _conversation_limits(args: argparse.Namespace) -> ConversationLimits:
+    limits = ConversationLimits()
+    return ConversationLimits(
+        max_message_bytes=args.conversation_max_message_bytes or limits.max_message_bytes,
+        max_messages_per_request=limits.max_messages_per_request,
+        max_messages=args.conversation_max_messages or limits.max_messages,
+    )
+
+
+def _usage_recorder(database: Database, journal_dir: str | None) -> UsageRecorder:
+    """Usage metering through the local journal; what a crashed run left in it is written now."""
+    from llmserve.platform.usage import UsageRecorder
+    from llmserve.platform.usage_journal import UsageJournal, default_journal_dir
+
+    directory = Path(journal_dir).expanduser() if journal_dir else default_journal_dir(database.url)
+    recorder = UsageRecorder(database, journal=UsageJournal(directory))
+    recorder.flush()
+    return recorder
 
 
 def _model_args(args: argparse.Namespace, config: ModelsConfig | None) -> list[ModelArg]:
@@ -182,8 +233,13 @@ def _model_specs(args: argparse.Namespace, models: list[ModelArg]) -> list[Model
             path = resolve_model(model.model)
             return AsyncLLM.from_config(EngineConfig(model=path, served_model_name=model.name, **kwargs))
 
-        specs.append(ModelSpec(model.name, load=load, root=model.model, max_waiting_requests=args.max_waiting_requests))
+        root = None if model.model is None or _is_local_path(model.model) else model.model  # a hub id
+        specs.append(ModelSpec(model.name, load=load, root=root, max_waiting_requests=args.max_waiting_requests))
     return specs
+
+
+def _is_local_path(model: str) -> bool:
+    return model.startswith(("/", ".", "~")) or Path(model).expanduser().exists()
 
 
 def _aliases(args: argparse.Namespace, config: ModelsConfig | None, models: list[ModelArg]) -> dict:
@@ -202,35 +258,57 @@ def _aliases(args: argparse.Namespace, config: ModelsConfig | None, models: list
     return aliases
 
 
-def run_server(args: argparse.Namespace) -> int:
-    from llmserve.platform.routing import load_models_config
-
-    config = load_models_config(args.config) if args.config else None
+def make_app(args: argparse.Namespace, config: ModelsConfig | None, platform: Platform | None) -> FastAPI:
+    """The app `llmserve serve` runs; its models load in threads once it starts."""
     models = _model_args(args, config)
-    specs = _model_specs(args, models)
-    platform = build_platform(args, config)
-    app = build_app(
-        models=specs,
+    return build_app(
+        models=_model_specs(args, models),
         aliases=_aliases(args, config, models),
+        unlisted_aliases={typed for m in models for typed in m.aliases},  # /v1/models shows names, not paths
         owns_engine=True,
         shutdown_timeout=args.shutdown_timeout,
         slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
         platform=platform,
+        public_metrics=args.public_metrics,
+        public_openapi=args.public_openapi,
+        allowed_origins=parse_origins(args.allowed_origins),
+        max_request_body_bytes=args.max_request_body_bytes,
     )
+
+
+def parse_origins(values: list[str]) -> list[str]:
+    """--allowed-origins, repeated and/or comma-separated."""
+    return [origin.strip() for value in values for origin in value.split(",") if origin.strip()]
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from llmserve.platform.routing import load_models_config
+
+    config = load_models_config(args.config) if args.config else None
+    platform = build_platform(args, config)
+    app = make_app(args, config, platform)
     config_uv = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S,
         timeout_keep_alive=5,
     )
     state = app.state.llmserve
-    names = ", ".join(spec.name for spec in specs)
+    names = ", ".join(state.router.model_names())
 
     def on_signal() -> None:
         state.draining = True
         _announce("llmserve: shutting down, finishing in-flight requests")
+
+    def on_deadline() -> None:
+        """Past --shutdown-timeout: each request still running ends with an error (a stream gets an
+        error event, then [DONE]) and is metered as aborted by the server."""
+        if platform is not None:
+            platform.aborting = True
+        for endpoint in state.endpoints():
+            state.background(endpoint.engine.shutdown(0))
 
     def on_listening(host: str, port: int) -> None:
         _announce(f"llmserve: listening at http://{host}:{port}/v1, loading {names}")
@@ -250,7 +328,7 @@ def run_server(args: argparse.Namespace) -> int:
         state.background(announce_when_ready())
 
     try:
-        GracefulServer(config_uv, on_signal, on_listening).run()  # on uvloop when it is installed
+        GracefulServer(config_uv, on_signal, on_listening, on_deadline, args.shutdown_timeout).run()  # on uvloop when it is installed
     finally:
         for endpoint in state.endpoints():
             endpoint.engine.close(timeout=args.shutdown_timeout)

@@ -15,8 +15,10 @@ from llmserve.heap import freeze_startup_heap
 from llmserve.platform.routing import ModelFailed, ModelLoading, ModelRouter
 from llmserve.platform.safety import OutputGuard
 from llmserve.server import errors
+from llmserve.server.limits import PromptBound
 from llmserve.server.logprobs import TokenTexts
 from llmserve.server.protocol import now
+from llmserve.server.workers import WorkerPool
 from llmserve.tokenizer.continuations import ContinuationCache
 
 if TYPE_CHECKING:
@@ -37,10 +39,12 @@ class ModelEndpoint:
     created: int = field(default_factory=now)
     token_texts: TokenTexts = field(init=False)
     continuations: ContinuationCache = field(init=False)
+    prompt_bound: PromptBound = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_texts = TokenTexts(self.engine.tokenizer)
         self.continuations = ContinuationCache(self.engine.tokenizer)
+        self.prompt_bound = PromptBound(self.engine.tokenizer, self.engine.max_model_len)
 
     def admit(self, prompts: Sequence[str | Sequence[int]] = ("",), draining: bool = False) -> None:
         """Admission control: refuse with 503 when draining, when the waiting queue is full, or when
@@ -89,6 +93,7 @@ class ServerState:
     metrics: ServerMetrics
     platform: Platform | None = None  # None: no keys, limits, metering or conversations
     draining: bool = False  # set on SIGTERM: new requests get a 503
+    workers: WorkerPool = field(default_factory=WorkerPool)  # tokenization, templating, the safety screen
     created: int = field(default_factory=now)
     _tasks: set[asyncio.Task] = field(default_factory=set)
     _ready: asyncio.Event | None = None

@@ -5,7 +5,7 @@ own parameters. What comes back carries the meter that records the request's usa
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -22,6 +22,9 @@ from llmserve.server.state import ModelEndpoint, ServerState
 from llmserve.server.streaming import StreamCursor, until_disconnect
 
 T = TypeVar("T")
+
+# n × max_tokens (over every prompt of a request) may reserve at most this many context windows.
+MAX_COMPLETION_WINDOWS = 16
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +54,16 @@ class Started:
             raise
 
 
+async def screen_prompts(
+    state: ServerState, endpoint: ModelEndpoint, texts: Callable[[], Sequence[str]], param: str
+) -> None:
+    """The safety pre-filter over `texts()`, on a worker thread: a blocked prompt is a 400
+    `content_filter`, before any engine work."""
+    if state.platform is not None and state.platform.safety is not None:
+        await state.workers.run(lambda: check_prompt(state, endpoint, texts(), param))
+
+
 def check_prompt(state: ServerState, endpoint: ModelEndpoint, texts: Sequence[str], param: str) -> None:
-    """The safety pre-filter: a blocked prompt is a 400 `content_filter`, before any engine work."""
     platform = state.platform
     if platform is None or platform.safety is None:
         return
@@ -82,9 +93,37 @@ def count_output_blocks(
 
 def reserved_tokens(endpoint: ModelEndpoint, prompts: Sequence[Sequence[int]], params: SamplingParams) -> int:
     """What a request may use at most: its prompts plus every choice's completion budget (raises for
-    a prompt that leaves no room in the context window)."""
+    a prompt that leaves no room in the context window, and when n × max_tokens is over the limit)."""
     budget = endpoint.engine.input_processor.max_tokens
-    return sum(len(prompt) + params.n * budget(len(prompt), params) for prompt in prompts)
+    completion = sum(params.n * budget(len(prompt), params) for prompt in prompts)
+    limit = MAX_COMPLETION_WINDOWS * endpoint.engine.max_model_len
+    if completion > limit:
+        raise InvalidRequestError(
+            f"This request asks for up to {completion} completion tokens (n × max_tokens over its prompts); "
+            f"the limit is {limit}. Please reduce n or max_tokens.",
+            param="n",
+        )
+    return sum(len(prompt) for prompt in prompts) + completion
+
+
+def check_request_size(
+    endpoint: ModelEndpoint,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    rename: Mapping[str, str] | None = None,
+) -> None:
+    """The prompts' lengths against the context window and the completion budget against its limit,
+    before any further work (the safety screen, rate limits, the engine)."""
+    try:
+        reserved_tokens(endpoint, prompts, params)
+    except InvalidRequestError as exc:
+        _rename(exc, rename)
+        raise
+
+
+def _rename(exc: InvalidRequestError, rename: Mapping[str, str] | None) -> None:
+    if rename and exc.param in rename:
+        exc.param = rename[exc.param]
 
 
 async def start_requests(
@@ -116,8 +155,8 @@ async def start_requests(
             stream.abort()
         if admission is not None:
             admission.release()
-        if isinstance(exc, InvalidRequestError) and rename and exc.param in rename:
-            exc.param = rename[exc.param]
+        if isinstance(exc, InvalidRequestError):
+            _rename(exc, rename)
         raise
     meter = Meter(state.platform, response_id, key, endpoint.name, admission, sum(len(p) for p in prompts))
     return Started(response_id, streams, meter, admission.headers if admission is not None else {})

@@ -3,37 +3,57 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from llmserve.errors import InvalidRequestError
 from llmserve.server.chat import template_messages
+from llmserve.server.gateway import request_key
+from llmserve.server.openapi import documented
 from llmserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from llmserve.server.state import get_state
+from llmserve.server.state import ModelEndpoint, get_state
 
 router = APIRouter()
 
+_JOIN_SLICE = 16384
 
-@router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
-    endpoint = get_state(request).endpoint(body.model)
+
+@router.post("/tokenize", response_model=None, responses=documented(TokenizeResponse))
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    state = get_state(request)
+    endpoint = state.endpoint(body.model, request_key(request.state))
+    if body.messages is None and body.prompt is None:
+        raise InvalidRequestError("Give either 'prompt' or 'messages'.", param="prompt")
+    return await state.workers.run(_tokenize, endpoint, body)
+
+
+def _tokenize(endpoint: ModelEndpoint, body: TokenizeRequest) -> Response:
+    """On a worker thread: the tokens, and their JSON (a long prompt's is long to write too)."""
     tokenizer = endpoint.engine.tokenizer
     if body.messages is not None:
         messages = template_messages(body.messages)
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=True
-        )
-    elif body.prompt is not None:
-        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
     else:
-        raise InvalidRequestError("Give either 'prompt' or 'messages'.", param="prompt")
-    response = TokenizeResponse(count=len(ids), max_model_len=endpoint.engine.max_model_len, tokens=ids)
-    return JSONResponse(response.model_dump())
+        assert body.prompt is not None
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    head = f'{{"count":{len(ids)},"max_model_len":{endpoint.engine.max_model_len},"tokens":['
+    return Response(head + _joined(ids) + "]}", media_type="application/json")
 
 
-@router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
-    endpoint = get_state(request).endpoint(body.model)
+def _joined(ids: list[int]) -> str:
+    """The ids comma-separated, a slice at a time: one C call over millions of ids (json.dumps) would
+    hold the GIL, and so the event loop, for its whole length."""
+    return ",".join(",".join(map(str, ids[i : i + _JOIN_SLICE])) for i in range(0, len(ids), _JOIN_SLICE))
+
+
+@router.post("/detokenize", response_model=None, responses=documented(DetokenizeResponse))
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    state = get_state(request)
+    endpoint = state.endpoint(body.model, request_key(request.state))
+    return await state.workers.run(_detokenize, endpoint, body.tokens)
+
+
+def _detokenize(endpoint: ModelEndpoint, tokens: list[int]) -> Response:
     vocab = endpoint.engine.vocab_size
-    if any(not 0 <= t < vocab for t in body.tokens):
+    if any(not 0 <= t < vocab for t in tokens):
         raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="tokens")
-    return JSONResponse(DetokenizeResponse(prompt=endpoint.engine.tokenizer.decode(body.tokens)).model_dump())
+    return JSONResponse(DetokenizeResponse(prompt=endpoint.engine.tokenizer.decode(tokens)).model_dump())

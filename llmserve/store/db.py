@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from llmserve.errors import LLMServeError
+from llmserve.store.files import ensure_private_file
 
 DATABASE_FILENAME = "llmserve.db"
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -178,8 +179,9 @@ def _create_postgres_engine(url: URL) -> Engine:
 
 def _create_sqlite_engine(url: URL) -> Engine:
     in_memory = url.database in (None, "", ":memory:")
-    if not in_memory:
-        Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    if not in_memory and not url.query.get("uri"):
+        # SQLite gives the -wal and -shm files the database file's mode, so 0600 here covers them.
+        ensure_private_file(url.database)
     # How long a writer waits for another's lock; `?timeout=SECONDS` in the URL overrides it.
     busy_timeout_s = float(url.query.get("timeout", SQLITE_BUSY_TIMEOUT_S))
     engine = create_engine(

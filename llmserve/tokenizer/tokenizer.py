@@ -266,7 +266,9 @@ class Tokenizer:
     # -- encode / decode ----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch_fast releases the GIL (encode does not), so a long text tokenized on a worker
+        # thread leaves the event loop running; and it skips offsets, which are slow to free, with the GIL.
+        ids = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos_id is not None:
             return [self._prepend_bos_id, *ids]
         return ids

@@ -1,4 +1,5 @@
-"""Conversations: per-key ownership, paginated listing, message trees with branches, soft delete and purge."""
+"""Conversations: per-key ownership, paginated listing, message trees with branches, soft delete and purge,
+the limits on what a conversation holds, and its messages a page at a time."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ from itertools import pairwise
 import pytest
 from sqlalchemy import func, select
 
-from llmserve.platform.conversations import ConversationNotFound, ConversationStore, derive_title
+from llmserve.errors import InvalidRequestError
+from llmserve.platform.conversations import (
+    BranchTotals,
+    ConversationLimitExceeded,
+    ConversationLimits,
+    ConversationNotFound,
+    ConversationStore,
+    derive_title,
+)
 from llmserve.store.db import Database
 from llmserve.store.schema import ConversationRow, MessageRow, utcnow
 from tests.store.fixtures import db_fixture, shared_db_fixture  # noqa: F401
@@ -252,3 +261,135 @@ def test_as_dict_shapes(store: ConversationStore) -> None:
         "content": "hi", "token_count": 1, "created_at": int(conversation.messages[0].created_at.timestamp()),
     }]
     assert "messages" not in conversation.as_dict(with_messages=False)
+
+
+# ---- limits ---------------------------------------------------------------------------------------
+
+
+def small_store(db: Database) -> ConversationStore:
+    return ConversationStore(db, ConversationLimits(max_message_bytes=8, max_messages_per_request=3, max_messages=5))
+
+
+def user_turns(*contents: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content} for content in contents]
+
+
+def test_the_default_limits_are_one_mebibyte_100_at_once_and_10000_per_conversation() -> None:
+    limits = ConversationLimits()
+    assert (limits.max_message_bytes, limits.max_messages_per_request, limits.max_messages) == (1 << 20, 100, 10_000)
+    limits.check(["x" * (1 << 20)] * 100, existing=9_900)
+    with pytest.raises(ConversationLimitExceeded):
+        limits.check(["x" * ((1 << 20) + 1)])
+    with pytest.raises(ValueError, match="max_messages must be at least 1"):
+        ConversationLimits(max_messages=0)
+
+
+@pytest.mark.parametrize(
+    ("contents", "code", "param"),
+    [
+        (["a", "b", "c", "d"], "too_many_messages", "messages"),
+        (["fits", "ééééé"], "message_too_large", "messages[1].content"),  # 5 characters, 10 bytes
+    ],
+)
+def test_create_refuses_too_many_or_too_large_messages_and_stores_nothing(
+    db: Database, contents: list[str], code: str, param: str
+) -> None:
+    store = small_store(db)
+    with pytest.raises(ConversationLimitExceeded) as refused:
+        store.create(KEY, messages=user_turns(*contents))
+    assert (refused.value.code, refused.value.param) == (code, param)
+    assert (count(db, ConversationRow), count(db, MessageRow)) == (0, 0)
+
+
+def test_append_stops_at_the_conversation_limit_counting_every_branch(db: Database) -> None:
+    store = small_store(db)
+    conversation = store.create(KEY, messages=user_turns("a", "b", "c"))
+    store.append(KEY, conversation.id, "assistant", "d")
+    store.append(KEY, conversation.id, "assistant", "e", parent_id=conversation.messages[0].id)  # a branch
+    with pytest.raises(ConversationLimitExceeded) as refused:
+        store.append(KEY, conversation.id, "user", "f")
+    assert refused.value.code == "conversation_too_long"
+    with pytest.raises(ConversationLimitExceeded, match="at most 8 bytes"):
+        store.append(KEY, store.create(KEY).id, "user", "123456789")
+    assert store.message_count(KEY, conversation.id) == 5
+    assert len(store.history(KEY, conversation.id)) == 2  # the active branch: a, e
+
+
+def test_concurrent_appends_never_pass_the_conversation_limit(db: Database) -> None:
+    store = ConversationStore(db, ConversationLimits(max_messages=21))
+    conversation = store.create(KEY, messages=user_turns("start"))
+    outcomes: list[str] = []
+
+    def append_many() -> None:
+        for _ in range(10):
+            try:
+                store.append(KEY, conversation.id, "user", "more")
+                outcomes.append("stored")
+            except ConversationLimitExceeded:
+                outcomes.append("refused")
+
+    threads = [threading.Thread(target=append_many) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert (outcomes.count("stored"), outcomes.count("refused")) == (20, 20)
+    assert store.message_count(KEY, conversation.id) == 21
+
+
+# ---- messages, a page at a time -------------------------------------------------------------------
+
+
+def page_contents(store: ConversationStore, conversation_id: str, **kwargs) -> tuple[list[str], bool]:
+    page, has_more = store.messages(KEY, conversation_id, **kwargs)
+    return [m.content for m in page], has_more
+
+
+def test_messages_page_through_the_active_branch_in_either_order(store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=user_turns(*"abcde"))
+    ids = {m.content: m.id for m in conversation.messages}
+    assert page_contents(store, conversation.id, limit=2) == (["e", "d"], True)  # newest first by default
+    assert page_contents(store, conversation.id, limit=2, after=ids["d"]) == (["c", "b"], True)
+    assert page_contents(store, conversation.id, limit=2, after=ids["b"]) == (["a"], False)
+    assert page_contents(store, conversation.id, limit=2, before=ids["b"]) == (["d", "c"], True)
+    assert page_contents(store, conversation.id, limit=2, before=ids["d"]) == (["e"], False)
+    assert page_contents(store, conversation.id, limit=3, order="asc") == (["a", "b", "c"], True)
+    assert page_contents(store, conversation.id, limit=3, order="asc", after=ids["c"]) == (["d", "e"], False)
+    assert page_contents(store, conversation.id, limit=2, order="asc", before=ids["e"]) == (["c", "d"], True)
+    assert page_contents(store, conversation.id, limit=100, order="asc") == (list("abcde"), False)
+    assert page_contents(store, store.create(KEY).id) == ([], False)
+
+
+def test_messages_follow_the_branch_and_the_summary_counts_it(store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=[{"role": "user", "content": "q", "token_count": 3}])
+    old = store.append(KEY, conversation.id, "assistant", "old answer", token_count=4)
+    store.append(KEY, conversation.id, "assistant", "new answer", token_count=5, parent_id=conversation.messages[0].id)
+    assert page_contents(store, conversation.id, order="asc") == (["q", "new answer"], False)
+    with pytest.raises(InvalidRequestError, match="unknown pagination cursor") as refused:
+        store.messages(KEY, conversation.id, after=old.id)  # on another branch: no cursor here
+    assert refused.value.param == "after"
+    summary, totals = store.summary(KEY, conversation.id)
+    assert (summary.id, summary.messages, totals) == (conversation.id, (), BranchTotals(messages=2, tokens=8))
+    assert store.summary(KEY, store.create(KEY).id)[1] == BranchTotals(0, 0)
+
+
+def test_messages_refuse_bad_cursors_limits_and_orders(store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=user_turns("a"))
+    elsewhere = store.create(KEY, messages=user_turns("b")).messages[0].id
+    empty = store.create(KEY)
+    cases = [
+        ({"after": "msg_unknown"}, "after"),
+        ({"before": elsewhere}, "before"),
+        ({"after": conversation.messages[0].id, "before": conversation.messages[0].id}, "before"),
+        ({"limit": 0}, "limit"),
+        ({"limit": 101}, "limit"),
+        ({"order": "sideways"}, "order"),
+    ]
+    for kwargs, param in cases:
+        with pytest.raises(InvalidRequestError) as refused:
+            store.messages(KEY, conversation.id, **kwargs)
+        assert refused.value.param == param, kwargs
+    with pytest.raises(InvalidRequestError, match="unknown pagination cursor"):
+        store.messages(KEY, empty.id, before="msg_unknown")
+    with pytest.raises(ConversationNotFound):
+        store.messages(OTHER, conversation.id)

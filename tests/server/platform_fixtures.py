@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from sqlalchemy import func, select
 
 from llmserve.engine.async_llm import AsyncLLM
@@ -48,6 +49,7 @@ class PlatformServer:
     keys: KeyStore
     clock: FrozenClock
     server: object = field(repr=False, default=None)
+    app: FastAPI | None = field(repr=False, default=None)
 
     def client(self, key: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -90,6 +92,7 @@ def serve_platform(
     models: list[ModelSpec] | None = None,
     aliases: dict | None = None,
     prices: PriceTable | None = None,
+    **app_options: object,
 ) -> Iterator[PlatformServer]:
     database = open_database(f"sqlite:///{directory / 'platform.db'}")
     clock = FrozenClock()
@@ -103,12 +106,12 @@ def serve_platform(
         database=database,
     )
     if models is None:
-        app = build_app(engine, MODEL, platform=platform, aliases=aliases)
+        app = build_app(engine, MODEL, platform=platform, aliases=aliases, **app_options)
     else:
-        app = build_app(models=models, platform=platform, aliases=aliases)
+        app = build_app(models=models, platform=platform, aliases=aliases, **app_options)
     server, thread, base_url, _ = start_server(app)
     try:
-        yield PlatformServer(base_url, engine, platform, database, keys, clock, server)
+        yield PlatformServer(base_url, engine, platform, database, keys, clock, server, app)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -593,8 +593,10 @@ def test_malformed_bodies_are_400(http, path, raw):
     assert error["type"] == "invalid_request_error" and error["param"] is None
 
 
-def test_unknown_fields_are_ignored_and_errors_never_break_the_server(server, client, http):
-    ok = http.post(CHAT, json=_chat(max_tokens=3, frobnicate=True, metadata={"a": "b"}, store=False))
+def test_unknown_fields_are_400s_and_errors_never_break_the_server(server, client, http):
+    unknown = http.post(CHAT, json=_chat(max_tokens=3, frobnicate=True))
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "frobnicate"
+    ok = http.post(CHAT, json=_chat(max_tokens=3, metadata={"a": "b"}, store=False))
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 3
     for path, body, status, *_ in BAD_REQUESTS[:10]:
         assert (

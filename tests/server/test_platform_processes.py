@@ -67,7 +67,8 @@ def test_two_replicas_sharing_redis_admit_no_more_tokens_than_one_limit(tiny_lla
                 body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
                         "ignore_eos": True}
                 headers = {"Authorization": f"Bearer {secret}"}
-                prompt_tokens = httpx.post(f"{first}/tokenize", json={"messages": body["messages"]}).json()["count"]
+                prompt_tokens = httpx.post(f"{first}/tokenize", json={"messages": body["messages"]},
+                                           headers=headers).json()["count"]
                 reserve = prompt_tokens + max_tokens
 
                 async def burst_on_both() -> list[int]:
@@ -80,7 +81,7 @@ def test_two_replicas_sharing_redis_admit_no_more_tokens_than_one_limit(tiny_lla
                 statuses = asyncio.run(burst_on_both())
                 elapsed = time.monotonic() - started
         finally:
-            redis_client.delete(f"llmserve:rl:{key.id}")
+            redis_client.delete(f"llmserve:rl:{key.id}", f"llmserve:rl:{key.id}:slots")
             database.dispose()
     admitted = statuses.count(200)
     assert set(statuses) == {200, 429}

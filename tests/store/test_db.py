@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from llmserve.store.db import (
     open_database,
     parse_database_url,
 )
+from llmserve.store.files import open_private
 
 
 def test_data_dir_prefers_llmserve_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -82,3 +85,32 @@ def test_unreachable_postgres_is_a_clear_error() -> None:
         database.check_connection()
     database.dispose()
 
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_data_files_are_private_to_their_owner_whatever_the_umask(tmp_path: Path) -> None:
+    path = tmp_path / "data" / "nested" / "llmserve.db"
+    previous = os.umask(0)
+    try:
+        database = open_database(f"sqlite:///{path}")
+        try:
+            with database.session(write=True) as session:
+                session.execute(text("CREATE TABLE t (x INTEGER)"))
+            files = sorted(p.name for p in path.parent.iterdir())
+            modes = {name: _mode(path.parent / name) for name in files}
+        finally:
+            database.dispose()
+        (tmp_path / "shared").mkdir(mode=0o755)
+        with open_private(tmp_path / "shared" / "journal" / "usage.log") as journal:
+            journal.write(b"record\n")
+    finally:
+        os.umask(previous)
+    assert files == ["llmserve.db", "llmserve.db-shm", "llmserve.db-wal"]
+    assert modes == dict.fromkeys(files, 0o600)
+    assert _mode(tmp_path / "data") == _mode(path.parent) == _mode(tmp_path / "shared" / "journal") == 0o700
+    assert _mode(tmp_path / "shared" / "journal" / "usage.log") == 0o600
+    assert (tmp_path / "shared" / "journal" / "usage.log").read_bytes() == b"record\n"
+    assert _mode(tmp_path / "shared") == 0o755  # an existing directory is left as it was

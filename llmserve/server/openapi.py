@@ -1,0 +1,58 @@
+"""The OpenAPI document as the server behaves: each main endpoint's response schema, and errors as
+they are sent (a 400 in OpenAI's error shape where FastAPI would document its own 422)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from llmserve.server.protocol import ErrorResponse
+
+_ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+_ERROR_CONTENT = {"application/json": {"schema": _ERROR_REF}}
+_METHODS = ("get", "put", "post", "delete", "patch", "head", "options", "trace")
+
+
+def documented(model: type[BaseModel], stream: bool = False) -> dict[int | str, dict[str, Any]]:
+    """A route's `responses=`: its 200 body is `model`, or server-sent events when `stream`."""
+    ok: dict[str, Any] = {"model": model, "description": "Successful Response"}
+    if stream:
+        ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+    return {200: ok}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Generate the document once, with every operation's errors in OpenAI's shape."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, routes=app.routes, description=app.description
+            )
+            _document_errors(schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _document_errors(schema: dict[str, Any]) -> None:
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(error_schema.pop("$defs", {}))
+    components["ErrorResponse"] = error_schema
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    for item in schema.get("paths", {}).values():
+        for method in _METHODS:
+            operation = item.get(method)
+            if operation is None:
+                continue
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            if "requestBody" in operation or operation.get("parameters"):
+                responses["400"] = {"description": "Invalid request", "content": _ERROR_CONTENT}
+            responses["default"] = {"description": "Error", "content": _ERROR_CONTENT}
