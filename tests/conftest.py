@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,3 +29,12 @@ def _private_data_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     import os
 
     os.environ["LLMSERVE_DATA_DIR"] = str(tmp_path_factory.mktemp("llmserve-data"))
+
+
+@pytest.fixture
+def hung_redis_port() -> Iterator[int]:
+    """The port of a "Redis" that accepts connections (the kernel completes them) and never answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1024)
+        yield listener.getsockname()[1]

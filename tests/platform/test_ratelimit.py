@@ -11,7 +11,6 @@ import asyncio
 import logging
 import multiprocessing
 import random
-import socket
 import statistics
 import threading
 import time
@@ -569,12 +568,8 @@ BREAKER_LOGGER = "llmserve.platform.ratelimit_redis"
 
 
 @pytest.fixture
-def hung_redis_url() -> Iterator[str]:
-    """A "Redis" that accepts connections (the kernel completes them) and never answers."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1024)
-        yield f"redis://user:s3cret@127.0.0.1:{listener.getsockname()[1]}/0"
+def hung_redis_url(hung_redis_port: int) -> str:
+    return f"redis://user:s3cret@127.0.0.1:{hung_redis_port}/0"
 
 
 class HangingRedisProxy:

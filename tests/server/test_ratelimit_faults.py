@@ -4,8 +4,6 @@ error shape, open mode serves, /metrics counts both, and `llmserve serve`'s flag
 from __future__ import annotations
 
 import asyncio
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -25,12 +23,8 @@ from tests.server.platform_fixtures import MODEL, chat_body, tiny_engine  # noqa
 
 
 @pytest.fixture
-def hung_redis_url() -> Iterator[str]:
-    """A "Redis" that accepts connections (the kernel completes them) and never answers."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1024)
-        yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+def hung_redis_url(hung_redis_port: int) -> str:
+    return f"redis://127.0.0.1:{hung_redis_port}/0"
 
 
 def decisions_without_redis(client: httpx.Client, outcome: str) -> float:
