@@ -179,9 +179,6 @@ def _create_postgres_engine(url: URL) -> Engine:
 
 def _create_sqlite_engine(url: URL) -> Engine:
     in_memory = url.database in (None, "", ":memory:")
-    if not in_memory and not url.query.get("uri"):
-        # SQLite gives the -wal and -shm files the database file's mode, so 0600 here covers them.
-        ensure_private_file(url.database)
     # How long a writer waits for another's lock; `?timeout=SECONDS` in the URL overrides it.
     busy_timeout_s = float(url.query.get("timeout", SQLITE_BUSY_TIMEOUT_S))
     engine = create_engine(
@@ -190,6 +187,10 @@ def _create_sqlite_engine(url: URL) -> Engine:
         # An in-memory database exists per connection, so every thread must share one.
         poolclass=StaticPool if in_memory else None,
     )
+    if not in_memory and not url.query.get("uri"):
+        # After create_engine, so a URL it refuses leaves no file behind; before the first connection,
+        # so SQLite gives the -wal and -shm files this file's 0600 mode.
+        ensure_private_file(url.database)
     event.listen(engine, "connect", partial(_configure_sqlite_connection, busy_timeout_ms=int(busy_timeout_s * 1000)))
     event.listen(engine, "begin", _begin_sqlite_transaction)
     return engine

@@ -68,6 +68,12 @@ def test_bad_or_unsupported_urls_raise_value_error(url: str) -> None:
         Database(url)
 
 
+def test_a_refused_sqlite_url_leaves_no_file_behind(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        Database(f"sqlite+nope:///{tmp_path / 'llmserve.db'}")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_plain_postgresql_url_means_psycopg() -> None:
     assert parse_database_url("postgresql://u@h/db").drivername == "postgresql+psycopg"
 
