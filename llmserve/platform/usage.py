@@ -3,7 +3,7 @@
 `UsageRecorder.record()` only appends to a buffer; a daemon thread writes the buffer every
 `flush_interval` seconds (and sooner when `max_batch` records are waiting) with an insert that
 ignores request ids already stored, so recording a request twice counts it once. `close()` writes
-what is left, so a clean shutdown loses nothing. With a `UsageJournal` (usage_journal.py), every
+what is left, so a clean shutdown loses nothing. With a `Journal` (usage_journal.UsageJournal), every
 record is also journaled on local disk before the response ends, and what a crash left in the
 journal is written at the next start; without one, a crash loses at most the last interval.
 """
@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import Insert, String, func, select
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
@@ -38,9 +38,18 @@ from llmserve.store.schema import (
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from llmserve.platform.usage_journal import UsageJournal
-
 logger = logging.getLogger(__name__)
+
+
+class Journal(Protocol):
+    """Where records are kept on local disk until they are in the database (usage_journal.UsageJournal)."""
+
+    def recover(self) -> list[UsageRecord]: ...
+    def start(self, request_id: str, key_id: str | None, model: str, prompt_tokens: int, at: datetime) -> None: ...
+    def tokens(self, request_id: str, completion_tokens: int, cached_tokens: int) -> None: ...
+    def end(self, record: UsageRecord) -> Future[None] | None: ...
+    def settled(self, request_ids: list[str]) -> None: ...
+    def close(self) -> None: ...
 
 GROUP_BY_CHOICES = ("model", "key", "day")
 STATUS_LENGTH = 32
@@ -111,7 +120,7 @@ class UsageRecorder:
         flush_interval: float = 1.0,
         max_batch: int = 1000,
         max_buffered: int = 1_000_000,
-        journal: UsageJournal | None = None,
+        journal: Journal | None = None,
     ) -> None:
         if flush_interval <= 0 or max_batch < 1 or max_buffered < max_batch:
             raise ValueError("need flush_interval > 0 and 1 <= max_batch <= max_buffered")
