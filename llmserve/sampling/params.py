@@ -19,6 +19,20 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's `structured_outputs`): exactly one kind is set."""
+
+    json: str | None = None  # a JSON schema, as JSON text (a dict is accepted and dumped)
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # an EBNF grammar (xgrammar's / GBNF syntax)
+    # The constraint applies after this token sequence appears in the output (a reasoning model's
+    # end-of-thinking token); empty: from the first output token.
+    start_after: list[int] = field(default_factory=list)
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -38,6 +52,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (0: only the prompt token's own)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
