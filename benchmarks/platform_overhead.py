@@ -11,7 +11,10 @@ machine's speed falls on both alike:
 Requests are short (`--max-tokens`, default 4) so the server's per-request work weighs as much as it
 can against the model's: the worst case for the platform's share.
 
-    python benchmarks/platform_overhead.py [--model DIR] [--json out.json]
+The platform runs once per `--journal-sync` mode (`fsync,write`: a server each, each with its own
+database), so the usage journal's durability modes are compared in the same run too.
+
+    python benchmarks/platform_overhead.py [--model DIR] [--journal-sync fsync,write] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -64,6 +67,10 @@ def server(model: str, *extra: str) -> Iterator[str]:
         proc.wait(timeout=60)
 
 
+def on_name(mode: str) -> str:
+    return f"on/{mode}"
+
+
 def body(i: int, max_tokens: int) -> dict:
     return {
         "model": None,
@@ -83,7 +90,7 @@ def measure_latency(urls: dict[str, str], headers: dict[str, dict], n: int, max_
     clients = {name: httpx.Client(base_url=url, headers=headers[name], timeout=60) for name, url in urls.items()}
     try:
         for i in range(n + 20):
-            order = list(urls) if i % 2 == 0 else list(reversed(urls))
+            order = list(urls) if i % 2 == 0 else list(reversed(urls))  # alternate who goes first
             for name in order:
                 payload = {k: v for k, v in body(i, max_tokens).items() if v is not None}
                 started = time.perf_counter()
@@ -122,31 +129,38 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--journal-sync", default="fsync", help="comma-separated usage journal sync modes")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    modes = args.journal_sync.split(",")
 
     from llmserve.model.builtin import make_model
     from llmserve.platform.keys import KeyStore
     from llmserve.store.db import open_database
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as servers:
         model = args.model or str(make_model(Path(tmp) / "tiny", "llama", "tiny", 0))
-        database_url = f"sqlite:///{Path(tmp) / 'platform.db'}"
-        database = open_database(database_url)
-        _, secret = KeyStore(database).create("bench", rpm=10**9, tpm=10**12)
-        database.dispose()
-        headers = {"off": {}, "on": {"Authorization": f"Bearer {secret}"}}
-        with server(model, "--no-platform") as off_url, server(model, "--database-url", database_url) as on_url:
-            urls = {"off": off_url, "on": on_url}
-            latencies = measure_latency(urls, headers, args.latency_requests, args.max_tokens)
-            rates: dict[str, list[float]] = {"off": [], "on": []}
-            for round_index in range(args.rounds):
-                order = ["off", "on"] if round_index % 2 == 0 else ["on", "off"]
-                for name in order:
-                    rate = asyncio.run(
-                        saturate(urls[name], headers[name], args.saturation_requests, args.concurrency, args.max_tokens)
-                    )
-                    rates[name].append(rate)
+        urls = {"off": servers.enter_context(server(model, "--no-platform"))}
+        headers: dict[str, dict] = {"off": {}}
+        for mode in modes:
+            database_url = f"sqlite:///{Path(tmp) / f'platform-{mode}.db'}"
+            database = open_database(database_url)
+            _, secret = KeyStore(database).create("bench", rpm=10**9, tpm=10**12)
+            database.dispose()
+            name = on_name(mode)
+            headers[name] = {"Authorization": f"Bearer {secret}"}
+            urls[name] = servers.enter_context(
+                server(model, "--database-url", database_url, "--usage-journal-sync", mode)
+            )
+        latencies = measure_latency(urls, headers, args.latency_requests, args.max_tokens)
+        rates: dict[str, list[float]] = {name: [] for name in urls}
+        for round_index in range(args.rounds):
+            order = list(urls) if round_index % 2 == 0 else list(reversed(urls))
+            for name in order:
+                rate = asyncio.run(
+                    saturate(urls[name], headers[name], args.saturation_requests, args.concurrency, args.max_tokens)
+                )
+                rates[name].append(rate)
     result = {
         "model": model if args.model else "built-in tiny llama",
         "workload": f"chat, {args.max_tokens} output tokens, ~15-token prompts",
@@ -157,19 +171,29 @@ def main() -> int:
         "requests_per_s": {name: statistics.median(values) for name, values in rates.items()},
         "rounds": rates,
     }
+    off = result["latency_ms"]["off"]
     result["added_latency_ms"] = {
-        q: result["latency_ms"]["on"][q] - result["latency_ms"]["off"][q] for q in ("p50", "p99", "mean")
+        name: {q: result["latency_ms"][name][q] - off[q] for q in ("p50", "p99", "mean")}
+        for name in urls if name != "off"
     }
-    result["throughput_loss_pct"] = 100 * (1 - result["requests_per_s"]["on"] / result["requests_per_s"]["off"])
+    result["throughput_loss_pct"] = {
+        name: 100 * (1 - result["requests_per_s"][name] / result["requests_per_s"]["off"])
+        for name in urls if name != "off"
+    }
     print(json.dumps(result, indent=2))
     print()
-    print("| | p50 ms | p99 ms | requests/s (median of rounds) |")
-    print("|---|---|---|---|")
-    for name, label in (("off", "platform off"), ("on", "auth + limits + metering")):
+    print("| | p50 ms | p99 ms | requests/s (median of rounds) | added p50 ms | added p99 ms | throughput |")
+    print("|---|---|---|---|---|---|---|")
+    for name in urls:
         lat = result["latency_ms"][name]
-        print(f"| {label} | {lat['p50']:.2f} | {lat['p99']:.2f} | {result['requests_per_s'][name]:.1f} |")
-    added = result["added_latency_ms"]
-    print(f"| added | {added['p50']:+.2f} | {added['p99']:+.2f} | {-result['throughput_loss_pct']:+.1f}% |")
+        label = "platform off" if name == "off" else f"auth + limits + metering, journal {name[3:]}"
+        row = f"| {label} | {lat['p50']:.2f} | {lat['p99']:.2f} | {result['requests_per_s'][name]:.1f} |"
+        if name != "off":
+            added = result["added_latency_ms"][name]
+            row += f" {added['p50']:+.2f} | {added['p99']:+.2f} | {-result['throughput_loss_pct'][name]:+.1f}% |"
+        else:
+            row += " | | |"
+        print(row)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -111,6 +111,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "(default: next to the SQLite file, else in the data directory)",
     )
     platform.add_argument(
+        "--usage-journal-sync", choices=("fsync", "write"), default="fsync",
+        help="a response's last byte waits until its usage record is fsynced (fsync: survives a crashed "
+        "machine) or written to the journal file (write: survives a killed server, not a power loss; the "
+        "fsync follows off the response's path)",
+    )
+    platform.add_argument(
         "--conversation-max-message-bytes", type=int, default=None,
         help="a stored conversation message may have at most this many UTF-8 bytes (default 1 MiB; 413 beyond)",
     )

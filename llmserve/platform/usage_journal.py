@@ -9,7 +9,9 @@ Each server instance appends JSON lines to its own segment files in the journal 
 
 A writer thread writes whatever was appended since its last write in one go and, when an `end` in
 it is waited for (a response about to send its last byte), fsyncs it: group commit, one fsync for
-all the requests ending in the same moment. A segment is deleted once every record it holds is in
+all the requests ending in the same moment. With `sync="write"` the waiter is released once the
+lines are written to the file (the page cache: that survives a killed process, not a crashed
+machine) and the fsync follows right after, off the response's path. A segment is deleted once every record it holds is in
 the database; past `segment_bytes` a new segment starts, with the requests still running copied into
 it. At start, the segments of instances that are gone (their lock is free) are read back: each
 ended request as recorded, each started one without an end as `interrupted` with its last counts.
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 SEGMENT_BYTES = 4 << 20
 COLLECT_INTERVAL_S = 1.0  # how often the writer deletes segments whose records all reached the database
+SYNC_MODES = ("fsync", "write")  # when a waited-for `end` counts as durable: on disk, or written to the file
 _SEGMENT_NAME = re.compile(r"^(?P<instance>[0-9a-f-]+)-(?P<seq>\d+)\.jsonl$")
 
 
@@ -65,7 +68,10 @@ class UsageJournal:
     """The journal of one server instance. All methods are thread-safe and never block on the disk,
     except `recover` and `close`."""
 
-    def __init__(self, directory: Path, segment_bytes: int = SEGMENT_BYTES) -> None:
+    def __init__(self, directory: Path, segment_bytes: int = SEGMENT_BYTES, sync: str = "fsync") -> None:
+        if sync not in SYNC_MODES:
+            raise ValueError(f"Unknown usage journal sync mode {sync!r}; use one of {', '.join(SYNC_MODES)}.")
+        self._release_before_fsync = sync == "write"
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.directory = directory
         self._segment_bytes = segment_bytes
@@ -215,11 +221,12 @@ class UsageJournal:
                 waiting.append(line.done)
         if file is not None:
             file.flush()  # in the page cache: survives a killed process
+            if waiting and self._release_before_fsync:
+                _release(waiting)
             if waiting:
                 os.fdatasync(file.fileno())  # on disk: survives a crashed machine
                 self.fsyncs += 1
-        for done in waiting:
-            done.set_result(None)
+        _release(waiting)
         return file
 
     def _switch_to(self, segment: Path, file: IO[bytes] | None) -> IO[bytes]:
@@ -283,6 +290,12 @@ class UsageJournal:
 
     def _segment_path(self, instance: str, seq: int) -> Path:
         return self.directory / f"{instance}-{seq}.jsonl"
+
+
+def _release(waiting: list[Future[None]]) -> None:
+    for done in waiting:
+        if not done.done():
+            done.set_result(None)
 
 
 def _take_lock(path: Path) -> int:

@@ -35,6 +35,7 @@ from llmserve.platform.conversations import (
 from llmserve.platform.keys import ApiKey
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import request_key
+from llmserve.server.openapi import documented
 from llmserve.server.state import ServerState, get_state
 
 router = APIRouter()
@@ -209,6 +210,55 @@ class CreateConversation(BaseModel):
     messages: list[NewMessage] = Field(default_factory=list)
 
 
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ConversationObject(_Response):
+    id: str
+    object: Literal["conversation"]
+    title: str | None
+    model: str | None
+    created_at: int
+    updated_at: int
+
+
+class ConversationSummary(ConversationObject):
+    message_count: int
+    total_tokens: int
+
+
+class MessageObject(_Response):
+    id: str
+    object: Literal["conversation.message"]
+    parent_id: str | None
+    role: str
+    content: str
+    token_count: int | None
+    created_at: int
+
+
+class _Page(_Response):
+    object: Literal["list"]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class ConversationPage(_Page):
+    data: list[ConversationObject]
+
+
+class MessagePage(_Page):
+    data: list[MessageObject]
+
+
+class ConversationDeleted(_Response):
+    id: str
+    object: Literal["conversation.deleted"]
+    deleted: bool
+
+
 def _summary_json(conversation: Conversation, totals: BranchTotals) -> dict[str, Any]:
     return {**conversation.as_dict(with_messages=False), "message_count": totals.messages, "total_tokens": totals.tokens}
 
@@ -224,7 +274,7 @@ def _page_json(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     }
 
 
-@router.post("/v1/conversations")
+@router.post("/v1/conversations", status_code=201, responses=documented(ConversationSummary, status=201))
 async def create_conversation(body: CreateConversation, request: Request) -> JSONResponse:
     """A new conversation, optionally with its first messages; answered without them (list them with
     GET /v1/conversations/{id}/messages)."""
@@ -239,7 +289,7 @@ async def create_conversation(body: CreateConversation, request: Request) -> JSO
     return JSONResponse(_summary_json(*summary), status_code=201)
 
 
-@router.get("/v1/conversations")
+@router.get("/v1/conversations", responses=documented(ConversationPage))
 async def list_conversations(
     request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE), after: str | None = None
 ) -> JSONResponse:
@@ -249,7 +299,7 @@ async def list_conversations(
     return JSONResponse(_page_json([c.as_dict(with_messages=False) for c in items], has_more))
 
 
-@router.get("/v1/conversations/{conversation_id}")
+@router.get("/v1/conversations/{conversation_id}", responses=documented(ConversationSummary))
 async def get_conversation(conversation_id: str, request: Request) -> JSONResponse:
     """The conversation with the size of its active branch, without the messages themselves."""
     store = _store(get_state(request))
@@ -260,7 +310,7 @@ async def get_conversation(conversation_id: str, request: Request) -> JSONRespon
     return JSONResponse(_summary_json(*summary))
 
 
-@router.get("/v1/conversations/{conversation_id}/messages")
+@router.get("/v1/conversations/{conversation_id}/messages", responses=documented(MessagePage))
 async def list_messages(
     conversation_id: str,
     request: Request,
@@ -282,7 +332,7 @@ async def list_messages(
     return JSONResponse(_page_json([m.as_dict() for m in page], has_more))
 
 
-@router.delete("/v1/conversations/{conversation_id}")
+@router.delete("/v1/conversations/{conversation_id}", responses=documented(ConversationDeleted))
 async def delete_conversation(conversation_id: str, request: Request) -> Response:
     store = _store(get_state(request))
     try:

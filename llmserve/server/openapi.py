@@ -16,12 +16,13 @@ _ERROR_CONTENT = {"application/json": {"schema": _ERROR_REF}}
 _METHODS = ("get", "put", "post", "delete", "patch", "head", "options", "trace")
 
 
-def documented(model: type[BaseModel], stream: bool = False) -> dict[int | str, dict[str, Any]]:
-    """A route's `responses=`: its 200 body is `model`, or server-sent events when `stream`."""
+def documented(model: type[BaseModel], stream: bool = False, status: int = 200) -> dict[int | str, dict[str, Any]]:
+    """A route's `responses=`: its `status` body is `model`, or server-sent events when `stream`
+    (a route answering other than 200 also passes `status_code=status`)."""
     ok: dict[str, Any] = {"model": model, "description": "Successful Response"}
     if stream:
         ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
-    return {200: ok}
+    return {status: ok}
 
 
 def install_openapi(app: FastAPI) -> None:

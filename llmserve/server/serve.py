@@ -186,7 +186,7 @@ def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Pla
         keys=KeyCache(key_store),
         limiter=make_rate_limiter(args.redis_url, args.redis_timeout_ms),
         rate_limit_failure_mode=args.rate_limit_failure_mode,
-        usage=_usage_recorder(database, args.usage_journal),
+        usage=_usage_recorder(database, args.usage_journal, args.usage_journal_sync),
         conversations=ConversationStore(database, _conversation_limits(args)),
         safety=load_filter(spec, rules),
         holdback_chars=safety_config.holdback_chars if safety_config is not None else 32,
@@ -205,13 +205,13 @@ def _conversation_limits(args: argparse.Namespace) -> ConversationLimits:
     )
 
 
-def _usage_recorder(database: Database, journal_dir: str | None) -> UsageRecorder:
+def _usage_recorder(database: Database, journal_dir: str | None, sync: str) -> UsageRecorder:
     """Usage metering through the local journal; what a crashed run left in it is written now."""
     from llmserve.platform.usage import UsageRecorder
     from llmserve.platform.usage_journal import UsageJournal, default_journal_dir
 
     directory = Path(journal_dir).expanduser() if journal_dir else default_journal_dir(database.url)
-    recorder = UsageRecorder(database, journal=UsageJournal(directory))
+    recorder = UsageRecorder(database, journal=UsageJournal(directory, sync=sync))
     recorder.flush()
     return recorder
 

@@ -4,10 +4,13 @@ requests that never ended are recorded as interrupted; segments go once their re
 from __future__ import annotations
 
 import json
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
 from llmserve.platform.usage import UsageRecord, UsageRecorder, UsageStatus
@@ -135,3 +138,46 @@ def test_concurrent_ends_share_fsyncs(tmp_path: Path) -> None:
         future.result(timeout=10)
     assert 1 <= journal.fsyncs < 400
     journal.close()
+
+
+def _blocked_fdatasync(monkeypatch, release: threading.Event, entered: threading.Event) -> None:
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        entered.set()
+        assert release.wait(timeout=30)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+
+
+def test_write_sync_releases_an_end_once_written_and_fsyncs_after(monkeypatch, tmp_path: Path) -> None:
+    release, entered = threading.Event(), threading.Event()
+    _blocked_fdatasync(monkeypatch, release, entered)
+    journal = UsageJournal(tmp_path, sync="write")
+    journal.start("r", "key-1", "m", 10, T0)
+    journal.end(usage("r")).result(timeout=10)  # while the fsync is still held up
+    assert entered.wait(timeout=10)
+    segment = next(tmp_path.glob("*.jsonl"))
+    assert json.loads(segment.read_bytes().splitlines()[-1])["record"]["request_id"] == "r"
+    release.set()
+    journal.close()
+    assert journal.fsyncs >= 1
+
+
+def test_fsync_mode_holds_an_end_until_it_is_on_disk(monkeypatch, tmp_path: Path) -> None:
+    release, entered = threading.Event(), threading.Event()
+    _blocked_fdatasync(monkeypatch, release, entered)
+    journal = UsageJournal(tmp_path)
+    journal.start("r", "key-1", "m", 10, T0)
+    done = journal.end(usage("r"))
+    assert entered.wait(timeout=10)
+    assert not done.done()
+    release.set()
+    done.result(timeout=10)
+    journal.close()
+
+
+def test_an_unknown_sync_mode_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="sync mode"):
+        UsageJournal(tmp_path, sync="never")
