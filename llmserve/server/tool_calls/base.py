@@ -32,6 +32,7 @@ from llmserve.server.tool_calls.json_scanner import JsonScanner, Step
 WHITESPACE = " \t\n\r"
 NAME_KEY = "name"
 ARGUMENT_KEYS: tuple[str, ...] = ("arguments", "parameters")
+EXTRA_KEYS: tuple[str, ...] = ("id", "type")  # other keys seen in calls; any else means "not a call"
 EMPTY_ARGUMENTS = "{}"
 
 
@@ -258,10 +259,13 @@ class CallObject:
         step = self._scanner.push(ch)
         if step is Step.INVALID or (not self._text and ch != '"'):
             return self._invalid()
-        self._text += ch
         if step is Step.DONE:
-            self._key = json.loads(self._text)
+            key = json.loads(self._text + ch)
+            if not self.committed and key not in (NAME_KEY, *self._argument_keys, *EXTRA_KEYS):
+                return Status.FAILED  # e.g. a JSON answer that is not a call at all
+            self._key = key
             self._state = _E.COLON
+        self._text += ch
         return Status.MORE
 
     def _value_start(self, ch: str) -> Status:

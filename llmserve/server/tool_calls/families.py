@@ -147,7 +147,7 @@ class _Llama3JsonStream(ToolCallStream):
         if ch in WHITESPACE or ch == ";":
             self._lead += ch
         elif ch == "{":
-            self._lead = self._lead.lstrip(WHITESPACE)  # released, like the call, if the call fails
+            self._lead = ""  # the separator is call syntax, even if what follows is not a call
             self._start_call(ch)
         else:
             self._to_plain("", ch)  # the separator was call syntax
