@@ -36,17 +36,76 @@ IM_END_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS: tuple[str, ...] = (BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN, PAD_TOKEN)
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
-    "{{ raise_exception('Unknown message role: ' + message['role']) }}"
-    "{% endif %}"
-    "{% set content = message['content'] if message['content'] is string else '' %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+_TOOLS_INTRO = (
+    "# Tools\\n\\nYou can call the functions whose signatures are listed in JSON within <tools></tools>:\\n<tools>"
 )
+_TOOLS_OUTRO = (
+    "\\n</tools>\\n\\nTo call functions, write one JSON object per call, with the function name and its"
+    " arguments, each within <tool_call></tool_call> tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>'
+)
+
+
+def _chat_template(thinking: bool) -> str:
+    """ChatML, with tools in the Hermes/Qwen format: a `<tools>` block in the system turn, assistant calls as
+    `<tool_call>` JSON, tool results as `<tool_response>` blocks in a user turn. Without tools, tool calls
+    or tool results, the text is plain ChatML. `thinking` adds Qwen3's handling of `<think>`: reasoning is
+    dropped from assistant history, and `enable_thinking=False` closes an empty think block in the
+    generation prompt."""
+    strip_reasoning = (
+        "{% if message['role'] == 'assistant' and '</think>' in content %}"
+        "{% set content = content.split('</think>')[-1].lstrip('\\n') %}"
+        "{% endif %}"
+        if thinking
+        else ""
+    )
+    empty_think = (
+        "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+        if thinking
+        else ""
+    )
+    return (
+        "{{ bos_token }}"
+        "{% if tools %}"
+        "{{ '<|im_start|>system\\n' }}"
+        "{% if messages and messages[0]['role'] == 'system' and messages[0]['content'] is string %}"
+        "{{ messages[0]['content'] + '\\n\\n' }}"
+        "{% endif %}"
+        f"{{{{ \"{_TOOLS_INTRO}\" }}}}"
+        "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+        f"{{{{ \"{_TOOLS_OUTRO}\" + '<|im_end|>\\n' }}}}"
+        "{% endif %}"
+        "{% for message in messages %}"
+        "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+        "{{ raise_exception('Unknown message role: ' + message['role']) }}"
+        "{% endif %}"
+        "{% set content = message['content'] if message['content'] is string else '' %}"
+        f"{strip_reasoning}"
+        "{% if tools and loop.first and message['role'] == 'system' %}"
+        "{% elif message['role'] == 'tool' %}"
+        "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+        "{{ '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+        "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+        "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+        "{{ '<|im_start|>assistant' }}"
+        "{% if content %}{{ '\\n' + content }}{% endif %}"
+        "{% for tool_call in message['tool_calls'] %}"
+        "{% set function = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
+        "{{ '\\n<tool_call>\\n{\"name\": ' + (function['name'] | tojson) + ', \"arguments\": '"
+        " + (function['arguments'] | tojson) + '}\\n</tool_call>' }}"
+        "{% endfor %}"
+        "{{ '<|im_end|>\\n' }}"
+        "{% else %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
+        "{% endif %}"
+        "{% endfor %}"
+        f"{{% if add_generation_prompt %}}{{{{ '<|im_start|>assistant\\n' }}}}{empty_think}{{% endif %}}"
+    )
+
+
+CHAT_TEMPLATE = _chat_template(thinking=False)
+QWEN3_CHAT_TEMPLATE = _chat_template(thinking=True)
+CHAT_TEMPLATES: dict[str, str] = {"llama": CHAT_TEMPLATE, "qwen3": QWEN3_CHAT_TEMPLATE}
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -235,7 +294,7 @@ def _added_token_dict(content: str) -> dict[str, Any]:
     return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
 
 
-def build_tokenizer_config(size: str, added_tokens: dict[int, str]) -> dict[str, Any]:
+def build_tokenizer_config(size: str, added_tokens: dict[int, str], arch: str = DEFAULT_ARCH) -> dict[str, Any]:
     """tokenizer_config.json; `added_tokens` maps id -> content for every special token."""
     spec = _size_spec(size)
     decoder = {str(i): {**_added_token_dict(content), "special": True} for i, content in added_tokens.items()}
@@ -243,7 +302,7 @@ def build_tokenizer_config(size: str, added_tokens: dict[int, str]) -> dict[str,
         "added_tokens_decoder": decoder,
         "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
         "bos_token": BOS_TOKEN,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": CHAT_TEMPLATES[arch],
         "clean_up_tokenization_spaces": False,
         "eos_token": EOS_TOKEN,
         "model_input_names": ["input_ids", "attention_mask"],
@@ -432,8 +491,12 @@ def write_weights(out_dir: Path, config: dict[str, Any], seed: int, shard_size: 
 # ---------------------------------------------------------------------------------------------
 
 
+def _json_text(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    path.write_text(_json_text(data), encoding="utf-8")
 
 
 def make_model(
@@ -457,7 +520,7 @@ def make_model(
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", build_generation_config(size))
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", build_tokenizer_config(size, _added_tokens(tokenizer_json)))
+    _write_json(out / "tokenizer_config.json", build_tokenizer_config(size, _added_tokens(tokenizer_json), arch))
     _write_json(out / "special_tokens_map.json", build_special_tokens_map())
     if with_weights:
         write_weights(out, config, seed, shard_size)
@@ -483,6 +546,7 @@ def ensure_default_model(arch: str = "llama", size: str = "tiny", seed: int = 0)
     """Return the cached built-in model directory, creating it atomically on first use."""
     target = default_model_dir(arch, size, seed)
     if target.is_dir():
+        refresh_tokenizer_metadata(target, arch, size)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -495,3 +559,31 @@ def ensure_default_model(arch: str = "llama", size: str = "tiny", seed: int = 0)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def refresh_tokenizer_metadata(model_dir: Path, arch: str, size: str) -> list[str]:
+    """Rewrite a cached checkpoint's tokenizer metadata (the chat template among it) where it differs from
+    what `make_model` writes today, so a cache made by an older llmserve is never used with an old
+    template. The weights, config and tokenizer.json are pure functions of the arguments and stay as
+    they are. Each file is replaced atomically; returns the names of the files rewritten."""
+    tokenizer_json = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+    expected = {
+        "tokenizer_config.json": build_tokenizer_config(size, _added_tokens(tokenizer_json), arch),
+        "special_tokens_map.json": build_special_tokens_map(),
+    }
+    rewritten: list[str] = []
+    for name, data in expected.items():
+        path = model_dir / name
+        text = _json_text(data)
+        if path.is_file() and path.read_text(encoding="utf-8") == text:
+            continue
+        handle, staging = tempfile.mkstemp(prefix=f".{name}.", dir=model_dir)
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as file:
+                file.write(text)
+            os.replace(staging, path)
+        finally:
+            if os.path.exists(staging):
+                os.unlink(staging)
+        rewritten.append(name)
+    return rewritten

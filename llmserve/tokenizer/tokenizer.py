@@ -132,15 +132,37 @@ def _content_text(content: list[Any]) -> str:
     return "\n".join(texts)
 
 
+def _template_tool_call(call: Any, where: str) -> Any:
+    """A copy of an OpenAI tool call whose `function.arguments` JSON text is parsed: templates expect a dict."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(
+                f"{where}.function.arguments is not valid JSON: {exc.msg}", param=f"{where}.function.arguments"
+            ) from exc
+    return {**call, "function": function}
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Drop None-valued keys (as transformers does) and flatten list content into a string."""
+    """Drop None-valued keys (as transformers does), flatten list content into a string, and parse the
+    JSON arguments of assistant tool calls (as vLLM does)."""
     normalized: list[dict[str, Any]] = []
-    for message in messages:
+    for position, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise InvalidRequestError("each message must be an object", param="messages")
         entry = {key: value for key, value in message.items() if value is not None}
         if isinstance(entry.get("content"), list):
             entry["content"] = _content_text(entry["content"])
+        if isinstance(entry.get("tool_calls"), list):
+            entry["tool_calls"] = [
+                _template_tool_call(call, f"messages[{position}].tool_calls[{index}]")
+                for index, call in enumerate(entry["tool_calls"])
+            ]
         normalized.append(entry)
     return normalized
 
@@ -389,6 +411,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = ...,
         tokenize: Literal[False] = ...,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
         **extra: Any,
     ) -> str: ...
 
@@ -399,6 +422,7 @@ class Tokenizer:
         add_generation_prompt: bool = ...,
         *,
         tokenize: Literal[True],
+        tools: Sequence[Mapping[str, Any]] | None = ...,
         **extra: Any,
     ) -> list[int]: ...
 
@@ -408,6 +432,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = ...,
         tokenize: bool = ...,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
         **extra: Any,
     ) -> str | list[int]: ...
 
@@ -416,9 +441,15 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         **extra: Any,
     ) -> str | list[int]:
-        """Render the chat template; with `tokenize`, return the token ids (no special tokens re-added)."""
+        """Render the chat template; with `tokenize`, return the token ids (no special tokens re-added).
+
+        `tools` are OpenAI tool dicts ({"type": "function", "function": {...}}), given to the template as
+        `tools`; `extra` are further template variables (a request's `chat_template_kwargs`, such as
+        Qwen3's `enable_thinking`). Messages may hold assistant `tool_calls` and `role: "tool"` results.
+        """
         if self._chat_template is None:
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template, so chat requests are not supported; "
@@ -426,6 +457,8 @@ class Tokenizer:
                 param="messages",
             )
         context: dict[str, Any] = {"tools": None, "documents": None, **self._special_tokens, **extra}
+        if tools is not None:
+            context["tools"] = [dict(tool) for tool in tools]
         context["messages"] = normalize_messages(messages)
         context["add_generation_prompt"] = add_generation_prompt
         text = render_chat_template(self._chat_template, context)

@@ -27,6 +27,7 @@ from llmserve.model.builtin import (
     IM_END_TOKEN,
     IM_START_TOKEN,
     PAD_TOKEN,
+    QWEN3_CHAT_TEMPLATE,
     SIZES,
     build_config,
     default_model_dir,
@@ -176,6 +177,10 @@ def test_generation_config(tiny_llama_dir: Path) -> None:
         "eos_token_id": [1020, 1022],
         "transformers_version": "4.46.0",
     }
+
+
+def test_qwen3_gets_the_thinking_template(tiny_qwen3_dir: Path) -> None:
+    assert _read_json(tiny_qwen3_dir / "tokenizer_config.json")["chat_template"] == QWEN3_CHAT_TEMPLATE
 
 
 def test_tokenizer_config(tiny_llama_dir: Path) -> None:
@@ -399,6 +404,29 @@ def test_ensure_default_model_creates_once(
     monkeypatch.setattr(builtin, "make_model", fail)
     assert ensure_default_model() == path
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["llama-tiny-seed0"]
+
+
+def test_ensure_default_model_refreshes_an_old_chat_template(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    """A cache written before the template learnt tools is not used with the old template (weights are kept)."""
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path))
+    path = ensure_default_model()
+    config_file = path / "tokenizer_config.json"
+    stale = {**_read_json(config_file), "chat_template": "{{ messages[0]['content'] }}"}
+    config_file.write_text(json.dumps(stale, indent=2) + "\n", encoding="utf-8")
+    weights_before = (path / "model.safetensors").stat().st_mtime_ns
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("only the metadata should be rewritten")
+
+    monkeypatch.setattr(builtin, "make_model", fail)
+    assert ensure_default_model() == path
+    assert _read_json(config_file)["chat_template"] == CHAT_TEMPLATE
+    assert _sha256_tree(path) == _sha256_tree(tiny_llama_dir)
+    assert (path / "model.safetensors").stat().st_mtime_ns == weights_before
+    assert builtin.refresh_tokenizer_metadata(path, "llama", "tiny") == []
+    assert sorted(p.name for p in path.iterdir() if p.name.startswith(".")) == []
 
 
 def test_ensure_default_model_race(

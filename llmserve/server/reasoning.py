@@ -1,0 +1,130 @@
+"""Reasoning in model output: `<think>…</think>` goes to `reasoning_content` (vLLM's field), the rest to content.
+
+The `qwen3` parser decides, like vLLM's, from where the output starts:
+
+* output that starts with `<think>`, or whose prompt already opened `<think>` (templates that put it
+  in the generation prompt, e.g. Qwen3.5's or the thinking-only Qwen3 releases), is reasoning up to
+  `</think>`, and content after it; with no `</think>` at all (the output was cut short) everything
+  is reasoning;
+* any other output is content, `<think>` tags and all (Qwen3 with `enable_thinking: false`, whose
+  template closes an empty think block in the prompt, or a model that does not reason).
+
+The choice depends only on text already seen, so streamed pieces always join up to the non-streamed
+result; text that might still be the `<think>` or `</think>` tag is held back until it cannot be.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+
+class _Tokenizer(Protocol):
+    def token_to_id(self, token: str) -> int | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """One streamed piece: reasoning text, content text, or both (reasoning first)."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningStream:
+    """Splits one output, fed in deltas, into reasoning and content."""
+
+    def __init__(self, start: str, end: str, in_reasoning: bool) -> None:
+        self._start = start
+        self._end = end
+        self._mode = "reasoning" if in_reasoning else "start"
+        self._held = ""
+
+    def feed(self, delta: str) -> ReasoningDelta:
+        reasoning: list[str] = []
+        content: list[str] = []
+        for ch in delta:
+            self._push(ch, reasoning, content)
+        return ReasoningDelta("".join(reasoning), "".join(content))
+
+    def finish(self) -> ReasoningDelta:
+        held, self._held = self._held, ""
+        return ReasoningDelta(held, "") if self._mode == "reasoning" else ReasoningDelta("", held)
+
+    @property
+    def reasoning_ended(self) -> bool:
+        """Whether the output has moved on to content (what follows is no longer reasoning)."""
+        return self._mode == "content"
+
+    def _push(self, ch: str, reasoning: list[str], content: list[str]) -> None:
+        if self._mode == "content":
+            content.append(ch)
+            return
+        held = self._held + ch
+        if self._mode == "start":
+            if held == self._start:
+                self._mode, self._held = "reasoning", ""
+            elif self._start.startswith(held):
+                self._held = held
+            else:
+                self._mode, self._held = "content", ""
+                content.append(held)
+            return
+        if held.endswith(self._end):
+            reasoning.append(held[: -len(self._end)])
+            self._mode, self._held = "content", ""
+            return
+        keep = next((size for size in range(min(len(held), len(self._end) - 1), 0, -1)
+                     if self._end.startswith(held[-size:])), 0)
+        reasoning.append(held[: len(held) - keep])
+        self._held = held[len(held) - keep :]
+
+
+class ReasoningParser(abc.ABC):
+    """A model family's reasoning format: `parse` a whole output, or `stream` one."""
+
+    name: ClassVar[str]
+    start: ClassVar[str]
+    end: ClassVar[str]
+
+    def stream(self, prompt_opened: bool = False) -> ReasoningStream:
+        """`prompt_opened`: the prompt ends inside an open reasoning block (see `prompt_opens_reasoning`)."""
+        return ReasoningStream(self.start, self.end, prompt_opened)
+
+    def parse(self, text: str, prompt_opened: bool = False) -> tuple[str | None, str | None]:
+        """(reasoning, content), each None when empty."""
+        stream = self.stream(prompt_opened)
+        first, last = stream.feed(text), stream.finish()
+        return (first.reasoning + last.reasoning) or None, (first.content + last.content) or None
+
+    def prompt_opens_reasoning(self, prompt: str) -> bool:
+        """Whether the rendered prompt leaves a reasoning block open (its last start tag is not closed)."""
+        start = prompt.rfind(self.start)
+        return start != -1 and prompt.find(self.end, start) == -1
+
+    def end_token_ids(self, tokenizer: _Tokenizer) -> list[int]:
+        """The token ids of the end tag, for structured output that starts after the reasoning
+        (`StructuredOutputsParams.start_after`): one id when the tag is a token of its own (Qwen3),
+        else its tokenization on its own, which a model may also spell differently."""
+        token_id = tokenizer.token_to_id(self.end)
+        return [token_id] if token_id is not None else tokenizer.encode(self.end, add_special_tokens=False)
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+    start = "<think>"
+    end = "</think>"
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {Qwen3ReasoningParser.name: Qwen3ReasoningParser}
+
+
+def reasoning_parser(name: str) -> ReasoningParser:
+    """The reasoning parser registered as `name`; ValueError listing the names otherwise."""
+    parser = REASONING_PARSERS.get(name)
+    if parser is None:
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(sorted(REASONING_PARSERS))}")
+    return parser()
