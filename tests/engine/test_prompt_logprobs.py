@@ -113,7 +113,7 @@ def test_logprob_objects_rank_sampled_tokens_and_decode_them(checkpoint):
     # prompt_logprobs=0: the prompt token's own logprob only
     assert all(len(entry) == 1 for entry in out.prompt_logprobs[1:])
     assert completion.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in
-                                                              zip(completion.token_ids, completion.logprobs)))
+                                                              zip(completion.token_ids, completion.logprobs, strict=True)))
 
 
 def test_prompt_logprobs_come_once_for_n_choices_and_for_a_one_token_prompt(checkpoint):
