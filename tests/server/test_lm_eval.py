@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 
+import lm_eval
 import pytest
 import torch
 
 from tests import hf_reference
 from tests.server.conftest import MODEL_NAME
-
-lm_eval = pytest.importorskip("lm_eval")
 
 TASK = "llmserve_tiny_loglikelihood"
 DOCS = [
