@@ -294,15 +294,18 @@ class Scheduler:
         ):
             return 0
         rank = self._rank(head)
-        best, best_blocks = 0, self.block_manager.num_cached_prefix_blocks(head)
+        best, best_blocks = 0, self._usable_cached_blocks(head)
         for i in range(1, len(self.waiting)):
             seq = self.waiting[i]
             if self._rank(seq) != rank:
                 break  # the queue is sorted: nothing after ranks like the head
-            blocks = self.block_manager.num_cached_prefix_blocks(seq)
+            blocks = self._usable_cached_blocks(seq)
             if blocks > best_blocks:
                 best, best_blocks = i, blocks
         return best
+
+    def _usable_cached_blocks(self, seq: Sequence) -> int:
+        return 0 if seq.request.needs_prompt_logprobs else self.block_manager.num_cached_prefix_blocks(seq)
 
     def _rank(self, seq: Sequence) -> int:
         return seq.request.priority if self.policy == "priority" else 0
