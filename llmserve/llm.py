@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.errors import InvalidRequestError
 from llmserve.outputs import RequestOutput
 from llmserve.sampling.params import RequestOutputKind, SamplingParams
 
-Prompt = str | Seq[int]
+# vLLM's prompt shapes: text, token ids, {"prompt": text} (TextPrompt), {"prompt_token_ids": ids}
+# (TokensPrompt); either dict may carry a "cache_salt".
+Prompt = str | Seq[int] | Mapping[str, object]
 Message = dict[str, object]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids"}
+_OPTIONAL_PROMPT_KEYS = {"cache_salt"}
 
 
 class LLM:
@@ -47,7 +53,8 @@ class LLM:
             for prompt, p, prio in zip(batch, params, priorities, strict=True):
                 request_id = f"offline-{next(self._ids)}"
                 final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)  # nothing reads the rest
-                self.engine.add_request(request_id, prompt, final_only, priority=prio)
+                content, cache_salt = _unpack_prompt(prompt)
+                self.engine.add_request(request_id, content, final_only, priority=prio, cache_salt=cache_salt)
                 request_ids.append(request_id)
         except Exception:
             self.engine.abort_request(request_ids)
@@ -80,12 +87,35 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # a single prompt given as token ids
     return items
+
+
+def _unpack_prompt(prompt: Prompt) -> tuple[str | Seq[int], str | None]:
+    """A prompt's text or token ids, and its cache salt; a dict must name exactly one of them."""
+    if not isinstance(prompt, Mapping):
+        return prompt, None
+    unknown = set(prompt) - _PROMPT_KEYS - _OPTIONAL_PROMPT_KEYS
+    if unknown:
+        raise InvalidRequestError(f"Unsupported prompt keys: {', '.join(sorted(unknown))}.", param="prompt")
+    given = _PROMPT_KEYS & set(prompt)
+    if len(given) != 1:
+        raise InvalidRequestError('A prompt dict needs exactly one of "prompt" and "prompt_token_ids".',
+                                  param="prompt")
+    salt = prompt.get("cache_salt")
+    if "prompt" in prompt:
+        text = prompt["prompt"]
+        if not isinstance(text, str):
+            raise InvalidRequestError('"prompt" must be a string.', param="prompt")
+        return text, salt  # type: ignore[return-value]
+    ids = prompt["prompt_token_ids"]
+    if isinstance(ids, str) or not isinstance(ids, Seq):
+        raise InvalidRequestError('"prompt_token_ids" must be a list of token ids.', param="prompt_token_ids")
+    return ids, salt  # type: ignore[return-value]
 
 
 def _broadcast(params, count: int, default) -> list[SamplingParams]:

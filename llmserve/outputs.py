@@ -6,13 +6,29 @@ from dataclasses import dataclass
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's log probability under the raw logits (vLLM's shape): its rank among the whole
+    vocabulary (1 = the most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: the token at that position and the top alternatives, each with its `Logprob`.
+SampleLogprobs = list[dict[int, Logprob]]
+# The prompt's: None for its first token (nothing precedes it), then as `SampleLogprobs`.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[dict[int, float]] | None = None  # per token: chosen token and top alternatives
+    logprobs: SampleLogprobs | None = None  # per token: chosen token and top alternatives
     cumulative_logprob: float | None = None
 
     @property
@@ -53,3 +69,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked for them

@@ -446,7 +446,7 @@ class AsyncLLM:
     def _on_outputs(self, message: EngineCoreOutputs) -> None:
         if message.stats is not None:
             self._stats = message.stats
-        processed = self.output_processor.process(message.outputs)
+        processed = self.output_processor.process(message.outputs, message.prompt_logprobs)
         if processed.stopped:
             self._core.send(StopChoices(processed.stopped))
         streams = self._streams

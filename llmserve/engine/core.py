@@ -35,7 +35,7 @@ from llmserve.engine.scheduler import SampleTarget, Scheduler, SchedulerOutput
 from llmserve.engine.sequence import Request, Sequence
 from llmserve.errors import InvalidRequestError
 from llmserve.heap import freeze_startup_heap
-from llmserve.model.runner import ModelRunner, StepBatch, StepHandle
+from llmserve.model.runner import ModelRunner, PromptLogprobsBatch, StepBatch, StepHandle
 from llmserve.sampling.sampler import SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -136,13 +136,14 @@ class EngineCore:
 
     def _complete(self, launched: _Launched) -> EngineCoreOutputs:
         result = launched.handle.result()
+        prompt_logprobs = self.scheduler.prompt_logprobs_of(launched.scheduled, result)
         outputs = self.scheduler.update_from_output(launched.scheduled, result)
         end = time.monotonic()
         # Under overlap a step's host work hides behind the previous one: it took from the later of
         # its launch and the previous step's end.
         self._record_step(max(launched.start_time, self._last_end), end, launched.scheduled)
         self._last_end = end
-        return EngineCoreOutputs(outputs, self.last_step, self.stats())
+        return EngineCoreOutputs(outputs, self.last_step, self.stats(), prompt_logprobs)
 
     def _record_step(self, start: float, end: float, scheduled: SchedulerOutput) -> None:
         num_decodes = sum(1 for row in scheduled.rows if row.num_new == 1)
@@ -183,6 +184,7 @@ class EngineCore:
             pending_index=np.array([i for i, _ in pending], dtype=np.int64) if pending else None,
             pending_source=np.array([s for _, s in pending], dtype=np.int64) if pending else None,
             blocks_to_copy=self.scheduler.take_copies(),
+            prompt_logprobs=_prompt_logprobs_batch(scheduled, starts) if scheduled.prompt_scores else None,
         )
 
     def _sampling_row(self, target: SampleTarget) -> SamplingRow:
@@ -238,6 +240,19 @@ class EngineCore:
         if self._in_flight is not None:
             self._in_flight.handle.result()
             self._in_flight = None
+
+
+def _prompt_logprobs_batch(scheduled: SchedulerOutput, starts: np.ndarray) -> PromptLogprobsBatch:
+    """Where the scored prompt positions sit among the step's tokens, and the token each one scores."""
+    index: list[np.ndarray] = []
+    targets: list[int] = []
+    for target in scheduled.prompt_scores:
+        row = scheduled.rows[target.row]
+        first = int(starts[target.row]) + target.begin - row.begin
+        index.append(np.arange(first, first + target.count, dtype=np.int64))
+        targets += target.request.prompt_token_ids[target.begin + 1 : target.begin + 1 + target.count]
+    num_top = max(target.request.params.prompt_logprobs or 0 for target in scheduled.prompt_scores)
+    return PromptLogprobsBatch(np.concatenate(index), np.array(targets, dtype=np.int64), num_top)
 
 
 def _row_tokens(token_ids: list[int], begin: int, num_new: int) -> list[int]:

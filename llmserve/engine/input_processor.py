@@ -1,7 +1,7 @@
 """Every check and default a request gets before it reaches the engine core, in one place: the prompt
 (tokenized, non-empty, ids in the vocabulary, room left in the context), the sampling parameters
 against the model (stop token ids, the default and the limit of max_tokens, generation_config's
-defaults) and the request's seed. Raises `InvalidRequestError` naming the offending parameter.
+defaults, truncate_prompt_tokens applied before the context checks) and the request's seed. Raises `InvalidRequestError` naming the offending parameter.
 """
 
 from __future__ import annotations
@@ -48,6 +48,13 @@ class InputProcessor:
             raise InvalidRequestError(f"Prompt token ids must be integers in [0, {self.vocab_size}).", param="prompt")
         return token_ids
 
+    def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (truncate_prompt_tokens; -1: as many as the context holds)."""
+        if keep is None:
+            return token_ids
+        keep = self.max_model_len if keep == -1 else keep
+        return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
     def max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The completion budget: `max_tokens`, or what the context window leaves when it is unset."""
         limit = self.max_model_len
@@ -80,7 +87,7 @@ class InputProcessor:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string.", param="cache_salt")
         params = params or self.default_sampling_params()
-        token_ids = self.tokenize(prompt)
+        token_ids = self.truncate(self.tokenize(prompt), params.truncate_prompt_tokens)
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(
                 f"stop_token_ids must be below the vocabulary size {self.vocab_size}.", param="stop_token_ids"

@@ -72,7 +72,7 @@ class LLMEngine:
         core_outputs = self.core.step()
         if core_outputs is None:
             return []
-        processed = self.output_processor.process(core_outputs.outputs)
+        processed = self.output_processor.process(core_outputs.outputs, core_outputs.prompt_logprobs)
         if processed.stopped:
             self.core.stop_choices(processed.stopped)
         return processed.outputs

@@ -99,6 +99,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: str | None = None  # "stop" | "length": the core ended it on this token
     stop_reason: int | None = None  # the stop token id that ended it
     logprob: float | None = None  # of the token, when the request asked for logprobs
+    rank: int | None = None  # of the token among the raw logits (1 = the most likely), with its logprob
     top_ids: list[int] | None = None  # the top logprobs, as many as asked for
     top_logprobs: list[float] | None = None
     scheduled_time: float | None = None  # on the request's first output: when it was first scheduled
@@ -106,10 +107,24 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_preemptions: int = 0  # on the last output
 
 
+class PromptLogprobsChunk(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of consecutive prompt tokens of request `request_id`, from token `start` on (>= 1: the
+    first prompt token has none); a step scores the prompt positions it computes."""
+
+    request_id: str
+    start: int
+    logprobs: list[float]
+    ranks: list[int]  # among the raw logits, 1 = the most likely
+    top_ids: list[list[int]]  # per token, as many as the request asked for
+    top_logprobs: list[list[float]]
+
+
 class EngineCoreOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     outputs: list[EngineCoreOutput]
     step: StepRecord | None = None
     stats: EngineStats | None = None
+    # Sent before `outputs` are applied: a request's first token comes with its whole prompt's logprobs.
+    prompt_logprobs: list[PromptLogprobsChunk] = []
 
 
 class UtilityResult(msgspec.Struct, tag=True, array_like=True, gc=False):

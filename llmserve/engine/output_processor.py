@@ -8,26 +8,48 @@ front end (`ProcessedOutputs.stopped`) and drops the sequence then.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest
-from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsChunk
+from llmserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from llmserve.sampling.params import RequestOutputKind, SamplingParams
 from llmserve.tokenizer.detokenizer import IncrementalDetokenizer
 from llmserve.tokenizer.tokenizer import Tokenizer
+
+TokenText = Callable[[int], str]
+
+
+def logprob_entry(
+    token: int, logprob: float, rank: int, top_ids: Sequence[int], top_logprobs: Sequence[float], text: TokenText
+) -> dict[int, Logprob]:
+    """One position's logprobs in vLLM's shape: the token's own first, then the top ones (ranked 1..k)."""
+    entry = {token: Logprob(logprob, rank, text(token))}
+    for position, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs, strict=True)):
+        if top_id not in entry:
+            entry[top_id] = Logprob(top_logprob, position + 1, text(top_id))
+    return entry
 
 
 class ChoiceState:
     """One choice's text and tokens so far."""
 
-    def __init__(self, index: int, tokenizer: Tokenizer, params: SamplingParams) -> None:
+    def __init__(self, index: int, tokenizer: Tokenizer, params: SamplingParams, token_text: TokenText) -> None:
         self.index = index
         self.params = params
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.token_text = token_text
         self.text = ""
-        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -41,9 +63,10 @@ class ChoiceState:
         text of a choice the core finished, False: the core knows it ended)."""
         token = output.token_id
         if self.logprobs is not None and output.logprob is not None:
-            entry = dict(zip(output.top_ids or (), output.top_logprobs or (), strict=True))
-            entry[token] = output.logprob
-            self.logprobs.append(entry)
+            self.logprobs.append(logprob_entry(
+                token, output.logprob, output.rank or 0, output.top_ids or (), output.top_logprobs or (),
+                self.token_text,
+            ))
             self.cumulative_logprob += output.logprob
         if self._append_text(self.detokenizer.add((token,))):
             return True
@@ -97,6 +120,7 @@ class RequestState:
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     num_cached_tokens: int = 0
     num_finished_choices: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # complete before the first output is made
 
     @property
     def finished(self) -> bool:
@@ -114,6 +138,17 @@ class RequestState:
             finished=self.finished,
             metrics=self.metrics.snapshot(),
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,  # no longer changes: shared, not copied
+        )
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobsChunk, text: TokenText) -> None:
+        assert self.prompt_logprobs is not None and len(self.prompt_logprobs) == chunk.start
+        tokens = self.prompt_token_ids[chunk.start : chunk.start + len(chunk.logprobs)]
+        self.prompt_logprobs.extend(
+            logprob_entry(token, logprob, rank, top_ids, top_logprobs, text)
+            for token, logprob, rank, top_ids, top_logprobs in zip(
+                tokens, chunk.logprobs, chunk.ranks, chunk.top_ids, chunk.top_logprobs, strict=True
+            )
         )
 
 
@@ -127,18 +162,32 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
+        self.token_text: TokenText = functools.lru_cache(maxsize=65536)(self._decode_one)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def add_request(self, request: EngineCoreRequest, prompt: str | Sequence[int], arrival_time: float) -> None:
         """Follow `request` (as the input processor made it from `prompt`)."""
         text = prompt if isinstance(prompt, str) else None
-        self.requests[request.request_id] = RequestState(
+        state = RequestState(
             request.request_id, text, request.prompt_token_ids, request.params, RequestMetrics(arrival_time)
         )
+        if request.params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # the first prompt token has nothing before it
+        self.requests[request.request_id] = state
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def process(self, outputs: Iterable[EngineCoreOutput]) -> ProcessedOutputs:
+    def process(
+        self, outputs: Iterable[EngineCoreOutput], prompt_logprobs: Iterable[PromptLogprobsChunk] = ()
+    ) -> ProcessedOutputs:
+        """One step's outputs; its prompt logprobs go first (they precede the request's first token)."""
+        for chunk in prompt_logprobs:
+            state = self.requests.get(chunk.request_id)
+            if state is not None and state.prompt_logprobs is not None:
+                state.add_prompt_logprobs(chunk, self.token_text)
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         stopped: list[tuple[str, int]] = []
@@ -148,7 +197,7 @@ class OutputProcessor:
                 continue  # aborted, or a stop string ended it while the token was on its way
             choice = state.choices.get(output.index)
             if choice is None:
-                choice = state.choices[output.index] = ChoiceState(output.index, self.tokenizer, state.params)
+                choice = state.choices[output.index] = ChoiceState(output.index, self.tokenizer, state.params, self.token_text)
             if choice.finish_reason is not None:
                 continue
             self._note_times(state, output, now)
@@ -187,7 +236,7 @@ class OutputProcessor:
         for index in range(state.params.n):
             choice = state.choices.get(index)
             if choice is None:
-                choice = state.choices[index] = ChoiceState(index, self.tokenizer, state.params)
+                choice = state.choices[index] = ChoiceState(index, self.tokenizer, state.params, self.token_text)
             if choice.finish_reason is None:
                 choice.finish_reason = "abort"
         state.num_finished_choices = state.params.n

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from llmserve.engine.block_manager import BlockManager
-from llmserve.engine.messages import EngineCoreOutput
+from llmserve.engine.messages import EngineCoreOutput, PromptLogprobsChunk
 from llmserve.engine.sequence import Request, Sequence, SequenceStatus
 from llmserve.model.runner import ModelOutput
 
@@ -59,12 +59,21 @@ class SampleTarget:
     choice: int  # the choice the token is for: seq.index, or a choice still to fork from seq
 
 
+@dataclass(slots=True)
+class PromptScoreTarget:
+    row: int
+    request: Request
+    begin: int  # the first prompt position scored (it scores the prompt token after it)
+    count: int
+
+
 @dataclass
 class SchedulerOutput:
     rows: list[ScheduledRow] = field(default_factory=list)  # decodes (one new token) first
     samples: list[SampleTarget] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
+    prompt_scores: list[PromptScoreTarget] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -210,6 +219,8 @@ class Scheduler:
             seq.num_computed_tokens = computed = begin + num_new
             if naming:
                 self._name_full_blocks(seq)
+            if seq.request.needs_prompt_logprobs:
+                self._score_prompt(row, seq, begin, computed, out)
             if computed < known + seq.num_pending:
                 continue  # a prefill chunk that doesn't reach the end yet
             request = seq.request
@@ -220,6 +231,17 @@ class Scheduler:
             else:
                 samples.extend(SampleTarget(row, seq, choice) for choice in range(request.params.n))
                 request.forked = True
+
+    @staticmethod
+    def _score_prompt(row: int, seq: Sequence, begin: int, end: int, out: SchedulerOutput) -> None:
+        """Score the prompt positions this row computes that no earlier step scored (a recompute after
+        preemption scores nothing twice)."""
+        request = seq.request
+        first = max(begin, request.num_prompt_positions_scored)
+        last = min(end, seq.num_prompt_tokens - 1)
+        if last > first:
+            out.prompt_scores.append(PromptScoreTarget(row, request, first, last - first))
+            request.num_prompt_positions_scored = last
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of the running list until `seq` can hold `num_tokens`."""
@@ -236,7 +258,8 @@ class Scheduler:
             seq = self.waiting[index]
             if seq.num_pending:
                 break  # preempted with a token in flight: it recomputes once the token is known
-            reused = self.block_manager.take_cached_prefix(seq)
+            # Prompt logprobs need the prompt computed: such a request may fill the cache, not read it.
+            reused = 0 if seq.request.needs_prompt_logprobs else self.block_manager.take_cached_prefix(seq)
             seq.num_computed_tokens = reused
             num_new = min(seq.num_uncomputed_tokens, budget)
             total = seq.num_computed_tokens + num_new
@@ -271,15 +294,18 @@ class Scheduler:
         ):
             return 0
         rank = self._rank(head)
-        best, best_blocks = 0, self.block_manager.num_cached_prefix_blocks(head)
+        best, best_blocks = 0, self._usable_cached_blocks(head)
         for i in range(1, len(self.waiting)):
             seq = self.waiting[i]
             if self._rank(seq) != rank:
                 break  # the queue is sorted: nothing after ranks like the head
-            blocks = self.block_manager.num_cached_prefix_blocks(seq)
+            blocks = self._usable_cached_blocks(seq)
             if blocks > best_blocks:
                 best, best_blocks = i, blocks
         return best
+
+    def _usable_cached_blocks(self, seq: Sequence) -> int:
+        return 0 if seq.request.needs_prompt_logprobs else self.block_manager.num_cached_prefix_blocks(seq)
 
     def _rank(self, seq: Sequence) -> int:
         return seq.request.priority if self.policy == "priority" else 0
@@ -335,6 +361,7 @@ class Scheduler:
             if result.logprobs is not None and request.params.logprobs is not None:
                 k = request.params.logprobs
                 output.logprob = result.logprobs[row]
+                output.rank = result.ranks[row]  # type: ignore[index]
                 output.top_ids = result.top_logprob_ids[row][:k]  # type: ignore[index]
                 output.top_logprobs = result.top_logprobs[row][:k]  # type: ignore[index]
             if seq.index == 0 and seq.num_output_tokens == 1:  # facts the front end reads once
@@ -354,6 +381,27 @@ class Scheduler:
             if seq.request.is_finished:
                 self.requests.pop(seq.request.request_id, None)
         return outputs
+
+    def prompt_logprobs_of(self, out: SchedulerOutput, result: ModelOutput | None) -> list[PromptLogprobsChunk]:
+        """The step's prompt scores, per request still running (call before `update_from_output`)."""
+        if not out.prompt_scores:
+            return []
+        assert result is not None and result.prompt_logprobs is not None
+        scored = result.prompt_logprobs
+        chunks = []
+        offset = 0
+        for target in out.prompt_scores:
+            begin, end = offset, offset + target.count
+            offset = end
+            request = target.request
+            if request.request_id not in self.requests:
+                continue  # aborted while the step ran
+            k = request.params.prompt_logprobs or 0
+            chunks.append(PromptLogprobsChunk(
+                request.request_id, target.begin + 1, scored.logprobs[begin:end], scored.ranks[begin:end],
+                [ids[:k] for ids in scored.top_ids[begin:end]], [lps[:k] for lps in scored.top_logprobs[begin:end]],
+            ))
+        return chunks
 
     def _name_full_blocks(self, seq: Sequence) -> None:
         """Name the blocks that are full of scheduled tokens with known ids in the prefix cache (when

@@ -106,6 +106,16 @@ class Request:
     first_scheduled_time: float | None = None  # time.monotonic() of its first admission
     num_preemptions: int = 0
     min_tokens_banned: tuple[int, ...] | None = None  # what would end it early: banned until min_tokens
+    # Prompt positions (from 0) whose next prompt token a scheduled step scores (prompt_logprobs).
+    num_prompt_positions_scored: int = 0
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt tokens are still to be scored: its prompt must be computed, not read from the cache."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.num_prompt_positions_scored < len(self.prompt_token_ids) - 1
+        )
 
     @property
     def is_finished(self) -> bool:

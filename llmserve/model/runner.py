@@ -46,6 +46,9 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 # The profiling step samples with the most expensive settings (full-vocabulary sort, top logprobs).
 _PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.95, logprobs=20)
+# Prompt logprobs take the logits of this many positions at a time, which bounds their memory.
+PROMPT_LOGITS_SLICE = 512
+MAX_PROMPT_LOGPROBS = 20
 
 
 def resolve_device(name: str) -> torch.device:
@@ -78,6 +81,15 @@ def choose_attention_backend(requested: str | None, device: torch.device) -> typ
 
 
 @dataclass
+class PromptLogprobsBatch:
+    """Prompt positions whose following prompt token the step scores (SamplingParams.prompt_logprobs)."""
+
+    token_index: np.ndarray  # [P] int64: each position's place among the step's flattened tokens
+    target_ids: np.ndarray  # [P] int64: the prompt token that follows it
+    num_top: int  # top logprobs per position: the most any of their requests asks for
+
+
+@dataclass
 class StepBatch:
     """One step's work in plain data, built by the engine core. Rows are sequences, decodes (one new
     token) first; tokens are flattened row after row."""
@@ -93,6 +105,7 @@ class StepBatch:
     pending_index: np.ndarray | None = None
     pending_source: np.ndarray | None = None
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copied first
+    prompt_logprobs: PromptLogprobsBatch | None = None
 
     @property
     def num_rows(self) -> int:
@@ -107,31 +120,60 @@ class ModelOutput:
     logprobs: list[float] | None = None  # of each sampled token
     top_logprob_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    ranks: list[int] | None = None  # of each sampled token, when logprobs were asked
+    prompt_logprobs: PromptLogprobsOutput | None = None
+
+
+@dataclass
+class PromptLogprobsOutput:
+    """Per position of the batch's `PromptLogprobsBatch`: the next prompt token's logprob and rank
+    among the raw logits, and the top `num_top` (ids, logprobs)."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass
+class StepTensors:
+    """What a step leaves on the device: its samples and its prompt logprobs (when asked)."""
+
+    sampled: SamplerOutput | None
+    prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # as PromptLogprobsOutput
 
 
 class StepHandle:
     """A launched step; `result()` waits for its samples (the step's one device->host wait)."""
 
-    def __init__(self, output: SamplerOutput | None, device: torch.device) -> None:
+    def __init__(self, output: StepTensors, device: torch.device) -> None:
         self._event = None
-        self._host: list[torch.Tensor | None] = []
-        if output is None:
-            return
-        tensors = (output.token_ids, output.logprobs, output.top_logprob_ids, output.top_logprobs)
-        if device.type == "cuda":
+        sampled = output.sampled
+        tensors: list[torch.Tensor | None] = []
+        if sampled is not None:
+            tensors += [sampled.token_ids, sampled.logprobs, sampled.top_logprob_ids, sampled.top_logprobs,
+                        sampled.ranks]
+        self._num_sampled = len(tensors)
+        if output.prompt is not None:
+            tensors += output.prompt
+        if device.type == "cuda" and tensors:
             self._host = [None if t is None else _pinned_copy(t) for t in tensors]
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = list(tensors)
+            self._host = tensors
 
     def result(self) -> ModelOutput | None:
         if not self._host:
             return None  # only partial prefill chunks ran: nothing was sampled
         if self._event is not None:
             self._event.synchronize()
-        token_ids, logprobs, top_ids, top_logprobs = (None if t is None else t.tolist() for t in self._host)
-        return ModelOutput(token_ids, logprobs, top_ids, top_logprobs)
+        host = [None if t is None else t.tolist() for t in self._host]
+        sampled, prompt = host[: self._num_sampled], host[self._num_sampled :]
+        output = ModelOutput(*sampled) if sampled else ModelOutput([])
+        if prompt:
+            output.prompt_logprobs = PromptLogprobsOutput(*prompt)
+        return output
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -148,6 +190,9 @@ class StepInputs:
     meta: AttentionMetadata
     logits_index: torch.Tensor | None  # [R] rows of the hidden states to sample from
     sampling: SamplingMetadata | None
+    prompt_index: torch.Tensor | None = None  # [P] rows of the hidden states to score prompt tokens with
+    prompt_targets: torch.Tensor | None = None  # [P, 1] the prompt token each of them scores
+    prompt_num_top: int = 0
 
 
 class ModelRunner:
@@ -252,7 +297,11 @@ class ModelRunner:
                 for i in range(num_rows)
             ],
         )
-        output = self._run(self.prepare_step(batch), scratch, use_graph=False)
+        width = min(PROMPT_LOGITS_SLICE, sum(lengths))  # the largest slice of prompt logprobs, too
+        batch.prompt_logprobs = PromptLogprobsBatch(
+            np.arange(width, dtype=np.int64), np.zeros(width, dtype=np.int64), MAX_PROMPT_LOGPROBS
+        )
+        output = self._run(self.prepare_step(batch), scratch, use_graph=False).sampled
         assert output is not None
         output.token_ids.cpu()  # wait for the step, so its memory is all accounted
         del scratch
@@ -299,7 +348,7 @@ class ModelRunner:
         if batch.pending_index is not None and len(batch.pending_index):
             self._fill_pending(inputs.input_ids, batch)
         output = self.run_step(inputs)
-        self._last_sampled = output.token_ids if output is not None else None
+        self._last_sampled = output.sampled.token_ids if output.sampled is not None else None
         return StepHandle(output, self.device)
 
     def _fill_pending(self, input_ids: torch.Tensor, batch: StepBatch) -> None:
@@ -311,21 +360,43 @@ class ModelRunner:
         input_ids.index_copy_(0, index, self._last_sampled.index_select(0, source))
 
     @torch.inference_mode()
-    def run_step(self, inputs: StepInputs) -> SamplerOutput | None:
+    def run_step(self, inputs: StepInputs) -> StepTensors:
         """Launch the forward pass (a graph replay when one fits) and the sampler; no host sync."""
         return self._run(inputs, self.kv_caches, use_graph=self.graphs is not None)
 
-    def _run(self, inputs: StepInputs, kv_caches: KVCaches, use_graph: bool) -> SamplerOutput | None:
+    def _run(self, inputs: StepInputs, kv_caches: KVCaches, use_graph: bool) -> StepTensors:
         meta = inputs.meta
         if use_graph and self.graphs is not None and self.graphs.size_for(meta) is not None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
         else:
             self.attn_backend.prepare(meta)
             hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, self.attn_backend, meta)
+        prompt = self._prompt_logprobs(hidden, inputs) if inputs.prompt_index is not None else None
         if inputs.logits_index is None or inputs.sampling is None:
-            return None  # only partial prefill chunks: the KV cache was the point
+            return StepTensors(None, prompt)  # only partial prefill chunks: the KV cache was the point
         logits = self.model.compute_logits(hidden[inputs.logits_index])
-        return self.sampler(logits, inputs.sampling)
+        return StepTensors(self.sampler(logits, inputs.sampling), prompt)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, inputs: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each named position's float32 log_softmax at the next prompt token, that token's rank among
+        the raw logits, and the top logprobs; a slice of positions at a time."""
+        assert inputs.prompt_index is not None and inputs.prompt_targets is not None
+        pieces = []
+        for start in range(0, len(inputs.prompt_index), PROMPT_LOGITS_SLICE):
+            index = inputs.prompt_index[start : start + PROMPT_LOGITS_SLICE]
+            targets = inputs.prompt_targets[start : start + PROMPT_LOGITS_SLICE]
+            logits = self.model.compute_logits(hidden[index]).float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            target_logits = logits.gather(1, targets)
+            ranks = (logits > target_logits).sum(dim=1).add_(1)
+            top_logprobs, top_ids = torch.topk(logprobs, inputs.prompt_num_top, dim=1)
+            pieces.append((logprobs.gather(1, targets).squeeze(1), ranks, top_ids, top_logprobs))
+        if len(pieces) == 1:
+            return pieces[0]
+        chosen, ranks, top_ids, top_logprobs = (torch.cat(parts) for parts in zip(*pieces, strict=True))
+        return chosen, ranks, top_ids, top_logprobs
 
     def copy_blocks(self, blocks_to_copy: Sequence[tuple[int, int]]) -> None:
         """Copy whole KV blocks, every layer's keys and values (block is the caches' first dimension)."""
@@ -340,12 +411,19 @@ class ModelRunner:
         """The step's device tensors: model inputs, the hidden-state rows to sample and the sampling
         metadata; all of it is sent before anything runs, so building it never waits on the device."""
         input_ids, positions, meta = self.prepare_inputs(batch)
+        inputs = StepInputs(input_ids, positions, meta, None, None)
+        if batch.prompt_logprobs is not None:
+            scored = batch.prompt_logprobs
+            inputs.prompt_index = self._to_device(scored.token_index)
+            inputs.prompt_targets = self._to_device(scored.target_ids.reshape(-1, 1))
+            inputs.prompt_num_top = scored.num_top
         if not batch.logits_rows:
-            return StepInputs(input_ids, positions, meta, None, None)
+            return inputs
         starts = meta.query_start_loc_host
         last_tokens = np.array([starts[row + 1] - 1 for row in batch.logits_rows], dtype=np.int64)
-        sampling = SamplingMetadata.build(batch.sampling_rows, self.model_config.vocab_size, self.device)
-        return StepInputs(input_ids, positions, meta, self._to_device(last_tokens), sampling)
+        inputs.logits_index = self._to_device(last_tokens)
+        inputs.sampling = SamplingMetadata.build(batch.sampling_rows, self.model_config.vocab_size, self.device)
+        return inputs
 
     def prepare_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Positions and KV slots of every new token (numpy over the tokens, no Python loop per

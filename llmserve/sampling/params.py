@@ -54,6 +54,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None  # top logprobs per prompt token (0: only the prompt token's own)
+    # Keep only the prompt's last k tokens (-1: as many as the context window holds); None: all of it.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +98,15 @@ class SamplingParams:
             raise bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}.")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}.")
+        if self.truncate_prompt_tokens is not None and not (
+            self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1
+        ):
+            raise bad(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}.",
+            )
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "seed must be an integer.")
         if any(t < 0 for t in self.stop_token_ids):

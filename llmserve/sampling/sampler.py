@@ -79,6 +79,7 @@ class SamplerOutput:
     logprobs: torch.Tensor | None
     top_logprob_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+    ranks: torch.Tensor | None = None  # of each sampled token among its row's raw logits (1 = the best)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -594,10 +595,12 @@ class Sampler:
         row_max = raw.amax(dim=1, keepdim=True)
         tmp = self._buffer("logprobs", tuple(raw.shape), raw)
         log_total = torch.sub(raw, row_max, out=tmp).exp_().sum(dim=1, keepdim=True).log_()
-        chosen = (raw.gather(1, token_ids.unsqueeze(1)) - row_max) - log_total
+        chosen_raw = raw.gather(1, token_ids.unsqueeze(1))
+        chosen = (chosen_raw - row_max) - log_total
+        ranks = (raw > chosen_raw).sum(dim=1).add_(1)
         top_vals, top_ids = torch.topk(raw, md.max_num_logprobs, dim=1)
         top_logprobs = (top_vals - row_max) - log_total
-        return SamplerOutput(token_ids, chosen.squeeze(1), top_ids, top_logprobs)
+        return SamplerOutput(token_ids, chosen.squeeze(1), top_ids, top_logprobs, ranks)
 
 
 def _select(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ from llmserve.outputs import RequestOutput
 from llmserve.server import errors
 from llmserve.server.conversations import ConversationTurn, fit_history, open_turn
 from llmserve.server.gateway import request_key
-from llmserve.server.logprobs import TokenTexts, chat_logprobs
+from llmserve.server.logprobs import TokenTexts, chat_logprobs, vllm_prompt_logprobs
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import (
     AssistantMessage,
@@ -59,6 +59,7 @@ class _ChatContext:
     model: str
     n: int
     top_logprobs: int | None  # None: no logprobs
+    prompt_logprobs: int | None  # vLLM's prompt_logprobs field, with this many top logprobs
     echo: str
     include_usage: bool
     texts: TokenTexts
@@ -145,6 +146,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     turn = await open_turn(state, key, body.conversation_id, body.parent_message_id, new_messages)
     max_tokens, max_tokens_param = body.requested_max_tokens()
     prompt_text, prompt_ids = await _chat_prompt(state.workers, endpoint, body, new_messages, turn, max_tokens)
+    prompt_ids = endpoint.engine.input_processor.truncate(prompt_ids, body.truncate_prompt_tokens)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = to_sampling_params(
         body, endpoint.engine.default_sampling_params(), max_tokens, max_tokens_param, logprobs=top_logprobs
@@ -168,6 +170,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         model=endpoint.name,
         n=body.n,
         top_logprobs=top_logprobs,
+        prompt_logprobs=body.prompt_logprobs,
         echo=_echo_text(body),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         texts=endpoint.token_texts,
@@ -215,7 +218,8 @@ def _chat_response(output: RequestOutput, ctx: _ChatContext) -> tuple[ChatComple
                 finish_reason=finish_reason,
             )
         )
-    response = ChatCompletionResponse(id=ctx.response_id, model=ctx.model, choices=choices, usage=_usage(output))
+    response = ChatCompletionResponse(id=ctx.response_id, model=ctx.model, choices=choices, usage=_usage(output),
+                                      prompt_logprobs=vllm_prompt_logprobs(output.prompt_logprobs, ctx.prompt_logprobs))
     return response, ctx.count_blocks(cursors)
 
 

@@ -17,7 +17,12 @@ from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.safety import OutputGuard
 from llmserve.server import errors
 from llmserve.server.gateway import request_key
-from llmserve.server.logprobs import TokenTexts, completion_logprobs
+from llmserve.server.logprobs import (
+    TokenTexts,
+    completion_logprobs,
+    echoed_completion_logprobs,
+    vllm_prompt_logprobs,
+)
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import (
     CompletionChoice,
@@ -56,6 +61,8 @@ class _CompletionContext:
     n: int
     logprobs: int | None
     echo_texts: list[str]  # per prompt: the text echoed before its choices ("" without echo)
+    echo_logprobs: bool  # the prompt's tokens lead each choice's logprobs
+    prompt_logprobs: int | None  # vLLM's prompt_logprobs field, with this many top logprobs
     include_usage: bool
     texts: TokenTexts
     state: ServerState
@@ -78,7 +85,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     for prompt in prompts:
         if isinstance(prompt, str):
             endpoint.prompt_bound.check(len(prompt))
-    prompt_ids = await state.workers.run(_tokenize, endpoint, prompts)
+    prompt_ids = await state.workers.run(_tokenize, endpoint, prompts, body.truncate_prompt_tokens)
     check_request_size(endpoint, prompt_ids, params)
     await screen_prompts(state, endpoint, lambda: [_prompt_text(p, endpoint.token_texts) for p in prompts], "prompt")
     started = await start_requests(
@@ -90,6 +97,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         n=body.n,
         logprobs=body.logprobs,
         echo_texts=[_prompt_text(p, endpoint.token_texts) if body.echo else "" for p in prompts],
+        echo_logprobs=body.echoes_logprobs,
+        prompt_logprobs=body.prompt_logprobs,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         texts=endpoint.token_texts,
         state=state,
@@ -103,9 +112,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return JSONResponse(response.model_dump(), headers=started.headers)
 
 
-def _tokenize(endpoint: ModelEndpoint, prompts: Sequence[str | list[int]]) -> list[list[int]]:
-    """Text prompts encoded, id prompts checked against the vocabulary (before anything decodes them)."""
-    return [endpoint.engine.input_processor.tokenize(p) for p in prompts]
+def _tokenize(
+    endpoint: ModelEndpoint, prompts: Sequence[str | list[int]], keep: int | None
+) -> list[list[int]]:
+    """Text prompts encoded, id prompts checked against the vocabulary (before anything decodes them),
+    truncated to `truncate_prompt_tokens`."""
+    processor = endpoint.engine.input_processor
+    return [processor.truncate(processor.tokenize(p), keep) for p in prompts]
 
 
 def _prompt_text(prompt: str | list[int], texts: TokenTexts) -> str:
@@ -122,20 +135,24 @@ def _usage(outputs: Sequence[RequestOutput]) -> Usage:
 
 
 def _choice(
-    position: int, completion: CompletionOutput, ctx: _CompletionContext, cursor: StreamCursor
+    position: int, output: RequestOutput, completion: CompletionOutput, ctx: _CompletionContext,
+    cursor: StreamCursor,
 ) -> CompletionChoice:
     prefix = ctx.echo_texts[position]
     text, finish_reason = cursor.visible(completion)
     logprobs = None
     if ctx.logprobs is not None and completion.logprobs is not None:
-        logprobs = completion_logprobs(
-            completion.token_ids, completion.logprobs, ctx.logprobs, ctx.texts, len(prefix)
+        logprobs = (
+            echoed_completion_logprobs(output, completion.token_ids, completion.logprobs, ctx.logprobs, ctx.texts)
+            if ctx.echo_logprobs
+            else completion_logprobs(completion.token_ids, completion.logprobs, ctx.logprobs, ctx.texts, len(prefix))
         )
     return CompletionChoice(
         index=position * ctx.n + completion.index,
         text=prefix + text,
         logprobs=logprobs,
         finish_reason=finish_reason,
+        prompt_logprobs=vllm_prompt_logprobs(output.prompt_logprobs, ctx.prompt_logprobs),
     )
 
 
@@ -147,7 +164,7 @@ def _completion_response(
     for position, output in enumerate(outputs):
         for completion in output.outputs:
             cursors.append(StreamCursor(ctx.state.output_guard()))
-            choices.append(_choice(position, completion, ctx, cursors[-1]))
+            choices.append(_choice(position, output, completion, ctx, cursors[-1]))
     response = CompletionResponse(id=ctx.response_id, model=ctx.model, choices=choices, usage=_usage(outputs))
     return response, ctx.count_blocks(cursors)
 

@@ -87,6 +87,24 @@ class Usage(_Response):
         )
 
 
+class PromptTokenLogprob(_Response):
+    """vLLM's `Logprob` in its `prompt_logprobs` response field."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsField = list[dict[int, PromptTokenLogprob] | None] | None
+
+
+def _without_unset_prompt_logprobs(data: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `prompt_logprobs` appears only when it was asked for: other responses keep OpenAI's shape."""
+    if data.get("prompt_logprobs", ...) is None:
+        del data["prompt_logprobs"]
+    return data
+
+
 def _check_stop(value: Any) -> Any:
     if value is None:
         return value
@@ -129,6 +147,8 @@ class SamplingFields(_Request):
     priority: StrictInt = 0
     echo: StrictBool = False
     cache_salt: str | None = Field(None, min_length=1)  # keeps this request's prefix cache private
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's, per prompt token
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)  # keep the prompt's last k tokens
     # OpenAI parameters this server does not implement (a 400 names them when they are used)
     logit_bias: dict[str, StrictFloat] | None = None
 
@@ -142,10 +162,18 @@ class SamplingFields(_Request):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def engine_prompt_logprobs(self) -> int | None:
+        """How many top logprobs the engine computes per prompt token (None: it scores no prompt)."""
+        return self.prompt_logprobs
+
     def common_unsupported(self) -> list[tuple[str, str]]:
         found = []
         if self.logit_bias:
             found.append(("logit_bias", "logit_bias is not supported."))
+        if self.prompt_logprobs is not None and self.stream:
+            found.append(("prompt_logprobs", "prompt_logprobs is not supported when streaming."))
+        if self.truncate_prompt_tokens == 0:
+            found.append(("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 or at least 1."))
         if self.stream_options is not None and not self.stream:
             found.append(("stream_options", "stream_options is only allowed when stream is true."))
         return found
@@ -287,6 +315,11 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unset_prompt_logprobs(handler(self))
 
 
 class DeltaMessage(_Response):
@@ -370,9 +403,19 @@ class CompletionRequest(SamplingFields):
             found.append(("suffix", "suffix is not supported."))
         if self.best_of is not None and self.best_of != self.n:
             found.append(("best_of", "best_of is only supported when it equals n."))
-        if self.echo and self.logprobs is not None:
-            found.append(("echo", "echo together with logprobs is not supported (no prompt logprobs)."))
+        if self.echo and self.logprobs is not None and self.stream:
+            found.append(("echo", "echo together with logprobs is not supported when streaming."))
         return found
+
+    @property
+    def echoes_logprobs(self) -> bool:
+        """`echo` with `logprobs`: the prompt's tokens and logprobs lead each choice's logprobs."""
+        return self.echo and self.logprobs is not None
+
+    def engine_prompt_logprobs(self) -> int | None:
+        if not self.echoes_logprobs:
+            return self.prompt_logprobs
+        return max(self.logprobs or 0, self.prompt_logprobs or 0)
 
 
 class CompletionLogprobs(_Response):
@@ -387,6 +430,11 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobsField = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unset_prompt_logprobs(handler(self))
 
 
 class CompletionResponse(_Response):

@@ -35,6 +35,8 @@ def to_sampling_params(
             min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=body.engine_prompt_logprobs(),
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
         )

@@ -195,8 +195,12 @@ def test_stop_token_ids_min_tokens_and_logprobs(llm):
     assert len(c.logprobs) == 5
     for token, entry in zip(c.token_ids, c.logprobs, strict=True):
         assert token in entry and len(entry) == 3  # greedy: the chosen token is the top one
-        assert entry[token] == max(entry.values()) and all(v <= 0 for v in entry.values())
-    assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs, strict=True)))
+        values = [lp.logprob for lp in entry.values()]
+        assert entry[token].logprob == max(values) and all(v <= 0 for v in values)
+        assert entry[token].rank == 1
+    assert c.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs, strict=True))
+    )
     _assert_pool_empty(llm)
 
 

@@ -545,7 +545,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, _completion(logprobs=21), 400, "invalid_request_error", "logprobs", "invalid_value"),
     (
         COMPLETIONS,
-        _completion(echo=True, logprobs=1),
+        _completion(echo=True, logprobs=1, stream=True),  # echo's prompt logprobs are not streamed
         400,
         "invalid_request_error",
         "echo",
