@@ -93,6 +93,10 @@ class StepBatch:
     pending_index: np.ndarray | None = None
     pending_source: np.ndarray | None = None
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copied first
+    # Structured output: the sampling rows with a grammar, and their allowed tokens as packed bits
+    # ([G, ceil(vocab / 32)] int32; bit j of word w allows token 32 * w + j).
+    mask_rows: np.ndarray | None = None
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -344,7 +348,8 @@ class ModelRunner:
             return StepInputs(input_ids, positions, meta, None, None)
         starts = meta.query_start_loc_host
         last_tokens = np.array([starts[row + 1] - 1 for row in batch.logits_rows], dtype=np.int64)
-        sampling = SamplingMetadata.build(batch.sampling_rows, self.model_config.vocab_size, self.device)
+        sampling = SamplingMetadata.build(batch.sampling_rows, self.model_config.vocab_size, self.device,
+                                          batch.mask_rows, batch.token_bitmask)
         return StepInputs(input_ids, positions, meta, self._to_device(last_tokens), sampling)
 
     def prepare_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -317,15 +317,20 @@ class SamplingMetadata:
     banned_index: torch.Tensor | None  # flat (row * vocab + token) indices forced to -inf
     penalties: _PenaltyMetadata | None
     max_num_logprobs: int | None  # K for top logprobs; None when no row asked for logprobs
+    # Grammar-constrained rows (structured output): their batch positions and packed allowed-token
+    # bitmasks ([G, ceil(V / 32)] int32, bit j of word w allows token 32 * w + j).
+    mask_rows: torch.Tensor | None = None
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
         return self.random is None
 
     @classmethod
-    def build(cls, rows: Sequence[SamplingRow], vocab_size: int,
-              device: torch.device | str = "cpu") -> SamplingMetadata:
-        """Tensors for one step, on `device` (the logits' device). O(rows + tokens) Python work."""
+    def build(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str = "cpu",
+              mask_rows: np.ndarray | None = None, token_bitmask: np.ndarray | None = None) -> SamplingMetadata:
+        """Tensors for one step, on `device` (the logits' device). O(rows + tokens) Python work.
+        `mask_rows` / `token_bitmask`: the rows with a grammar and their packed allowed tokens."""
         device = torch.device(device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -338,6 +343,8 @@ class SamplingMetadata:
             banned_index=_flat_token_index(banned, vocab_size).to(device) if banned else None,
             penalties=_build_penalties(rows, vocab_size, device),
             max_num_logprobs=_max_logprobs(rows),
+            mask_rows=None if mask_rows is None else torch.from_numpy(mask_rows).to(device),
+            token_bitmask=None if token_bitmask is None else torch.from_numpy(token_bitmask).to(device),
         )
 
 
@@ -467,16 +474,34 @@ class Sampler:
         return self._ws.get(name, shape, dtype, like.device)
 
     def _processed(self, raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Banned tokens and penalties applied to a private copy; `raw` itself is never modified."""
-        if md.banned_index is None and md.penalties is None:
+        """Grammar masks, banned tokens and penalties applied to a private copy; `raw` itself is never
+        modified."""
+        if md.banned_index is None and md.penalties is None and md.token_bitmask is None:
             return raw
         work = self._buffer("work", tuple(raw.shape), raw).copy_(raw)
+        if md.token_bitmask is not None and md.mask_rows is not None:
+            self._apply_token_bitmask_(work, md.mask_rows, md.token_bitmask)
         flat = work.view(-1)
         if md.banned_index is not None:
             flat.index_fill_(0, md.banned_index, -math.inf)
         if md.penalties is not None:
             _apply_penalties_(flat, md.penalties)
         return work
+
+    def _apply_token_bitmask_(self, work: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Disallowed tokens of the grammar rows to -inf: the packed words are unpacked with one shift
+        and mask over [G, W, 32], then one masked fill of those rows (no Python loop over rows)."""
+        shifts = self._shifts(work.device)
+        allowed = torch.bitwise_right_shift(bitmask.unsqueeze(-1), shifts).bitwise_and_(1)
+        disallowed = allowed.view(bitmask.shape[0], -1)[:, : work.shape[1]] == 0
+        work.index_copy_(0, rows, work.index_select(0, rows).masked_fill_(disallowed, -math.inf))
+
+    def _shifts(self, device: torch.device) -> torch.Tensor:
+        key = (-32, device)
+        shifts = self._counter_cache.get(key)
+        if shifts is None:
+            shifts = self._counter_cache[key] = torch.arange(32, dtype=torch.int32, device=device)
+        return shifts
 
     # -- token choice --------------------------------------------------------------------------------
 
