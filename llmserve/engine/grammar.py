@@ -27,6 +27,10 @@ from llmserve.sampling.params import SamplingParams, StructuredOutputsParams
 
 PARAM = "structured_outputs"
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar 0.2.8 writes a string with minLength/maxLength as `[^"\\\r\n]{m,n}`, which lets raw control
+# characters into the string (invalid JSON); its unbounded strings exclude them, as JSON requires.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
     """The tokenizer-free grammar of a spec; raises InvalidRequestError when it is not valid."""
     try:
         if spec.kind == "json":
-            return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
+            return _json_grammar(spec.text)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
         if spec.kind == "choice":
@@ -98,6 +102,14 @@ def validate_structured_outputs(params: SamplingParams) -> SamplingParams:
     if so.json is not None and not isinstance(so.json, str):
         return replace(params, structured_outputs=replace(so, json=spec.text))
     return params
+
+
+def _json_grammar(schema: str) -> xgr.Grammar:
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    ebnf = str(grammar)
+    if _LOOSE_STRING_CHAR not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def _ebnf_literal(text: str) -> str:
