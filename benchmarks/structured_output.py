@@ -50,6 +50,32 @@ def throughput_round(llm: LLM, params: list[SamplingParams]) -> tuple[float, flo
     return tokens / elapsed, tokens / cpu
 
 
+def grammar_work_per_step(llm: LLM, schemas: list[str], steps: int) -> float:
+    """Seconds of grammar work one step of the batch adds, measured on its own (steady, unlike a
+    shared machine's step times): fill every row's mask, apply the masks in the sampler, advance
+    every row's grammar by the token sampled from the masked logits."""
+    core = llm.engine.core
+    manager = core.structured_output
+    states = [manager.new_state(manager.compile(GrammarSpec("json", s)).result(), []) for s in schemas]
+    sampler = core.runner.sampler
+    vocab = core.facts.model_config.vocab_size
+    logits = torch.randn(len(states), vocab, generator=torch.Generator().manual_seed(0))
+    rows = torch.arange(len(states))
+    elapsed = 0.0
+    for _ in range(steps):
+        start = time.perf_counter()
+        bitmask = manager.new_bitmask(len(states))
+        for j, state in enumerate(states):
+            state.fill_bitmask(bitmask, j)
+        work = logits.clone()
+        sampler._apply_token_bitmask_(work, rows, torch.from_numpy(bitmask))
+        for state, token in zip(states, work.argmax(dim=1).tolist(), strict=True):
+            state.accept(token)
+        elapsed += time.perf_counter() - start
+        logits = torch.randn_like(logits)
+    return elapsed / steps
+
+
 def ttft(llm: LLM, params: SamplingParams) -> float:
     out = llm.generate(PROMPT, params)[0]
     return out.metrics.first_token_time - out.metrics.arrival_time
@@ -94,11 +120,12 @@ def main() -> None:
     ]
     throughput_round(llm, constrained[:4] + plain[:4])  # warm up (and compile the batch's grammars once)
     throughput_round(llm, constrained)
-    ratios, cpu_ratios = [], []
+    ratios, cpu_ratios, plain_rates = [], [], []
     for r in range(args.rounds):
         a, a_cpu = throughput_round(llm, plain)
         b, b_cpu = throughput_round(llm, constrained)
         ratios.append(b / a)
+        plain_rates.append(a)
         cpu_ratios.append(b_cpu / a_cpu)
         print(f"round {r + 1}: unconstrained {a:.1f} tok/s ({a_cpu:.1f} per CPU-s), JSON schema {b:.1f} tok/s "
               f"({b_cpu:.1f} per CPU-s), ratio {b / a:.3f} wall, {b_cpu / a_cpu:.3f} CPU")
@@ -106,6 +133,12 @@ def main() -> None:
         median = statistics.median(values)
         print(f"JSON schema / unconstrained, {name} tok/s: median {median:.3f} (loss {100 * (1 - median):.1f}%), "
               f"range {min(values):.3f}-{max(values):.3f}")
+
+    per_step = grammar_work_per_step(llm, [_wrapped(schemas[i % len(schemas)]) for i in range(args.batch)],
+                                     args.max_tokens)
+    print(f"grammar work per step of {args.batch} rows (masks filled + applied + grammars advanced): "
+          f"{per_step * 1e3:.2f} ms, against a step of {args.batch / statistics.median(plain_rates) * 1e3:.0f} ms "
+          f"(median unconstrained round): {100 * per_step * statistics.median(plain_rates) / args.batch:.1f}%")
 
     # TTFT of one request alone: unconstrained, with a cached grammar, with a grammar compiled cold.
     plain_ttft, warm_ttft, cold_ttft = [], [], []
