@@ -14,6 +14,11 @@ on step N's token has one more token computed and dropped). On CUDA kernel launc
 on a CPU the host is the device, so a step computes when it is launched and there is nothing to
 overlap (a worker thread would only contend for the interpreter lock), but the order of the work is
 the same.
+
+Structured output: a request with a grammar waits here until its grammar is compiled (off the step
+loop, `structured_output`), then joins the scheduler; each step fills the token bitmask of every
+sampling row whose sequence is under a grammar. Under overlapped scheduling such a sequence skips a
+step while its last token is pending (its mask needs that token), as penalised ones do.
 """
 
 from __future__ import annotations
@@ -21,18 +26,29 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
+from pathlib import Path
 
 import numpy as np
 
 from llmserve.config import EngineConfig
 from llmserve.engine.block_manager import BlockManager
-from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats, StepRecord
+from llmserve.engine.grammar import grammar_spec
+from llmserve.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    StepRecord,
+)
 from llmserve.engine.model_facts import ModelFacts
 from llmserve.engine.prefix_cache import hash_root
 from llmserve.engine.scheduler import SampleTarget, Scheduler, SchedulerOutput
 from llmserve.engine.sequence import Request, Sequence
+from llmserve.engine.structured_output import StructuredOutputManager
 from llmserve.errors import InvalidRequestError
 from llmserve.heap import freeze_startup_heap
 from llmserve.model.runner import ModelRunner, PromptLogprobsBatch, StepBatch, StepHandle
@@ -76,6 +92,12 @@ class EngineCore:
         self.last_step: StepRecord | None = None
         self._in_flight: _Launched | None = None
         self._last_end = 0.0
+        tokenizer_dir = Path(config.tokenizer) if config.tokenizer and Path(config.tokenizer).is_dir() else facts.model_dir
+        self.structured_output = StructuredOutputManager(
+            tokenizer_dir, facts.model_config.vocab_size, facts.eos_token_ids
+        )
+        self._awaiting_grammar: dict[str, tuple[Request, Future]] = {}
+        self._failed_outputs: list[EngineCoreOutput] = []  # requests whose grammar failed, to report
         freeze_startup_heap()
         logger.info(
             "engine core ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d, %s scheduling",
@@ -86,23 +108,56 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the front end validated."""
-        if request.request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"Request id {request.request_id!r} is already in use.", param="request_id")
-        self.scheduler.add_request(
-            Request(
-                request_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                params=request.params,
-                seed=request.seed,
-                arrival_order=next(self._arrivals),
-                priority=request.priority,
-                cache_root=hash_root(*self._cache_identity, request.cache_salt),
-            )
+        request_id = request.request_id
+        if request_id in self.scheduler.requests or request_id in self._awaiting_grammar:
+            raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
+        core_request = Request(
+            request_id=request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            params=request.params,
+            seed=request.seed,
+            arrival_order=next(self._arrivals),
+            priority=request.priority,
+            cache_root=hash_root(*self._cache_identity, request.cache_salt),
         )
         self.num_requests_added += 1
+        so = request.params.structured_outputs
+        if so is None:
+            self.scheduler.add_request(core_request)
+            return
+        future = self.structured_output.compile(grammar_spec(so))
+        self._awaiting_grammar[request_id] = (core_request, future)
+        self._admit_compiled()  # a cached grammar: queued at once
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is ready; finish those whose grammar failed to compile."""
+        if not self._awaiting_grammar:
+            return
+        ready = [(rid, entry) for rid, entry in self._awaiting_grammar.items() if entry[1].done()]
+        for request_id, (request, future) in ready:
+            del self._awaiting_grammar[request_id]
+            error = future.exception()
+            if error is not None:
+                logger.warning("request %s: its grammar failed to compile: %s", request_id, error)
+                self._failed_outputs.extend(
+                    EngineCoreOutput(request_id, -1, index, finish_reason="error") for index in range(request.params.n)
+                )
+                continue
+            so = request.params.structured_outputs
+            assert so is not None
+            request.new_grammar = partial(self.structured_output.new_state, future.result(), so.start_after)
+            self.scheduler.add_request(request)
+
+    def wait_for_grammars(self, timeout: float | None = None) -> None:
+        """Block until some awaited grammar is compiled (or `timeout`); returns at once with none awaited."""
+        futures = [future for _, future in self._awaiting_grammar.values()]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop requests wherever they are; their blocks return to the pool at once."""
+        for request_id in request_ids:
+            self._awaiting_grammar.pop(request_id, None)
         self.scheduler.finish_requests(request_ids)
 
     def stop_choices(self, choices: list[tuple[str, int]]) -> None:
@@ -110,15 +165,31 @@ class EngineCore:
         self.scheduler.finish_choices(choices)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        """Some request is unfinished (its grammar may still be compiling) or a step is in flight."""
+        return self.can_step() or bool(self._awaiting_grammar)
+
+    def can_step(self) -> bool:
+        """A step would do something now; False when the only requests left wait for their grammar."""
+        return (
+            self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._failed_outputs)
+            or any(future.done() for _, future in self._awaiting_grammar.values())
+        )
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs | None:
         """Run one step; return the outputs of the step that completed (None when none did)."""
+        self._admit_compiled()
         if self.config.async_scheduling:
-            return self._step_overlapped()
-        launched = self._launch()
-        return None if launched is None else self._complete(launched)
+            outputs = self._step_overlapped()
+        else:
+            launched = self._launch()
+            outputs = None if launched is None else self._complete(launched)
+        if self._failed_outputs:
+            failed, self._failed_outputs = self._failed_outputs, []
+            if outputs is None:
+                return EngineCoreOutputs(failed, None, self.stats())
+            outputs.outputs.extend(failed)
+        return outputs
 
     def _step_overlapped(self) -> EngineCoreOutputs | None:
         previous, self._in_flight = self._in_flight, self._launch()
@@ -169,6 +240,7 @@ class EngineCore:
         pending = [(int(starts[i]) + row.num_new - 1, row.pending_source)
                    for i, row in enumerate(rows) if row.pending_source >= 0]
         total = int(num_new.sum())
+        mask_rows, bitmask = self._grammar_bitmask(scheduled.samples)
         if total == count:  # decodes only: one token each
             tokens = (row.seq.token_ids[row.begin] if row.pending_source < 0 else 0 for row in rows)
         else:
@@ -180,14 +252,32 @@ class EngineCore:
             num_new=num_new,
             block_tables=[row.seq.block_table for row in rows],
             logits_rows=[target.row for target in scheduled.samples],
-            sampling_rows=[self._sampling_row(target) for target in scheduled.samples],
+            sampling_rows=[
+                self._sampling_row(target, None if bitmask is None or i not in mask_rows else bitmask[mask_rows[i]])
+                for i, target in enumerate(scheduled.samples)
+            ],
             pending_index=np.array([i for i, _ in pending], dtype=np.int64) if pending else None,
             pending_source=np.array([s for _, s in pending], dtype=np.int64) if pending else None,
             blocks_to_copy=self.scheduler.take_copies(),
             prompt_logprobs=_prompt_logprobs_batch(scheduled, starts) if scheduled.prompt_scores else None,
+            mask_rows=np.fromiter(mask_rows, dtype=np.int64, count=len(mask_rows)) if mask_rows else None,
+            token_bitmask=bitmask,
         )
 
-    def _sampling_row(self, target: SampleTarget) -> SamplingRow:
+    def _grammar_bitmask(self, samples: list[SampleTarget]) -> tuple[dict[int, int], np.ndarray | None]:
+        """{sampling row: bitmask row} of the rows under a grammar, and their packed allowed tokens.
+        The unforked choices of an n > 1 request all start from its first sequence's state."""
+        constrained = [i for i, target in enumerate(samples) if target.seq.grammar is not None
+                       and target.seq.grammar.constrains]
+        if not constrained:
+            return {}, None
+        bitmask = self.structured_output.new_bitmask(len(constrained))
+        for j, i in enumerate(constrained):
+            samples[i].seq.grammar.fill_bitmask(bitmask, j)  # type: ignore[union-attr]
+        return {i: j for j, i in enumerate(constrained)}, bitmask
+
+    def _sampling_row(self, target: SampleTarget, allowed: np.ndarray | None) -> SamplingRow:
+        """How to sample `target`; `allowed`: its grammar's packed allowed tokens, when it has one."""
         seq, choice = target.seq, target.choice
         params = seq.request.params
         penalised = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
@@ -198,6 +288,8 @@ class EngineCore:
             if request.min_tokens_banned is None:
                 request.min_tokens_banned = tuple(sorted(self.facts.eos_token_ids | set(params.stop_token_ids)))
             banned = request.min_tokens_banned
+            if allowed is not None and not _allows_other_than(allowed, banned):
+                banned = ()  # the grammar allows only an end: it wins over min_tokens
         return SamplingRow(
             params=params,
             seed=seq.seed if choice == seq.index else seq.request.seed_for_choice(choice),
@@ -212,8 +304,8 @@ class EngineCore:
         bm, scheduler = self.block_manager, self.scheduler
         return EngineStats(
             num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
-            num_unfinished_requests=len(scheduler.requests),
+            num_waiting=scheduler.num_waiting + len(self._awaiting_grammar),
+            num_unfinished_requests=len(scheduler.requests) + len(self._awaiting_grammar),
             num_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,
             num_used_blocks=bm.num_used_blocks,
@@ -236,10 +328,21 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Drop every request (their blocks return to the pool) and let the step in flight end."""
+        self._awaiting_grammar.clear()
         self.scheduler.finish_requests(list(self.scheduler.requests))
         if self._in_flight is not None:
             self._in_flight.handle.result()
             self._in_flight = None
+        self.structured_output.shutdown()
+
+
+def _allows_other_than(bitmask_row: np.ndarray, banned: tuple[int, ...]) -> bool:
+    """Whether a packed allowed-token row allows some token outside `banned`."""
+    row = bitmask_row.copy()
+    ids = np.fromiter(banned, dtype=np.int64, count=len(banned))
+    ids = ids[ids < 32 * len(row)]
+    np.bitwise_and.at(row, ids // 32, ~(np.int32(1) << (ids % 32).astype(np.int32)))
+    return bool(row.any())
 
 
 def _prompt_logprobs_batch(scheduled: SchedulerOutput, starts: np.ndarray) -> PromptLogprobsBatch:

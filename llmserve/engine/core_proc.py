@@ -1,6 +1,7 @@
 """The engine core's own process (vLLM v1's `EngineCoreProc`): a busy loop that takes requests,
 aborts and utility calls from the front end over ZeroMQ, runs engine steps while there is work, and
-sends one message per step back. The front end starts it (`core_client`), and it never outlives
+sends one message per step back. With nothing to step it sleeps on its input socket, and on the
+structured-output wakeup pipe while requests wait for their grammar to compile (never polling). The front end starts it (`core_client`), and it never outlives
 the front end: when the parent process is gone, it exits.
 
 A failure, at start or in a step, is reported with a last `EngineCoreDead` message before the
@@ -53,6 +54,7 @@ class EngineCoreProc:
         self._encoder = msgspec.msgpack.Encoder()
         self._idle_waiters: list[int] = []
         self._changed = False  # a message changed the core's state since the last step
+        self._grammar_poller: zmq.Poller | None = None
         self._handlers: dict[type, Callable[[Any], None]] = {
             EngineCoreRequest: core.add_request,
             AbortRequests: lambda message: core.abort_requests(message.request_ids),
@@ -64,9 +66,9 @@ class EngineCoreProc:
         """Serve until told to shut down."""
         while True:
             self._changed = False
-            if self._take_inputs(block=not self.core.has_work()):
+            if self._take_inputs(block=not self.core.can_step()):
                 return
-            if self.core.has_work():
+            if self.core.can_step():
                 outputs = self.core.step()
                 if outputs is not None:
                     self._send(outputs)
@@ -78,7 +80,11 @@ class EngineCoreProc:
                 self._idle_waiters.clear()
 
     def _take_inputs(self, block: bool) -> bool:
-        """Handle every message waiting (waiting for one first when `block`); True on shutdown."""
+        """Handle every message waiting (waiting for one first when `block`); True on shutdown. While
+        requests wait for their grammar, a blocking wait also ends when a compile completes."""
+        if block and self.core.has_work():
+            self._wait_for_input_or_grammar()
+            block = False
         flags = 0 if block else zmq.NOBLOCK
         while True:
             try:
@@ -90,6 +96,19 @@ class EngineCoreProc:
             self._changed = True
             self._handlers[type(message)](message)
             flags = zmq.NOBLOCK
+
+    def _wait_for_input_or_grammar(self) -> None:
+        structured = self.core.structured_output
+        self._poller.poll()
+        structured.clear_wakeups()
+
+    @property
+    def _poller(self) -> zmq.Poller:
+        if self._grammar_poller is None:
+            self._grammar_poller = zmq.Poller()
+            self._grammar_poller.register(self.inputs, zmq.POLLIN)
+            self._grammar_poller.register(self.core.structured_output.wakeup_fd, zmq.POLLIN)
+        return self._grammar_poller
 
     def _call(self, call: UtilityCall) -> None:
         if call.method not in UTILITY_METHODS:

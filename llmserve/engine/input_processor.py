@@ -1,7 +1,11 @@
 """Every check and default a request gets before it reaches the engine core, in one place: the prompt
 (tokenized, non-empty, ids in the vocabulary, room left in the context), the sampling parameters
 against the model (stop token ids, the default and the limit of max_tokens, generation_config's
-defaults, truncate_prompt_tokens applied before the context checks) and the request's seed. Raises `InvalidRequestError` naming the offending parameter.
+defaults, truncate_prompt_tokens applied before the context checks), the request's seed, and its
+structured output (exactly one kind, and a grammar that compiles; a `json` dict becomes JSON text).
+Raises `InvalidRequestError` naming the offending parameter. Runs on the caller's thread (the server
+calls it from a worker pool): compiling a grammar without the vocabulary is cheap, but it grows with
+the schema.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from array import array
 from collections.abc import Sequence
 
 from llmserve.config import EngineConfig
+from llmserve.engine.grammar import validate_structured_outputs
 from llmserve.engine.messages import EngineCoreRequest
 from llmserve.engine.model_facts import ModelFacts
 from llmserve.errors import ContextLengthExceededError, InvalidRequestError
@@ -92,6 +97,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"stop_token_ids must be below the vocabulary size {self.vocab_size}.", param="stop_token_ids"
             )
+        params = validate_structured_outputs(params)
         max_tokens = self.max_tokens(len(token_ids), params)
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)

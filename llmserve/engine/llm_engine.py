@@ -68,7 +68,10 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; report every request that made progress in the step that completed."""
+        """Run one engine step; report every request that made progress in the step that completed.
+        When the only requests left wait for their grammar, it first waits for one to compile."""
+        if not self.core.can_step():
+            self.core.wait_for_grammars()
         core_outputs = self.core.step()
         if core_outputs is None:
             return []

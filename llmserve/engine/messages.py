@@ -96,7 +96,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     request_id: str
     token_id: int
     index: int = 0
-    finish_reason: str | None = None  # "stop" | "length": the core ended it on this token
+    # "stop" | "length": the core ended it on this token; "error" with token_id -1: it ended without
+    # one (its grammar failed to compile in the core)
+    finish_reason: str | None = None
     stop_reason: int | None = None  # the stop token id that ended it
     logprob: float | None = None  # of the token, when the request asked for logprobs
     rank: int | None = None  # of the token among the raw logits (1 = the most likely), with its logprob

@@ -62,6 +62,9 @@ class ChoiceState:
         """Take one new token; True when a stop string ended the choice with it (and with the flushed
         text of a choice the core finished, False: the core knows it ended)."""
         token = output.token_id
+        if token < 0:  # the core ended the choice without a token (its grammar failed to compile)
+            self.finish_reason = output.finish_reason
+            return False
         if self.logprobs is not None and output.logprob is not None:
             self.logprobs.append(logprob_entry(
                 token, output.logprob, output.rank or 0, output.top_ids or (), output.top_logprobs or (),

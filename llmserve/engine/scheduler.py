@@ -18,13 +18,16 @@ The scheduler is the only owner of sequence state (nano-vllm's rule, vLLM's `upd
 sample as pending, and names the blocks it fills in the prefix cache; `update_from_output()`
 appends the sampled tokens, finishes sequences that stopped, forks the choices of an n > 1 request
 and names the blocks that a newly known token completed;
-`finish_requests()` ends requests from outside (aborts, stop strings).
+`finish_requests()` ends requests from outside (aborts, stop strings). A sequence with a grammar
+(structured output) follows each appended token in its `GrammarState` there too; tokens recomputed
+after a preemption are never appended again, so they never advance it twice.
 
 Scheduling may run one step ahead of the results (overlapped scheduling): a sequence whose last
 token is still pending decodes it in the next step straight from the device, so its next input token
 is named, not known. What needs the pending token's value waits for it: a preempted sequence is not
 re-admitted until its pending token arrived, and a request with repetition penalties (which read its
-history) skips a step rather than sample from a stale one. A sequence that will have reached its
+history) or with a grammar (structured output: its token mask depends on every token so far) skips
+a step rather than sample from a stale one. A sequence that will have reached its
 length limit once its pending tokens arrive is not scheduled again.
 """
 
@@ -201,6 +204,8 @@ class Scheduler:
         params = seq.request.params
         if params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0:
             return False
+        if seq.grammar is not None and not seq.grammar.done:
+            return False
         outputs = seq.num_output_tokens + seq.num_pending
         if params.max_tokens is not None and outputs >= params.max_tokens:
             return False
@@ -356,6 +361,8 @@ class Scheduler:
             assert result is not None
             token = result.token_ids[row]
             seq.token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             request = seq.request
             output = EngineCoreOutput(request.request_id, token, seq.index)
             if result.logprobs is not None and request.params.logprobs is not None:

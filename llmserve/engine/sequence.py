@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmserve.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmserve.engine.grammar import GrammarState
 
 _seq_ids = itertools.count()
 
@@ -46,6 +51,9 @@ class Sequence:
         self.seed = seed
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
+        # Structured output: where this sequence is in its grammar (advanced by the scheduler as
+        # its tokens are appended); None without a grammar.
+        self.grammar: GrammarState | None = request.new_grammar() if request.new_grammar is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +114,7 @@ class Request:
     first_scheduled_time: float | None = None  # time.monotonic() of its first admission
     num_preemptions: int = 0
     min_tokens_banned: tuple[int, ...] | None = None  # what would end it early: banned until min_tokens
+    new_grammar: Callable[[], GrammarState] | None = None  # structured output: a fresh grammar state
     # Prompt positions (from 0) whose next prompt token a scheduled step scores (prompt_logprobs).
     num_prompt_positions_scored: int = 0
 

@@ -106,6 +106,10 @@ class StepBatch:
     pending_source: np.ndarray | None = None
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copied first
     prompt_logprobs: PromptLogprobsBatch | None = None
+    # Structured output: the sampling rows with a grammar, and their allowed tokens as packed bits
+    # ([G, ceil(vocab / 32)] int32; bit j of word w allows token 32 * w + j).
+    mask_rows: np.ndarray | None = None
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -422,7 +426,8 @@ class ModelRunner:
         starts = meta.query_start_loc_host
         last_tokens = np.array([starts[row + 1] - 1 for row in batch.logits_rows], dtype=np.int64)
         inputs.logits_index = self._to_device(last_tokens)
-        inputs.sampling = SamplingMetadata.build(batch.sampling_rows, self.model_config.vocab_size, self.device)
+        inputs.sampling = SamplingMetadata.build(batch.sampling_rows, self.model_config.vocab_size, self.device,
+                                                 batch.mask_rows, batch.token_bitmask)
         return inputs
 
     def prepare_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

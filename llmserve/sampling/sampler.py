@@ -53,7 +53,8 @@ _MANTISSA_MASK = (1 << 23) - 1
 _ONE_BITS = 0x3F800000  # float32 1.0
 _UNIFORM_OFFSET = 1.0 - 2.0**-24  # exactly representable in float32
 
-_NUCLEUS_CANDIDATES = 128  # first guess at how many candidates a top-p-only row needs
+_NUCLEUS_CANDIDATES = 128
+_MASK_PENALTY = np.array([-np.inf, 0.0], dtype=np.float32)  # added to a logit whose allowed bit is 0 / 1  # first guess at how many candidates a top-p-only row needs
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -318,15 +319,20 @@ class SamplingMetadata:
     banned_index: torch.Tensor | None  # flat (row * vocab + token) indices forced to -inf
     penalties: _PenaltyMetadata | None
     max_num_logprobs: int | None  # K for top logprobs; None when no row asked for logprobs
+    # Grammar-constrained rows (structured output): their batch positions and packed allowed-token
+    # bitmasks ([G, ceil(V / 32)] int32, bit j of word w allows token 32 * w + j).
+    mask_rows: torch.Tensor | None = None
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
         return self.random is None
 
     @classmethod
-    def build(cls, rows: Sequence[SamplingRow], vocab_size: int,
-              device: torch.device | str = "cpu") -> SamplingMetadata:
-        """Tensors for one step, on `device` (the logits' device). O(rows + tokens) Python work."""
+    def build(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str = "cpu",
+              mask_rows: np.ndarray | None = None, token_bitmask: np.ndarray | None = None) -> SamplingMetadata:
+        """Tensors for one step, on `device` (the logits' device). O(rows + tokens) Python work.
+        `mask_rows` / `token_bitmask`: the rows with a grammar and their packed allowed tokens."""
         device = torch.device(device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -339,6 +345,8 @@ class SamplingMetadata:
             banned_index=_flat_token_index(banned, vocab_size).to(device) if banned else None,
             penalties=_build_penalties(rows, vocab_size, device),
             max_num_logprobs=_max_logprobs(rows),
+            mask_rows=None if mask_rows is None else torch.from_numpy(mask_rows).to(device),
+            token_bitmask=None if token_bitmask is None else torch.from_numpy(token_bitmask).to(device),
         )
 
 
@@ -468,16 +476,41 @@ class Sampler:
         return self._ws.get(name, shape, dtype, like.device)
 
     def _processed(self, raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Banned tokens and penalties applied to a private copy; `raw` itself is never modified."""
-        if md.banned_index is None and md.penalties is None:
+        """Grammar masks, banned tokens and penalties applied to a private copy; `raw` itself is never
+        modified."""
+        if md.banned_index is None and md.penalties is None and md.token_bitmask is None:
             return raw
         work = self._buffer("work", tuple(raw.shape), raw).copy_(raw)
+        if md.token_bitmask is not None and md.mask_rows is not None:
+            self._apply_token_bitmask_(work, md.mask_rows, md.token_bitmask)
         flat = work.view(-1)
         if md.banned_index is not None:
             flat.index_fill_(0, md.banned_index, -math.inf)
         if md.penalties is not None:
             _apply_penalties_(flat, md.penalties)
         return work
+
+    def _apply_token_bitmask_(self, work: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Disallowed tokens of the grammar rows to -inf, as one vectorised add of 0 / -inf per token.
+
+        On the CPU the packed words are unpacked by numpy (`unpackbits` reads the int32 words as
+        little-endian bytes: bit j of word w is token 32 * w + j) and turned into 0 / -inf by a table
+        lookup; an add is branch-free, where a masked fill is slow on the irregular masks grammars
+        give (`benchmarks/grammar_backends.py`: faster than xgrammar's CPU kernel too). On a GPU the
+        same unpacking is a broadcast shift and mask.
+        """
+        vocab_size = work.shape[1]
+        if work.device.type == "cpu":
+            bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+            penalty = torch.from_numpy(_MASK_PENALTY.take(bits))
+        else:
+            shifts = torch.arange(32, dtype=torch.int32, device=work.device)
+            bits = torch.bitwise_right_shift(bitmask.unsqueeze(-1), shifts).bitwise_and_(1)
+            penalty = torch.where(bits.view(bitmask.shape[0], -1)[:, :vocab_size] == 1, 0.0, -math.inf)
+        if rows.numel() == work.shape[0]:
+            work.add_(penalty)
+        else:
+            work.index_add_(0, rows, penalty)
 
     # -- token choice --------------------------------------------------------------------------------
 
