@@ -267,9 +267,25 @@ class ChoiceLogprobs(_Response):
     content: list[TokenLogprob] | None
 
 
+def _without_none(data: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    return {key: value for key, value in data.items() if value is not None or key not in fields}
+
+
+# OpenAI's tool call objects ({"id", "type", "function": {"name", "arguments"}}; a delta's also has "index").
+ToolCalls = list[dict[str, Any]]
+
+
 class AssistantMessage(_Response):
+    """A reply; `reasoning_content` (vLLM's field) and `tool_calls` are left out when there are none."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
+    tool_calls: ToolCalls | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self), ("reasoning_content", "tool_calls"))
 
 
 class ChatChoice(_Response):
@@ -294,6 +310,8 @@ class DeltaMessage(_Response):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: ToolCalls | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
