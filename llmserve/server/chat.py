@@ -108,11 +108,16 @@ async def _chat_prompt(
     turn: ConversationTurn | None,
     max_tokens: int | None,
 ) -> tuple[str, list[int]]:
-    """The templated, tokenized prompt: a conversation's history (fitted to the context window as
-    `truncation` says, leaving room for `max_tokens`), then the new messages."""
+    """The templated, tokenized prompt (on a worker thread): a conversation's history (fitted to the
+    context window as `truncation` says, leaving room for `max_tokens`), then the new messages; the
+    request's `chat_template_kwargs` are the template's variables too."""
+
+    template_variables = body.chat_template_kwargs or {}
 
     def render(messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-        text = endpoint.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        text = endpoint.engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=body.add_generation_prompt, **template_variables
+        )
         return text, endpoint.continuations.encode(text, body.cache_salt)
 
     history = turn.history if turn is not None else []
