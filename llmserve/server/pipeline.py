@@ -155,6 +155,7 @@ class _Run:
         self.renderers = [
             shape.renderer(position, position * self.n + j) for position in range(len(started.streams)) for j in range(self.n)
         ]
+        self.finals: dict[int, RequestOutput] = {}  # streamed: each request's last output, by position
 
     def _count_blocks(self) -> bool:
         return count_output_blocks(self.prepared.state, self.model, self.started.response_id, self.cursors)
@@ -181,38 +182,33 @@ class _Run:
 
     async def events(self) -> AsyncIterator[str]:
         """The streamed response's server-sent events."""
-        started, shape, n = self.started, self.shape, self.n
+        started, shape = self.started, self.shape
         streams, meter = started.streams, started.meter
         created = now()
         envelope = ChunkEnvelope(shape.empty_chunk(started.response_id, created, self.model, None))
         status = "disconnected"  # unless the streams get to their end
-        finals: dict[int, RequestOutput] = {}
         try:
-            for choices in shape.opening_chunks(len(streams), n):
+            for choices in shape.opening_chunks(len(streams), self.n):
                 yield envelope.event(choices)
-            async for position, output in merged(streams):
-                meter.observe(position, output)
-                choices = []
-                for completion in output.outputs:
-                    index = position * n + completion.index
-                    delta = self.cursors[index].advance(completion)
-                    if delta is not None:
-                        choice = self.renderers[index].chunk_choice(delta, output)
-                        if choice is not None:
-                            choices.append(choice)
-                if output.finished or all(c.done for c in self.cursors[position * n : (position + 1) * n]):
-                    finals[position] = output
-                    if not output.finished:
-                        streams[position].abort()  # every choice was stopped by the output filter
-                if choices:
-                    yield envelope.event(choices)
-                if len(finals) == len(streams):
-                    break
+            if len(streams) == 1:  # iterated directly: a merging generator costs a hop per token
+                async for output in streams[0]:
+                    choices = self._advance(0, output)
+                    if choices:
+                        yield envelope.event(choices)
+                    if self.finals:
+                        break
+            else:
+                async for position, output in merged(streams):
+                    choices = self._advance(position, output)
+                    if choices:
+                        yield envelope.event(choices)
+                    if len(self.finals) == len(streams):
+                        break
             status = "content_filter" if self._count_blocks() else "completed"
             if self.prepared.include_usage:
                 yield sse(shape.empty_chunk(started.response_id, created, self.model, usage_of(meter)))
             await meter.finish_durably(status)  # metered before the client sees the end
-            await shape.completed([finals[i] for i in sorted(finals)], self.cursors, status == "content_filter")
+            await shape.completed([self.finals[i] for i in sorted(self.finals)], self.cursors, status == "content_filter")
             yield SSE_DONE
         except LLMServeError as exc:  # the engine died or is shutting down mid-stream
             status = "error"
@@ -221,3 +217,22 @@ class _Run:
             yield SSE_DONE
         finally:
             started.abort(status)
+
+    def _advance(self, position: int, output: RequestOutput) -> list[Choice]:
+        """Take a request's new output: metered, its choices' deltas rendered; once every choice is
+        done, the output is the request's last (aborting it when the output filter stopped them all)."""
+        self.started.meter.observe(position, output)
+        n = self.n
+        choices = []
+        for completion in output.outputs:
+            index = position * n + completion.index
+            delta = self.cursors[index].advance(completion)
+            if delta is not None:
+                choice = self.renderers[index].chunk_choice(delta, output)
+                if choice is not None:
+                    choices.append(choice)
+        if output.finished or all(c.done for c in self.cursors[position * n : (position + 1) * n]):
+            self.finals[position] = output
+            if not output.finished:
+                self.started.streams[position].abort()  # every choice was stopped by the output filter
+        return choices
