@@ -11,6 +11,7 @@ itself, so an error's location is the field the client sent, not a union branch.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from pydantic import (
     StrictInt,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 MAX_LOGPROBS = 20
@@ -32,6 +34,11 @@ MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_MESSAGES = 2048
 MAX_N = 128
 MAX_PROMPTS = 2048  # in one completions request, as OpenAI
+# Chat template variables that come from the request's own fields, never from chat_template_kwargs
+# (`tokenize` and `self` are the rendering call's own arguments).
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "tools", "documents", "tokenize", "self"}
+)
 
 
 def random_id(prefix: str) -> str:
@@ -117,6 +124,92 @@ def _check_stop(value: Any) -> Any:
     raise ValueError("stop must be a string or a list of strings")
 
 
+# ---- structured output ----------------------------------------------------------------------------
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")  # `schema` would shadow a BaseModel method
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError("'json_schema' is only allowed with type 'json_schema'")
+        return self
+
+
+def _check_json_schema(value: Any) -> Any:
+    """A JSON schema as an object or as its JSON text (vLLM takes both)."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise ValueError("a JSON schema given as a string must be valid JSON") from None
+        if isinstance(parsed, dict):
+            return parsed
+    raise ValueError("a JSON schema must be an object (or its JSON text)")
+
+
+def _check_choices(value: list[str] | None) -> list[str] | None:
+    if value is not None and not value:
+        raise ValueError("give at least one choice")
+    return value if value is None else [_check_unicode(choice) for choice in value]
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: Any = Field(None, alias="json")  # a JSON schema; `json` would shadow a BaseModel method
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+
+    @field_validator("json_")
+    @classmethod
+    def _validate_json(cls, value: Any) -> Any:
+        return _check_json_schema(value)
+
+    @field_validator("choice")
+    @classmethod
+    def _validate_choice(cls, value: list[str] | None) -> list[str] | None:
+        return _check_choices(value)
+
+    @field_validator("regex", "grammar")
+    @classmethod
+    def _validate_text(cls, value: str | None) -> str | None:
+        return value if value is None else _check_unicode(value)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsRequest:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if self.kind_set(name)]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of json, regex, choice, grammar, json_object"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        return self
+
+    def kind_set(self, name: str) -> bool:
+        value = self.json_ if name == "json" else getattr(self, name)
+        return bool(value) if name == "json_object" else value is not None
+
+
 class SamplingFields(_Request):
     """Parameters both endpoints share, with vLLM's extras."""
 
@@ -149,6 +242,14 @@ class SamplingFields(_Request):
     cache_salt: str | None = Field(None, min_length=1)  # keeps this request's prefix cache private
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's, per prompt token
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)  # keep the prompt's last k tokens
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
     # OpenAI parameters this server does not implement (a 400 names them when they are used)
     logit_bias: dict[str, StrictFloat] | None = None
 
@@ -156,6 +257,21 @@ class SamplingFields(_Request):
     @classmethod
     def _validate_stop(cls, value: Any) -> Any:
         return _check_stop(value)
+
+    @field_validator("guided_json")
+    @classmethod
+    def _validate_guided_json(cls, value: Any) -> Any:
+        return _check_json_schema(value)
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _validate_guided_choice(cls, value: list[str] | None) -> list[str] | None:
+        return _check_choices(value)
+
+    @field_validator("guided_regex", "guided_grammar")
+    @classmethod
+    def _validate_guided_text(cls, value: str | None) -> str | None:
+        return value if value is None else _check_unicode(value)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -231,12 +347,13 @@ class ChatCompletionRequest(SamplingFields):
     parent_message_id: str | None = Field(None, min_length=1)
     # The Responses API's name: "auto" drops the oldest stored turns that do not fit the context window.
     truncation: Literal["auto", "disabled"] = "disabled"
+    # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI parameters this server does not implement
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -244,6 +361,14 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: StrictBool | None = None
     reasoning_effort: Any = None
     verbosity: Any = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _validate_chat_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set here: the request's own fields set them")
+        return value
 
     def unsupported_params(self) -> list[tuple[str, str]]:
         found = self.common_unsupported()
@@ -255,8 +380,6 @@ class ChatCompletionRequest(SamplingFields):
             found.append(("functions", "functions are not supported."))
         if self.function_call not in (None, "none"):
             found.append(("function_call", "function_call is not supported."))
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            found.append(("response_format", "response_format types other than 'text' are not supported."))
         if self.modalities is not None and set(self.modalities) - {"text"}:
             found.append(("modalities", "only the 'text' modality is supported."))
         for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
@@ -295,9 +418,25 @@ class ChoiceLogprobs(_Response):
     content: list[TokenLogprob] | None
 
 
+def _without_none(data: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    return {key: value for key, value in data.items() if value is not None or key not in fields}
+
+
+# OpenAI's tool call objects ({"id", "type", "function": {"name", "arguments"}}; a delta's also has "index").
+ToolCalls = list[dict[str, Any]]
+
+
 class AssistantMessage(_Response):
+    """A reply; `reasoning_content` (vLLM's field) and `tool_calls` are left out when there are none."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
+    tool_calls: ToolCalls | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self), ("reasoning_content", "tool_calls"))
 
 
 class ChatChoice(_Response):
@@ -327,6 +466,8 @@ class DeltaMessage(_Response):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: ToolCalls | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import Any
 
 from llmserve.errors import InvalidRequestError
-from llmserve.sampling.params import SamplingParams
-from llmserve.server.protocol import SamplingFields
+from llmserve.sampling.params import SamplingParams, StructuredOutputsParams
+from llmserve.server.protocol import ResponseFormat, SamplingFields, StructuredOutputsRequest
 
 # Fields the request may leave unset, to fall back on the model's generation_config defaults.
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+# The grammar engine behind structured output, the one `guided_decoding_backend` may name ("auto" too).
+STRUCTURED_OUTPUTS_BACKEND = "xgrammar"
 
 
 def to_sampling_params(
@@ -39,8 +44,68 @@ def to_sampling_params(
             truncate_prompt_tokens=body.truncate_prompt_tokens,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            structured_outputs=structured_outputs(body),
         )
     except InvalidRequestError as exc:
         if exc.param == "max_tokens":
             exc.param = max_tokens_param
         raise
+
+
+def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
+    """The output constraint the request asks for, in whichever of its fields: `response_format`,
+    `structured_outputs` or a `guided_*` one. Two at once is a 400 naming the second."""
+    _check_backend(body.guided_decoding_backend)
+    given: list[tuple[str, StructuredOutputsParams]] = []
+    if body.response_format is not None and body.response_format.type != "text":
+        given.append(("response_format", _from_response_format(body.response_format)))
+    if body.structured_outputs is not None:
+        given.append(("structured_outputs", _from_structured_outputs(body.structured_outputs)))
+    guided = {
+        "guided_json": lambda v: StructuredOutputsParams(json=_schema_text(v)),
+        "guided_regex": lambda v: StructuredOutputsParams(regex=v),
+        "guided_choice": lambda v: StructuredOutputsParams(choice=list(v)),
+        "guided_grammar": lambda v: StructuredOutputsParams(grammar=v),
+    }
+    for name, make in guided.items():
+        value = getattr(body, name)
+        if value is not None:
+            given.append((name, make(value)))
+    if len(given) > 1:
+        first, second = given[0][0], given[1][0]
+        raise InvalidRequestError(
+            f"Give one output constraint: {first} and {second} were both given.", param=second
+        )
+    return given[0][1] if given else None
+
+
+def _check_backend(backend: str | None) -> None:
+    if backend is not None and backend not in ("auto", STRUCTURED_OUTPUTS_BACKEND):
+        raise InvalidRequestError(
+            f"guided_decoding_backend {backend!r} is not available: structured output is decoded with "
+            f"{STRUCTURED_OUTPUTS_BACKEND!r}.",
+            param="guided_decoding_backend",
+        )
+
+
+def _from_response_format(response_format: ResponseFormat) -> StructuredOutputsParams:
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    assert response_format.json_schema is not None  # the protocol model checks it
+    return StructuredOutputsParams(json=_schema_text(response_format.json_schema.schema_))
+
+
+def _from_structured_outputs(request: StructuredOutputsRequest) -> StructuredOutputsParams:
+    # The protocol model has checked that exactly one kind is set.
+    if request.json_ is not None:
+        return StructuredOutputsParams(json=_schema_text(request.json_))
+    if request.json_object:
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(
+        regex=request.regex, choice=list(request.choice) if request.choice is not None else None, grammar=request.grammar
+    )
+
+
+def _schema_text(schema: dict[str, Any]) -> str:
+    # Key order is kept: it is the order the properties are generated in.
+    return json.dumps(schema)

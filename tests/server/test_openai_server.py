@@ -470,11 +470,11 @@ BAD_REQUESTS = [
     ),
     (
         CHAT,
-        _chat(response_format={"type": "json_object"}),
+        _chat(response_format={"type": "json_schema"}),
         400,
         "invalid_request_error",
         "response_format",
-        "unsupported_parameter",
+        "invalid_value",
     ),
     (CHAT, _chat(logit_bias={"5": 10}), 400, "invalid_request_error", "logit_bias", "unsupported_parameter"),
     (

@@ -184,14 +184,15 @@ def test_client_errors_are_400s_naming_the_param(http, path, fields, param):
 @pytest.mark.parametrize(
     ("path", "fields", "param", "code"),
     [
-        (CHAT, {"guided_json": {"type": "object"}}, "guided_json", "unknown_parameter"),
+        (CHAT, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "unknown_parameter"),
         (CHAT, {"frobnicate": True}, "frobnicate", "unknown_parameter"),
         (CHAT, {"reasoning_effort": "low"}, "reasoning_effort", "unsupported_parameter"),
         (CHAT, {"verbosity": "low"}, "verbosity", "unsupported_parameter"),
         (CHAT, {"parallel_tool_calls": False}, "parallel_tool_calls", "unsupported_parameter"),
         (CHAT, {"messages": [{"role": "user", "content": "hi", "tool_call_id": "x"}]}, "messages[0].tool_call_id",
          "unknown_parameter"),
-        (COMPLETIONS, {"guided_json": {"type": "object"}}, "guided_json", "unknown_parameter"),
+        (COMPLETIONS, {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag",
+         "unknown_parameter"),
         ("/tokenize", {"prompt": "hi", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
     ],
 )

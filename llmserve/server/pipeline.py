@@ -1,0 +1,240 @@
+"""One validated request from its engine requests to the HTTP response, for chat and completions alike.
+
+The endpoints parse the body, build the prompts and the sampling parameters, and hand them over as a
+`PreparedRequest` together with their `ResponseShape` (how a choice, a chunk and a response look in
+their API). From there this module owns the rest: the size check, the safety screen, starting the
+engine requests (rate limits and admission included), running them to the end or streaming them as
+server-sent events (several prompts' streams merged; choice j of prompt i has index i*n + j), the
+safety output guard on every choice, the usage (counted once, by the meter), metering before the
+response's last byte, error events, aborts and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from llmserve.errors import LLMServeError
+from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.platform.keys import ApiKey
+from llmserve.sampling.params import SamplingParams
+from llmserve.server import errors
+from llmserve.server.gateway import Meter
+from llmserve.server.protocol import Usage, now
+from llmserve.server.state import ModelEndpoint, ServerState
+from llmserve.server.streaming import (
+    SSE_DONE,
+    ChunkEnvelope,
+    Delta,
+    StreamCursor,
+    event_stream,
+    final_outputs,
+    merged,
+    sse,
+)
+from llmserve.server.submit import (
+    Started,
+    check_request_size,
+    count_output_blocks,
+    screen_prompts,
+    start_requests,
+)
+
+Choice = BaseModel | str  # a rendered choice: its model, or its JSON from a fast encoder
+
+
+class ChoiceRenderer(ABC):
+    """One choice of a response, in an endpoint's shape; holds what rendering it needs to remember
+    between chunks (a text offset, a post-processor's state)."""
+
+    @abstractmethod
+    def chunk_choice(self, delta: Delta, output: RequestOutput) -> Choice | None:
+        """The streamed choice for what the choice gained (`delta`; `output` is its request's whole
+        output so far), or None when there is nothing to send yet."""
+
+    @abstractmethod
+    def response_choice(
+        self, completion: CompletionOutput, text: str, finish_reason: str | None, output: RequestOutput
+    ) -> BaseModel:
+        """The non-streamed choice: `text` and `finish_reason` are what may be shown of `completion`
+        (the safety guard applied)."""
+
+
+class ResponseShape(ABC):
+    """How one endpoint's responses look, and what it does once a request has completed."""
+
+    id_prefix: str  # of the response id: "chatcmpl", "cmpl"
+
+    @abstractmethod
+    def renderer(self, position: int, index: int) -> ChoiceRenderer:
+        """The renderer of choice `index` (of the prompt at `position`)."""
+
+    @abstractmethod
+    def empty_chunk(self, response_id: str, created: int, model: str, usage: Usage | None) -> BaseModel:
+        """A streamed chunk with no choices: without usage, the envelope every chunk is made in; with
+        it, the usage chunk."""
+
+    @abstractmethod
+    def response(
+        self, response_id: str, model: str, choices: list[BaseModel], usage: Usage, outputs: Sequence[RequestOutput]
+    ) -> BaseModel:
+        """The non-streamed response (`outputs`: its requests' last outputs)."""
+
+    def opening_chunks(self, prompts: int, n: int) -> list[list[Choice]]:
+        """The choices of the chunks sent before any output (chat's role, echoed text), one list a chunk."""
+        return []
+
+    async def completed(self, outputs: Sequence[RequestOutput], cursors: Sequence[StreamCursor], blocked: bool) -> None:
+        """After a request ran to its end (metered, before the client sees the end): `outputs` are its
+        requests' last outputs, `cursors` its choices' (in index order), `blocked` whether the safety
+        guard stopped any choice. Nothing by default."""
+        return None
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready to run."""
+
+    state: ServerState
+    endpoint: ModelEndpoint
+    key: ApiKey | None
+    prompts: list[list[int]]  # token ids, one engine request each
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # streamed: a last chunk with the usage
+    screen_texts: Callable[[], Sequence[str]]  # what the safety pre-filter reads (called on a worker)
+    screen_param: str  # the parameter a blocked prompt is reported on
+    priority: int = 0
+    cache_salt: str | None = None
+    renames: Mapping[str, str] | None = None  # engine parameter names -> the request's own
+    headers: dict[str, str] = field(default_factory=dict)  # more response headers
+
+
+async def respond(request: Request, prepared: PreparedRequest, shape: ResponseShape) -> Response:
+    """Check, screen and start the request's engine requests, and answer: a JSON response, or an event stream."""
+    state, endpoint = prepared.state, prepared.endpoint
+    check_request_size(endpoint, prepared.prompts, prepared.params, prepared.renames)
+    await screen_prompts(state, endpoint, prepared.screen_texts, prepared.screen_param)
+    started = await start_requests(
+        state,
+        endpoint,
+        prepared.key,
+        shape.id_prefix,
+        prepared.prompts,
+        prepared.params,
+        prepared.priority,
+        prepared.renames,
+        prepared.cache_salt,
+    )
+    run = _Run(prepared, shape, started)
+    headers = {**started.headers, **prepared.headers}
+    if prepared.stream:
+        return event_stream(run.events(), headers)
+    return JSONResponse(await run.to_end(request), headers=headers)
+
+
+def usage_of(meter: Meter) -> Usage:
+    """A request's usage: the meter has seen every output, so it has the counts."""
+    return Usage.of(meter.prompt_tokens, meter.completion_tokens, meter.cached_tokens)
+
+
+class _Run:
+    """One started request: its choices (a stream cursor and a renderer each) and its two ways to the end."""
+
+    def __init__(self, prepared: PreparedRequest, shape: ResponseShape, started: Started) -> None:
+        self.prepared = prepared
+        self.shape = shape
+        self.started = started
+        self.model = prepared.endpoint.name
+        self.n = prepared.params.n
+        state = prepared.state
+        self.cursors = [StreamCursor(state.output_guard()) for _ in range(len(started.streams) * self.n)]
+        self.renderers = [
+            shape.renderer(position, position * self.n + j) for position in range(len(started.streams)) for j in range(self.n)
+        ]
+        self.finals: dict[int, RequestOutput] = {}  # streamed: each request's last output, by position
+
+    def _count_blocks(self) -> bool:
+        return count_output_blocks(self.prepared.state, self.model, self.started.response_id, self.cursors)
+
+    async def to_end(self, request: Request) -> dict:
+        """Run to the end (aborted on a disconnect); the response's JSON-ready dict, metered."""
+        started = self.started
+        outputs = await started.run_to_end(request, final_outputs(started.streams, started.meter.observe))
+        status = "error"
+        try:
+            choices = []
+            for position, output in enumerate(outputs):
+                for completion in output.outputs:
+                    index = position * self.n + completion.index
+                    text, finish_reason = self.cursors[index].visible(completion)
+                    choices.append(self.renderers[index].response_choice(completion, text, finish_reason, output))
+            response = self.shape.response(started.response_id, self.model, choices, usage_of(started.meter), outputs)
+            status = "content_filter" if self._count_blocks() else "completed"
+            await started.meter.finish_durably(status)
+            await self.shape.completed(outputs, self.cursors, status == "content_filter")
+            return response.model_dump()
+        finally:
+            started.abort(status)
+
+    async def events(self) -> AsyncIterator[str]:
+        """The streamed response's server-sent events."""
+        started, shape = self.started, self.shape
+        streams, meter = started.streams, started.meter
+        created = now()
+        envelope = ChunkEnvelope(shape.empty_chunk(started.response_id, created, self.model, None))
+        status = "disconnected"  # unless the streams get to their end
+        try:
+            for choices in shape.opening_chunks(len(streams), self.n):
+                yield envelope.event(choices)
+            if len(streams) == 1:  # iterated directly: a merging generator costs a hop per token
+                async for output in streams[0]:
+                    choices = self._advance(0, output)
+                    if choices:
+                        yield envelope.event(choices)
+                    if self.finals:
+                        break
+            else:
+                async for position, output in merged(streams):
+                    choices = self._advance(position, output)
+                    if choices:
+                        yield envelope.event(choices)
+                    if len(self.finals) == len(streams):
+                        break
+            status = "content_filter" if self._count_blocks() else "completed"
+            if self.prepared.include_usage:
+                yield sse(shape.empty_chunk(started.response_id, created, self.model, usage_of(meter)))
+            await meter.finish_durably(status)  # metered before the client sees the end
+            await shape.completed([self.finals[i] for i in sorted(self.finals)], self.cursors, status == "content_filter")
+            yield SSE_DONE
+        except LLMServeError as exc:  # the engine died or is shutting down mid-stream
+            status = "error"
+            yield sse(errors.from_exception(exc).body_json())
+            await meter.finish_durably(status)
+            yield SSE_DONE
+        finally:
+            started.abort(status)
+
+    def _advance(self, position: int, output: RequestOutput) -> list[Choice]:
+        """Take a request's new output: metered, its choices' deltas rendered; once every choice is
+        done, the output is the request's last (aborting it when the output filter stopped them all)."""
+        self.started.meter.observe(position, output)
+        n = self.n
+        choices = []
+        for completion in output.outputs:
+            index = position * n + completion.index
+            delta = self.cursors[index].advance(completion)
+            if delta is not None:
+                choice = self.renderers[index].chunk_choice(delta, output)
+                if choice is not None:
+                    choices.append(choice)
+        if output.finished or all(c.done for c in self.cursors[position * n : (position + 1) * n]):
+            self.finals[position] = output
+            if not output.finished:
+                self.started.streams[position].abort()  # every choice was stopped by the output filter
+        return choices
