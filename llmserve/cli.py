@@ -8,6 +8,8 @@ import sys
 
 from llmserve.config import add_engine_args, engine_config_kwargs
 from llmserve.errors import LLMServeError
+from llmserve.server.reasoning import REASONING_PARSERS
+from llmserve.server.tool_calls import TOOL_PARSERS
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -62,6 +64,16 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: from --model)")
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="past this many queued: 503")
+    serve.add_argument(
+        "--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+        help="the tool-call format replies are parsed in for tool_choice 'auto' (default: the model family's, "
+        "from its chat template or architecture)",
+    )
+    serve.add_argument(
+        "--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+        help="split replies into reasoning_content (<think>...</think>) and content; structured output "
+        "constrains what follows the reasoning",
+    )
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     serve.add_argument(
         "--max-request-body-bytes", type=int, default=8 * 1024 * 1024, help="a larger request body gets a 413"

@@ -16,7 +16,9 @@ otherwise pad forever and never close the document.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +30,7 @@ from llmserve.errors import InvalidRequestError
 from llmserve.sampling.params import SamplingParams, StructuredOutputsParams
 
 PARAM = "structured_outputs"
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 # xgrammar 0.2.8 writes a string with minLength/maxLength as `[^"\\\r\n]{m,n}`, which lets raw control
 # characters into the string (invalid JSON); its unbounded strings exclude them, as JSON requires.
@@ -98,12 +101,19 @@ def validate_structured_outputs(params: SamplingParams) -> SamplingParams:
     if not isinstance(so, StructuredOutputsParams):
         raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams.", param=PARAM)
     spec = grammar_spec(so)
-    build_grammar(spec)
+    _check_grammar(spec)
     if not all(isinstance(t, int) and t >= 0 for t in so.start_after):
         raise InvalidRequestError("structured_outputs.start_after must be token ids.", param=PARAM)
     if so.json is not None and not isinstance(so.json, str):
         return replace(params, structured_outputs=replace(so, json=spec.text))
     return params
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_grammar(spec: GrammarSpec) -> None:
+    """`build_grammar` for its error only, remembered: the server checks a request's grammar on a
+    worker thread, and the engine client's second look at it is then free."""
+    build_grammar(spec)
 
 
 def _json_grammar(schema: str) -> xgr.Grammar:
@@ -120,8 +130,9 @@ def _ebnf_literal(text: str) -> str:
 
 
 def _first_line(exc: Exception) -> str:
+    """The error's first line, without xgrammar's log prefix ("[12:00:00] /project/cpp/x.cc:42: ")."""
     lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+    return _LOG_PREFIX.sub("", lines[0]) if lines else type(exc).__name__
 
 
 # ---- the engine core's side ------------------------------------------------------------------------

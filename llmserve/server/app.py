@@ -65,6 +65,8 @@ class ModelSpec:
     load: Callable[[], AsyncLLM] | None = None
     root: str | None = None
     max_waiting_requests: int = 1024
+    tool_call_parser: str | None = None  # None: the model family's format
+    reasoning_parser: str | None = None
 
 
 def _lifespan(state: ServerState, specs: Sequence[ModelSpec], slo: SLO, owns_engine: bool, shutdown_timeout: float):
@@ -107,7 +109,10 @@ async def _load(state: ServerState, spec: ModelSpec, slo: SLO) -> None:
 
 
 def _endpoint(state: ServerState, spec: ModelSpec, engine: AsyncLLM, slo: SLO) -> ModelEndpoint:
-    endpoint = ModelEndpoint(spec.name, engine, spec.root, spec.max_waiting_requests)
+    endpoint = ModelEndpoint(
+        spec.name, engine, spec.root, spec.max_waiting_requests,
+        tool_call_parser=spec.tool_call_parser, reasoning_parser=spec.reasoning_parser,
+    )
     endpoint.telemetry = metrics.make_telemetry(engine, state.metrics, spec.name, slo)
     return endpoint
 
@@ -158,6 +163,8 @@ def build_app(
     public_openapi: bool = False,
     allowed_origins: Sequence[str] = (),
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over one engine (`engine_client` served as `served_model_name`, also
     answering to `model_aliases`) or several (`models`, routed by name and `aliases`).
@@ -168,12 +175,16 @@ def build_app(
     but /health needs one, and /metrics and the OpenAPI document too unless `public_metrics` or
     `public_openapi`. `unlisted_aliases` (among `aliases`) are answered but not listed in /v1/models.
     `allowed_origins` turns on CORS for those origins ("*": any). A body over `max_request_body_bytes`
-    gets a 413 before anything reads it.
+    gets a 413 before anything reads it. `tool_call_parser` and `reasoning_parser` name the formats
+    `engine_client`'s replies are parsed in (a spec in `models` names its own).
     """
     specs = list(models)
     if engine_client is not None:
         name = served_model_name or "default"
-        specs.insert(0, ModelSpec(name, engine_client, root=model_root, max_waiting_requests=max_waiting_requests))
+        specs.insert(0, ModelSpec(
+            name, engine_client, root=model_root, max_waiting_requests=max_waiting_requests,
+            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+        ))
     if not specs:
         raise ValueError("build_app needs an engine or at least one model spec.")
     slo = slo or SLO()

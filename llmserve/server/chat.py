@@ -3,7 +3,9 @@ history), run by the request pipeline in the chat shape."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -11,7 +13,9 @@ from pydantic import BaseModel
 
 from llmserve.errors import InvalidRequestError
 from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.sampling.params import SamplingParams
 from llmserve.server import errors
+from llmserve.server.assistant_output import ReplyPlan, plan_reply, reasoning_start, whole_tool_calls
 from llmserve.server.conversations import ConversationTurn, fit_history, open_turn
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, chat_logprobs, vllm_prompt_logprobs
@@ -29,7 +33,7 @@ from llmserve.server.protocol import (
     DeltaMessage,
     Usage,
 )
-from llmserve.server.sampling import to_sampling_params
+from llmserve.server.sampling import constraint_field, to_sampling_params
 from llmserve.server.state import ModelEndpoint, get_state
 from llmserve.server.streaming import Delta, StreamCursor, content_choice_json
 from llmserve.server.workers import WorkerPool
@@ -43,7 +47,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     key = request_key(request.state)
     endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
     errors.reject_unsupported(body.unsupported_params())
+    plan = plan_reply(body, endpoint.tool_parser, endpoint.reasoning)
     new_messages = template_messages(body.messages)
+    if body.conversation_id is not None and _uses_tools(body):
+        raise InvalidRequestError(
+            "Stored conversations keep text turns only: tools and tool messages cannot be used with conversation_id.",
+            param="conversation_id",
+        )
     endpoint.prompt_bound.check(sum(len(m["content"]) for m in new_messages), "messages")
     turn = await open_turn(state, key, body.conversation_id, body.parent_message_id, new_messages)
     max_tokens, max_tokens_param = body.requested_max_tokens()
@@ -53,6 +63,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = to_sampling_params(
         body, endpoint.engine.default_sampling_params(), max_tokens, max_tokens_param, logprobs=top_logprobs
     )
+    params, constraint_param = _with_reply_plan(params, plan, body, prompt_text, endpoint.reasoning_end_ids)
+    renames = {"prompt": "messages", "max_tokens": max_tokens_param}
+    if constraint_param is not None:
+        renames["structured_outputs"] = constraint_param
     prepared = PreparedRequest(
         state=state,
         endpoint=endpoint,
@@ -65,7 +79,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         screen_param="messages",
         priority=body.priority,
         cache_salt=body.cache_salt,
-        renames={"prompt": "messages", "max_tokens": max_tokens_param},
+        renames=renames,
         headers=turn.headers() if turn is not None else {},
     )
     shape = ChatShape(
@@ -78,21 +92,65 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         turn=turn,
         turn_messages=new_messages,
         prompt_logprobs=body.prompt_logprobs,
+        plan=plan,
     )
     return await respond(request, prepared, shape)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them: text content, "developer" read as "system"."""
+def _uses_tools(body: ChatCompletionRequest) -> bool:
+    return bool(body.tools) or any(m.role == "tool" or m.tool_calls for m in body.messages)
+
+
+def _with_reply_plan(
+    params: SamplingParams, plan: ReplyPlan, body: ChatCompletionRequest, prompt_text: str, end_ids: list[int]
+) -> tuple[SamplingParams, str | None]:
+    """The sampling parameters with what the tools and the reasoning ask of decoding: the tools'
+    schema as the output constraint (tool_choice "required" or named), special tokens kept when the
+    tool-call format is written in them, structured output starting after the reasoning. Also the
+    request field the constraint came from."""
+    constraint, param = params.structured_outputs, constraint_field(body)
+    if plan.structured_outputs is not None:
+        if constraint is not None:
+            raise InvalidRequestError(
+                f"tool_choice {body.tool_choice!r} constrains the reply to a tool call; it cannot be combined "
+                f"with {param}.",
+                param="tool_choice",
+            )
+        constraint, param = plan.structured_outputs, "tools"
+    start_after = reasoning_start(plan, prompt_text, end_ids)
+    if constraint is not None and start_after:
+        constraint = dataclasses.replace(constraint, start_after=start_after)
+    keep_special = plan.tool_parser is not None and plan.tool_parser.keep_special_tokens
+    return dataclasses.replace(
+        params,
+        structured_outputs=constraint,
+        skip_special_tokens=params.skip_special_tokens and not keep_special,
+    ), param
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: text content ("developer" read as "system"), an
+    assistant's tool calls and a tool result's call id."""
     converted = []
     for i, message in enumerate(messages):
-        if message.content is None and message.role != "assistant":
+        if message.content is None and not (message.role == "assistant"):
             raise InvalidRequestError(
                 f"A {message.role} message needs content.", param=f"messages[{i}].content"
             )
-        converted.append(
-            {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
-        )
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidRequestError("Only assistant messages have tool_calls.", param=f"messages[{i}].tool_calls")
+        if message.role == "tool" and not message.tool_call_id:
+            raise InvalidRequestError(
+                "A tool message needs the tool_call_id of the call it answers.", param=f"messages[{i}].tool_call_id"
+            )
+        entry: dict[str, Any] = {
+            "role": "system" if message.role == "developer" else message.role, "content": message.text()
+        }
+        if message.tool_calls:
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        converted.append(entry)
     return converted
 
 
@@ -106,7 +164,7 @@ async def _chat_prompt(
     workers: WorkerPool,
     endpoint: ModelEndpoint,
     body: ChatCompletionRequest,
-    new_messages: list[dict[str, str]],
+    new_messages: list[dict[str, Any]],
     turn: ConversationTurn | None,
     max_tokens: int | None,
 ) -> tuple[str, list[int]]:
@@ -115,10 +173,11 @@ async def _chat_prompt(
     request's `chat_template_kwargs` are the template's variables too."""
 
     template_variables = body.chat_template_kwargs or {}
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
 
-    def render(messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+    def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         text = endpoint.engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, **template_variables
+            messages, add_generation_prompt=body.add_generation_prompt, tools=tools, **template_variables
         )
         return text, endpoint.continuations.encode(text, body.cache_salt)
 
@@ -176,7 +235,7 @@ class ChatChoiceRenderer(ChoiceRenderer):
         message = AssistantMessage(
             content=content,
             reasoning_content=pieces.reasoning_content or None,
-            tool_calls=pieces.tool_calls or None,
+            tool_calls=whole_tool_calls(pieces.tool_calls) or None,
         )
         return ChatChoice(index=self.index, message=message, logprobs=logprobs, finish_reason=finish_reason)
 
@@ -216,7 +275,9 @@ class ChatShape(ResponseShape):
         turn: ConversationTurn | None,
         turn_messages: list[dict[str, str]],
         prompt_logprobs: int | None = None,
+        plan: ReplyPlan | None = None,
     ) -> None:
+        self.plan = plan  # the tool calls and reasoning replies are parsed for (None: plain content)
         self.top_logprobs = top_logprobs
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field, with this many top logprobs
         self.echo = echo
@@ -233,7 +294,7 @@ class ChatShape(ResponseShape):
     def post_processor(self) -> TextPostProcessor | None:
         """A fresh post-processor for one choice (a tool-call or reasoning parser); None: the text is
         the content as is."""
-        return None
+        return self.plan.parser() if self.plan is not None else None
 
     def empty_chunk(self, response_id: str, created: int, model: str, usage: Usage | None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage)

@@ -22,7 +22,7 @@ from llmserve.server.logprobs import (
 from llmserve.server.openapi import documented
 from llmserve.server.pipeline import Choice, ChoiceRenderer, PreparedRequest, ResponseShape, respond
 from llmserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
-from llmserve.server.sampling import to_sampling_params
+from llmserve.server.sampling import constraint_field, to_sampling_params
 from llmserve.server.state import ModelEndpoint, get_state
 from llmserve.server.streaming import Delta, text_choice_json
 
@@ -55,6 +55,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         screen_param="prompt",
         priority=body.priority,
         cache_salt=body.cache_salt,
+        renames={"structured_outputs": field} if (field := constraint_field(body)) is not None else None,
     )
     echo_texts = [_prompt_text(p, endpoint.token_texts) if body.echo else "" for p in prompts]
     shape = CompletionShape(

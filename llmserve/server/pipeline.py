@@ -40,6 +40,7 @@ from llmserve.server.streaming import (
 from llmserve.server.submit import (
     Started,
     check_request_size,
+    check_structured_outputs,
     count_output_blocks,
     screen_prompts,
     start_requests,
@@ -119,6 +120,8 @@ async def respond(request: Request, prepared: PreparedRequest, shape: ResponseSh
     """Check, screen and start the request's engine requests, and answer: a JSON response, or an event stream."""
     state, endpoint = prepared.state, prepared.endpoint
     check_request_size(endpoint, prepared.prompts, prepared.params, prepared.renames)
+    if prepared.params.structured_outputs is not None:
+        await check_structured_outputs(state, prepared.params, prepared.renames)
     await screen_prompts(state, endpoint, prepared.screen_texts, prepared.screen_param)
     started = await start_requests(
         state,

@@ -297,14 +297,54 @@ class SamplingFields(_Request):
 
 # ---- chat completions -----------------------------------------------------------------------------
 
-Role = Literal["system", "developer", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+MAX_TOOLS = 128  # as OpenAI
+FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class CalledFunction(_Request):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallParam(_Request):
+    """A tool call of an earlier assistant message, sent back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class ChatMessage(_Request):
     role: Role
     content: Any = None
     name: str | None = None
-    tool_calls: Any = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's: the call it answers
     function_call: Any = None
 
     @field_validator("content")
@@ -349,16 +389,16 @@ class ChatCompletionRequest(SamplingFields):
     truncation: Literal["auto", "disabled"] = "disabled"
     # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # "auto" when tools are given, else "none"
+    parallel_tool_calls: StrictBool | None = None
     # OpenAI parameters this server does not implement
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    parallel_tool_calls: StrictBool | None = None
     reasoning_effort: Any = None
     verbosity: Any = None
 
@@ -372,10 +412,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def unsupported_params(self) -> list[tuple[str, str]]:
         found = self.common_unsupported()
-        if self.tools:
-            found.append(("tools", "tools (function calling) are not supported."))
-        if self.tool_choice not in (None, "none"):
-            found.append(("tool_choice", "tool_choice is not supported."))
         if self.functions:
             found.append(("functions", "functions are not supported."))
         if self.function_call not in (None, "none"):
@@ -385,14 +421,19 @@ class ChatCompletionRequest(SamplingFields):
         for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
             if getattr(self, name) is not None:
                 found.append((name, f"{name} is not supported."))
-        if self.parallel_tool_calls is False:
-            found.append(("parallel_tool_calls", "parallel_tool_calls=false is not supported (no tool calls are made)."))
         if self.top_logprobs and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs requires logprobs to be true."))
         for i, message in enumerate(self.messages):
-            if message.tool_calls or message.function_call:
-                found.append((f"messages[{i}].tool_calls", "tool calls in messages are not supported."))
+            if message.function_call:
+                found.append((f"messages[{i}].function_call", "function_call in messages is not supported: "
+                               "use tool_calls."))
         return found
+
+    def effective_tool_choice(self) -> ToolChoice:
+        """OpenAI's default: "auto" when tools are given, "none" otherwise."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The completion budget and the name the client gave it (max_completion_tokens wins)."""

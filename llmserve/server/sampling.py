@@ -55,6 +55,17 @@ def to_sampling_params(
 def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
     """The output constraint the request asks for, in whichever of its fields: `response_format`,
     `structured_outputs` or a `guided_*` one. Two at once is a 400 naming the second."""
+    given = _constraints(body)
+    return given[0][1] if given else None
+
+
+def constraint_field(body: SamplingFields) -> str | None:
+    """The request field the output constraint came from (for errors about it)."""
+    given = _constraints(body)
+    return given[0][0] if given else None
+
+
+def _constraints(body: SamplingFields) -> list[tuple[str, StructuredOutputsParams]]:
     _check_backend(body.guided_decoding_backend)
     given: list[tuple[str, StructuredOutputsParams]] = []
     if body.response_format is not None and body.response_format.type != "text":
@@ -76,7 +87,7 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
         raise InvalidRequestError(
             f"Give one output constraint: {first} and {second} were both given.", param=second
         )
-    return given[0][1] if given else None
+    return given
 
 
 def _check_backend(backend: str | None) -> None:

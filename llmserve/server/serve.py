@@ -234,7 +234,10 @@ def _model_specs(args: argparse.Namespace, models: list[ModelArg]) -> list[Model
             return AsyncLLM.from_config(EngineConfig(model=path, served_model_name=model.name, **kwargs))
 
         root = None if model.model is None or _is_local_path(model.model) else model.model  # a hub id
-        specs.append(ModelSpec(model.name, load=load, root=root, max_waiting_requests=args.max_waiting_requests))
+        specs.append(ModelSpec(
+            model.name, load=load, root=root, max_waiting_requests=args.max_waiting_requests,
+            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        ))
     return specs
 
 

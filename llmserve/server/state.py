@@ -18,6 +18,8 @@ from llmserve.server import errors
 from llmserve.server.limits import PromptBound
 from llmserve.server.logprobs import TokenTexts
 from llmserve.server.protocol import now
+from llmserve.server.reasoning import ReasoningParser, reasoning_parser
+from llmserve.server.tool_calls import ToolParser, tool_parser_for
 from llmserve.server.workers import WorkerPool
 from llmserve.tokenizer.continuations import ContinuationCache
 
@@ -37,14 +39,25 @@ class ModelEndpoint:
     max_waiting_requests: int = 1024
     telemetry: Telemetry | None = None
     created: int = field(default_factory=now)
+    tool_call_parser: str | None = None  # a --tool-call-parser name; None: the model family's format
+    reasoning_parser: str | None = None  # a --reasoning-parser name; None: replies have no reasoning part
     token_texts: TokenTexts = field(init=False)
     continuations: ContinuationCache = field(init=False)
     prompt_bound: PromptBound = field(init=False)
+    tool_parser: ToolParser | None = field(init=False)  # the format tool_choice "auto" parses replies in
+    reasoning: ReasoningParser | None = field(init=False)
+    reasoning_end_ids: list[int] = field(init=False)  # where structured output starts after the reasoning
 
     def __post_init__(self) -> None:
-        self.token_texts = TokenTexts(self.engine.tokenizer)
-        self.continuations = ContinuationCache(self.engine.tokenizer)
-        self.prompt_bound = PromptBound(self.engine.tokenizer, self.engine.max_model_len)
+        tokenizer = self.engine.tokenizer
+        self.token_texts = TokenTexts(tokenizer)
+        self.continuations = ContinuationCache(tokenizer)
+        self.prompt_bound = PromptBound(tokenizer, self.engine.max_model_len)
+        self.tool_parser = tool_parser_for(
+            self.tool_call_parser, tokenizer.chat_template, self.engine.model_config.architecture
+        )
+        self.reasoning = reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
+        self.reasoning_end_ids = self.reasoning.end_token_ids(tokenizer) if self.reasoning is not None else []
 
     def admit(self, prompts: Sequence[str | Sequence[int]] = ("",), draining: bool = False) -> None:
         """Admission control: refuse with 503 when draining, when the waiting queue is full, or when

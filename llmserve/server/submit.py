@@ -12,6 +12,7 @@ from typing import TypeVar
 from fastapi import Request
 
 from llmserve.engine.async_llm import RequestStream
+from llmserve.engine.grammar import validate_structured_outputs
 from llmserve.errors import InvalidRequestError
 from llmserve.platform.keys import ApiKey
 from llmserve.sampling.params import SamplingParams
@@ -116,6 +117,18 @@ def check_request_size(
     before any further work (the safety screen, rate limits, the engine)."""
     try:
         reserved_tokens(endpoint, prompts, params)
+    except InvalidRequestError as exc:
+        _rename(exc, rename)
+        raise
+
+
+async def check_structured_outputs(
+    state: ServerState, params: SamplingParams, rename: Mapping[str, str] | None = None
+) -> None:
+    """The output constraint's grammar is checked on a worker thread (it grows with the schema); the
+    engine client's own check of it is then a cache hit."""
+    try:
+        await state.workers.run(validate_structured_outputs, params)
     except InvalidRequestError as exc:
         _rename(exc, rename)
         raise

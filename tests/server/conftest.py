@@ -84,7 +84,9 @@ def start_server(app: FastAPI) -> tuple[GracefulServer, threading.Thread, str, a
 
 
 @contextmanager
-def tiny_engine_running(model_dir, num_kv_blocks: int, max_num_batched_tokens: int) -> Iterator[AsyncLLM]:
+def tiny_engine_running(
+    model_dir, num_kv_blocks: int, max_num_batched_tokens: int, max_model_len: int = MAX_MODEL_LEN
+) -> Iterator[AsyncLLM]:
     """The tiny model's engine in float32, its core process with one intra-op thread: on a shared
     2-core machine OpenMP's spinning threads make step times erratic."""
     with one_thread_engine_cores():
@@ -93,7 +95,7 @@ def tiny_engine_running(model_dir, num_kv_blocks: int, max_num_batched_tokens: i
                 model=str(model_dir),
                 dtype="float32",
                 num_kv_blocks=num_kv_blocks,
-                max_model_len=MAX_MODEL_LEN,
+                max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens,
             )
         )

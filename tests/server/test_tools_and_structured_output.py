@@ -1,0 +1,332 @@
+"""Tool calling and structured output over HTTP, with the random-weight tiny model: forced tool calls
+(tool_choice "required" or named) decode under the tools' schemas, so every call is valid; streamed
+calls reassemble to the non-streamed one; response_format and vLLM's constraint fields hold; the
+openai client's `.parse()` and LangChain's `with_structured_output` / `bind_tools` work end to end;
+bad tool use is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Literal
+
+import httpx
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from llmserve.server.app import build_app
+from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, LiveServer, start_server, tiny_engine_running
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+            "required": ["zone"],
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_llama_dir) -> Iterator[LiveServer]:
+    """The tiny model with room for the tools' descriptions (its small vocabulary spends many tokens on JSON)."""
+    with tiny_engine_running(tiny_llama_dir, NUM_KV_BLOCKS, 256, max_model_len=2048) as engine:
+        app = build_app(engine, MODEL_NAME, model_root=str(tiny_llama_dir))
+        server, thread, base_url, loop = start_server(app)
+        try:
+            yield LiveServer(base_url=base_url, engine=engine, app=app, loop=loop)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+
+
+def chat(server: LiveServer, **body) -> httpx.Response:
+    payload = {"model": server.model, "messages": [{"role": "user", "content": "What is the weather?"}], **body}
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json=payload, timeout=60)
+
+
+def streamed_tool_calls(server: LiveServer, **body) -> tuple[list[dict], str | None, list[dict]]:
+    """The calls reassembled from the stream's deltas, the finish reason, and the raw tool-call deltas."""
+    calls: dict[int, dict] = {}
+    raw: list[dict] = []
+    finish_reason = None
+    payload = {"model": server.model, "messages": [{"role": "user", "content": "What is the weather?"}],
+               "stream": True, **body}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=payload, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            finish_reason = choice["finish_reason"] or finish_reason
+            for delta in choice["delta"].get("tool_calls") or []:
+                raw.append(delta)
+                call = calls.setdefault(delta["index"], {"id": None, "name": None, "arguments": ""})
+                if "id" in delta:
+                    call["id"], call["name"] = delta["id"], delta["function"]["name"]
+                call["arguments"] += delta["function"].get("arguments", "")
+    return [calls[i] for i in sorted(calls)], finish_reason, raw
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_required_tool_choice_always_returns_valid_calls(live_server: LiveServer, seed: int) -> None:
+    response = chat(live_server, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=500)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] is None and message["tool_calls"]
+    for call in message["tool_calls"]:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMETERS[call["function"]["name"]])
+
+
+def test_a_named_tool_choice_calls_that_function_with_valid_arguments(live_server: LiveServer) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for seed in range(4):
+        response = chat(live_server, tools=TOOLS, tool_choice=named, seed=seed, max_tokens=60)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_time" and choice["finish_reason"] == "tool_calls"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMETERS["get_time"])
+
+
+def test_without_parallel_tool_calls_there_is_exactly_one_call(live_server: LiveServer) -> None:
+    for seed in range(4):
+        response = chat(live_server, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, seed=seed,
+                        max_tokens=120)
+        assert len(response.json()["choices"][0]["message"]["tool_calls"]) == 1
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_tool_calls_reassemble_to_the_non_streamed_ones(live_server: LiveServer, tool_choice) -> None:
+    body = {"tools": TOOLS, "tool_choice": tool_choice, "temperature": 0, "max_tokens": 500}
+    whole = chat(live_server, **body).json()["choices"][0]
+    streamed, finish_reason, raw = streamed_tool_calls(live_server, **body)
+    assert finish_reason == whole["finish_reason"] == "tool_calls"
+    expected = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert [(c["name"], c["arguments"]) for c in streamed] == expected
+    assert "id" in raw[0] and raw[0]["function"]["name"]  # the id and name come first
+    assert len(raw) > 2 * len(streamed)  # the arguments came in pieces
+
+
+def test_tool_choice_auto_and_none_answer_with_content_from_the_random_model(live_server: LiveServer) -> None:
+    for tool_choice in ("auto", "none"):
+        response = chat(live_server, tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=16)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and choice["message"]["content"]
+
+
+def test_tool_results_in_the_history_are_rendered_and_answered(live_server: LiveServer) -> None:
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    with_result = chat(live_server, messages=messages, tools=TOOLS, max_tokens=4)
+    assert with_result.status_code == 200, with_result.text
+    without = chat(live_server, messages=messages[:1], tools=TOOLS, max_tokens=4)
+    # The call and its result are in the prompt: the template rendered them.
+    assert with_result.json()["usage"]["prompt_tokens"] > without.json()["usage"]["prompt_tokens"] + 20
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": TOOLS, "conversation_id": "conv_1"}, "conversation_id"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+         "messages[0].tool_calls"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
+         "messages[0].tool_calls[0].function.arguments"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ],
+)
+def test_bad_tool_use_is_a_400_naming_the_field(live_server: LiveServer, body: dict, param: str) -> None:
+    response = chat(live_server, max_tokens=4, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+# ---- structured output -------------------------------------------------------------------------------
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=10)
+    unit: Literal["c", "f"]
+    temperature: int = Field(ge=-40, le=50)
+    raining: bool
+
+
+def test_the_openai_clients_parse_returns_a_valid_object_every_time(live_server: LiveServer) -> None:
+    client = live_server.client()
+    for seed in range(50):
+        completion = client.chat.completions.parse(
+            model=live_server.model,
+            messages=[{"role": "user", "content": "Weather report, please."}],
+            response_format=Weather,
+            seed=seed,
+            max_tokens=80,
+        )
+        parsed = completion.choices[0].message.parsed
+        assert isinstance(parsed, Weather), completion.choices[0].message.content
+
+
+def test_response_format_and_vllms_constraint_fields_hold(live_server: LiveServer) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"]}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    for seed in range(3):
+        text = chat(live_server, response_format=json_schema, seed=seed, max_tokens=32).json()
+        jsonschema.validate(json.loads(text["choices"][0]["message"]["content"]), schema)
+        obj = chat(live_server, response_format={"type": "json_object"}, seed=seed, max_tokens=200).json()
+        choice = obj["choices"][0]
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(choice["message"]["content"]), dict)
+        else:  # the random model may still be writing its object
+            assert choice["message"]["content"].startswith("{")
+    completions = f"{live_server.base_url}/v1/completions"
+    for body, check in (
+        ({"guided_regex": r"[ab]{3}-\d{2}"}, lambda t: re.fullmatch(r"[ab]{3}-\d{2}", t)),
+        ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+        ({"structured_outputs": {"choice": ["red", "green"]}}, lambda t: t in ("red", "green")),
+        ({"structured_outputs": {"json": schema}}, lambda t: jsonschema.validate(json.loads(t), schema) is None),
+    ):
+        response = httpx.post(completions, json={"model": live_server.model, "prompt": "Answer:", "max_tokens": 32,
+                                                 **body}, timeout=60)
+        assert response.status_code == 200, response.text
+        text = response.json()["choices"][0]["text"]
+        assert check(text), (body, text)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param"),
+    [
+        ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "intger"}}}}}}, "response_format"),
+        ("completions", {"guided_regex": "(unclosed"}, "guided_regex"),
+        ("completions", {"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs"),
+    ],
+)
+def test_an_invalid_constraint_is_a_400_naming_its_field(live_server: LiveServer, endpoint: str, body: dict,
+                                                         param: str) -> None:
+    payload = {"model": live_server.model, "max_tokens": 4, **body}
+    if endpoint == "completions":
+        payload["prompt"] = "x"
+    else:
+        payload["messages"] = [{"role": "user", "content": "x"}]
+    response = httpx.post(f"{live_server.base_url}/v1/{endpoint}", json=payload, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "[" not in error["message"].split(":")[0]
+    assert live_server.idle_stats().num_used_blocks == 0
+
+
+# ---- LangChain ----------------------------------------------------------------------------------------
+
+
+def test_langchain_with_structured_output_and_bind_tools(live_server: LiveServer) -> None:
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=live_server.model, base_url=f"{live_server.base_url}/v1", api_key="x", max_tokens=80,
+                     max_retries=0, seed=3)
+    report = llm.with_structured_output(Weather, method="json_schema").invoke("Weather report, please.")
+    assert isinstance(report, Weather)
+
+    @tool
+    def get_time(zone: int) -> str:
+        """The time in a UTC offset zone."""
+        return f"12:00 UTC{zone:+d}"
+
+    message = llm.bind_tools([get_time], tool_choice="required").invoke("What time is it in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_time"
+    assert isinstance(message.tool_calls[0]["args"]["zone"], int)
+
+
+# ---- reasoning ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tiny_qwen3_dir) -> Iterator[LiveServer]:
+    """The tiny qwen3 model served with --reasoning-parser qwen3."""
+    with tiny_engine_running(tiny_qwen3_dir, NUM_KV_BLOCKS, 256, max_model_len=2048) as engine:
+        app = build_app(engine, MODEL_NAME, model_root=str(tiny_qwen3_dir), reasoning_parser="qwen3")
+        server, thread, base_url, loop = start_server(app)
+        try:
+            yield LiveServer(base_url=base_url, engine=engine, app=app, loop=loop)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+
+
+THOUGHT_THEN_ANSWER = r"<think>[a-z]{2,6}</think>[a-z]{2,6}"
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}  # the template closes an empty think block
+
+
+def test_reasoning_goes_to_reasoning_content_streamed_and_not(reasoning_server: LiveServer) -> None:
+    # With thinking off the constraint applies from the first token, so the regex writes a thought.
+    body = {"guided_regex": THOUGHT_THEN_ANSWER, "temperature": 0, "max_tokens": 40, **NO_THINKING}
+    message = chat(reasoning_server, **body).json()["choices"][0]["message"]
+    assert re.fullmatch("[a-z]{2,6}", message["reasoning_content"]) and re.fullmatch("[a-z]{2,6}", message["content"])
+    payload = {"model": reasoning_server.model, "messages": [{"role": "user", "content": "What is the weather?"}],
+               "stream": True, **body}
+    pieces = {"reasoning_content": "", "content": ""}
+    with httpx.stream("POST", f"{reasoning_server.base_url}/v1/chat/completions", json=payload,
+                      timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                for field in pieces:
+                    pieces[field] += delta.get(field) or ""
+    assert pieces == {"reasoning_content": message["reasoning_content"], "content": message["content"]}
+
+
+def test_a_reply_without_reasoning_is_all_content(reasoning_server: LiveServer) -> None:
+    message = chat(reasoning_server, temperature=0, max_tokens=8, **NO_THINKING).json()["choices"][0]["message"]
+    assert message["content"] and "reasoning_content" not in message
+
+
+def test_structured_output_starts_after_the_reasoning_unless_thinking_is_off(reasoning_server: LiveServer) -> None:
+    from llmserve.server.assistant_output import plan_reply, reasoning_start
+    from llmserve.server.protocol import ChatCompletionRequest
+
+    (endpoint,) = reasoning_server.app.state.llmserve.endpoints()
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    tokenizer = reasoning_server.engine.tokenizer
+    for variables, expected in (({}, endpoint.reasoning_end_ids), ({"enable_thinking": False}, [])):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                               **variables)
+        plan = plan_reply(body, endpoint.tool_parser, endpoint.reasoning)
+        assert reasoning_start(plan, prompt, endpoint.reasoning_end_ids) == expected
+    assert endpoint.reasoning_end_ids == tokenizer.encode("</think>", add_special_tokens=False)
