@@ -61,6 +61,7 @@ def plan_reply(
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
     if choice != "none" and not tools:
         raise InvalidRequestError("tool_choice needs tools.", param="tool_choice")
+
     parser: ToolParser | None = None
     schema: dict[str, Any] | None = None
     if choice == "auto":

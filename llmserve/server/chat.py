@@ -139,6 +139,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             )
         if message.tool_calls and message.role != "assistant":
             raise InvalidRequestError("Only assistant messages have tool_calls.", param=f"messages[{i}].tool_calls")
+        if message.tool_call_id is not None and message.role != "tool":
+            raise InvalidRequestError("Only tool messages have a tool_call_id.", param=f"messages[{i}].tool_call_id")
         if message.role == "tool" and not message.tool_call_id:
             raise InvalidRequestError(
                 "A tool message needs the tool_call_id of the call it answers.", param=f"messages[{i}].tool_call_id"

@@ -171,19 +171,27 @@ class _Run:
         outputs = await started.run_to_end(request, final_outputs(started.streams, started.meter.observe))
         status = "error"
         try:
-            choices = []
-            for position, output in enumerate(outputs):
-                for completion in output.outputs:
-                    index = position * self.n + completion.index
-                    text, finish_reason = self.cursors[index].visible(completion)
-                    choices.append(self.renderers[index].response_choice(completion, text, finish_reason, output))
-            response = self.shape.response(started.response_id, self.model, choices, usage_of(started.meter), outputs)
+            if self.prepared.params.prompt_logprobs is None:
+                response = self._response_json(outputs)
+            else:  # it grows with the prompt: built on a worker thread
+                response = await self.prepared.state.workers.run(self._response_json, outputs)
             status = "content_filter" if self._count_blocks() else "completed"
             await started.meter.finish_durably(status)
             await self.shape.completed(outputs, self.cursors, status == "content_filter")
-            return response.model_dump()
+            return response
         finally:
             started.abort(status)
+
+    def _response_json(self, outputs: Sequence[RequestOutput]) -> dict:
+        """The non-streamed response of the requests' last outputs, as a JSON-ready dict."""
+        choices = []
+        for position, output in enumerate(outputs):
+            for completion in output.outputs:
+                index = position * self.n + completion.index
+                text, finish_reason = self.cursors[index].visible(completion)
+                choices.append(self.renderers[index].response_choice(completion, text, finish_reason, output))
+        usage = usage_of(self.started.meter)
+        return self.shape.response(self.started.response_id, self.model, choices, usage, outputs).model_dump()
 
     async def events(self) -> AsyncIterator[str]:
         """The streamed response's server-sent events."""

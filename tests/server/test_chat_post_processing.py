@@ -78,7 +78,10 @@ def test_a_post_processor_renders_the_whole_message():
     choice = _renderer(ThinkThenCall()).response_choice(completion, "ab<c", "stop", _output(completion))
     assert choice.model_dump() == {
         "index": 2,
-        "message": {"role": "assistant", "content": None, "reasoning_content": "ab<c", "tool_calls": [CALL]},
+        "message": {  # the non-streamed message's calls are whole, without a delta's index
+            "role": "assistant", "content": None, "reasoning_content": "ab<c",
+            "tool_calls": [{key: value for key, value in CALL.items() if key != "index"}],
+        },
         "logprobs": None,
         "finish_reason": "tool_calls",
     }

@@ -462,12 +462,13 @@ BAD_REQUESTS = [
     ),
     (
         CHAT,
-        _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        _chat(functions=[{"name": "f"}]),
         400,
         "invalid_request_error",
-        "tools",
+        "functions",
         "unsupported_parameter",
     ),
+    (CHAT, _chat(tool_choice="required"), 400, "invalid_request_error", "tool_choice", None),
     (
         CHAT,
         _chat(response_format={"type": "json_schema"}),

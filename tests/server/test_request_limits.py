@@ -174,6 +174,7 @@ def test_a_prompt_certainly_over_the_context_is_refused_without_tokenizing(http)
         (CHAT, {"messages": MESSAGES * 2049}, "messages"),
         (CHAT, {"messages": MESSAGES, "temperature": "0.5"}, "temperature"),
         ("/detokenize", {"tokens": [True]}, "tokens[0]"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi", "tool_call_id": "x"}]}, "messages[0].tool_call_id"),
     ],
 )
 def test_client_errors_are_400s_naming_the_param(http, path, fields, param):
@@ -188,8 +189,10 @@ def test_client_errors_are_400s_naming_the_param(http, path, fields, param):
         (CHAT, {"frobnicate": True}, "frobnicate", "unknown_parameter"),
         (CHAT, {"reasoning_effort": "low"}, "reasoning_effort", "unsupported_parameter"),
         (CHAT, {"verbosity": "low"}, "verbosity", "unsupported_parameter"),
-        (CHAT, {"parallel_tool_calls": False}, "parallel_tool_calls", "unsupported_parameter"),
-        (CHAT, {"messages": [{"role": "user", "content": "hi", "tool_call_id": "x"}]}, "messages[0].tool_call_id",
+        (CHAT, {"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi", "function_call": {"name": "f"}}]},
+         "messages[0].function_call", "unsupported_parameter"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi", "tool_calls_x": []}]}, "messages[0].tool_calls_x",
          "unknown_parameter"),
         (COMPLETIONS, {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag",
          "unknown_parameter"),
