@@ -119,13 +119,21 @@ def one_thread_engine_cores() -> Iterator[None]:
             os.environ["OMP_NUM_THREADS"] = previous
 
 
-@pytest.fixture(scope="module")
-def live_server(tiny_llama_dir) -> Iterator[LiveServer]:
-    with tiny_engine_running(tiny_llama_dir, NUM_KV_BLOCKS, MAX_NUM_BATCHED_TOKENS) as engine:
-        app = build_app(engine, MODEL_NAME, model_root=str(tiny_llama_dir), max_waiting_requests=1024)
+@contextmanager
+def serving(model_dir, max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS, max_model_len: int = MAX_MODEL_LEN,
+            **app_options) -> Iterator[LiveServer]:
+    """`model_dir`'s engine served as MODEL_NAME (`app_options` go to `build_app`)."""
+    with tiny_engine_running(model_dir, NUM_KV_BLOCKS, max_num_batched_tokens, max_model_len) as engine:
+        app = build_app(engine, MODEL_NAME, model_root=str(model_dir), **app_options)
         server, thread, base_url, loop = start_server(app)
         try:
             yield LiveServer(base_url=base_url, engine=engine, app=app, loop=loop)
         finally:
             server.should_exit = True
             thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_llama_dir) -> Iterator[LiveServer]:
+    with serving(tiny_llama_dir, max_waiting_requests=1024) as server:
+        yield server

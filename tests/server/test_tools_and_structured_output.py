@@ -16,8 +16,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from llmserve.server.app import build_app
-from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, LiveServer, start_server, tiny_engine_running
+from tests.server.conftest import LiveServer, serving
 
 WEATHER = {
     "type": "function",
@@ -49,14 +48,8 @@ PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool 
 @pytest.fixture(scope="module")
 def live_server(tiny_llama_dir) -> Iterator[LiveServer]:
     """The tiny model with room for the tools' descriptions (its small vocabulary spends many tokens on JSON)."""
-    with tiny_engine_running(tiny_llama_dir, NUM_KV_BLOCKS, 256, max_model_len=2048) as engine:
-        app = build_app(engine, MODEL_NAME, model_root=str(tiny_llama_dir))
-        server, thread, base_url, loop = start_server(app)
-        try:
-            yield LiveServer(base_url=base_url, engine=engine, app=app, loop=loop)
-        finally:
-            server.should_exit = True
-            thread.join(timeout=30)
+    with serving(tiny_llama_dir, max_num_batched_tokens=256, max_model_len=2048) as server:
+        yield server
 
 
 def chat(server: LiveServer, **body) -> httpx.Response:
@@ -280,14 +273,8 @@ def test_langchain_with_structured_output_and_bind_tools(live_server: LiveServer
 @pytest.fixture(scope="module")
 def reasoning_server(tiny_qwen3_dir) -> Iterator[LiveServer]:
     """The tiny qwen3 model served with --reasoning-parser qwen3."""
-    with tiny_engine_running(tiny_qwen3_dir, NUM_KV_BLOCKS, 256, max_model_len=2048) as engine:
-        app = build_app(engine, MODEL_NAME, model_root=str(tiny_qwen3_dir), reasoning_parser="qwen3")
-        server, thread, base_url, loop = start_server(app)
-        try:
-            yield LiveServer(base_url=base_url, engine=engine, app=app, loop=loop)
-        finally:
-            server.should_exit = True
-            thread.join(timeout=30)
+    with serving(tiny_qwen3_dir, max_num_batched_tokens=256, max_model_len=2048, reasoning_parser="qwen3") as server:
+        yield server
 
 
 THOUGHT_THEN_ANSWER = r"<think>[a-z]{2,6}</think>[a-z]{2,6}"
