@@ -71,6 +71,14 @@ class ChoiceState:
                 self.token_text,
             ))
             self.cumulative_logprob += output.logprob
+        if output.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+            # The stop token (EOS or a stop_token_ids entry) that ended the choice is not part of its
+            # text, as in vLLM, even when special tokens are kept (a tool-call format written in them).
+            if self._append_text(self.detokenizer.flush()):
+                return True
+            self.detokenizer.token_ids.append(token)
+            self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+            return False
         if self._append_text(self.detokenizer.add((token,))):
             return True
         if output.finish_reason is not None and not self._append_text(self.detokenizer.flush()):

@@ -133,7 +133,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     assistant's tool calls and a tool result's call id."""
     converted = []
     for i, message in enumerate(messages):
-        if message.content is None and not (message.role == "assistant"):
+        if message.content is None and message.role != "assistant":
             raise InvalidRequestError(
                 f"A {message.role} message needs content.", param=f"messages[{i}].content"
             )

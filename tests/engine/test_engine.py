@@ -184,6 +184,11 @@ def test_stop_token_ids_min_tokens_and_logprobs(llm):
     out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]))[0]
     c = out.outputs[0]
     assert c.token_ids == ids[: first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_id
+    # The stop token ends the choice without joining its text (vLLM's), whatever skip_special_tokens says.
+    assert c.text == llm.get_tokenizer().decode(ids[:first])
+    kept_specials = llm.generate(["def fibonacci(n):"], SamplingParams(
+        temperature=0, max_tokens=10, stop_token_ids=[stop_id], skip_special_tokens=False))[0].outputs[0]
+    assert kept_specials.text == c.text
     # min_tokens bans the stop token until enough tokens exist
     banned = llm.generate(
         ["def fibonacci(n):"],
