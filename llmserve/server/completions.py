@@ -91,16 +91,39 @@ class CompletionChoiceRenderer(ChoiceRenderer):
         self.logprobs = logprobs  # None: no logprobs
         self.texts = texts
         self.echo = echo
-        self.echo_logprobs = echo_logprobs  # the prompt's tokens lead the choice's logprobs (not streamed)
+        self.echo_logprobs = echo_logprobs  # the prompt's tokens lead the choice's logprobs
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field, with this many top logprobs
         self.offset = len(echo)  # text_offset of the next token (after an echoed prompt)
+        self.first = True  # no chunk sent yet
 
     def chunk_choice(self, delta: Delta, output: RequestOutput) -> Choice:
+        first, self.first = self.first, False
+        if first and (self.echo_logprobs or self.prompt_logprobs is not None):
+            return self._first_with_prompt_logprobs(delta, output)
         if self.logprobs is None or delta.logprobs is None:
             return text_choice_json(self.index, delta.text, delta.finish_reason)
         logprobs = completion_logprobs(delta.token_ids, delta.logprobs, self.logprobs, self.texts, self.offset)
         self.offset += sum(len(t) for t in logprobs.tokens)
         return CompletionChoice(index=self.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)
+
+    def _first_with_prompt_logprobs(self, delta: Delta, output: RequestOutput) -> CompletionChoice:
+        """The first chunk, which the prompt's logprobs come with (the engine scores the whole prompt
+        before the first token): echoed, the prompt's text and tokens lead it; vLLM's prompt_logprobs."""
+        text, logprobs = delta.text, None
+        if self.echo_logprobs and delta.logprobs is not None:
+            text = self.echo + delta.text
+            logprobs = echoed_completion_logprobs(output, delta.token_ids, delta.logprobs, self.logprobs or 0, self.texts)
+            self.offset = sum(len(t) for t in logprobs.tokens)
+        elif self.logprobs is not None and delta.logprobs is not None:
+            logprobs = completion_logprobs(delta.token_ids, delta.logprobs, self.logprobs, self.texts, self.offset)
+            self.offset += sum(len(t) for t in logprobs.tokens)
+        return CompletionChoice(
+            index=self.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            prompt_logprobs=vllm_prompt_logprobs(output.prompt_logprobs, self.prompt_logprobs),
+        )
 
     def response_choice(
         self, completion: CompletionOutput, text: str, finish_reason: str | None, output: RequestOutput
@@ -152,6 +175,8 @@ class CompletionShape(ResponseShape):
         return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
 
     def opening_chunks(self, prompts: int, n: int) -> list[list[Choice]]:
+        if self.echo_logprobs:
+            return []  # the echo comes with its logprobs, in each choice's first chunk
         return [
             [CompletionChoice(index=position * n + j, text=text, finish_reason=None) for j in range(n)]
             for position, text in enumerate(self.echo_texts)

@@ -286,8 +286,6 @@ class SamplingFields(_Request):
         found = []
         if self.logit_bias:
             found.append(("logit_bias", "logit_bias is not supported."))
-        if self.prompt_logprobs is not None and self.stream:
-            found.append(("prompt_logprobs", "prompt_logprobs is not supported when streaming."))
         if self.truncate_prompt_tokens == 0:
             found.append(("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 or at least 1."))
         if self.stream_options is not None and not self.stream:
@@ -423,6 +421,9 @@ class ChatCompletionRequest(SamplingFields):
                 found.append((name, f"{name} is not supported."))
         if self.top_logprobs and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs requires logprobs to be true."))
+        if self.prompt_logprobs is not None and self.stream:
+            found.append(("prompt_logprobs", "prompt_logprobs is not supported when streaming a chat completion "
+                          "(it is on /v1/completions)."))
         for i, message in enumerate(self.messages):
             if message.function_call:
                 found.append((f"messages[{i}].function_call", "function_call in messages is not supported: "
@@ -585,8 +586,6 @@ class CompletionRequest(SamplingFields):
             found.append(("suffix", "suffix is not supported."))
         if self.best_of is not None and self.best_of != self.n:
             found.append(("best_of", "best_of is only supported when it equals n."))
-        if self.echo and self.logprobs is not None and self.stream:
-            found.append(("echo", "echo together with logprobs is not supported when streaming."))
         return found
 
     @property

@@ -545,11 +545,11 @@ BAD_REQUESTS = [
     (COMPLETIONS, _completion(best_of=3), 400, "invalid_request_error", "best_of", "unsupported_parameter"),
     (COMPLETIONS, _completion(logprobs=21), 400, "invalid_request_error", "logprobs", "invalid_value"),
     (
-        COMPLETIONS,
-        _completion(echo=True, logprobs=1, stream=True),  # echo's prompt logprobs are not streamed
+        CHAT,
+        _chat(prompt_logprobs=1, stream=True),  # streamed only on /v1/completions
         400,
         "invalid_request_error",
-        "echo",
+        "prompt_logprobs",
         "unsupported_parameter",
     ),
     (COMPLETIONS, _completion(model="nope"), 404, "invalid_request_error", "model", "model_not_found"),

@@ -4,6 +4,8 @@ float32 log_softmax on the same weights."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -92,9 +94,41 @@ def test_truncate_prompt_tokens_on_both_endpoints(live_server):
     assert chat.json()["usage"]["prompt_tokens"] == 4
 
 
+def _streamed_choice(live_server, body: dict) -> dict:
+    """The choice a stream's chunks add up to: text joined, logprobs arrays joined, prompt_logprobs once."""
+    joined: dict = {"text": "", "logprobs": {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}}
+    payload = {"model": MODEL_NAME, "stream": True, **body}
+    with httpx.stream("POST", f"{live_server.base_url}/v1/completions", json=payload, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                joined["text"] += choice["text"]
+                for field, values in (choice.get("logprobs") or {}).items():
+                    joined["logprobs"][field].extend(values)
+                if "prompt_logprobs" in choice:
+                    assert "prompt_logprobs" not in joined  # it comes once, with the first chunk
+                    joined["prompt_logprobs"] = choice["prompt_logprobs"]
+                joined["finish_reason"] = choice["finish_reason"]
+    return joined
+
+
+def test_echo_logprobs_and_prompt_logprobs_stream_as_they_answer(live_server):
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 2, "prompt_logprobs": 1, "max_tokens": 5,
+            "temperature": 0, "ignore_eos": True}
+    whole = _post(live_server, "/v1/completions", body).json()["choices"][0]
+    streamed = _streamed_choice(live_server, body)
+    assert streamed["text"] == whole["text"] and streamed["finish_reason"] == whole["finish_reason"]
+    assert streamed["logprobs"]["tokens"] == whole["logprobs"]["tokens"]
+    assert streamed["logprobs"]["text_offset"] == whole["logprobs"]["text_offset"]
+    assert streamed["logprobs"]["token_logprobs"][0] is None
+    assert streamed["logprobs"]["token_logprobs"][1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:],
+                                                                       abs=1e-5)
+    assert streamed["prompt_logprobs"] == whole["prompt_logprobs"]
+
+
 @pytest.mark.parametrize(("body", "param"), [
-    ({"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "echo"),
-    ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"prompt": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
