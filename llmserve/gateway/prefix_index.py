@@ -91,6 +91,11 @@ class PrefixIndex:
     def total_size(self) -> int:
         return sum(len(blocks) for blocks in self._blocks.values())
 
+    @property
+    def distinct_blocks(self) -> int:
+        """Blocks recorded on at least one replica (a block on two replicas counts once)."""
+        return len(self._holders)
+
     def _release(self, block: int, replica: str) -> None:
         holders = self._holders[block]
         holders.discard(replica)
