@@ -1,4 +1,4 @@
-"""The `llmserve` command line: make-model, generate, serve (and bench in a later module)."""
+"""The `llmserve` command line: make-model, generate, serve, gateway (and bench, keys in their modules)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from llmserve.server.serve import run_server
 
     return run_server(args)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from llmserve.gateway.serve import run_gateway
+
+    return run_gateway(args)
+
+
+def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
+    gateway = sub.add_parser(
+        "gateway", help="route requests over pools of `llmserve serve --no-platform` replicas"
+    )
+    gateway.add_argument(
+        "--pool", action="append", default=[], metavar="NAME=URL[,URL...]",
+        help="the replicas serving model NAME (started with --served-model-name NAME); repeatable",
+    )
+    gateway.add_argument("--config", default=None, help="YAML file with `pools: {name: [url, ...]}`")
+    gateway.add_argument("--policy", choices=["prefix", "least_load", "round_robin"], default="prefix")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed at start)")
+    gateway.set_defaults(func=cmd_gateway)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -179,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
     _add_serve_parser(sub)
+    _add_gateway_parser(sub)
 
     from llmserve.bench.cli import add_bench_parser
 

@@ -1,0 +1,65 @@
+"""GET /metrics of the gateway: routing decisions by pool and reason, each replica's health and the
+requests sent to it, requests retried and streams broken (Prometheus text, `llmserve:gateway_` names)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from llmserve.gateway.replica import ReplicaState
+
+if TYPE_CHECKING:
+    from llmserve.gateway.pool import Pool
+
+
+class GatewayMetrics:
+    def __init__(self, pools: Iterable[Pool]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_PoolCollector(list(pools)))
+        self.requests = Counter(
+            "llmserve:gateway_requests", "Requests sent to a replica (retries included).",
+            ["pool", "replica"], registry=self.registry,
+        )
+        self.retried = Counter(
+            "llmserve:gateway_requests_retried", "Requests retried on another replica after a failure "
+            "before any byte reached the client.", ["pool"], registry=self.registry,
+        )
+        self.streams_broken = Counter(
+            "llmserve:gateway_streams_broken", "Streams whose replica failed mid-way (ended with an error "
+            "event).", ["pool"], registry=self.registry,
+        )
+        self.ejections = Counter(
+            "llmserve:gateway_replica_ejections", "Times a replica was ejected (failed a health check, a "
+            "connection, or answered 503).", ["pool", "replica"], registry=self.registry,
+        )
+
+
+class _PoolCollector:
+    """Read at scrape time from the pools themselves, so nothing is counted twice."""
+
+    def __init__(self, pools: list[Pool]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        decisions = CounterMetricFamily(
+            "llmserve:gateway_routing_decisions", "Routing decisions by pool and reason.",
+            labels=["pool", "reason"],
+        )
+        healthy = GaugeMetricFamily(
+            "llmserve:gateway_replica_healthy", "1 when the replica may be sent requests, else 0 "
+            "(ejected or draining).", labels=["pool", "replica"],
+        )
+        in_flight = GaugeMetricFamily(
+            "llmserve:gateway_replica_in_flight", "Requests this gateway has in flight on the replica.",
+            labels=["pool", "replica"],
+        )
+        for pool in self._pools:
+            for reason, count in sorted(pool.policy.decisions.items()):
+                decisions.add_metric([pool.name, reason], count)
+            for replica in pool.replicas:
+                healthy.add_metric([pool.name, replica.url], float(replica.state is ReplicaState.HEALTHY))
+                in_flight.add_metric([pool.name, replica.url], replica.in_flight)
+        yield from (decisions, healthy, in_flight)

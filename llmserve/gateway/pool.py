@@ -1,0 +1,148 @@
+"""A pool: the replicas that serve one model, the routing policy that picks among them, and their health.
+
+Health is watched two ways. Actively, each replica's `/health` is polled every `interval_s` with a
+short timeout, and its `/metrics` read for vLLM's load gauges (`report_load`); a refused connection or
+a non-200 answer ejects it at once, a timeout after `timeouts_to_eject` in a row (a busy replica may be
+slow to answer once), so a hung replica is out within interval + 2 timeouts (2 s with the defaults).
+Passively, the proxy ejects a replica the moment a request to it fails to connect, times out or gets a
+503. An ejected replica is re-admitted when its `/health` answers 200 again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmserve.gateway.prefix_index import PromptKey
+from llmserve.gateway.replica import Replica, ReplicaState
+from llmserve.gateway.routing import RoutingPolicy
+
+logger = logging.getLogger(__name__)
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+@dataclass(eq=False)
+class Pool:
+    """One model's replicas. They start ejected: a replica is sent requests once its health is known."""
+
+    name: str
+    replicas: list[Replica]
+    policy: RoutingPolicy
+    on_eject: Callable[[Pool, Replica], None] | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, name: str, urls: Sequence[str], policy: RoutingPolicy) -> Pool:
+        replicas = [Replica(url.rstrip("/"), state=ReplicaState.EJECTED) for url in urls]
+        return cls(name, replicas, policy)
+
+    def choose(self, prompt: PromptKey, excluded: Sequence[Replica] = ()) -> Replica:
+        """A routable replica for the prompt, never one of `excluded` (raises `NoReplicaAvailable`)."""
+        candidates = [replica for replica in self.replicas if replica not in excluded]
+        return self.policy.choose(prompt, candidates)
+
+    def eject(self, replica: Replica, reason: str) -> None:
+        if replica.state is ReplicaState.EJECTED:
+            return
+        logger.warning("gateway: ejecting %s from pool %s: %s", replica.url, self.name, reason)
+        replica.eject()
+        self.policy.on_eject(replica)
+        if self.on_eject is not None:
+            self.on_eject(self, replica)
+
+    def readmit(self, replica: Replica) -> None:
+        if replica.state is ReplicaState.EJECTED:
+            logger.warning("gateway: %s (pool %s) is healthy again", replica.url, self.name)
+            replica.readmit()
+
+
+def parse_load(metrics_text: str) -> tuple[int, int, float]:
+    """Running and waiting requests (summed over the replica's models) and its highest KV cache usage."""
+    running = waiting = 0
+    usage = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        values = [sample.value for sample in family.samples]
+        if family.name == RUNNING:
+            running = int(sum(values))
+        elif family.name == WAITING:
+            waiting = int(sum(values))
+        elif family.name == KV_USAGE:
+            usage = min(1.0, max(values, default=0.0))
+    return max(0, running), max(0, waiting), max(0.0, usage)
+
+
+class HealthChecker:
+    """Polls every replica of every pool, each on its own task, until stopped."""
+
+    def __init__(
+        self, pools: Sequence[Pool], client: httpx.AsyncClient, *, interval_s: float = 0.5,
+        timeout_s: float = 0.5, timeouts_to_eject: int = 2,
+    ) -> None:
+        self.pools = list(pools)
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.timeouts_to_eject = timeouts_to_eject
+        self._timeouts: dict[Replica, int] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def check_all(self) -> None:
+        """One round over every replica (at start, so the pools' health is known before any request)."""
+        await asyncio.gather(*(self.check(pool, replica) for pool in self.pools for replica in pool.replicas))
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._poll(pool, replica)) for pool in self.pools for replica in pool.replicas
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    async def _poll(self, pool: Pool, replica: Replica) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.check(pool, replica)
+            except Exception:  # a bug here must not stop the polling of this replica
+                logger.exception("gateway: health check of %s failed", replica.url)
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    async def check(self, pool: Pool, replica: Replica) -> None:
+        try:
+            health = await self.client.get(f"{replica.url}/health", timeout=self.timeout_s)
+        except httpx.TimeoutException:
+            self._timeouts[replica] = self._timeouts.get(replica, 0) + 1
+            if self._timeouts[replica] >= self.timeouts_to_eject:
+                pool.eject(replica, f"/health timed out {self._timeouts[replica]} times in a row")
+            return
+        except httpx.TransportError as exc:
+            pool.eject(replica, f"/health: {type(exc).__name__}: {exc}")
+            return
+        self._timeouts[replica] = 0
+        if health.status_code != 200:
+            pool.eject(replica, f"/health answered {health.status_code}")
+            return
+        pool.readmit(replica)
+        await self._read_load(replica)
+
+    async def _read_load(self, replica: Replica) -> None:
+        try:
+            metrics = await self.client.get(f"{replica.url}/metrics", timeout=self.timeout_s)
+        except httpx.TransportError:
+            return  # healthy but slow to report: keep the last figures
+        if metrics.status_code == 200:
+            running, waiting, usage = parse_load(metrics.text)
+            replica.report_load(running=running, waiting=waiting, kv_cache_usage=usage)

@@ -1,0 +1,146 @@
+"""Forwarding one request to a replica of its pool, with one retry and streams relayed as they come.
+
+A request that fails before any byte reached the client (the connection is refused or times out, the
+replica answers 503, dies before its headers, or breaks off a non-streamed body, which is buffered) is
+retried once on another replica, the failed one excluded; a replica that fails so is ejected at once.
+A stream is relayed event by event (only whole SSE events go out, so an error event can always follow);
+its first event is read before the client gets the headers, so a replica that dies before its first
+token is retried too. A stream broken after that ends with an error event in OpenAI's shape, then
+`data: [DONE]`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from llmserve.gateway import errors
+from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.pool import Pool
+from llmserve.gateway.prefix_index import PromptKey
+from llmserve.gateway.replica import Replica
+from llmserve.gateway.routing import NoReplicaAvailable
+
+MAX_ATTEMPTS = 2  # the first try and one retry
+EVENT_END = b"\n\n"
+# Not forwarded: they describe one hop's connection, or are set again by the next hop's server.
+_HOP_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "transfer-encoding", "upgrade", "host", "content-length", "date", "server",
+})
+
+
+def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {name: value for name, value in headers.items() if name.lower() not in _HOP_HEADERS}
+
+
+class _Failed(Exception):
+    """This attempt failed before any byte reached the client; another replica may take the request."""
+
+
+class Proxy:
+    def __init__(self, client: httpx.AsyncClient, metrics: GatewayMetrics) -> None:
+        self.client = client
+        self.metrics = metrics
+
+    async def forward(
+        self, pool: Pool, path: str, body: bytes, prompt: PromptKey, headers: Mapping[str, str]
+    ) -> Response:
+        failed: list[Replica] = []
+        reason = ""
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                replica = pool.choose(prompt, failed)
+            except NoReplicaAvailable:
+                return errors.no_replica(pool.name)
+            if attempt:
+                self.metrics.retried.labels(pool.name).inc()
+            try:
+                return await self._send(pool, replica, path, body, headers)
+            except _Failed as exc:
+                failed.append(replica)
+                reason = str(exc)
+        return errors.replica_failed(f"The request failed on {len(failed)} replicas of `{pool.name}`: {reason}")
+
+    async def _send(
+        self, pool: Pool, replica: Replica, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> Response:
+        pool.policy.on_start(replica)
+        self.metrics.requests.labels(pool.name, replica.url).inc()
+        handed_over = False  # once the relay owns the response, it closes it and finishes the request
+        try:
+            request = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
+            try:
+                response = await self.client.send(request, stream=True)
+            except httpx.TransportError as exc:
+                raise self._fail(pool, replica, f"{type(exc).__name__}: {exc}") from exc
+            try:
+                if response.status_code == 503:
+                    raise self._fail(pool, replica, "the replica answered 503")
+                reply_headers = forwarded_headers(response.headers)
+                chunks = response.aiter_raw()
+                if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                    content = await self._read_all(pool, replica, chunks)
+                    return Response(content, status_code=response.status_code, headers=reply_headers)
+                first, rest = await self._first_events(pool, replica, chunks)
+                handed_over = True
+                return StreamingResponse(
+                    self._relay(pool, replica, response, chunks, first, rest), status_code=response.status_code,
+                    headers=reply_headers,
+                )
+            finally:
+                if not handed_over:
+                    await response.aclose()
+        finally:
+            if not handed_over:
+                pool.policy.on_finish(replica)
+
+    def _fail(self, pool: Pool, replica: Replica, reason: str) -> _Failed:
+        pool.eject(replica, reason)
+        return _Failed(f"{replica.url}: {reason}")
+
+    async def _read_all(self, pool: Pool, replica: Replica, chunks: AsyncIterator[bytes]) -> bytes:
+        try:
+            return b"".join([chunk async for chunk in chunks])
+        except httpx.TransportError as exc:
+            raise self._fail(pool, replica, f"broke off mid-response: {type(exc).__name__}") from exc
+
+    async def _first_events(
+        self, pool: Pool, replica: Replica, chunks: AsyncIterator[bytes]
+    ) -> tuple[bytes, bytes]:
+        """The stream's first whole events, and what came after them."""
+        buffer = b""
+        try:
+            async for chunk in chunks:
+                buffer += chunk
+                cut = buffer.rfind(EVENT_END)
+                if cut >= 0:
+                    return buffer[:cut + len(EVENT_END)], buffer[cut + len(EVENT_END):]
+        except httpx.TransportError as exc:
+            raise self._fail(pool, replica, f"broke off before its first event: {type(exc).__name__}") from exc
+        return buffer, b""  # the stream ended without a whole event: pass it on as it is
+
+    async def _relay(
+        self, pool: Pool, replica: Replica, response: httpx.Response, chunks: AsyncIterator[bytes],
+        first: bytes, pending: bytes,
+    ) -> AsyncIterator[bytes]:
+        try:
+            yield first
+            try:
+                async for chunk in chunks:
+                    pending += chunk
+                    cut = pending.rfind(EVENT_END)
+                    if cut >= 0:
+                        yield pending[:cut + len(EVENT_END)]
+                        pending = pending[cut + len(EVENT_END):]
+            except httpx.TransportError as exc:
+                self.metrics.streams_broken.labels(pool.name).inc()
+                pool.eject(replica, f"stream broke off: {type(exc).__name__}")
+                yield errors.sse_error_and_done(f"The replica serving this stream failed ({type(exc).__name__}).")
+                return
+            if pending:
+                yield pending
+        finally:
+            await response.aclose()
+            pool.policy.on_finish(replica)

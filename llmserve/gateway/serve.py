@@ -1,0 +1,81 @@
+"""`llmserve gateway`: the pools from --pool and --config, the app, and uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+import yaml
+
+from llmserve.gateway.app import build_gateway_app
+
+
+def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[str]]:
+    """`--pool NAME=URL[,URL...]` (repeatable) joined with the config's `pools: {name: [urls]}`."""
+    pools: dict[str, list[str]] = {}
+    if config_path:
+        config = yaml.safe_load(Path(config_path).expanduser().read_text()) or {}
+        entries = config.get("pools") if isinstance(config, dict) else None
+        if not isinstance(entries, dict):
+            raise ValueError(f"{config_path}: expected `pools: {{name: [url, ...]}}`.")
+        for name, urls in entries.items():
+            if not isinstance(urls, list) or not all(isinstance(url, str) for url in urls):
+                raise ValueError(f"{config_path}: pool {name!r} must be a list of URLs.")
+            pools.setdefault(str(name), []).extend(urls)
+    for value in values:
+        name, sep, urls = value.partition("=")
+        listed = [url.strip() for url in urls.split(",") if url.strip()]
+        if not sep or not name or not listed:
+            raise ValueError(f"--pool {value!r}: expected NAME=URL[,URL...].")
+        pools.setdefault(name, []).extend(listed)
+    for name, urls in pools.items():
+        bad = [url for url in urls if not url.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"pool {name!r}: {bad[0]!r} is not an http(s) URL.")
+    if not pools:
+        raise ValueError("Give at least one pool: --pool NAME=URL[,URL...] or --config with `pools:`.")
+    return pools
+
+
+class _AnnouncingServer(uvicorn.Server):
+    """Says where it listens once it does (with --port 0, the port the OS picked), and on SIGTERM or
+    SIGINT finishes the requests in flight and returns (exit status 0) instead of re-raising the signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _stop(self, sig: int, frame: FrameType | None) -> None:
+        self.force_exit = self.should_exit and sig == signal.SIGINT  # a second Ctrl+C: stop waiting
+        self.should_exit = True
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        servers = getattr(self, "servers", [])
+        if self.started and servers and servers[0].sockets:
+            host, port = servers[0].sockets[0].getsockname()[:2]
+            os.write(sys.stdout.fileno(), f"llmserve: gateway at http://{host}:{port}/v1\n".encode())
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    app = build_gateway_app(parse_pools(args.pool, args.config), args.policy)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            timeout_keep_alive=5)
+    _AnnouncingServer(config).run()
+    return 0
