@@ -85,9 +85,10 @@ class Proxy:
                     return Response(content, status_code=response.status_code, headers=reply_headers)
                 first, rest = await self._first_events(pool, replica, chunks)
                 handed_over = True
-                return StreamingResponse(
-                    self._relay(pool, replica, response, chunks, first, rest), status_code=response.status_code,
-                    headers=reply_headers,
+                finish = _Finish(pool, replica, response)
+                return _RelayResponse(
+                    self._relay(pool, replica, chunks, first, rest, finish), finish,
+                    status_code=response.status_code, headers=reply_headers,
                 )
             finally:
                 if not handed_over:
@@ -122,8 +123,8 @@ class Proxy:
         return buffer, b""  # the stream ended without a whole event: pass it on as it is
 
     async def _relay(
-        self, pool: Pool, replica: Replica, response: httpx.Response, chunks: AsyncIterator[bytes],
-        first: bytes, pending: bytes,
+        self, pool: Pool, replica: Replica, chunks: AsyncIterator[bytes], first: bytes, pending: bytes,
+        finish: _Finish,
     ) -> AsyncIterator[bytes]:
         try:
             yield first
@@ -142,5 +143,36 @@ class Proxy:
             if pending:
                 yield pending
         finally:
-            await response.aclose()
-            pool.policy.on_finish(replica)
+            await finish()
+
+
+class _Finish:
+    """Closes a relayed stream's replica response and ends the request's in-flight count, once."""
+
+    def __init__(self, pool: Pool, replica: Replica, response: httpx.Response) -> None:
+        self._pool, self._replica, self._response = pool, replica, response
+        self._done = False
+
+    async def __call__(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            await self._response.aclose()
+        finally:
+            self._pool.policy.on_finish(self._replica)
+
+
+class _RelayResponse(StreamingResponse):
+    """A relayed stream that finishes its request even when the client left before the body started
+    (its generator then never runs, so the generator's own `finally` would not either)."""
+
+    def __init__(self, content: AsyncIterator[bytes], finish: _Finish, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._finish = finish
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._finish()
