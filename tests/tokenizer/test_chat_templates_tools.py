@@ -15,6 +15,7 @@ from llmserve.errors import InvalidRequestError
 from llmserve.model.builtin import CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE
 from llmserve.server.tool_calls import HermesToolParser, Llama3JsonToolParser, MistralToolParser, ToolParser
 from llmserve.tokenizer.tokenizer import Tokenizer
+from tests.tokenizer.test_tokenizer import CONVERSATIONS
 
 # The built-in template before it learnt tools: conversations without tools must render exactly as it did.
 PREVIOUS_CHAT_TEMPLATE = (
@@ -120,15 +121,7 @@ CONVERSATION: list[dict[str, Any]] = [
 ]
 
 NO_TOOL_CONVERSATIONS: list[list[dict[str, Any]]] = [
-    [{"role": "user", "content": "Hi!"}],
-    [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "héllo 日本語 🙂"},
-        {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": "And again?"},
-    ],
-    [{"role": "user", "content": ""}],
-    [{"role": "user", "content": "call a tool"}, {"role": "assistant", "content": None}],
+    *CONVERSATIONS,
     [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "parts"}]}],
 ]
 
