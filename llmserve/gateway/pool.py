@@ -25,6 +25,11 @@ from llmserve.gateway.routing import RoutingPolicy
 
 logger = logging.getLogger(__name__)
 
+# A replica that dies mid-request shows up as httpx's TransportError, and sometimes as an error of the
+# transport underneath it (httpcore can fail with AttributeError or OSError when the peer vanishes while a
+# connection is being set up): all of them are that replica's failure.
+REPLICA_ERRORS = (httpx.TransportError, OSError, AttributeError)
+
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -128,7 +133,7 @@ class HealthChecker:
             if self._timeouts[replica] >= self.timeouts_to_eject:
                 pool.eject(replica, f"/health timed out {self._timeouts[replica]} times in a row")
             return
-        except httpx.TransportError as exc:
+        except REPLICA_ERRORS as exc:
             pool.eject(replica, f"/health: {type(exc).__name__}: {exc}")
             return
         self._timeouts[replica] = 0
@@ -141,7 +146,7 @@ class HealthChecker:
     async def _read_load(self, replica: Replica) -> None:
         try:
             metrics = await self.client.get(f"{replica.url}/metrics", timeout=self.timeout_s)
-        except httpx.TransportError:
+        except REPLICA_ERRORS:
             return  # healthy but slow to report: keep the last figures
         if metrics.status_code == 200:
             running, waiting, usage = parse_load(metrics.text)

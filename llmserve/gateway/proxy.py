@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from llmserve.gateway import errors
 from llmserve.gateway.metrics import GatewayMetrics
-from llmserve.gateway.pool import Pool
+from llmserve.gateway.pool import REPLICA_ERRORS, Pool
 from llmserve.gateway.prefix_index import PromptKey
 from llmserve.gateway.replica import Replica
 from llmserve.gateway.routing import NoReplicaAvailable
@@ -73,7 +73,7 @@ class Proxy:
             request = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
             try:
                 response = await self.client.send(request, stream=True)
-            except httpx.TransportError as exc:
+            except REPLICA_ERRORS as exc:
                 raise self._fail(pool, replica, f"{type(exc).__name__}: {exc}") from exc
             try:
                 if response.status_code == 503:
@@ -104,7 +104,7 @@ class Proxy:
     async def _read_all(self, pool: Pool, replica: Replica, chunks: AsyncIterator[bytes]) -> bytes:
         try:
             return b"".join([chunk async for chunk in chunks])
-        except httpx.TransportError as exc:
+        except REPLICA_ERRORS as exc:
             raise self._fail(pool, replica, f"broke off mid-response: {type(exc).__name__}") from exc
 
     async def _first_events(
@@ -118,7 +118,7 @@ class Proxy:
                 cut = buffer.rfind(EVENT_END)
                 if cut >= 0:
                     return buffer[:cut + len(EVENT_END)], buffer[cut + len(EVENT_END):]
-        except httpx.TransportError as exc:
+        except REPLICA_ERRORS as exc:
             raise self._fail(pool, replica, f"broke off before its first event: {type(exc).__name__}") from exc
         return buffer, b""  # the stream ended without a whole event: pass it on as it is
 
@@ -135,7 +135,7 @@ class Proxy:
                     if cut >= 0:
                         yield pending[:cut + len(EVENT_END)]
                         pending = pending[cut + len(EVENT_END):]
-            except httpx.TransportError as exc:
+            except REPLICA_ERRORS as exc:
                 self.metrics.streams_broken.labels(pool.name).inc()
                 pool.eject(replica, f"stream broke off: {type(exc).__name__}")
                 yield errors.sse_error_and_done(f"The replica serving this stream failed ({type(exc).__name__}).")
