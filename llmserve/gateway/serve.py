@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 
 import uvicorn
 import yaml
 
 from llmserve.gateway.app import build_gateway_app
+from llmserve.server.graceful import GracefulServer
 
 
 def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[str]]:
@@ -45,37 +41,14 @@ def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[st
     return pools
 
 
-class _AnnouncingServer(uvicorn.Server):
-    """Says where it listens once it does (with --port 0, the port the OS picked), and on SIGTERM or
-    SIGINT finishes the requests in flight and returns (exit status 0) instead of re-raising the signal."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _stop(self, sig: int, frame: FrameType | None) -> None:
-        self.force_exit = self.should_exit and sig == signal.SIGINT  # a second Ctrl+C: stop waiting
-        self.should_exit = True
-
-    async def startup(self, sockets: list | None = None) -> None:
-        await super().startup(sockets)
-        servers = getattr(self, "servers", [])
-        if self.started and servers and servers[0].sockets:
-            host, port = servers[0].sockets[0].getsockname()[:2]
-            os.write(sys.stdout.fileno(), f"llmserve: gateway at http://{host}:{port}/v1\n".encode())
-
-
 def run_gateway(args: argparse.Namespace) -> int:
     app = build_gateway_app(parse_pools(args.pool, args.config), args.policy)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_keep_alive=5)
-    _AnnouncingServer(config).run()
+    GracefulServer(config, on_signal=lambda: None, on_listening=_announce).run()
     return 0
+
+
+def _announce(host: str, port: int) -> None:
+    """Where it listens (with --port 0, the port the OS picked), for people and tests reading stdout."""
+    os.write(sys.stdout.fileno(), f"llmserve: gateway at http://{host}:{port}/v1\n".encode())

@@ -9,18 +9,12 @@ the engine stops, and the process exits 0.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
 import os
-import signal
 import sys
-import threading
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -34,6 +28,7 @@ from llmserve.platform.ratelimit import InProcessRateLimiter, RateLimiter
 from llmserve.platform.routing import ModelsConfig
 from llmserve.server.app import ModelSpec, build_app
 from llmserve.server.gateway import Platform
+from llmserve.server.graceful import GracefulServer
 from llmserve.server.slo import SLO
 
 if TYPE_CHECKING:
@@ -43,65 +38,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_NAME = "llmserve-default"
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ABORT_GRACE_S = 5.0  # after the shutdown timeout: time for the aborted streams to send their error event
-
-
-class GracefulServer(uvicorn.Server):
-    """uvicorn.Server that drains on SIGINT/SIGTERM and then returns normally (exit status 0)
-    instead of re-raising the signal, and reports its address once it listens.
-
-    With `on_deadline`, requests still running `shutdown_timeout` seconds into the shutdown are
-    ended by it (uvicorn itself cancels them `ABORT_GRACE_S` later, mid-response)."""
-
-    def __init__(
-        self,
-        config: uvicorn.Config,
-        on_signal: Callable[[], None],
-        on_listening: Callable[[str, int], None],
-        on_deadline: Callable[[], None] | None = None,
-        shutdown_timeout: float | None = None,
-    ) -> None:
-        super().__init__(config)
-        self._on_signal = on_signal
-        self._on_listening = on_listening
-        self._on_deadline = on_deadline
-        self._shutdown_timeout = shutdown_timeout
-
-    async def shutdown(self, sockets: list | None = None) -> None:
-        if self._on_deadline is None or self._shutdown_timeout is None:
-            await super().shutdown(sockets)
-            return
-        deadline = asyncio.get_running_loop().call_later(self._shutdown_timeout, self._on_deadline)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            deadline.cancel()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self._handle_signal) for sig in _SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _handle_signal(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl+C: stop waiting for in-flight requests
-        self.should_exit = True
-        self._on_signal()
-
-    async def startup(self, sockets: list | None = None) -> None:
-        await super().startup(sockets)
-        servers = getattr(self, "servers", [])
-        if self.started and servers and servers[0].sockets:
-            host, port = servers[0].sockets[0].getsockname()[:2]
-            self._on_listening(host, port)
 
 
 def served_name(model_arg: str | None) -> str:

@@ -19,7 +19,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.messages import EngineStats
 from llmserve.server.app import build_app
-from llmserve.server.serve import GracefulServer
+from llmserve.server.graceful import GracefulServer
 
 T = TypeVar("T")
 
