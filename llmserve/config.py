@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, get_args, get_type_hints
 
 GiB = 1 << 30
+QUANTIZATION_CHOICES = ("int8", "fp8")  # as llmserve.model.quantization.QUANTIZATION_METHODS (torch-free here)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -39,6 +41,10 @@ class EngineConfig:
     enforce_eager: bool = False  # never use CUDA graphs (they are only used on CUDA anyway)
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, 32, ...
     served_model_name: str | None = None
+    # int8 | fp8: quantize the linear layers' weights at load (a checkpoint with a quantization_config
+    # runs quantized without it); see llmserve.model.quantization.
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8 (fp8_e4m3): e4m3 with a per-tensor scale (triton backend)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -51,6 +57,10 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}.")
         if self.cuda_graph_sizes is not None and any(size < 1 for size in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}.")
 
@@ -99,6 +109,16 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
         help="dummy: random weights from config.json, no checkpoint read",
     ),
     _EngineFlag("seed", "--seed"),
+    _EngineFlag(
+        "quantization", "--quantization", choices=QUANTIZATION_CHOICES,
+        help="quantize the linear layers' weights at load: int8 (per-channel, weight-only; CPU and GPU) or fp8 "
+        "(e4m3 per-channel; fp8 matmul on GPUs of compute capability 8.9+). Checkpoints with a "
+        "quantization_config run quantized without it",
+    ),
+    _EngineFlag(
+        "kv_cache_dtype", "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+        help="fp8: store the KV cache in e4m3 (twice the tokens per byte); needs the triton attention backend",
+    ),
     _EngineFlag(
         "gpu_memory_utilization", "--gpu-memory-utilization",
         help="CUDA: fraction of device memory for weights, activations and the KV cache",

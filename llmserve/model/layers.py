@@ -73,7 +73,12 @@ def _import_fused_kernels() -> ModuleType | None:
 
 
 class Linear(nn.Module):
-    """A linear layer whose weights come from a checkpoint, so nothing is initialised at construction."""
+    """A linear layer whose weights come from a checkpoint, so nothing is initialised at construction.
+
+    A quantized layer (`llmserve.model.quantization`) holds int8/fp8 weights and a `quant_method` that
+    runs its forward pass."""
+
+    quant_method = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -81,6 +86,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         return nn.functional.linear(x, self.weight, self.bias)
 
 

@@ -36,6 +36,7 @@ from llmserve.model.cuda_graphs import (
 from llmserve.model.dummy_weights import init_dummy_weights_
 from llmserve.model.loader import iterate_weights
 from llmserve.model.memory import MemoryProfile, kv_cache_budget, num_kv_blocks, profile_prompt_lengths
+from llmserve.model.quantization import QuantizedLoader, resolve_quantization
 from llmserve.model.registry import model_class
 from llmserve.sampling.params import SamplingParams
 from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
@@ -65,6 +66,15 @@ def resolve_dtype(requested: str, checkpoint_dtype: torch.dtype, device: torch.d
     if device.type == "cuda":
         return torch.float16 if checkpoint_dtype == torch.float16 else torch.bfloat16
     return checkpoint_dtype
+
+
+def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
+    """"auto": the model dtype; "fp8" / "fp8_e4m3": float8 e4m3."""
+    if requested == "auto":
+        return model_dtype
+    if requested in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {requested!r}.")
 
 
 def choose_attention_backend(requested: str | None, device: torch.device) -> type[AttentionBackend]:
@@ -206,12 +216,14 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         model_config.dtype = self.dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        self.quantization = resolve_quantization(config.quantization, model_config.raw, config.load_format == "dummy")
         self.model = self._load_model(model_dir, max_model_len)
         self.attn_backend = choose_attention_backend(config.attention_backend, self.device)(
             model_config.num_attention_heads, model_config.num_key_value_heads, model_config.head_dim, self.block_size,
-            self.dtype,
+            self.dtype, kv_cache_dtype=self.kv_cache_dtype,
         )
         self.sampler = Sampler()
         self.memory_profile: MemoryProfile | None = None
@@ -227,16 +239,23 @@ class ModelRunner:
         cls = model_class(self.model_config.architecture)
         with torch.device(self.device):
             model = cls(self.model_config, max_positions=max_model_len)
+        quantized = QuantizedLoader(model, self.quantization) if self.quantization is not None else None
         if self.config.load_format == "dummy":
             init_dummy_weights_(model, self.config.seed)
+            if quantized is not None:
+                quantized.quantize_in_place()
+        elif quantized is not None:
+            quantized.load(iterate_weights(model_dir))
         else:
             model.load_weights(iterate_weights(model_dir))
+        if quantized is not None:
+            quantized.finalize(self.dtype)
         return model.eval()
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
+        per_block = self.model_config.kv_bytes_per_token(self.kv_cache_dtype) * self.block_size
         if self.device.type != "cuda":
             return max(1, self.config.kv_cache_memory // per_block)
         self.memory_profile = self.profile_memory()
@@ -254,8 +273,8 @@ class ModelRunner:
         # Zeros, not empty: padded block-table entries read block contents that the mask then ignores,
         # and uninitialised memory could hold NaNs that survive a zero attention weight.
         return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
             for _ in range(self.model_config.num_hidden_layers)
         ]
 

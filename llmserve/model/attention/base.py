@@ -35,11 +35,24 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    # KV cache dtypes other than the model dtype that this backend stores and reads, and why not others.
+    quantized_kv_cache_dtypes: tuple[torch.dtype, ...] = ()
+    no_quantized_kv_cache_reason = "it keeps the KV cache in the model dtype"
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype = torch.float32
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype = torch.float32,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
+        if self.kv_cache_dtype != dtype and self.kv_cache_dtype not in self.quantized_kv_cache_dtypes:
+            raise ValueError(
+                f"The {self.name!r} attention backend cannot keep the KV cache in {self.kv_cache_dtype}: "
+                f"{self.no_quantized_kv_cache_reason}."
+            )
+        # Per-tensor scales of a quantized cache: stored = value / scale. 1.0 unless calibrated scales are set.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

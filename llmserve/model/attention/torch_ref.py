@@ -22,11 +22,17 @@ from llmserve.model.attention.base import AttentionBackend, AttentionMetadata
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    no_quantized_kv_cache_reason = (
+        "it keeps the KV cache in the model dtype (its CPU decode kernel has no fp8 path: these CPUs have no fp8 "
+        "conversion instructions, and batch-1 decode is bound by reading the weights, so a smaller KV cache "
+        "would not pay); --kv-cache-dtype fp8 needs the 'triton' backend on a CUDA GPU"
+    )
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype = torch.float32
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype = torch.float32,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype)
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype, kv_cache_dtype)
         self.group = num_heads // num_kv_heads
         self._workspace: dict[str, torch.Tensor] = {}
         self._kernel_fits = cpu_kernels.supports(dtype, num_heads, num_kv_heads, head_dim)

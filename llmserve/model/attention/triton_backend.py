@@ -4,6 +4,10 @@ The kernels live in `triton_kernels` and are imported when the backend is constr
 llmserve needs no Triton. They run natively on CUDA tensors, and on CPU tensors in Triton's interpreter
 when TRITON_INTERPRET=1 is set before the first construction (slow: meant for tests).
 
+An fp8 (e4m3) cache stores value / scale with one scale per tensor for keys and one for values
+(`k_scale`, `v_scale`, 1.0 unless set), saturated to e4m3's range; the kernels read e4m3 values into the
+query dtype (exact) and fold the key scale into the softmax scale and the value scale into the output.
+
 Cache layout is the torch reference's, [num_blocks, kv_heads, block_size, head_dim]: one KV head's slice
 of a block is a contiguous block_size x head_dim tile.
 
@@ -45,10 +49,13 @@ class TritonAttentionBackend(AttentionBackend):
     min_split_tokens = 512  # a decode split covers at least this many positions
     max_splits = 64
 
+    quantized_kv_cache_dtypes = (torch.float8_e4m3fn,)
+
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype = torch.float32
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype = torch.float32,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype)
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype, kv_cache_dtype)
         self.interpret = _interpreting()
         if not torch.cuda.is_available() and not self.interpret:
             raise RuntimeError(
@@ -74,6 +81,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def _quantized_cache(self) -> bool:
+        return self.kv_cache_dtype != self.dtype
 
     # ---- per step -------------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -137,9 +148,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.kernels.write_kv_kernel[(tokens,)](
             key, value, k_cache, v_cache, meta.slot_mapping,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 1.0 / self.k_scale, 1.0 / self.v_scale,
             NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
-            KVH_PAD=self.kvh_pad, D_PAD=self.d_pad,
+            KVH_PAD=self.kvh_pad, D_PAD=self.d_pad, QUANTIZED=self._quantized_cache,
         )
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -170,7 +181,7 @@ class TritonAttentionBackend(AttentionBackend):
         kernels.decode_kernel[(nd, self.num_kv_heads, splits)](
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
             out, part_acc, part_m, part_l,
-            self.scale * _LOG2E, split_len,
+            self.scale * self.k_scale * _LOG2E, self.v_scale, split_len,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
@@ -179,7 +190,7 @@ class TritonAttentionBackend(AttentionBackend):
         )
         if splits > 1:
             kernels.merge_splits_kernel[(nd, self.num_heads)](
-                out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
+                out, part_acc, part_m, part_l, self.v_scale, out.stride(0), out.stride(1),
                 NUM_HEADS=self.num_heads, HEAD_DIM=self.head_dim, D_PAD=self.d_pad,
                 NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits),
             )
@@ -189,7 +200,7 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         self.kernels.prefill_kernel[(count, self.num_kv_heads)](
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles,
-            out, self.scale * _LOG2E, count,
+            out, self.scale * self.k_scale * _LOG2E, self.v_scale, count,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             GROUP=self.group, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,

@@ -23,22 +23,25 @@ import triton.language as tl
 # Running maximum before any key was seen: finite, so rows whose keys are all masked in a tile (or a
 # split with no keys at all) never compute inf - inf.
 NEG_INIT = tl.constexpr(-1.0e30)
+FP8_MAX = tl.constexpr(448.0)  # largest finite float8 e4m3fn
 
 
 @triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, score_mask, m, l_sum, acc, qk_scale,
                  DOT_PRECISION: tl.constexpr):
     """One key/value tile of an online softmax: scores (log2 domain, `score_mask` false -> -inf), then the
-    running maximum `m`, sum `l_sum` and accumulator `acc` updated; returns the three."""
-    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    running maximum `m`, sum `l_sum` and accumulator `acc` updated; returns the three. Cached keys and
+    values are read in the query's dtype (a no-op unless the cache is fp8; its scales are applied by the
+    callers)."""
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(score_mask, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_sum, acc
 
 
@@ -46,12 +49,13 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, score_mask, m, l_
 def write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_ch, stride_ct,
+    stride_cb, stride_ch, stride_ct, inv_k_scale, inv_v_scale,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    KVH_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    KVH_PAD: tl.constexpr, D_PAD: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     """One program per token: copies its [kv_heads, head_dim] keys and values into slot
-    `slot_mapping[token]`; a negative slot (padding) writes nothing."""
+    `slot_mapping[token]`; a negative slot (padding) writes nothing. QUANTIZED (an fp8 cache): stores
+    value / scale, saturated to the e4m3 range."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     block = slot // BLOCK_SIZE
@@ -66,6 +70,9 @@ def write_kv_kernel(
     dst = block * stride_cb + offset * stride_ct + heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(src_k, mask=mask)
     v = tl.load(src_v, mask=mask)
+    if QUANTIZED:
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -FP8_MAX), FP8_MAX)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -74,7 +81,7 @@ def write_kv_kernel(
 def decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, tokens_per_split,
+    qk_scale, v_scale, tokens_per_split,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ch, stride_ct, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -121,7 +128,7 @@ def decode_kernel(
 
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        out = acc * v_scale / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -134,7 +141,7 @@ def decode_kernel(
 
 @triton.jit
 def merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, v_scale,
     stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
@@ -153,7 +160,7 @@ def merge_splits_kernel(
     m_max = tl.max(m, axis=0)
     weight = tl.exp2(m - m_max)
     total = tl.sum(l_sum * weight, axis=0)
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    out = tl.sum(acc * weight[:, None], axis=0) * v_scale / tl.where(total > 0, total, 1.0)
     o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dims
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
@@ -161,7 +168,7 @@ def merge_splits_kernel(
 @triton.jit
 def prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, tiles_ptr,
-    out_ptr, qk_scale, num_tiles,
+    out_ptr, qk_scale, v_scale, num_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ch, stride_ct, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -214,6 +221,6 @@ def prefill_kernel(
         m, l_sum, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, causal,
                                      m, l_sum, acc, qk_scale, DOT_PRECISION)
 
-    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    out = acc * v_scale / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     o_ptrs = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])

@@ -1,0 +1,45 @@
+"""int8 weight-only linear layers: symmetric, one scale per output channel, activations in the model dtype.
+
+On CPU the product runs `torch._weight_int8pack_mm` (bf16/fp16/fp32 activations times int8 weights with
+per-channel scales, an AVX-512 kernel that reads the int8 weights directly: half the bytes of a bf16
+GEMV). Elsewhere the weights are converted to the activation dtype per call and the scales applied to
+the output (int8 -> bf16 is exact), which is correct but saves memory, not time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+INT8_MAX = 127
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, float32 per-row scale) with weight ~= q * scale[:, None]; an all-zero row gets scale 1."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+class Int8LinearMethod:
+    name = "int8"
+    weight_dtype = torch.int8
+
+    quantize = staticmethod(quantize_int8)
+
+    def process_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        """Cast the scales to the activation dtype once: the CPU kernel takes them in that dtype."""
+        layer.kernel_scale = layer.weight_scale.detach().to(dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.device.type == "cpu":
+            out = torch._weight_int8pack_mm(x2, layer.weight, layer.kernel_scale)
+        else:
+            out = nn.functional.linear(x2, layer.weight.to(x2.dtype)) * layer.kernel_scale
+        if layer.bias is not None:
+            out = out + layer.bias
+        return out.reshape(*shape[:-1], out.shape[-1])
