@@ -194,7 +194,8 @@ _AOT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from llmserve.model.attention import triton_kernels as K
 
-    def build(fn, dtype, consts, floats=("qk_scale",), fp32_ptrs=()):
+    def build(fn, dtype, consts, floats=("qk_scale", "v_scale", "inv_k_scale", "inv_v_scale"), fp32_ptrs=(),
+              cache_dtype=None):
         sig, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name in consts:
@@ -202,25 +203,28 @@ _AOT = textwrap.dedent("""
                 continue
             if name.endswith("_ptr"):
                 int_ptr = name in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr", "tiles_ptr")
+                cache_ptr = name in ("k_cache_ptr", "v_cache_ptr")
                 sig[name] = "*i32" if int_ptr else "*i64" if name == "slot_ptr" else (
-                    "*fp32" if name in fp32_ptrs else "*" + dtype)
+                    "*fp32" if name in fp32_ptrs else "*" + (cache_dtype or dtype if cache_ptr else dtype))
             else:
                 sig[name] = "fp32" if name in floats else "i32"
             if name.endswith("_ptr") or name.startswith("stride_"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32))
 
-    for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+    # (activations, KV cache): the model dtype's cache, and an fp8 cache under bf16 activations
+    for dtype, precision, cache in (("bf16", "tf32", None), ("fp32", "ieee", None), ("bf16", "tf32", "fp8e4nv")):
         shape = dict(HEAD_DIM=128, BLOCK_SIZE=16, D_PAD=128)
-        build(K.write_kv_kernel, dtype, dict(NUM_KV_HEADS=2, KVH_PAD=2, **shape))
+        build(K.write_kv_kernel, dtype, dict(NUM_KV_HEADS=2, KVH_PAD=2, QUANTIZED=cache is not None, **shape),
+              cache_dtype=cache)
         for splits in (1, 4):
             parts = ("part_acc_ptr", "part_m_ptr", "part_l_ptr") if splits > 1 else ()
             build(K.decode_kernel, dtype, dict(NUM_KV_HEADS=2, GROUP=4, GROUP_PAD=16, TILE_N=64, NUM_SPLITS=splits,
-                                               DOT_PRECISION=precision, **shape), fp32_ptrs=parts)
+                                               DOT_PRECISION=precision, **shape), fp32_ptrs=parts, cache_dtype=cache)
         build(K.merge_splits_kernel, dtype, dict(NUM_HEADS=8, HEAD_DIM=128, D_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8),
               fp32_ptrs=("part_acc_ptr", "part_m_ptr", "part_l_ptr"))
         build(K.prefill_kernel, dtype, dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, TILE_N=64, DOT_PRECISION=precision,
-                                            **shape))
+                                            **shape), cache_dtype=cache)
     print("compiled")
 """)
 
@@ -299,3 +303,81 @@ class TestNativeBfloat16:
         graph.replay()
         eager = backend.forward(query, key, value, k_cache.clone(), v_cache.clone(), step)
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+# ---- fp8 KV cache -------------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+K_SCALE, V_SCALE = 0.5, 0.25
+
+
+def _e4m3_representable(t: torch.Tensor, scale: float) -> torch.Tensor:
+    # Triton 3.9's interpreter rounds float32 -> e4m3 wrongly when the mantissa carries into the exponent
+    # (1.97 becomes 1.0), so the new keys and values are values e4m3 holds exactly: the write's scaling,
+    # saturation and layout are what is checked here; on CUDA the hardware converts.
+    return (t.float() / scale).to(FP8).float().mul(scale).to(t.dtype)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES[:3])
+@pytest.mark.parametrize("many_splits", [False, True])
+def test_fp8_kv_cache_matches_the_reference_on_its_dequantized_values(heads, kv_heads, head_dim, block_size, many_splits):
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    query, key, value, k_cache, v_cache, meta = _batch(
+        [1, 17, 45], [(16, 16), (50, 10)], heads, kv_heads, head_dim, block_size, dtype, seed=3
+    )
+    key, value = _e4m3_representable(key, K_SCALE), _e4m3_representable(value, V_SCALE)
+    key[0, 0, 0], value[-1, 0, 1] = 1000.0, -1000.0  # past e4m3's range once scaled: saturate at +-448
+    k_fp8, v_fp8 = (k_cache.float() / K_SCALE).to(FP8), (v_cache.float() / V_SCALE).to(FP8)
+    # the reference: float32 attention over the dequantized cache and the new values as stored
+    ref_k, ref_v = k_fp8.float() * K_SCALE, v_fp8.float() * V_SCALE
+    ref_k, ref_v = ref_k.cpu(), ref_v.cpu()
+    stored_key = key.float().clamp(-448 * K_SCALE, 448 * K_SCALE).cpu()
+    stored_value = value.float().clamp(-448 * V_SCALE, 448 * V_SCALE).cpu()
+    reference = TorchAttentionBackend(heads, kv_heads, head_dim, block_size, torch.float32)
+    ref_meta = meta()
+    ref_meta = AttentionMetadata(**{**ref_meta.__dict__, **{
+        f: getattr(ref_meta, f).cpu() for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+    }, "backend_data": {}})
+    reference.prepare(ref_meta)
+    expected = reference.forward(query.float().cpu(), stored_key, stored_value, ref_k, ref_v, ref_meta)
+
+    backend = TritonAttentionBackend(heads, kv_heads, head_dim, block_size, dtype, kv_cache_dtype=FP8)
+    if many_splits:
+        backend.decode_tile, backend.min_split_tokens, backend._target_programs = 16, 16, 1 << 20
+    backend.k_scale, backend.v_scale = K_SCALE, V_SCALE
+    step = meta()
+    backend.prepare(step)
+    out = backend.forward(query, key, value, k_fp8, v_fp8, step)
+    torch.testing.assert_close(k_fp8.float().cpu() * K_SCALE, ref_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_fp8.float().cpu() * V_SCALE, ref_v, atol=0, rtol=0)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-4
+    torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
+
+
+def test_fp8_kv_cache_doubles_the_tokens_of_a_bfloat16_cache(tiny_llama_dir):
+    """The pool is sized by bytes per element: 1 for e4m3, 2 for bfloat16 (and 4 for float32)."""
+    from llmserve.config import EngineConfig
+    from llmserve.model.config import ModelConfig
+    from llmserve.model.runner import ModelRunner
+
+    def blocks(dtype: str, kv_cache_dtype: str) -> ModelRunner:
+        config = EngineConfig(model=str(tiny_llama_dir), dtype=dtype, attention_backend="triton",
+                              kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 20, device=DEVICE)
+        runner = ModelRunner(config, ModelConfig.from_pretrained(tiny_llama_dir), tiny_llama_dir, max_model_len=64)
+        assert runner.kv_caches[0][0].dtype == (FP8 if kv_cache_dtype == "fp8" else runner.dtype)
+        return runner.num_blocks
+
+    assert blocks("bfloat16", "fp8") == 2 * blocks("bfloat16", "auto")
+    assert blocks("float32", "fp8") == 4 * blocks("float32", "auto")
+
+
+def test_tiny_model_serves_with_an_fp8_kv_cache_without_leaking_blocks(tiny_llama_dir):
+    from llmserve import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama_dir), attention_backend="triton", kv_cache_dtype="fp8", dtype="float32",
+              num_kv_blocks=32, max_model_len=256, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate(["The quick brown fox", "def fibonacci(n):"], params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [6, 6]
+    blocks = llm.engine.core.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks

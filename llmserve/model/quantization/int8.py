@@ -2,7 +2,7 @@
 
 On CPU the product runs `torch._weight_int8pack_mm` (bf16/fp16/fp32 activations times int8 weights with
 per-channel scales, an AVX-512 kernel that reads the int8 weights directly: half the bytes of a bf16
-GEMV). Elsewhere the weights are converted to the activation dtype per call and the scales applied to
+GEMV) when the input size is a multiple of 16. Elsewhere the weights are converted to the activation dtype per call and the scales applied to
 the output (int8 -> bf16 is exact), which is correct but saves memory, not time.
 """
 
@@ -30,13 +30,15 @@ class Int8LinearMethod:
     quantize = staticmethod(quantize_int8)
 
     def process_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        """Cast the scales to the activation dtype once: the CPU kernel takes them in that dtype."""
+        """Cast the scales to the activation dtype once: the CPU kernel takes them in that dtype. The kernel
+        handles input sizes that are multiples of 16 (it crashes on others, which take the generic path)."""
         layer.kernel_scale = layer.weight_scale.detach().to(dtype)
+        layer.use_int8_kernel = layer.weight.device.type == "cpu" and layer.weight.shape[1] % 16 == 0
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.device.type == "cpu":
+        if layer.use_int8_kernel:
             out = torch._weight_int8pack_mm(x2, layer.weight, layer.kernel_scale)
         else:
             out = nn.functional.linear(x2, layer.weight.to(x2.dtype)) * layer.kernel_scale
