@@ -189,7 +189,10 @@ def _int8_packed_tensors(name, tensor):
 def _fp8_channel_tensors(name, tensor):
     q, scale = quantize_fp8(tensor)
     module = name.removesuffix(".weight")
-    return {name: q, f"{module}.weight_scale": scale[:, None], f"{module}.input_scale": torch.ones(1)}
+    tensors = {name: q, f"{module}.weight_scale": scale[:, None], f"{module}.input_scale": torch.ones(1)}
+    if module.endswith("k_proj"):  # a KV-cache scale beside the layer's projections (not used)
+        tensors[module.replace("k_proj", "k_scale")] = torch.ones(())
+    return tensors
 
 
 @pytest.mark.parametrize(("method", "quantization_config", "convert"), [

@@ -35,10 +35,10 @@ def canonical_weights(
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         module, _, leaf = name.rpartition(".")
+        if qconfig.prequantized and leaf in _DROPPED:  # e.g. q_proj.input_scale, self_attn.k_scale
+            continue
         if module.removeprefix("model.") not in targets or leaf == "bias":
             yield name, tensor
-        elif leaf in _DROPPED:
-            continue
         elif not qconfig.prequantized:
             yield from _quantized_at_load(name, module, leaf, tensor, quantize)
         else:

@@ -1,0 +1,112 @@
+"""How far int8 and fp8 weights move the built-in `medium` model's next-token distributions from bf16.
+
+Over POSITIONS positions of held-out corpus text (llmserve.model.corpus with a seed the tokenizer was not
+trained on, cut into sequences of SEQ_LEN tokens, each prefilled in one step), every variant's logits are
+compared with the bf16 model's: per-token KL(bf16 || variant) and top-1 agreement. Variants:
+  - int8: per-channel int8 weights (`--quantization int8`, the CPU int8 kernel),
+  - fp8: per-channel e4m3 weights (`--quantization fp8`); on CPU this runs as the product's weight-only
+    emulation (weights converted per call), which is what fp8 weights compute on GPUs too, minus the
+    per-token e4m3 activations of the scaled_mm path,
+  - float32: the same checkpoint in float32, for scale: what bf16 itself costs against float32.
+The medium model has random weights (see llmserve.model.builtin), so these figures measure numerical
+damage to a fixed function, not language-model quality.
+
+    python benchmarks/quantization_quality.py --json bench_out/quantization_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from llmserve.config import EngineConfig
+from llmserve.model.builtin import ensure_default_model
+from llmserve.model.config import ModelConfig
+from llmserve.model.corpus import generate_corpus
+from llmserve.model.runner import ModelRunner, StepBatch
+
+HELD_OUT_SEED = 20261124  # the tokenizer is trained on seed 0's corpus
+
+
+def corpus_sequences(model_dir: Path, positions: int, seq_len: int) -> list[list[int]]:
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids: list[int] = []
+    lines = iter(generate_corpus(num_lines=20_000, seed=HELD_OUT_SEED))
+    while len(ids) < positions:
+        ids += tokenizer.encode(next(lines) + "\n", add_special_tokens=False).ids
+    return [ids[i : i + seq_len] for i in range(0, positions, seq_len)]
+
+
+def build_runner(model_dir: Path, dtype: str, quantization: str | None, seq_len: int) -> ModelRunner:
+    config = EngineConfig(model=str(model_dir), dtype=dtype, quantization=quantization,
+                          num_kv_blocks=-(-seq_len // 16) + 1, block_size=16)
+    return ModelRunner(config, ModelConfig.from_pretrained(model_dir), model_dir, max_model_len=seq_len)
+
+
+@torch.inference_mode()
+def sequence_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """float32 logits at every position of `ids`, prefilled in one step."""
+    n = len(ids)
+    batch = StepBatch(
+        input_ids=np.array(ids, dtype=np.int64), num_computed=np.array([0]), num_new=np.array([n]),
+        block_tables=[list(range(-(-n // runner.block_size)))], logits_rows=[], sampling_rows=[],
+    )
+    input_ids, positions, meta = runner.prepare_inputs(batch)
+    runner.attn_backend.prepare(meta)
+    hidden = runner.model(input_ids, positions, runner.kv_caches, runner.attn_backend, meta)
+    return runner.model.compute_logits(hidden).float()
+
+
+def all_logprobs(runner: ModelRunner, sequences: list[list[int]]) -> torch.Tensor:
+    return torch.cat([torch.log_softmax(sequence_logits(runner, s), dim=-1) for s in sequences])
+
+
+def compare(reference: torch.Tensor, variant: torch.Tensor) -> dict:
+    kl = (reference.exp() * (reference - variant)).sum(dim=-1)
+    return {
+        "kl_mean": kl.mean().item(),
+        "kl_p99": kl.quantile(0.99).item(),
+        "kl_max": kl.max().item(),
+        "top1_agreement": (reference.argmax(-1) == variant.argmax(-1)).float().mean().item(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--positions", type=int, default=2000)
+    parser.add_argument("--seq-len", type=int, default=500)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    model_dir = ensure_default_model("llama", "medium")
+    sequences = corpus_sequences(model_dir, args.positions, args.seq_len)
+    positions = sum(map(len, sequences))
+    print(f"medium model, {positions} positions in {len(sequences)} sequences of <= {args.seq_len} tokens")
+    start = time.perf_counter()
+    reference = all_logprobs(build_runner(model_dir, "bfloat16", None, args.seq_len), sequences)
+    results = {}
+    for name, dtype, quantization in (("int8", "bfloat16", "int8"), ("fp8 (CPU emulation)", "bfloat16", "fp8"),
+                                      ("float32", "float32", None)):
+        variant = all_logprobs(build_runner(model_dir, dtype, quantization, args.seq_len), sequences)
+        results[name] = compare(reference, variant)
+        r = results[name]
+        print(f"{name:>20} vs bf16: KL mean {r['kl_mean']:.5f}  p99 {r['kl_p99']:.5f}  max {r['kl_max']:.4f}  "
+              f"top-1 agreement {100 * r['top1_agreement']:.2f}%")
+    print(f"({time.perf_counter() - start:.0f} s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "model": "medium (llama, random weights)", "positions": positions, "seq_len": args.seq_len,
+            "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "results": results,
+        }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
