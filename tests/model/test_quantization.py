@@ -15,10 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from llmserve import LLM, SamplingParams
 from llmserve.cli import build_parser
-from llmserve.config import EngineConfig, engine_config_kwargs
+from llmserve.config import QUANTIZATION_CHOICES, EngineConfig, engine_config_kwargs
 from llmserve.errors import ModelLoadError
 from llmserve.model.config import ModelConfig
 from llmserve.model.layers import Linear
+from llmserve.model.quantization import QUANTIZATION_METHODS
 from llmserve.model.quantization.checkpoint import unpack_int8
 from llmserve.model.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, quantize_fp8, scaled_mm_supported
 from llmserve.model.quantization.int8 import Int8LinearMethod, quantize_int8
@@ -285,6 +286,7 @@ def test_quantization_flag_must_match_a_quantized_checkpoint(tiny_llama_dir, tmp
 
 
 def test_quantization_flag_values():
+    assert QUANTIZATION_CHOICES == QUANTIZATION_METHODS  # the torch-free flag's copy
     parser = build_parser()
     args = parser.parse_args(["serve", "--quantization", "int8", "--kv-cache-dtype", "fp8"])
     kwargs = engine_config_kwargs(args)

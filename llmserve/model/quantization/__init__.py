@@ -15,24 +15,11 @@ from torch import nn
 from llmserve.errors import ModelLoadError
 from llmserve.model.layers import Linear
 from llmserve.model.quantization.checkpoint import Weights, canonical_weights
-from llmserve.model.quantization.config import (
-    QUANTIZATION_METHODS,
-    SUPPORTED_CHECKPOINTS,
-    QuantizationConfig,
-    parse_checkpoint_quantization,
-    resolve_quantization,
-)
+from llmserve.model.quantization.config import QUANTIZATION_METHODS, QuantizationConfig, resolve_quantization
 from llmserve.model.quantization.fp8 import Fp8LinearMethod
 from llmserve.model.quantization.int8 import Int8LinearMethod
 
-__all__ = [
-    "QUANTIZATION_METHODS",
-    "SUPPORTED_CHECKPOINTS",
-    "QuantizationConfig",
-    "QuantizedLoader",
-    "parse_checkpoint_quantization",
-    "resolve_quantization",
-]
+__all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "QuantizedLoader", "resolve_quantization"]
 
 LinearMethod = Int8LinearMethod | Fp8LinearMethod
 

@@ -2,11 +2,14 @@
 
 On CPU the product runs `torch._weight_int8pack_mm` (bf16/fp16/fp32 activations times int8 weights with
 per-channel scales, an AVX-512 kernel that reads the int8 weights directly: half the bytes of a bf16
-GEMV) when the input size is a multiple of 16. Elsewhere the weights are converted to the activation dtype per call and the scales applied to
-the output (int8 -> bf16 is exact), which is correct but saves memory, not time.
+GEMV) when the input size is a multiple of 16. On CUDA, with bf16/fp16 activations, a Triton kernel
+(`triton_int8`) does the same. Elsewhere the weights are converted to the activation dtype per call and
+the scales applied to the output (int8 -> bf16 is exact): correct, but it saves memory, not time.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -34,14 +37,29 @@ class Int8LinearMethod:
         handles input sizes that are multiples of 16 (it crashes on others, which take the generic path)."""
         layer.kernel_scale = layer.weight_scale.detach().to(dtype)
         layer.use_int8_kernel = layer.weight.device.type == "cpu" and layer.weight.shape[1] % 16 == 0
+        layer.triton_int8 = _triton_int8() if layer.weight.is_cuda and dtype in (torch.bfloat16, torch.float16) else None
+        if layer.triton_int8 is not None:
+            layer.kernel_scale = layer.weight_scale.detach().float()  # applied to the float32 accumulator
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if layer.use_int8_kernel:
             out = torch._weight_int8pack_mm(x2, layer.weight, layer.kernel_scale)
+        elif layer.triton_int8 is not None:
+            return layer.triton_int8.w8a16_matmul(x2, layer.weight, layer.kernel_scale, layer.bias).reshape(
+                *shape[:-1], layer.weight.shape[0]
+            )
         else:
             out = nn.functional.linear(x2, layer.weight.to(x2.dtype)) * layer.kernel_scale
         if layer.bias is not None:
             out = out + layer.bias
         return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def _triton_int8() -> ModuleType | None:
+    try:
+        from llmserve.model.quantization import triton_int8
+    except ImportError:
+        return None
+    return triton_int8
