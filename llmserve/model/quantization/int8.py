@@ -1,10 +1,13 @@
 """int8 weight-only linear layers: symmetric, one scale per output channel, activations in the model dtype.
 
-On CPU the product runs `torch._weight_int8pack_mm` (bf16/fp16/fp32 activations times int8 weights with
-per-channel scales, an AVX-512 kernel that reads the int8 weights directly: half the bytes of a bf16
-GEMV) when the input size is a multiple of 16. On CUDA, with bf16/fp16 activations, a Triton kernel
-(`triton_int8`) does the same. Elsewhere the weights are converted to the activation dtype per call and
-the scales applied to the output (int8 -> bf16 is exact): correct, but it saves memory, not time.
+On CPU, decode-sized inputs (up to INT8_KERNEL_MAX_ROWS rows, input size a multiple of 16) run
+`torch._weight_int8pack_mm`: activations times int8 weights with per-channel scales, an AVX-512 kernel
+that reads the int8 weights directly, half the bytes of a bf16 GEMV. It costs about one GEMV per row,
+so larger inputs (prefill) convert the weights and run the dtype's GEMM instead: at 256 rows of the
+medium model's gate_up_proj the kernel took 40 ms, the conversion and GEMM 16 ms (BENCHMARKS.md, issue
+18). On CUDA, with bf16/fp16 activations, a Triton kernel (`triton_int8`) reads int8 weights at any
+size. The conversion path (int8 -> bf16 is exact, the scales applied to the output) is correct
+everywhere but saves memory, not time.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 INT8_MAX = 127
+INT8_KERNEL_MAX_ROWS = 8  # past this the CPU kernel is slower than converting the weights (16 rows: 2.75 vs 2.61 ms)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +48,7 @@ class Int8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if layer.use_int8_kernel:
+        if layer.use_int8_kernel and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch._weight_int8pack_mm(x2, layer.weight, layer.kernel_scale)
         elif layer.triton_int8 is not None:
             return layer.triton_int8.w8a16_matmul(x2, layer.weight, layer.kernel_scale, layer.bias).reshape(
