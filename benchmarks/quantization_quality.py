@@ -2,7 +2,8 @@
 
 Over POSITIONS positions of held-out corpus text (llmserve.model.corpus with a seed the tokenizer was not
 trained on, cut into sequences of SEQ_LEN tokens, each prefilled in one step), every variant's logits are
-compared with the bf16 model's: per-token KL(bf16 || variant) and top-1 agreement. Variants:
+compared with the bf16 model's: per-token KL(bf16 || variant) and top-1 agreement, and the relative
+error of the final hidden state (||h - h_bf16|| / ||h_bf16|| over all positions). Variants:
   - int8: per-channel int8 weights (`--quantization int8`, the CPU int8 kernel),
   - fp8: per-channel e4m3 weights (`--quantization fp8`); on CPU this runs as the product's weight-only
     emulation (weights converted per call), which is what fp8 weights compute on GPUs too, minus the
@@ -51,8 +52,9 @@ def build_runner(model_dir: Path, dtype: str, quantization: str | None, seq_len:
 
 
 @torch.inference_mode()
-def sequence_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    """float32 logits at every position of `ids`, prefilled in one step."""
+def sequence_outputs(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 final hidden states, float32 log-softmax of the logits) at every position of `ids`,
+    prefilled in one step."""
     n = len(ids)
     batch = StepBatch(
         input_ids=np.array(ids, dtype=np.int64), num_computed=np.array([0]), num_new=np.array([n]),
@@ -61,16 +63,19 @@ def sequence_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     input_ids, positions, meta = runner.prepare_inputs(batch)
     runner.attn_backend.prepare(meta)
     hidden = runner.model(input_ids, positions, runner.kv_caches, runner.attn_backend, meta)
-    return runner.model.compute_logits(hidden).float()
+    return hidden.float(), torch.log_softmax(runner.model.compute_logits(hidden).float(), dim=-1)
 
 
-def all_logprobs(runner: ModelRunner, sequences: list[list[int]]) -> torch.Tensor:
-    return torch.cat([torch.log_softmax(sequence_logits(runner, s), dim=-1) for s in sequences])
+def all_outputs(runner: ModelRunner, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden, logprobs = zip(*(sequence_outputs(runner, s) for s in sequences), strict=True)
+    return torch.cat(hidden), torch.cat(logprobs)
 
 
-def compare(reference: torch.Tensor, variant: torch.Tensor) -> dict:
+def compare(reference: tuple[torch.Tensor, torch.Tensor], variant: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    (ref_hidden, reference), (hidden, variant) = reference, variant
     kl = (reference.exp() * (reference - variant)).sum(dim=-1)
     return {
+        "hidden_rel_err": ((hidden - ref_hidden).norm() / ref_hidden.norm()).item(),
         "kl_mean": kl.mean().item(),
         "kl_p99": kl.quantile(0.99).item(),
         "kl_max": kl.max().item(),
@@ -90,15 +95,15 @@ def main() -> None:
     positions = sum(map(len, sequences))
     print(f"medium model, {positions} positions in {len(sequences)} sequences of <= {args.seq_len} tokens")
     start = time.perf_counter()
-    reference = all_logprobs(build_runner(model_dir, "bfloat16", None, args.seq_len), sequences)
+    reference = all_outputs(build_runner(model_dir, "bfloat16", None, args.seq_len), sequences)
     results = {}
     for name, dtype, quantization in (("int8", "bfloat16", "int8"), ("fp8 (CPU emulation)", "bfloat16", "fp8"),
                                       ("float32", "float32", None)):
-        variant = all_logprobs(build_runner(model_dir, dtype, quantization, args.seq_len), sequences)
+        variant = all_outputs(build_runner(model_dir, dtype, quantization, args.seq_len), sequences)
         results[name] = compare(reference, variant)
         r = results[name]
         print(f"{name:>20} vs bf16: KL mean {r['kl_mean']:.5f}  p99 {r['kl_p99']:.5f}  max {r['kl_max']:.4f}  "
-              f"top-1 agreement {100 * r['top1_agreement']:.2f}%")
+              f"top-1 agreement {100 * r['top1_agreement']:.2f}%  final hidden rel. error {r['hidden_rel_err']:.3f}")
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

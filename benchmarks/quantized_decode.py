@@ -1,8 +1,9 @@
 """CPU batch-1 decode with int8 weights against bf16, on the built-in `medium` model, in one run.
 
-1. Linear layers: `torch._weight_int8pack_mm` (the int8 kernel `--quantization int8` runs on CPU)
-   against bf16 `F.linear`, at M = 1, 2, 4, 8 rows for each of the medium model's projection shapes;
-   the two alternate, ROUNDS times, and the fastest of each is reported (process CPU time and wall).
+1. Linear layers: `torch._weight_int8pack_mm` (the int8 kernel `--quantization int8` runs on CPU for up
+   to 8 rows) and the conversion path it takes for more rows (int8 weights converted to bf16, then
+   `F.linear`, scales on the output), against bf16 `F.linear`, at M = 1 to 256 rows for each of the
+   medium model's projection shapes; they alternate, ROUNDS times, and the fastest of each is reported.
 2. The offline engine: `LLM(medium, dtype=bfloat16)` and `LLM(..., quantization="int8")`, both loaded;
    one request at a time (batch 1: a PROMPT-token prompt, MAX_TOKENS greedy tokens, ignore_eos),
    alternating between the two, ROUNDS times. Decode tok/s = (MAX_TOKENS - 1) / (time of the request
@@ -50,21 +51,27 @@ def bench_linear(rounds: int, reps: int) -> list[dict]:
         weight = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
         q, scale = quantize_int8(weight)
         scale = scale.bfloat16()
-        for m in (1, 2, 4, 8):
+        for m in (1, 2, 4, 8, 16, 64, 256):
             x = torch.randn(m, k, generator=gen).bfloat16()
-            bf16, int8 = [], []
+            kernels = {
+                "bf16": lambda: torch.nn.functional.linear(x, weight),  # noqa: B023
+                "int8": lambda: torch._weight_int8pack_mm(x, q, scale),  # noqa: B023
+                "convert": lambda: torch.nn.functional.linear(x, q.to(torch.bfloat16)) * scale,  # noqa: B023
+            }
+            timings: dict[str, list[tuple[float, float]]] = {kernel: [] for kernel in kernels}
             for _ in range(rounds):
-                bf16.append(_time(lambda: torch.nn.functional.linear(x, weight), reps))  # noqa: B023
-                int8.append(_time(lambda: torch._weight_int8pack_mm(x, q, scale), reps))  # noqa: B023
-            row = {"layer": name, "n": n, "k": k, "m": m,
-                   "bf16_cpu_us": 1e6 * min(t[0] for t in bf16), "int8_cpu_us": 1e6 * min(t[0] for t in int8),
-                   "bf16_wall_us": 1e6 * min(t[1] for t in bf16), "int8_wall_us": 1e6 * min(t[1] for t in int8)}
-            row["speedup_cpu"] = row["bf16_cpu_us"] / row["int8_cpu_us"]
-            row["speedup_wall"] = row["bf16_wall_us"] / row["int8_wall_us"]
+                for kernel, fn in kernels.items():
+                    timings[kernel].append(_time(fn, max(1, reps * 8 // (m + 7))))
+            row = {"layer": name, "n": n, "k": k, "m": m}
+            for kernel, times in timings.items():
+                row[f"{kernel}_cpu_us"] = 1e6 * min(t[0] for t in times)
+                row[f"{kernel}_wall_us"] = 1e6 * min(t[1] for t in times)
+            row["int8_speedup_cpu"] = row["bf16_cpu_us"] / row["int8_cpu_us"]
             rows.append(row)
-            print(f"{name:>13} N={n:<5} K={k:<5} M={m}: CPU bf16 {row['bf16_cpu_us']:7.1f} us int8 "
-                  f"{row['int8_cpu_us']:7.1f} us ({row['speedup_cpu']:.2f}x); wall bf16 {row['bf16_wall_us']:7.1f} us "
-                  f"int8 {row['int8_wall_us']:7.1f} us ({row['speedup_wall']:.2f}x)")
+            print(f"{name:>13} N={n:<5} K={k:<5} M={m:<3}: CPU time bf16 {row['bf16_cpu_us']:8.1f} us, int8 kernel "
+                  f"{row['int8_cpu_us']:8.1f} us ({row['int8_speedup_cpu']:.2f}x), convert {row['convert_cpu_us']:8.1f} us"
+                  f"; wall bf16 {row['bf16_wall_us']:8.1f}, int8 {row['int8_wall_us']:8.1f}, convert "
+                  f"{row['convert_wall_us']:8.1f} us")
     return rows
 
 
