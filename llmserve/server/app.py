@@ -76,9 +76,9 @@ def _lifespan(state: ServerState, specs: Sequence[ModelSpec], slo: SLO, owns_eng
         loaders = [asyncio.create_task(_load(state, spec, slo)) for spec in specs if spec.engine is None]
         platform = state.platform
         if platform is not None and platform.limiter is not None:
-            await _check_limiter(platform)
+            await check_limiter(platform)
         if platform is not None and platform.conversations is not None and platform.conversation_retention:
-            loaders.append(asyncio.create_task(_purge_conversations(platform)))
+            loaders.append(asyncio.create_task(purge_conversations(platform)))
         yield
         drainer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -117,7 +117,7 @@ def _endpoint(state: ServerState, spec: ModelSpec, engine: AsyncLLM, slo: SLO) -
     return endpoint
 
 
-async def _check_limiter(platform: Platform) -> None:
+async def check_limiter(platform: Platform) -> None:
     assert platform.limiter is not None
     try:
         await platform.limiter.check()
@@ -125,7 +125,7 @@ async def _check_limiter(platform: Platform) -> None:
         logger.warning("the rate limiter's store is unreachable (limits are not enforced until it is): %s", exc)
 
 
-async def _purge_conversations(platform: Platform) -> None:
+async def purge_conversations(platform: Platform) -> None:
     """Hard-delete conversations deleted longer ago than the retention period, now and every hour."""
     assert platform.conversations is not None and platform.conversation_retention is not None
     while True:
@@ -191,7 +191,7 @@ def build_app(
     router: ModelRouter[ModelEndpoint] = ModelRouter()
     state = ServerState(router=router, metrics=ServerMetrics(router.ready_handles), platform=platform)
     if platform is not None:
-        platform.metrics = state.metrics
+        platform.metrics = state.metrics.platform
     for spec in specs:
         if spec.engine is not None:
             router.add_model(spec.name, _endpoint(state, spec, spec.engine, slo))
@@ -210,12 +210,13 @@ def build_app(
         redoc_url=None,
     )
     app.state.llmserve = state
+    app.state.platform = platform
     install_error_handlers(app)
     install_openapi(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if platform is not None and platform.keys is not None:
-        public = _public_paths(app, public_metrics, public_openapi)
-        app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=state.metrics, public_paths=public)
+        public = public_paths(app, public_metrics, public_openapi)
+        app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=state.metrics.platform, public_paths=public)
     app.add_middleware(DrainMiddleware, state=state)
     if allowed_origins:
         # Added last, so outermost: preflights are answered before auth, and 401s, 429s and 503s carry
@@ -229,7 +230,7 @@ def build_app(
     return app
 
 
-def _public_paths(app: FastAPI, public_metrics: bool, public_openapi: bool) -> frozenset[str]:
+def public_paths(app: FastAPI, public_metrics: bool, public_openapi: bool) -> frozenset[str]:
     """The paths answered without a key once keys exist."""
     public = set(ALWAYS_PUBLIC_PATHS)
     if public_metrics:

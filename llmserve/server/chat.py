@@ -49,13 +49,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     errors.reject_unsupported(body.unsupported_params())
     plan = plan_reply(body, endpoint.tool_parser, endpoint.reasoning)
     new_messages = template_messages(body.messages)
-    if body.conversation_id is not None and _uses_tools(body):
+    if body.conversation_id is not None and uses_tools(body):
         raise InvalidRequestError(
             "Stored conversations keep text turns only: tools and tool messages cannot be used with conversation_id.",
             param="conversation_id",
         )
     endpoint.prompt_bound.check(sum(len(m["content"]) for m in new_messages), "messages")
-    turn = await open_turn(state, key, body.conversation_id, body.parent_message_id, new_messages)
+    turn = await open_turn(state.platform, key, body.conversation_id, body.parent_message_id, new_messages)
     max_tokens, max_tokens_param = body.requested_max_tokens()
     prompt_text, prompt_ids = await _chat_prompt(state.workers, endpoint, body, new_messages, turn, max_tokens)
     prompt_ids = endpoint.engine.input_processor.truncate(prompt_ids, body.truncate_prompt_tokens)
@@ -75,6 +75,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         params=params,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
         screen_texts=lambda: [m["content"] for m in new_messages],
         screen_param="messages",
         priority=body.priority,
@@ -97,7 +98,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await respond(request, prepared, shape)
 
 
-def _uses_tools(body: ChatCompletionRequest) -> bool:
+def uses_tools(body: ChatCompletionRequest) -> bool:
     return bool(body.tools) or any(m.role == "tool" or m.tool_calls for m in body.messages)
 
 

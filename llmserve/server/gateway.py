@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Literal
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve.outputs import RequestOutput
@@ -28,7 +29,7 @@ from llmserve.server.errors import APIError
 if TYPE_CHECKING:
     from llmserve.platform.conversations import ConversationStore
     from llmserve.platform.safety import SafetyFilter
-    from llmserve.server.metrics import ServerMetrics
+    from llmserve.server.metrics import PlatformMetrics
     from llmserve.store.db import Database
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class Platform:
     prices: PriceTable = field(default_factory=PriceTable)
     database: Database | None = None
     conversation_retention: timedelta | None = None  # deleted conversations are purged after this
-    metrics: ServerMetrics | None = None
+    metrics: PlatformMetrics | None = None
     # When the rate limiter's store (Redis) is unreachable: "open" admits without limits (they keep
     # tenants fair, they are not a security boundary), "closed" answers 503.
     rate_limit_failure_mode: Literal["open", "closed"] = "open"
@@ -182,6 +183,10 @@ class Meter:
         self._latest[position] = output
         if self.first_token_at is None and any(c.token_ids for c in output.outputs):
             self.first_token_at = time.monotonic()
+        self._journal_progress()
+
+    def _journal_progress(self) -> None:
+        """Journal the running token count every PROGRESS_EVERY_TOKENS tokens (a crash then loses less)."""
         usage = self._usage
         if usage is not None and usage.journal is not None:
             tokens = self.completion_tokens
@@ -283,7 +288,7 @@ class AuthMiddleware:
         self,
         app: ASGIApp,
         keys: KeyCache,
-        metrics: ServerMetrics | None = None,
+        metrics: PlatformMetrics | None = None,
         public_paths: Collection[str] = ALWAYS_PUBLIC_PATHS,
     ) -> None:
         self.app = app
@@ -325,6 +330,11 @@ class AuthMiddleware:
                 "invalid_api_key",
             )
         return key
+
+
+def platform_of(request: Request) -> Platform | None:
+    """The platform of the app serving `request` (`llmserve serve`'s or `llmserve gateway`'s)."""
+    return getattr(request.app.state, "platform", None)
 
 
 def request_key(scope_state: object) -> ApiKey | None:

@@ -90,6 +90,29 @@ class EngineCollector(Collector):
                      lambda e: int(e.engine.is_healthy))
 
 
+class PlatformMetrics:
+    """The platform's own counters (no model label where the model may not be known yet), in the
+    registry of whoever runs the platform: `llmserve serve` or `llmserve gateway`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.auth_failures = counter("llmserve:auth_failures", "Requests refused for a missing or bad API key.",
+                                     ["reason"])
+        self.rate_limited = counter("llmserve:rate_limited_requests", "Requests refused by a rate limit (429).",
+                                    LABELS + ["limit"])
+        self.rate_limit_decisions_without_redis = counter(
+            "llmserve:rate_limit_decisions_without_redis",
+            "Requests admitted or refused (503) without a rate-limit decision, the limiter's Redis being "
+            "unreachable or its circuit open.", LABELS + ["outcome"],
+        )
+        self.safety_blocks = counter("llmserve:safety_blocks", "Prompts or outputs blocked by the safety filter.",
+                                     LABELS + ["stage", "rule"])
+
+
 class ServerMetrics:
     """Every metric family the server exports, made once per app; per-model series carry `model_name`."""
 
@@ -132,18 +155,7 @@ class ServerMetrics:
             "vllm:iteration_tokens_total", "Tokens per engine step.", ITERATION_TOKEN_BUCKETS
         )
         self.batch_size = histogram("llmserve:iteration_batch_size", "Sequences per engine step.", BATCH_SIZE_BUCKETS)
-        # The platform's own (no model label where the model may not be known yet).
-        self.auth_failures = counter("llmserve:auth_failures", "Requests refused for a missing or bad API key.",
-                                     ["reason"])
-        self.rate_limited = counter("llmserve:rate_limited_requests", "Requests refused by a rate limit (429).",
-                                    LABELS + ["limit"])
-        self.rate_limit_decisions_without_redis = counter(
-            "llmserve:rate_limit_decisions_without_redis",
-            "Requests admitted or refused (503) without a rate-limit decision, the limiter's Redis being "
-            "unreachable or its circuit open.", LABELS + ["outcome"],
-        )
-        self.safety_blocks = counter("llmserve:safety_blocks", "Prompts or outputs blocked by the safety filter.",
-                                     LABELS + ["stage", "rule"])
+        self.platform = PlatformMetrics(self.registry)
 
     def drain(self) -> None:
         for endpoint in self._endpoints():

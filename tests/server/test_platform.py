@@ -19,6 +19,7 @@ from llmserve.platform.usage import Price, PriceTable
 from llmserve.server.app import ModelSpec
 from tests.server.platform_fixtures import (
     MODEL,
+    MODES,
     PlatformServer,
     chat_body,
     serve_platform,
@@ -26,10 +27,16 @@ from tests.server.platform_fixtures import (
 )
 
 
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    """The platform in `llmserve serve` or in `llmserve gateway`."""
+    return request.param
+
+
 @pytest.fixture
-def server(tiny_engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:  # noqa: F811
+def server(tiny_engine: AsyncLLM, tmp_path: Path, mode: str) -> Iterator[PlatformServer]:  # noqa: F811
     prices = PriceTable({MODEL: Price(input_per_million=2.0, cached_input_per_million=1.0, output_per_million=8.0)})
-    yield from serve_platform(tiny_engine, tmp_path, prices=prices)
+    yield from serve_platform(tiny_engine, tmp_path, prices=prices, mode=mode)
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -87,9 +94,12 @@ def test_once_a_key_exists_every_v1_request_needs_a_valid_one(server: PlatformSe
     assert metric_value(server.base_url, "llmserve:auth_failures_total", {"reason": "invalid_api_key"}, bob) == 3
 
 
-def test_a_key_limited_to_some_models_gets_404_for_the_others(tiny_engine: AsyncLLM, tmp_path: Path) -> None:  # noqa: F811
+def test_a_key_limited_to_some_models_gets_404_for_the_others(
+    tiny_engine: AsyncLLM, tmp_path: Path, mode: str  # noqa: F811
+) -> None:
     models = [ModelSpec("small", tiny_engine), ModelSpec("large", tiny_engine)]
-    for server in serve_platform(tiny_engine, tmp_path, models=models, aliases={"chat": [("small", 1.0)]}):
+    aliases = {"chat": [("small", 1.0)]}
+    for server in serve_platform(tiny_engine, tmp_path, models=models, aliases=aliases, mode=mode):
         _, secret = server.new_key("bob", models=["small", "chat"])
         with server.client(secret) as client:
             assert client.post("/v1/chat/completions", json=chat_body(model="small")).status_code == 200
