@@ -93,8 +93,8 @@ class GatewayPlatform:
         payload = await _payload(request, model)
         max_tokens, _ = body.requested_max_tokens()
         if turn is not None:
-            payload["messages"] = [*await self._fitted_history(pool, model, turn, payload, max_tokens),
-                                   *payload["messages"]]
+            history = await self._fitted_history(pool, model, turn, payload, max_tokens, body.truncation)
+            payload["messages"] = [*history, *payload["messages"]]
         await self._screen(lambda: [m["content"] for m in new_messages], model, "messages")
         call = _Call(
             "/v1/chat/completions", "chatcmpl", "content", model, pool, key, payload, body.stream,
@@ -156,11 +156,12 @@ class GatewayPlatform:
             await self.workers.run(lambda: check_prompt(self.platform, model, texts(), param))
 
     async def _fitted_history(
-        self, pool: Pool, model: str, turn: ConversationTurn, payload: dict[str, Any], max_tokens: int | None
+        self, pool: Pool, model: str, turn: ConversationTurn, payload: dict[str, Any], max_tokens: int | None,
+        truncation: str,
     ) -> list[dict[str, str]]:
         """The stored history the turn continues; with `truncation: "auto"` its oldest turns are left
         out until it fits the context window (the server's `fit_history`, counting with /tokenize)."""
-        if payload.get("truncation", "disabled") == "disabled" or not turn.history:
+        if truncation == "disabled" or not turn.history:
             return turn.history
         loop = asyncio.get_running_loop()
         _, max_model_len = await self._count(pool, _tokenize_body(model, payload))

@@ -18,6 +18,7 @@ from llmserve.server.serve import _conversation_limits
 from llmserve.store.db import open_database
 from tests.server.conftest import MAX_MODEL_LEN
 from tests.server.platform_fixtures import (
+    MODES,
     PlatformServer,
     chat_body,
     serve_platform,
@@ -26,9 +27,10 @@ from tests.server.platform_fixtures import (
 from tests.store.fixtures import BACKENDS, postgres_schema, postgres_url
 
 
-@pytest.fixture
-def server(tiny_engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:  # noqa: F811
-    yield from serve_platform(tiny_engine, tmp_path)
+@pytest.fixture(params=MODES)
+def server(request: pytest.FixtureRequest, tiny_engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:  # noqa: F811
+    """The platform in `llmserve serve` or in `llmserve gateway`."""
+    yield from serve_platform(tiny_engine, tmp_path, mode=request.param)
 
 
 @pytest.fixture(params=BACKENDS)
