@@ -184,14 +184,18 @@ def _is_local_path(model: str) -> bool:
 
 def _aliases(args: argparse.Namespace, config: ModelsConfig | None, models: list[ModelArg]) -> dict:
     """--alias and the config's aliases, plus each unnamed --model as typed (clients may send the path)."""
-    from llmserve.platform.routing import parse_alias
-
     names = {m.name for m in models}
     aliases: dict[str, list[tuple[str, float]]] = {
         typed: [(m.name, 1.0)] for m in models for typed in m.aliases if typed not in names
     }
-    if config is not None:
-        aliases.update(config.alias_targets())
+    return {**aliases, **configured_aliases(args, config)}
+
+
+def configured_aliases(args: argparse.Namespace, config: ModelsConfig | None) -> dict[str, list[tuple[str, float]]]:
+    """The config's aliases, then --alias (`llmserve serve`'s and `llmserve gateway`'s)."""
+    from llmserve.platform.routing import parse_alias
+
+    aliases: dict[str, list[tuple[str, float]]] = dict(config.alias_targets()) if config is not None else {}
     for value in args.alias:
         alias, targets = parse_alias(value)
         aliases[alias] = targets
