@@ -404,18 +404,10 @@ def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
 # ---- several models ----------------------------------------------------------------------------------
 
 
-def test_requests_route_by_name_alias_and_sticky_canary_and_a_loading_model_answers_503(
-    tiny_engine: AsyncLLM, tmp_path: Path  # noqa: F811
-) -> None:
-    release = threading.Event()
-
-    def slow_load() -> AsyncLLM:
-        release.wait(timeout=60)
-        return tiny_engine
-
-    models = [ModelSpec("v1", tiny_engine), ModelSpec("v2", tiny_engine), ModelSpec("late", load=slow_load)]
+def test_requests_route_by_name_alias_and_sticky_canary(tiny_engine: AsyncLLM, tmp_path: Path, mode: str) -> None:  # noqa: F811
+    models = [ModelSpec("v1", tiny_engine), ModelSpec("v2", tiny_engine)]
     aliases = {"chat": [("v1", 0.5), ("v2", 0.5)], "mini": [("v1", 1.0)]}
-    for server in serve_platform(tiny_engine, tmp_path, models=models, aliases=aliases):
+    for server in serve_platform(tiny_engine, tmp_path, models=models, aliases=aliases, mode=mode):
         with server.client() as client:
             listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
             assert listed == ["v1", "v2", "chat", "mini"]
@@ -425,8 +417,25 @@ def test_requests_route_by_name_alias_and_sticky_canary_and_a_loading_model_answ
                        .json()["model"] for _ in range(3)}
                 for user in ("u1", "u2", "u3", "u4", "u5", "u6")
             }
-            assert all(len(models_seen) == 1 for models_seen in picks.values())  # sticky per user
-            assert set().union(*picks.values()) == {"v1", "v2"}  # both versions get traffic
+            unknown = client.post("/v1/chat/completions", json=chat_body(model="nope"))
+        assert all(len(models_seen) == 1 for models_seen in picks.values())  # sticky per user
+        assert set().union(*picks.values()) == {"v1", "v2"}  # both versions get traffic
+        assert unknown.status_code == 404 and error_of(unknown)["code"] == "model_not_found"
+        rows = server.wait_for_usage_rows(19)
+        assert len(rows) == 19 and {r.model for r in rows} == {"v1", "v2"}  # metered as the model that ran
+
+
+def test_a_loading_model_answers_503_until_it_is_ready(tiny_engine: AsyncLLM, tmp_path: Path) -> None:  # noqa: F811
+    """(`llmserve serve` loads its models itself; a gateway's replicas are loaded before they are healthy.)"""
+    release = threading.Event()
+
+    def slow_load() -> AsyncLLM:
+        release.wait(timeout=60)
+        return tiny_engine
+
+    models = [ModelSpec("v1", tiny_engine), ModelSpec("late", load=slow_load)]
+    for server in serve_platform(tiny_engine, tmp_path, models=models):
+        with server.client() as client:
             loading = client.post("/v1/chat/completions", json=chat_body(model="late"))
             health = client.get("/health")
             release.set()
