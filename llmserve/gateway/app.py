@@ -25,9 +25,8 @@ from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_key
 from llmserve.gateway.routing import policy_by_name
 from llmserve.platform.routing import ModelRouter
 from llmserve.server import conversations, usage
-from llmserve.server.app import check_limiter, public_paths, purge_conversations
 from llmserve.server.errors import install_error_handlers
-from llmserve.server.gateway import AuthMiddleware, Platform, request_key
+from llmserve.server.gateway import AuthMiddleware, Platform, public_paths, request_key
 from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from llmserve.server.metrics import PlatformMetrics
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -84,10 +83,9 @@ def build_gateway_app(
         await state.health.check_all()
         state.health.start()
         background = []
-        if platform is not None and platform.limiter is not None:
-            await check_limiter(platform)
-        if platform is not None and platform.conversations is not None and platform.conversation_retention:
-            background.append(asyncio.create_task(purge_conversations(platform)))
+        if platform is not None:
+            await platform.check_limiter()
+            background.append(asyncio.create_task(platform.purge_deleted_conversations()))
         try:
             yield
         finally:

@@ -36,13 +36,12 @@ from llmserve.platform.routing import ModelRouter
 from llmserve.platform.safety import OutputGuard
 from llmserve.platform.usage import UsageStatus
 from llmserve.server import errors
-from llmserve.server.chat import template_messages, uses_tools
 from llmserve.server.conversations import ConversationTurn, fit_history, open_turn
 from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Admission, Platform, request_key
+from llmserve.server.messages import template_messages, uses_tools
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from llmserve.server.streaming import until_disconnect
-from llmserve.server.submit import check_prompt, count_blocked_outputs
 from llmserve.server.workers import WorkerPool
 
 # The platform's request fields: the gateway acts on them, the replicas (without a platform) never see them.
@@ -153,7 +152,7 @@ class GatewayPlatform:
 
     async def _screen(self, texts: Callable[[], Sequence[str]], model: str, param: str) -> None:
         if self.platform.safety is not None:
-            await self.workers.run(lambda: check_prompt(self.platform, model, texts(), param))
+            await self.workers.run(lambda: self.platform.check_prompt(model, texts(), param))
 
     async def _fitted_history(
         self, pool: Pool, model: str, turn: ConversationTurn, payload: dict[str, Any], max_tokens: int | None,
@@ -267,8 +266,7 @@ class GatewayPlatform:
 
     async def _completed(self, call: _Call, meter: RelayMeter, reply: Reply) -> None:
         """After a request ran to its end: its blocked outputs counted, its reply stored in the conversation."""
-        if self.platform.metrics is not None:
-            count_blocked_outputs(self.platform.metrics, call.model, meter.request_id, reply.blocked)
+        self.platform.count_blocked_outputs(call.model, meter.request_id, reply.blocked)
         if call.turn is not None:
             await call.turn.save(call.turn_messages, reply.first_text, meter.completion_tokens)
 

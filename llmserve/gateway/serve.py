@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from llmserve.gateway.app import build_gateway_app
 from llmserve.platform.routing import ModelsConfig
 from llmserve.server.graceful import GracefulServer
-from llmserve.server.serve import build_platform, configured_aliases
+from llmserve.server.platform_options import build_platform, configured_aliases
 
 
 def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[str]]:

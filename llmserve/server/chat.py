@@ -19,6 +19,7 @@ from llmserve.server.assistant_output import ReplyPlan, plan_reply, reasoning_st
 from llmserve.server.conversations import ConversationTurn, fit_history, open_turn
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, chat_logprobs, vllm_prompt_logprobs
+from llmserve.server.messages import template_messages, uses_tools
 from llmserve.server.openapi import documented
 from llmserve.server.pipeline import Choice, ChoiceRenderer, PreparedRequest, ResponseShape, respond
 from llmserve.server.postprocess import MessagePieces, TextPostProcessor
@@ -29,7 +30,6 @@ from llmserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     DeltaMessage,
     Usage,
 )
@@ -98,10 +98,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await respond(request, prepared, shape)
 
 
-def uses_tools(body: ChatCompletionRequest) -> bool:
-    return bool(body.tools) or any(m.role == "tool" or m.tool_calls for m in body.messages)
-
-
 def _with_reply_plan(
     params: SamplingParams, plan: ReplyPlan, body: ChatCompletionRequest, prompt_text: str, end_ids: list[int]
 ) -> tuple[SamplingParams, str | None]:
@@ -127,34 +123,6 @@ def _with_reply_plan(
         structured_outputs=constraint,
         skip_special_tokens=params.skip_special_tokens and not keep_special,
     ), param
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: text content ("developer" read as "system"), an
-    assistant's tool calls and a tool result's call id."""
-    converted = []
-    for i, message in enumerate(messages):
-        if message.content is None and message.role != "assistant":
-            raise InvalidRequestError(
-                f"A {message.role} message needs content.", param=f"messages[{i}].content"
-            )
-        if message.tool_calls and message.role != "assistant":
-            raise InvalidRequestError("Only assistant messages have tool_calls.", param=f"messages[{i}].tool_calls")
-        if message.tool_call_id is not None and message.role != "tool":
-            raise InvalidRequestError("Only tool messages have a tool_call_id.", param=f"messages[{i}].tool_call_id")
-        if message.role == "tool" and not message.tool_call_id:
-            raise InvalidRequestError(
-                "A tool message needs the tool_call_id of the call it answers.", param=f"messages[{i}].tool_call_id"
-            )
-        entry: dict[str, Any] = {
-            "role": "system" if message.role == "developer" else message.role, "content": message.text()
-        }
-        if message.tool_calls:
-            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
-        if message.tool_call_id is not None:
-            entry["tool_call_id"] = message.tool_call_id
-        converted.append(entry)
-    return converted
 
 
 def _echo_text(body: ChatCompletionRequest) -> str:

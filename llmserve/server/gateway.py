@@ -11,7 +11,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -27,14 +27,17 @@ from llmserve.platform.usage import PriceTable, UsageRecord, UsageRecorder, Usag
 from llmserve.server.errors import APIError
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from llmserve.platform.conversations import ConversationStore
-    from llmserve.platform.safety import SafetyFilter
+    from llmserve.platform.safety import SafetyFilter, Verdict
     from llmserve.server.metrics import PlatformMetrics
     from llmserve.store.db import Database
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY_TOKENS = 16  # how often a running request's token count is journaled
+PURGE_INTERVAL_SECONDS = 3600.0
 
 # Answered without a key even once keys exist: liveness probes learn nothing about models or load.
 ALWAYS_PUBLIC_PATHS = frozenset({"/health"})
@@ -60,6 +63,29 @@ class Platform:
     aborting: bool = False  # past the shutdown timeout: what still runs is aborted by the server
     _settling: set[asyncio.Task] = field(default_factory=set)
 
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    async def check_limiter(self) -> None:
+        """At start: say whether the rate limiter's store answers (serving goes on either way)."""
+        if self.limiter is None:
+            return
+        try:
+            await self.limiter.check()
+        except Exception as exc:  # serve anyway: limits fail open until the store is back
+            logger.warning("the rate limiter's store is unreachable (limits are not enforced until it is): %s", exc)
+
+    async def purge_deleted_conversations(self) -> None:
+        """Hard-delete conversations deleted longer ago than the retention period, now and every hour."""
+        if self.conversations is None or self.conversation_retention is None:
+            return
+        while True:
+            try:
+                purged = await asyncio.to_thread(self.conversations.purge, self.conversation_retention)
+                if purged:
+                    logger.info("purged %d deleted conversations", purged)
+            except Exception:
+                logger.exception("could not purge deleted conversations")
+            await asyncio.sleep(PURGE_INTERVAL_SECONDS)
+
     async def aclose(self) -> None:
         """Settle what is in flight, write every buffered usage record, close connections."""
         if self._settling:
@@ -70,6 +96,28 @@ class Platform:
             await self.limiter.close()
         if self.database is not None:
             self.database.dispose()
+
+    # ---- safety ---------------------------------------------------------------------------------------
+    def check_prompt(self, model: str, texts: Sequence[str], param: str) -> None:
+        """The safety pre-filter over a request's new input (run on a worker thread): a blocked prompt
+        is a 400 `content_filter`, before any engine work."""
+        if self.safety is None:
+            return
+        for text in texts:
+            verdict = self.safety.check_prompt(text)
+            if verdict.blocked:
+                if self.metrics is not None:
+                    self.metrics.safety_blocks.labels(model, "prompt", verdict.rule or "plugin").inc()
+                logger.warning("safety: blocked a prompt for %s (rule %s)", model, verdict.rule)
+                raise APIError(400, "Your request was rejected by the content filter.", param=param,
+                               code="content_filter")
+
+    def count_blocked_outputs(self, model: str, response_id: str, verdicts: Iterable[Verdict]) -> None:
+        """The safety post-filter's bookkeeping: each choice it stopped, counted and logged."""
+        for verdict in verdicts:
+            if self.metrics is not None:
+                self.metrics.safety_blocks.labels(model, "output", verdict.rule or "plugin").inc()
+            logger.warning("safety: stopped the output of %s (rule %s)", response_id, verdict.rule)
 
     # ---- rate limits ------------------------------------------------------------------------------
     async def admit(self, key: ApiKey | None, model: str, reserve_tokens: int) -> Admission:
@@ -330,6 +378,17 @@ class AuthMiddleware:
                 "invalid_api_key",
             )
         return key
+
+
+def public_paths(app: FastAPI, public_metrics: bool, public_openapi: bool) -> frozenset[str]:
+    """The paths answered without a key once keys exist."""
+    public = set(ALWAYS_PUBLIC_PATHS)
+    if public_metrics:
+        public.add("/metrics")
+    if public_openapi:
+        oauth2_redirect = app.swagger_ui_oauth2_redirect_url if app.docs_url else None
+        public.update(path for path in (app.openapi_url, app.docs_url, app.redoc_url, oauth2_redirect) if path)
+    return frozenset(public)
 
 
 def platform_of(request: Request) -> Platform | None:

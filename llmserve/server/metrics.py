@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
@@ -22,10 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from llmserve.engine.async_llm import AsyncLLM, EngineEvents
-from llmserve.engine.messages import StepRecord
-from llmserve.outputs import RequestOutput
 from llmserve.server.slo import SLO, LoadEstimator
+
+if TYPE_CHECKING:  # the gateway uses PlatformMetrics without an engine (nor torch)
+    from llmserve.engine.async_llm import AsyncLLM, EngineEvents
+    from llmserve.engine.messages import StepRecord
+    from llmserve.outputs import RequestOutput
 
 
 class ServedModel(Protocol):

@@ -7,16 +7,18 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from llmserve.engine.async_llm import RequestStream
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.safety import OutputGuard, Verdict
 from llmserve.server.errors import ClientDisconnected
+
+if TYPE_CHECKING:  # the gateway uses this module without an engine (nor torch)
+    from llmserve.engine.async_llm import RequestStream
 
 T = TypeVar("T")
 

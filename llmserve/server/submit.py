@@ -15,11 +15,9 @@ from llmserve.engine.async_llm import RequestStream
 from llmserve.engine.grammar import validate_structured_outputs
 from llmserve.errors import InvalidRequestError
 from llmserve.platform.keys import ApiKey
-from llmserve.platform.safety import Verdict
 from llmserve.sampling.params import SamplingParams
-from llmserve.server.errors import APIError, ClientDisconnected
-from llmserve.server.gateway import Meter, Platform
-from llmserve.server.metrics import PlatformMetrics
+from llmserve.server.errors import ClientDisconnected
+from llmserve.server.gateway import Meter
 from llmserve.server.protocol import random_id
 from llmserve.server.state import ModelEndpoint, ServerState
 from llmserve.server.streaming import StreamCursor, until_disconnect
@@ -64,25 +62,7 @@ async def screen_prompts(
     `content_filter`, before any engine work."""
     platform = state.platform
     if platform is not None and platform.safety is not None:
-        await state.workers.run(lambda: check_prompt(platform, endpoint.name, texts(), param))
-
-
-def check_prompt(platform: Platform, model: str, texts: Sequence[str], param: str) -> None:
-    """The safety pre-filter (`llmserve serve`'s and the gateway's): a blocked prompt is a 400."""
-    if platform.safety is None:
-        return
-    for text in texts:
-        verdict = platform.safety.check_prompt(text)
-        if verdict.blocked:
-            if platform.metrics is not None:
-                platform.metrics.safety_blocks.labels(model, "prompt", verdict.rule or "plugin").inc()
-            logger.warning("safety: blocked a prompt for %s (rule %s)", model, verdict.rule)
-            raise APIError(
-                400,
-                "Your request was rejected by the content filter.",
-                param=param,
-                code="content_filter",
-            )
+        await state.workers.run(lambda: platform.check_prompt(endpoint.name, texts(), param))
 
 
 def count_output_blocks(
@@ -90,14 +70,9 @@ def count_output_blocks(
 ) -> bool:
     """The safety post-filter's bookkeeping: count and log each choice it stopped; whether any was."""
     blocked = [c.blocked for c in cursors if c.blocked is not None]
-    count_blocked_outputs(state.metrics.platform, model, response_id, blocked)
+    if blocked and state.platform is not None:
+        state.platform.count_blocked_outputs(model, response_id, blocked)
     return bool(blocked)
-
-
-def count_blocked_outputs(metrics: PlatformMetrics, model: str, response_id: str, blocked: Iterable[Verdict]) -> None:
-    for verdict in blocked:
-        metrics.safety_blocks.labels(model, "output", verdict.rule or "plugin").inc()
-        logger.warning("safety: stopped the output of %s (rule %s)", response_id, verdict.rule)
 
 
 def reserved_tokens(endpoint: ModelEndpoint, prompts: Sequence[Sequence[int]], params: SamplingParams) -> int:

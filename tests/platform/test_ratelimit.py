@@ -547,7 +547,7 @@ def test_in_process_forgets_idle_windows() -> None:
 
 
 def test_make_rate_limiter_picks_the_backend() -> None:
-    from llmserve.server.serve import make_rate_limiter  # the server's wiring; imports the engine
+    from llmserve.server.platform_options import make_rate_limiter
 
     async def scenario() -> None:
         local = make_rate_limiter(None)

@@ -7,7 +7,7 @@ a replica app without a platform over the same engine ("gateway"): the same test
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +78,15 @@ class PlatformServer:
             if len(rows) >= count or time.monotonic() > deadline:
                 return rows
             time.sleep(0.02)
+
+    def wait_until(self, condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+        """Poll `condition` until it holds (True) or `timeout` passes (False)."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def count_usage_rows(self) -> int:
         with self.database.session() as session:

@@ -14,7 +14,7 @@ from llmserve.cli import build_parser
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.conversations import ConversationLimits, ConversationStore
 from llmserve.server.conversations import TRUNCATED_HEADER, fit_history
-from llmserve.server.serve import _conversation_limits
+from llmserve.server.platform_options import conversation_limits
 from llmserve.store.db import open_database
 from tests.server.conftest import MAX_MODEL_LEN
 from tests.server.platform_fixtures import (
@@ -91,11 +91,11 @@ def test_limits_on_messages_are_413s_before_any_engine_work(server: PlatformServ
     assert len(server.wait_for_usage_rows(1)) == 1  # only the one turn that ran was metered
 
 
-def test_serve_flags_set_the_conversation_limits() -> None:
+def test_serve_flags_set_theconversation_limits() -> None:
     parser = build_parser()
-    assert _conversation_limits(parser.parse_args(["serve"])) == ConversationLimits()
+    assert conversation_limits(parser.parse_args(["serve"])) == ConversationLimits()
     args = parser.parse_args(["serve", "--conversation-max-message-bytes", "4096", "--conversation-max-messages", "50"])
-    assert _conversation_limits(args) == ConversationLimits(max_message_bytes=4096, max_messages=50)
+    assert conversation_limits(args) == ConversationLimits(max_message_bytes=4096, max_messages=50)
 
 
 # ---- messages, a page at a time -------------------------------------------------------------------

@@ -380,6 +380,7 @@ def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
     reference = _reference_reply(server, body)
     word, position = _blockable_word(reference)
     server.platform.safety = RuleSetFilter(words=[word])
+    aborted = server.engine.num_aborted
     with server.client() as client:
         if stream:
             text, reasons = "", []
@@ -399,6 +400,8 @@ def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
     assert reference.startswith(text) and len(text) <= position
     [row] = [r for r in server.wait_for_usage_rows(2) if r.status == "content_filter"]
     assert metric_value(server.base_url, "llmserve:safety_blocks_total", {"stage": "output"}) == 1
+    if stream:  # the generation stopped there (behind a gateway: its replica stream was closed)
+        assert server.wait_until(lambda: server.engine.num_aborted > aborted)
 
 
 # ---- several models ----------------------------------------------------------------------------------
