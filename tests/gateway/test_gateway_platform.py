@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,3 +135,9 @@ def test_two_gateways_sharing_redis_and_postgresql_enforce_one_rpm_limit(replica
     assert len(rows) == 3 and {(r.key_id, r.status) for r in rows} == {(key.id, "completed")}
     for proc, _, _ in gateways:
         assert proc.returncode == 0
+
+
+def test_the_gateway_with_its_platform_loads_without_torch() -> None:
+    """A gateway process holds no engine: it stays small and starts fast."""
+    code = "import sys, llmserve.gateway.serve, llmserve.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
