@@ -404,6 +404,24 @@ def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
         assert server.wait_until(lambda: server.engine.num_aborted > aborted)
 
 
+def test_a_blocked_completion_stream_stops_with_content_filter(server: PlatformServer) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    with server.client() as client:
+        reference = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    word, position = _blockable_word(reference)
+    server.platform.safety = RuleSetFilter(words=[word])
+    text, reasons = "", []
+    with server.client() as client, client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                reasons.append(choice["finish_reason"])
+    assert [r for r in reasons if r is not None] == ["content_filter"] and reasons[-1] == "content_filter"
+    assert word.lower() not in text.lower() and reference.startswith(text) and len(text) <= position
+    assert {r.status for r in server.wait_for_usage_rows(2)} == {"completed", "content_filter"}
+
+
 # ---- several models ----------------------------------------------------------------------------------
 
 
