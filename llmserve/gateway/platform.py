@@ -193,7 +193,10 @@ class GatewayPlatform:
 
     async def _ask(self, pool: Pool, path: str, body: dict[str, Any]) -> dict[str, Any]:
         response = await self.proxy.forward(pool, path, json.dumps(body).encode(), "", JSON_HEADERS)
-        answer = json.loads(bytes(response.body))
+        try:
+            answer = json.loads(bytes(response.body))
+        except ValueError:
+            raise APIError(502, f"A replica's {path} answer is not JSON.", code="replica_failed") from None
         if response.status_code != 200:
             raise _replica_error(response.status_code, answer, response.headers)
         return answer
@@ -204,15 +207,16 @@ class GatewayPlatform:
         started = time.monotonic()
         response_id = random_id(call.id_prefix)
         headers = {**admission.headers, **(call.turn.headers() if call.turn is not None else {})}
-        relays: list[StreamRelay] = []
+        relays: list[StreamRelay] = []  # the stream's, once the proxy hands it over
 
         def relay() -> StreamRelay:
             meter = self._meter(call, response_id, admission, started)
-            relays.append(StreamRelay(
+            made = StreamRelay(
                 meter, self._reply(call), response_id, include_usage=call.include_usage,
                 continuous_usage=call.continuous_usage, on_completed=lambda reply: self._completed(call, meter, reply),
-            ))
-            return relays[0]
+            )
+            relays.append(made)
+            return made
 
         if call.stream:
             call.payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

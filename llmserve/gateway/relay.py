@@ -154,7 +154,7 @@ class StreamRelay:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
         self.on_completed = on_completed
-        self.envelope: Chunk = {}  # object, created, model: for a usage chunk of the gateway's own
+        self.last_chunk: Chunk = {}  # the shape of a usage chunk of the gateway's own
         self.failed = False  # an error event came: the replica (or its engine) failed mid-stream
 
     def ended(self) -> None:
@@ -190,8 +190,8 @@ class StreamRelay:
         choices = data.get("choices")
         data["id"] = self.response_id
         if not choices:  # the usage chunk
-            return self._usage_event() if self.include_usage else None
-        self.envelope = {k: data[k] for k in ("object", "created", "model") if k in data}
+            return f"data: {dumps(data)}\n\n".encode() if self.include_usage else None
+        self.last_chunk = data
         data["choices"] = [c for c in choices if self.reply.screen(c, final=False)]
         if not data["choices"]:
             return None
@@ -202,7 +202,8 @@ class StreamRelay:
     def _usage_event(self) -> bytes:
         if not self.include_usage:
             return b""
-        chunk = {"id": self.response_id, **self.envelope, "choices": [], "usage": self.meter.usage()}
+        replaced = {"choices": [], "usage": self.meter.usage()}
+        chunk = {name: replaced.get(name, value) for name, value in self.last_chunk.items()}
         return f"data: {dumps(chunk)}\n\n".encode()
 
     async def _end(self) -> bytes:
