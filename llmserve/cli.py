@@ -65,49 +65,28 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     gateway = sub.add_parser(
-        "gateway", help="route requests over pools of `llmserve serve --no-platform` replicas"
+        "gateway", help="the platform (keys, limits, usage, conversations, safety) and routing in front of pools "
+        "of `llmserve serve --no-platform` replicas; several gateways share Redis and the database",
+        description="Route requests over pools of `llmserve serve --no-platform` replicas (one pool per model), "
+        "with the platform of `llmserve serve` in front: API keys, RPM/TPM limits, usage metering, "
+        "conversations, safety screening, aliases and canaries. Gateways run side by side when they share "
+        "--redis-url and a PostgreSQL --database-url.",
     )
     gateway.add_argument(
         "--pool", action="append", default=[], metavar="NAME=URL[,URL...]",
         help="the replicas serving model NAME (started with --served-model-name NAME); repeatable",
     )
-    gateway.add_argument("--config", default=None, help="YAML file with `pools: {name: [url, ...]}`")
     gateway.add_argument("--policy", choices=["prefix", "least_load", "round_robin"], default="prefix")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed at start)")
+    add_platform_args(gateway, "`pools: {name: [url, ...]}`, and aliases, prices, safety rules")
     gateway.set_defaults(func=cmd_gateway)
 
 
-def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_engine_args(serve, several_models=True)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
-    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: from --model)")
-    serve.add_argument("--max-waiting-requests", type=int, default=1024, help="past this many queued: 503")
-    serve.add_argument(
-        "--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-        help="the tool-call format replies are parsed in for tool_choice 'auto' (default: the model family's, "
-        "from its chat template or architecture)",
-    )
-    serve.add_argument(
-        "--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-        help="split replies into reasoning_content (<think>...</think>) and content; structured output "
-        "constrains what follows the reasoning",
-    )
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
-    serve.add_argument(
-        "--max-request-body-bytes", type=int, default=8 * 1024 * 1024, help="a larger request body gets a 413"
-    )
-    serve.add_argument(
-        "--slo-ttft-ms", type=float, default=None,
-        help="time-to-first-token target: requests that cannot meet it at the current load get a 503",
-    )
-    serve.add_argument(
-        "--slo-tpot-ms", type=float, default=None, help="time-per-output-token target (counted in goodput)"
-    )
-    platform = serve.add_argument_group("platform (keys, rate limits, usage, conversations, safety)")
-    platform.add_argument("--config", default=None, help="YAML file: models, aliases, prices, safety rules")
+def add_platform_args(parser: argparse.ArgumentParser, config_help: str) -> argparse._ArgumentGroup:
+    """The platform's options, the same for `llmserve serve` and `llmserve gateway`."""
+    platform = parser.add_argument_group("platform (keys, rate limits, usage, conversations, safety)")
+    platform.add_argument("--config", default=None, help=f"YAML file: {config_help}")
     platform.add_argument(
         "--alias", action="append", default=[], metavar="ALIAS=MODEL[:WEIGHT,...]",
         help="another name for a model, or a weighted canary between models (e.g. chat=v1:90,v2:10)",
@@ -115,10 +94,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     platform.add_argument(
         "--database-url", default=None,
         help="SQLAlchemy URL for keys, usage and conversations (default: SQLite in the data directory; "
-        "postgresql+psycopg://... to share it between replicas)",
+        "postgresql+psycopg://... to share it between replicas or gateways)",
     )
     platform.add_argument(
-        "--redis-url", default=None, help="share rate limits between replicas through Redis (redis://host:6379/0)"
+        "--redis-url", default=None, help="share rate limits between replicas or gateways through Redis (redis://host:6379/0)"
     )
     platform.add_argument(
         "--redis-timeout-ms", type=float, default=100.0,
@@ -160,6 +139,38 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     platform.add_argument(
         "--public-metrics", action="store_true", help="answer /metrics without an API key once keys exist"
     )
+    platform.add_argument(
+        "--max-request-body-bytes", type=int, default=8 * 1024 * 1024, help="a larger request body gets a 413"
+    )
+    return platform
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_args(serve, several_models=True)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: from --model)")
+    serve.add_argument("--max-waiting-requests", type=int, default=1024, help="past this many queued: 503")
+    serve.add_argument(
+        "--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+        help="the tool-call format replies are parsed in for tool_choice 'auto' (default: the model family's, "
+        "from its chat template or architecture)",
+    )
+    serve.add_argument(
+        "--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+        help="split replies into reasoning_content (<think>...</think>) and content; structured output "
+        "constrains what follows the reasoning",
+    )
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    serve.add_argument(
+        "--slo-ttft-ms", type=float, default=None,
+        help="time-to-first-token target: requests that cannot meet it at the current load get a 503",
+    )
+    serve.add_argument(
+        "--slo-tpot-ms", type=float, default=None, help="time-per-output-token target (counted in goodput)"
+    )
+    platform = add_platform_args(serve, "models, aliases, prices, safety rules")
     platform.add_argument(
         "--public-openapi", action="store_true", help="answer /openapi.json without an API key once keys exist"
     )

@@ -1,4 +1,5 @@
-"""Exceptions the engine raises for bad input; the server maps them to OpenAI-shaped errors."""
+"""Exceptions the engine raises (bad input, a dead or closing engine); the server maps them to
+OpenAI-shaped errors."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ class InvalidRequestError(LLMServeError, ValueError):
 class ContextLengthExceededError(InvalidRequestError):
     def __init__(self, message: str, param: str | None = "messages") -> None:
         super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class EngineDeadError(LLMServeError):
+    """The engine core died; its requests failed. A new core may be on its way (see `is_healthy`)."""
+
+
+class EngineClosedError(LLMServeError):
+    """The engine is shutting down: it takes no new requests, or it stopped this one."""
 
 
 class ModelLoadError(LLMServeError):

@@ -46,7 +46,7 @@ from llmserve.engine.messages import (
 )
 from llmserve.engine.model_facts import load_model
 from llmserve.engine.output_processor import OutputProcessor
-from llmserve.errors import InvalidRequestError, LLMServeError
+from llmserve.errors import EngineClosedError, EngineDeadError, InvalidRequestError, LLMServeError
 from llmserve.outputs import RequestOutput
 from llmserve.sampling.params import SamplingParams
 
@@ -55,14 +55,6 @@ logger = logging.getLogger(__name__)
 RESTART_WINDOW_S = 60.0  # deaths within this long of each other count towards the limit below
 MAX_RESTARTS_IN_WINDOW = 5
 RESTART_BACKOFF_S = 0.5  # before the second restart in the window; doubling after that
-
-
-class EngineDeadError(LLMServeError):
-    """The engine core died; its requests failed. A new core may be on its way (see `is_healthy`)."""
-
-
-class EngineClosedError(LLMServeError):
-    """The engine is shutting down: it takes no new requests, or it stopped this one."""
 
 
 @dataclass

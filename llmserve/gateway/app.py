@@ -1,8 +1,12 @@
-"""The gateway's HTTP app: the OpenAI endpoints forwarded to the pool named by the body's `model`,
-`/v1/models` (the pools), `/health` and `/metrics`."""
+"""The gateway's HTTP app: the OpenAI endpoints forwarded to the pool named by the body's `model` (or
+an alias of it), `/v1/models` (the pools and aliases), /tokenize and /detokenize (answered by a
+replica), `/health` and `/metrics`. With a platform (platform.py), the keys, rate limits, usage,
+conversations and safety of `llmserve serve` around it all, and `/v1/usage` and `/v1/conversations`
+served from the platform's store; without one, requests are passed through as they are."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -15,10 +19,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.gateway import errors
 from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.platform import GatewayPlatform
 from llmserve.gateway.pool import HealthChecker, Pool
-from llmserve.gateway.prefix_index import PromptKey
-from llmserve.gateway.proxy import Proxy, forwarded_headers
+from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_key
 from llmserve.gateway.routing import policy_by_name
+from llmserve.platform.routing import ModelRouter
+from llmserve.server import conversations, usage
+from llmserve.server.errors import install_error_handlers
+from llmserve.server.gateway import AuthMiddleware, Platform, public_paths, request_key
+from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
+from llmserve.server.metrics import PlatformMetrics
+from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from llmserve.server.workers import WorkerPool
 
 # Connecting is quick or the replica is gone; generating may take minutes.
 REPLICA_TIMEOUT = httpx.Timeout(connect=2.0, read=600.0, write=30.0, pool=None)
@@ -27,9 +39,14 @@ REPLICA_TIMEOUT = httpx.Timeout(connect=2.0, read=600.0, write=30.0, pool=None)
 class GatewayState:
     def __init__(
         self, pools: Mapping[str, Sequence[str]], policy: str, *, health_interval_s: float,
-        health_timeout_s: float,
+        health_timeout_s: float, aliases: Mapping[str, Sequence[tuple[str, float]]],
     ) -> None:
         self.pools = {name: Pool.of(name, urls, policy_by_name(policy)) for name, urls in pools.items()}
+        self.router: ModelRouter[Pool] = ModelRouter()
+        for name, pool in self.pools.items():
+            self.router.add_model(name, pool)
+        for alias, targets in aliases.items():
+            self.router.add_alias(alias, list(targets))
         self.metrics = GatewayMetrics(self.pools.values())
         for pool in self.pools.values():
             pool.on_eject = lambda pool, replica: self.metrics.ejections.labels(pool.name, replica.url).inc()
@@ -43,53 +60,52 @@ class GatewayState:
         self.created = int(time.time())
 
 
-def prompt_key(payload: dict) -> PromptKey:
-    """What the prefix policy routes on: a chat's message texts joined (a conversation's next turn
-    starts with the same text), or a completion's prompt. O(prompt) on the event loop, as is parsing
-    the body; fine at a few hundred KB."""
-    if "messages" in payload:
-        return "\n".join(_message_text(message) for message in payload.get("messages") or ())
-    prompt = payload.get("prompt", "")
-    if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, int):
-            return prompt  # token ids
-        return first if isinstance(first, str) else [t for t in first if isinstance(t, int)]
-    return prompt if isinstance(prompt, str) else ""
-
-
-def _message_text(message: object) -> str:
-    if not isinstance(message, dict):
-        return ""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return ""
-
-
 def build_gateway_app(
     pools: Mapping[str, Sequence[str]], policy: str = "prefix", *, health_interval_s: float = 0.5,
-    health_timeout_s: float = 0.5,
+    health_timeout_s: float = 0.5, platform: Platform | None = None,
+    aliases: Mapping[str, Sequence[tuple[str, float]]] | None = None, public_metrics: bool = False,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
-    """The gateway over `pools` (model name -> replica base URLs, e.g. http://10.0.0.5:8000)."""
+    """The gateway over `pools` (model name -> replica base URLs, e.g. http://10.0.0.5:8000), answering
+    to `aliases` too (alias -> [(pool, weight)], a canary when several). `platform` puts the platform
+    services in front (once keys exist, every path but /health needs one, /metrics too unless
+    `public_metrics`); None passes requests through as they are."""
     if not pools or any(not urls for urls in pools.values()):
         raise ValueError("The gateway needs at least one pool, each with at least one replica URL.")
-    state = GatewayState(pools, policy, health_interval_s=health_interval_s, health_timeout_s=health_timeout_s)
+    state = GatewayState(pools, policy, health_interval_s=health_interval_s, health_timeout_s=health_timeout_s,
+                         aliases=aliases or {})
+    workers = WorkerPool()
+    if platform is not None:
+        platform.metrics = PlatformMetrics(state.metrics.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.health.check_all()
         state.health.start()
+        background = []
+        if platform is not None:
+            await platform.check_limiter()
+            background.append(asyncio.create_task(platform.purge_deleted_conversations()))
         try:
             yield
         finally:
+            for task in background:
+                task.cancel()
             await state.health.stop()
+            if platform is not None:
+                await platform.aclose()
+            workers.shutdown()
             await state.client.aclose()
 
-    app = FastAPI(title="llmserve gateway", lifespan=lifespan)
+    app = FastAPI(title="llmserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
+    app.state.platform = platform
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    if platform is not None and platform.keys is not None:
+        public = public_paths(app, public_metrics, public_openapi=False)
+        app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=platform.metrics, public_paths=public)
+    front = GatewayPlatform(platform or Platform(), state.router, state.proxy, workers)
 
     async def forward(request: Request, path: str) -> Response:
         body = await request.body()
@@ -106,19 +122,44 @@ def build_gateway_app(
             return errors.model_not_found(model)
         return await state.proxy.forward(pool, path, body, prompt_key(payload), forwarded_headers(request.headers))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await forward(request, "/v1/chat/completions")
+    if platform is None:
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await forward(request, "/v1/chat/completions")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await forward(request, "/v1/completions")
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await forward(request, "/v1/completions")
+    else:
+        @app.post("/v1/chat/completions", response_model=None)
+        async def chat_completions_with_platform(body: ChatCompletionRequest, request: Request) -> Response:
+            return await front.chat(request, body)
+
+        @app.post("/v1/completions", response_model=None)
+        async def completions_with_platform(body: CompletionRequest, request: Request) -> Response:
+            return await front.completion(request, body)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await front.forward_tokenizer(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await front.forward_tokenizer(request, "/detokenize")
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "llmserve"}
-                for name in state.pools]
-        return JSONResponse({"object": "list", "data": data})
+    async def models(request: Request) -> JSONResponse:
+        key = request_key(request.state)
+        names = [n for n in state.router.ready_names() if key is None or key.allows_model(n)]
+        return JSONResponse(ModelList(data=[_card(n) for n in names]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        name, _ = front.resolve(model_id, request_key(request.state), None)
+        return JSONResponse(_card(model_id, name).model_dump())
+
+    def _card(name: str, pool: str | None = None) -> ModelCard:
+        return ModelCard(id=name, created=state.created, root=pool if pool not in (None, name) else None)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -128,4 +169,6 @@ def build_gateway_app(
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(usage.router)
+    app.include_router(conversations.router)
     return app

@@ -6,11 +6,15 @@ retried once on another replica, the failed one excluded; a replica that fails s
 A stream is relayed event by event (only whole SSE events go out, so an error event can always follow);
 its first event is read before the client gets the headers, so a replica that dies before its first
 token is retried too. A stream broken after that ends with an error event in OpenAI's shape, then
-`data: [DONE]`."""
+`data: [DONE]`.
+
+A caller may rewrite a stream's events on their way (a `StreamFilter`: the platform screens the output
+and counts the usage there) and learns when the response is over, whether its body ran or not."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Protocol
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
@@ -35,6 +39,43 @@ def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in headers.items() if name.lower() not in _HOP_HEADERS}
 
 
+def prompt_key(payload: dict) -> PromptKey:
+    """What the prefix policy routes on: a chat's message texts joined (a conversation's next turn
+    starts with the same text), or a completion's prompt. O(prompt) on the event loop, as is parsing
+    the body; fine at a few hundred KB."""
+    if "messages" in payload:
+        return "\n".join(_message_text(message) for message in payload.get("messages") or ())
+    prompt = payload.get("prompt", "")
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, int):
+            return prompt  # token ids
+        return first if isinstance(first, str) else [t for t in first if isinstance(t, int)]
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _message_text(message: object) -> str:
+    if not isinstance(message, dict):
+        return ""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return ""
+
+
+class StreamFilter(Protocol):
+    def events(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The stream's whole SSE events as the client gets them; closing this iterator early closes
+        the replica's response (which aborts the generation there)."""
+        ...
+
+    def ended(self) -> None:
+        """The response is over, its body sent or not (the client may leave before it starts)."""
+        ...
+
+
 class _Failed(Exception):
     """This attempt failed before any byte reached the client; another replica may take the request."""
 
@@ -45,8 +86,11 @@ class Proxy:
         self.metrics = metrics
 
     async def forward(
-        self, pool: Pool, path: str, body: bytes, prompt: PromptKey, headers: Mapping[str, str]
+        self, pool: Pool, path: str, body: bytes, prompt: PromptKey, headers: Mapping[str, str],
+        stream_filter: Callable[[], StreamFilter] | None = None,
     ) -> Response:
+        """The replica's response; a stream's events go through the filter `stream_filter` makes (called
+        once the stream is handed over to the client, so never for a request that failed before)."""
         failed: list[Replica] = []
         reason = ""
         for attempt in range(MAX_ATTEMPTS):
@@ -57,14 +101,15 @@ class Proxy:
             if attempt:
                 self.metrics.retried.labels(pool.name).inc()
             try:
-                return await self._send(pool, replica, path, body, headers)
+                return await self._send(pool, replica, path, body, headers, stream_filter)
             except _Failed as exc:
                 failed.append(replica)
                 reason = str(exc)
         return errors.replica_failed(f"The request failed on {len(failed)} replicas of `{pool.name}`: {reason}")
 
     async def _send(
-        self, pool: Pool, replica: Replica, path: str, body: bytes, headers: Mapping[str, str]
+        self, pool: Pool, replica: Replica, path: str, body: bytes, headers: Mapping[str, str],
+        stream_filter: Callable[[], StreamFilter] | None,
     ) -> Response:
         pool.policy.on_start(replica)
         self.metrics.requests.labels(pool.name, replica.url).inc()
@@ -85,9 +130,11 @@ class Proxy:
                     return Response(content, status_code=response.status_code, headers=reply_headers)
                 first, rest = await self._first_events(pool, replica, chunks)
                 handed_over = True
-                finish = _Finish(pool, replica, response)
+                rewrite = stream_filter() if stream_filter is not None else None
+                finish = _Finish(pool, replica, response, rewrite.ended if rewrite is not None else None)
+                events = self._relay(pool, replica, chunks, first, rest, finish)
                 return _RelayResponse(
-                    self._relay(pool, replica, chunks, first, rest, finish), finish,
+                    rewrite.events(events) if rewrite is not None else events, finish,
                     status_code=response.status_code, headers=reply_headers,
                 )
             finally:
@@ -149,8 +196,11 @@ class Proxy:
 class _Finish:
     """Closes a relayed stream's replica response and ends the request's in-flight count, once."""
 
-    def __init__(self, pool: Pool, replica: Replica, response: httpx.Response) -> None:
+    def __init__(
+        self, pool: Pool, replica: Replica, response: httpx.Response, then: Callable[[], None] | None = None
+    ) -> None:
         self._pool, self._replica, self._response = pool, replica, response
+        self._then = then
         self._done = False
 
     async def __call__(self) -> None:
@@ -161,6 +211,8 @@ class _Finish:
             await self._response.aclose()
         finally:
             self._pool.policy.on_finish(self._replica)
+            if self._then is not None:
+                self._then()
 
 
 class _RelayResponse(StreamingResponse):

@@ -1,4 +1,5 @@
-"""`llmserve gateway`: the pools from --pool and --config, the app, and uvicorn."""
+"""`llmserve gateway`: the pools from --pool and --config, the platform from the same options as
+`llmserve serve`'s (server/serve.py builds it), the app, and uvicorn."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from pathlib import Path
 
 import uvicorn
 import yaml
+from pydantic import ValidationError
 
 from llmserve.gateway.app import build_gateway_app
+from llmserve.platform.routing import ModelsConfig
 from llmserve.server.graceful import GracefulServer
+from llmserve.server.platform_options import build_platform, configured_aliases
 
 
 def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[str]]:
@@ -41,8 +45,27 @@ def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[st
     return pools
 
 
+def platform_config(config_path: str | None) -> ModelsConfig | None:
+    """The platform's part of the gateway's --config: what `llmserve serve`'s --config holds but models
+    (aliases, prices, safety), next to `pools`."""
+    if not config_path:
+        return None
+    data = yaml.safe_load(Path(config_path).expanduser().read_text()) or {}
+    try:
+        return ModelsConfig.model_validate({k: v for k, v in data.items() if k != "pools"})
+    except ValidationError as exc:
+        raise ValueError(f"{config_path}: {exc}") from None
+
+
 def run_gateway(args: argparse.Namespace) -> int:
-    app = build_gateway_app(parse_pools(args.pool, args.config), args.policy)
+    config = platform_config(args.config)
+    if config is not None and config.models:
+        raise ValueError(f"{args.config}: a gateway has pools, not models.")
+    app = build_gateway_app(
+        parse_pools(args.pool, args.config), args.policy, platform=build_platform(args, config),
+        aliases=configured_aliases(args, config), public_metrics=args.public_metrics,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_keep_alive=5)
     GracefulServer(config, on_signal=lambda: None, on_listening=_announce).run()

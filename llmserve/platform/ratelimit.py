@@ -14,7 +14,7 @@ longer, never shorter.
 
 Two backends share the arithmetic here: `InProcessRateLimiter` (one server process) and
 `RedisRateLimiter` in `ratelimit_redis` (several replicas sharing one limit), which builds on this
-module; `llmserve serve` picks one (`server.serve.make_rate_limiter`).
+module; `llmserve serve` picks one (`server.platform_options.make_rate_limiter`).
 """
 
 from __future__ import annotations

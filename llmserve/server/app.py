@@ -19,7 +19,7 @@ from llmserve.platform.routing import ModelRouter
 from llmserve.server import chat, completions, conversations, health, metrics, tokens, usage
 from llmserve.server import models as models_api
 from llmserve.server.errors import install_error_handlers, shutting_down
-from llmserve.server.gateway import ALWAYS_PUBLIC_PATHS, AuthMiddleware, Platform
+from llmserve.server.gateway import AuthMiddleware, Platform, public_paths
 from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.openapi import install_openapi
@@ -29,7 +29,6 @@ from llmserve.server.state import ModelEndpoint, ServerState
 logger = logging.getLogger(__name__)
 
 TELEMETRY_DRAIN_SECONDS = 1.0
-PURGE_INTERVAL_SECONDS = 3600.0
 
 # Paths still answered while draining (monitoring keeps working until the process exits).
 _ALWAYS_SERVED = ("/metrics",)
@@ -75,10 +74,9 @@ def _lifespan(state: ServerState, specs: Sequence[ModelSpec], slo: SLO, owns_eng
         drainer = asyncio.create_task(_drain_telemetry(state))
         loaders = [asyncio.create_task(_load(state, spec, slo)) for spec in specs if spec.engine is None]
         platform = state.platform
-        if platform is not None and platform.limiter is not None:
-            await _check_limiter(platform)
-        if platform is not None and platform.conversations is not None and platform.conversation_retention:
-            loaders.append(asyncio.create_task(_purge_conversations(platform)))
+        if platform is not None:
+            await platform.check_limiter()
+            loaders.append(asyncio.create_task(platform.purge_deleted_conversations()))
         yield
         drainer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -115,27 +113,6 @@ def _endpoint(state: ServerState, spec: ModelSpec, engine: AsyncLLM, slo: SLO) -
     )
     endpoint.telemetry = metrics.make_telemetry(engine, state.metrics, spec.name, slo)
     return endpoint
-
-
-async def _check_limiter(platform: Platform) -> None:
-    assert platform.limiter is not None
-    try:
-        await platform.limiter.check()
-    except Exception as exc:  # serve anyway: limits fail open until the store is back
-        logger.warning("the rate limiter's store is unreachable (limits are not enforced until it is): %s", exc)
-
-
-async def _purge_conversations(platform: Platform) -> None:
-    """Hard-delete conversations deleted longer ago than the retention period, now and every hour."""
-    assert platform.conversations is not None and platform.conversation_retention is not None
-    while True:
-        try:
-            purged = await asyncio.to_thread(platform.conversations.purge, platform.conversation_retention)
-            if purged:
-                logger.info("purged %d deleted conversations", purged)
-        except Exception:
-            logger.exception("could not purge deleted conversations")
-        await asyncio.sleep(PURGE_INTERVAL_SECONDS)
 
 
 async def _drain_telemetry(state: ServerState) -> None:
@@ -191,7 +168,7 @@ def build_app(
     router: ModelRouter[ModelEndpoint] = ModelRouter()
     state = ServerState(router=router, metrics=ServerMetrics(router.ready_handles), platform=platform)
     if platform is not None:
-        platform.metrics = state.metrics
+        platform.metrics = state.metrics.platform
     for spec in specs:
         if spec.engine is not None:
             router.add_model(spec.name, _endpoint(state, spec, spec.engine, slo))
@@ -210,12 +187,13 @@ def build_app(
         redoc_url=None,
     )
     app.state.llmserve = state
+    app.state.platform = platform
     install_error_handlers(app)
     install_openapi(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if platform is not None and platform.keys is not None:
-        public = _public_paths(app, public_metrics, public_openapi)
-        app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=state.metrics, public_paths=public)
+        public = public_paths(app, public_metrics, public_openapi)
+        app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=state.metrics.platform, public_paths=public)
     app.add_middleware(DrainMiddleware, state=state)
     if allowed_origins:
         # Added last, so outermost: preflights are answered before auth, and 401s, 429s and 503s carry
@@ -227,14 +205,3 @@ def build_app(
     for module in (chat, completions, models_api, tokens, health, metrics, usage, conversations):
         app.include_router(module.router)
     return app
-
-
-def _public_paths(app: FastAPI, public_metrics: bool, public_openapi: bool) -> frozenset[str]:
-    """The paths answered without a key once keys exist."""
-    public = set(ALWAYS_PUBLIC_PATHS)
-    if public_metrics:
-        public.add("/metrics")
-    if public_openapi:
-        oauth2_redirect = app.swagger_ui_oauth2_redirect_url if app.docs_url else None
-        public.update(path for path in (app.openapi_url, app.docs_url, app.redoc_url, oauth2_redirect) if path)
-    return frozenset(public)

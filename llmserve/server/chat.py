@@ -19,6 +19,7 @@ from llmserve.server.assistant_output import ReplyPlan, plan_reply, reasoning_st
 from llmserve.server.conversations import ConversationTurn, fit_history, open_turn
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, chat_logprobs, vllm_prompt_logprobs
+from llmserve.server.messages import template_messages, uses_tools
 from llmserve.server.openapi import documented
 from llmserve.server.pipeline import Choice, ChoiceRenderer, PreparedRequest, ResponseShape, respond
 from llmserve.server.postprocess import MessagePieces, TextPostProcessor
@@ -29,7 +30,6 @@ from llmserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     DeltaMessage,
     Usage,
 )
@@ -49,13 +49,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     errors.reject_unsupported(body.unsupported_params())
     plan = plan_reply(body, endpoint.tool_parser, endpoint.reasoning)
     new_messages = template_messages(body.messages)
-    if body.conversation_id is not None and _uses_tools(body):
+    if body.conversation_id is not None and uses_tools(body):
         raise InvalidRequestError(
             "Stored conversations keep text turns only: tools and tool messages cannot be used with conversation_id.",
             param="conversation_id",
         )
     endpoint.prompt_bound.check(sum(len(m["content"]) for m in new_messages), "messages")
-    turn = await open_turn(state, key, body.conversation_id, body.parent_message_id, new_messages)
+    turn = await open_turn(state.platform, key, body.conversation_id, body.parent_message_id, new_messages)
     max_tokens, max_tokens_param = body.requested_max_tokens()
     prompt_text, prompt_ids = await _chat_prompt(state.workers, endpoint, body, new_messages, turn, max_tokens)
     prompt_ids = endpoint.engine.input_processor.truncate(prompt_ids, body.truncate_prompt_tokens)
@@ -75,6 +75,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         params=params,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
         screen_texts=lambda: [m["content"] for m in new_messages],
         screen_param="messages",
         priority=body.priority,
@@ -95,10 +96,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         plan=plan,
     )
     return await respond(request, prepared, shape)
-
-
-def _uses_tools(body: ChatCompletionRequest) -> bool:
-    return bool(body.tools) or any(m.role == "tool" or m.tool_calls for m in body.messages)
 
 
 def _with_reply_plan(
@@ -126,34 +123,6 @@ def _with_reply_plan(
         structured_outputs=constraint,
         skip_special_tokens=params.skip_special_tokens and not keep_special,
     ), param
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: text content ("developer" read as "system"), an
-    assistant's tool calls and a tool result's call id."""
-    converted = []
-    for i, message in enumerate(messages):
-        if message.content is None and message.role != "assistant":
-            raise InvalidRequestError(
-                f"A {message.role} message needs content.", param=f"messages[{i}].content"
-            )
-        if message.tool_calls and message.role != "assistant":
-            raise InvalidRequestError("Only assistant messages have tool_calls.", param=f"messages[{i}].tool_calls")
-        if message.tool_call_id is not None and message.role != "tool":
-            raise InvalidRequestError("Only tool messages have a tool_call_id.", param=f"messages[{i}].tool_call_id")
-        if message.role == "tool" and not message.tool_call_id:
-            raise InvalidRequestError(
-                "A tool message needs the tool_call_id of the call it answers.", param=f"messages[{i}].tool_call_id"
-            )
-        entry: dict[str, Any] = {
-            "role": "system" if message.role == "developer" else message.role, "content": message.text()
-        }
-        if message.tool_calls:
-            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
-        if message.tool_call_id is not None:
-            entry["tool_call_id"] = message.tool_call_id
-        converted.append(entry)
-    return converted
 
 
 def _echo_text(body: ChatCompletionRequest) -> str:

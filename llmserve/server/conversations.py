@@ -34,9 +34,8 @@ from llmserve.platform.conversations import (
 )
 from llmserve.platform.keys import ApiKey
 from llmserve.server.errors import APIError
-from llmserve.server.gateway import request_key
+from llmserve.server.gateway import Platform, platform_of, request_key
 from llmserve.server.openapi import documented
-from llmserve.server.state import ServerState, get_state
 
 router = APIRouter()
 
@@ -51,10 +50,10 @@ def _not_found(conversation_id: str, param: str | None = None) -> APIError:
     )
 
 
-def _store(state: ServerState) -> ConversationStore:
-    if state.platform is None or state.platform.conversations is None:
+def _store(platform: Platform | None) -> ConversationStore:
+    if platform is None or platform.conversations is None:
         raise APIError(404, "Conversation storage is not enabled on this server.", code="not_enabled")
-    return state.platform.conversations
+    return platform.conversations
 
 
 def _key_id(key: ApiKey | None) -> str | None:
@@ -99,7 +98,7 @@ class ConversationTurn:
 
 
 async def open_turn(
-    state: ServerState,
+    platform: Platform | None,
     key: ApiKey | None,
     conversation_id: str | None,
     parent_message_id: str | None,
@@ -111,7 +110,7 @@ async def open_turn(
         if parent_message_id is not None:
             raise APIError(400, "parent_message_id needs a conversation_id.", param="parent_message_id")
         return None
-    store = _store(state)
+    store = _store(platform)
     key_id = _key_id(key)
     try:
         path = await asyncio.to_thread(_turn_context, store, key_id, conversation_id, parent_message_id, new_messages)
@@ -278,7 +277,7 @@ def _page_json(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
 async def create_conversation(body: CreateConversation, request: Request) -> JSONResponse:
     """A new conversation, optionally with its first messages; answered without them (list them with
     GET /v1/conversations/{id}/messages)."""
-    store = _store(get_state(request))
+    store = _store(platform_of(request))
     messages = [m.model_dump() for m in body.messages]
     key_id = _key_id(request_key(request.state))
     try:
@@ -293,7 +292,7 @@ async def create_conversation(body: CreateConversation, request: Request) -> JSO
 async def list_conversations(
     request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE), after: str | None = None
 ) -> JSONResponse:
-    store = _store(get_state(request))
+    store = _store(platform_of(request))
     key_id = _key_id(request_key(request.state))
     items, has_more = await asyncio.to_thread(store.list, key_id, limit, after)
     return JSONResponse(_page_json([c.as_dict(with_messages=False) for c in items], has_more))
@@ -302,7 +301,7 @@ async def list_conversations(
 @router.get("/v1/conversations/{conversation_id}", responses=documented(ConversationSummary))
 async def get_conversation(conversation_id: str, request: Request) -> JSONResponse:
     """The conversation with the size of its active branch, without the messages themselves."""
-    store = _store(get_state(request))
+    store = _store(platform_of(request))
     try:
         summary = await asyncio.to_thread(store.summary, _key_id(request_key(request.state)), conversation_id)
     except ConversationNotFound:
@@ -321,7 +320,7 @@ async def list_messages(
 ) -> JSONResponse:
     """A page of the active branch's messages, newest first unless `order=asc`; `after`/`before` take
     a message id from a previous page."""
-    store = _store(get_state(request))
+    store = _store(platform_of(request))
     key_id = _key_id(request_key(request.state))
     try:
         page, has_more = await asyncio.to_thread(
@@ -334,7 +333,7 @@ async def list_messages(
 
 @router.delete("/v1/conversations/{conversation_id}", responses=documented(ConversationDeleted))
 async def delete_conversation(conversation_id: str, request: Request) -> Response:
-    store = _store(get_state(request))
+    store = _store(platform_of(request))
     try:
         await asyncio.to_thread(store.delete, _key_id(request_key(request.state)), conversation_id)
     except ConversationNotFound:

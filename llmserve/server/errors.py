@@ -15,8 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmserve.engine.async_llm import EngineClosedError, EngineDeadError
-from llmserve.errors import InvalidRequestError
+from llmserve.errors import EngineClosedError, EngineDeadError, InvalidRequestError
 from llmserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)

@@ -11,12 +11,13 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Literal
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve.outputs import RequestOutput
@@ -26,14 +27,17 @@ from llmserve.platform.usage import PriceTable, UsageRecord, UsageRecorder, Usag
 from llmserve.server.errors import APIError
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from llmserve.platform.conversations import ConversationStore
-    from llmserve.platform.safety import SafetyFilter
-    from llmserve.server.metrics import ServerMetrics
+    from llmserve.platform.safety import SafetyFilter, Verdict
+    from llmserve.server.metrics import PlatformMetrics
     from llmserve.store.db import Database
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY_TOKENS = 16  # how often a running request's token count is journaled
+PURGE_INTERVAL_SECONDS = 3600.0
 
 # Answered without a key even once keys exist: liveness probes learn nothing about models or load.
 ALWAYS_PUBLIC_PATHS = frozenset({"/health"})
@@ -52,12 +56,35 @@ class Platform:
     prices: PriceTable = field(default_factory=PriceTable)
     database: Database | None = None
     conversation_retention: timedelta | None = None  # deleted conversations are purged after this
-    metrics: ServerMetrics | None = None
+    metrics: PlatformMetrics | None = None
     # When the rate limiter's store (Redis) is unreachable: "open" admits without limits (they keep
     # tenants fair, they are not a security boundary), "closed" answers 503.
     rate_limit_failure_mode: Literal["open", "closed"] = "open"
     aborting: bool = False  # past the shutdown timeout: what still runs is aborted by the server
     _settling: set[asyncio.Task] = field(default_factory=set)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    async def check_limiter(self) -> None:
+        """At start: say whether the rate limiter's store answers (serving goes on either way)."""
+        if self.limiter is None:
+            return
+        try:
+            await self.limiter.check()
+        except Exception as exc:  # serve anyway: limits fail open until the store is back
+            logger.warning("the rate limiter's store is unreachable (limits are not enforced until it is): %s", exc)
+
+    async def purge_deleted_conversations(self) -> None:
+        """Hard-delete conversations deleted longer ago than the retention period, now and every hour."""
+        if self.conversations is None or self.conversation_retention is None:
+            return
+        while True:
+            try:
+                purged = await asyncio.to_thread(self.conversations.purge, self.conversation_retention)
+                if purged:
+                    logger.info("purged %d deleted conversations", purged)
+            except Exception:
+                logger.exception("could not purge deleted conversations")
+            await asyncio.sleep(PURGE_INTERVAL_SECONDS)
 
     async def aclose(self) -> None:
         """Settle what is in flight, write every buffered usage record, close connections."""
@@ -69,6 +96,28 @@ class Platform:
             await self.limiter.close()
         if self.database is not None:
             self.database.dispose()
+
+    # ---- safety ---------------------------------------------------------------------------------------
+    def check_prompt(self, model: str, texts: Sequence[str], param: str) -> None:
+        """The safety pre-filter over a request's new input (run on a worker thread): a blocked prompt
+        is a 400 `content_filter`, before any engine work."""
+        if self.safety is None:
+            return
+        for text in texts:
+            verdict = self.safety.check_prompt(text)
+            if verdict.blocked:
+                if self.metrics is not None:
+                    self.metrics.safety_blocks.labels(model, "prompt", verdict.rule or "plugin").inc()
+                logger.warning("safety: blocked a prompt for %s (rule %s)", model, verdict.rule)
+                raise APIError(400, "Your request was rejected by the content filter.", param=param,
+                               code="content_filter")
+
+    def count_blocked_outputs(self, model: str, response_id: str, verdicts: Iterable[Verdict]) -> None:
+        """The safety post-filter's bookkeeping: each choice it stopped, counted and logged."""
+        for verdict in verdicts:
+            if self.metrics is not None:
+                self.metrics.safety_blocks.labels(model, "output", verdict.rule or "plugin").inc()
+            logger.warning("safety: stopped the output of %s (rule %s)", response_id, verdict.rule)
 
     # ---- rate limits ------------------------------------------------------------------------------
     async def admit(self, key: ApiKey | None, model: str, reserve_tokens: int) -> Admission:
@@ -182,6 +231,10 @@ class Meter:
         self._latest[position] = output
         if self.first_token_at is None and any(c.token_ids for c in output.outputs):
             self.first_token_at = time.monotonic()
+        self._journal_progress()
+
+    def _journal_progress(self) -> None:
+        """Journal the running token count every PROGRESS_EVERY_TOKENS tokens (a crash then loses less)."""
         usage = self._usage
         if usage is not None and usage.journal is not None:
             tokens = self.completion_tokens
@@ -283,7 +336,7 @@ class AuthMiddleware:
         self,
         app: ASGIApp,
         keys: KeyCache,
-        metrics: ServerMetrics | None = None,
+        metrics: PlatformMetrics | None = None,
         public_paths: Collection[str] = ALWAYS_PUBLIC_PATHS,
     ) -> None:
         self.app = app
@@ -325,6 +378,22 @@ class AuthMiddleware:
                 "invalid_api_key",
             )
         return key
+
+
+def public_paths(app: FastAPI, public_metrics: bool, public_openapi: bool) -> frozenset[str]:
+    """The paths answered without a key once keys exist."""
+    public = set(ALWAYS_PUBLIC_PATHS)
+    if public_metrics:
+        public.add("/metrics")
+    if public_openapi:
+        oauth2_redirect = app.swagger_ui_oauth2_redirect_url if app.docs_url else None
+        public.update(path for path in (app.openapi_url, app.docs_url, app.redoc_url, oauth2_redirect) if path)
+    return frozenset(public)
+
+
+def platform_of(request: Request) -> Platform | None:
+    """The platform of the app serving `request` (`llmserve serve`'s or `llmserve gateway`'s)."""
+    return getattr(request.app.state, "platform", None)
 
 
 def request_key(scope_state: object) -> ApiKey | None:

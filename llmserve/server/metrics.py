@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
@@ -22,10 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from llmserve.engine.async_llm import AsyncLLM, EngineEvents
-from llmserve.engine.messages import StepRecord
-from llmserve.outputs import RequestOutput
 from llmserve.server.slo import SLO, LoadEstimator
+
+if TYPE_CHECKING:  # the gateway uses PlatformMetrics without an engine (nor torch)
+    from llmserve.engine.async_llm import AsyncLLM, EngineEvents
+    from llmserve.engine.messages import StepRecord
+    from llmserve.outputs import RequestOutput
 
 
 class ServedModel(Protocol):
@@ -90,6 +92,29 @@ class EngineCollector(Collector):
                      lambda e: int(e.engine.is_healthy))
 
 
+class PlatformMetrics:
+    """The platform's own counters (no model label where the model may not be known yet), in the
+    registry of whoever runs the platform: `llmserve serve` or `llmserve gateway`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.auth_failures = counter("llmserve:auth_failures", "Requests refused for a missing or bad API key.",
+                                     ["reason"])
+        self.rate_limited = counter("llmserve:rate_limited_requests", "Requests refused by a rate limit (429).",
+                                    LABELS + ["limit"])
+        self.rate_limit_decisions_without_redis = counter(
+            "llmserve:rate_limit_decisions_without_redis",
+            "Requests admitted or refused (503) without a rate-limit decision, the limiter's Redis being "
+            "unreachable or its circuit open.", LABELS + ["outcome"],
+        )
+        self.safety_blocks = counter("llmserve:safety_blocks", "Prompts or outputs blocked by the safety filter.",
+                                     LABELS + ["stage", "rule"])
+
+
 class ServerMetrics:
     """Every metric family the server exports, made once per app; per-model series carry `model_name`."""
 
@@ -132,18 +157,7 @@ class ServerMetrics:
             "vllm:iteration_tokens_total", "Tokens per engine step.", ITERATION_TOKEN_BUCKETS
         )
         self.batch_size = histogram("llmserve:iteration_batch_size", "Sequences per engine step.", BATCH_SIZE_BUCKETS)
-        # The platform's own (no model label where the model may not be known yet).
-        self.auth_failures = counter("llmserve:auth_failures", "Requests refused for a missing or bad API key.",
-                                     ["reason"])
-        self.rate_limited = counter("llmserve:rate_limited_requests", "Requests refused by a rate limit (429).",
-                                    LABELS + ["limit"])
-        self.rate_limit_decisions_without_redis = counter(
-            "llmserve:rate_limit_decisions_without_redis",
-            "Requests admitted or refused (503) without a rate-limit decision, the limiter's Redis being "
-            "unreachable or its circuit open.", LABELS + ["outcome"],
-        )
-        self.safety_blocks = counter("llmserve:safety_blocks", "Prompts or outputs blocked by the safety filter.",
-                                     LABELS + ["stage", "rule"])
+        self.platform = PlatformMetrics(self.registry)
 
     def drain(self) -> None:
         for endpoint in self._endpoints():

@@ -108,6 +108,7 @@ class PreparedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool  # streamed: a last chunk with the usage
+    continuous_usage: bool  # streamed: every chunk with the usage so far
     screen_texts: Callable[[], Sequence[str]]  # what the safety pre-filter reads (called on a worker)
     screen_param: str  # the parameter a blocked prompt is reported on
     priority: int = 0
@@ -202,19 +203,19 @@ class _Run:
         status = "disconnected"  # unless the streams get to their end
         try:
             for choices in shape.opening_chunks(len(streams), self.n):
-                yield envelope.event(choices)
+                yield envelope.event(choices, self._usage_so_far())
             if len(streams) == 1:  # iterated directly: a merging generator costs a hop per token
                 async for output in streams[0]:
                     choices = self._advance(0, output)
                     if choices:
-                        yield envelope.event(choices)
+                        yield envelope.event(choices, self._usage_so_far())
                     if self.finals:
                         break
             else:
                 async for position, output in merged(streams):
                     choices = self._advance(position, output)
                     if choices:
-                        yield envelope.event(choices)
+                        yield envelope.event(choices, self._usage_so_far())
                     if len(self.finals) == len(streams):
                         break
             status = "content_filter" if self._count_blocks() else "completed"
@@ -230,6 +231,10 @@ class _Run:
             yield SSE_DONE
         finally:
             started.abort(status)
+
+    def _usage_so_far(self) -> Usage | None:
+        """The usage to put in every chunk, when the client asked for it."""
+        return usage_of(self.started.meter) if self.prepared.continuous_usage else None
 
     def _advance(self, position: int, output: RequestOutput) -> list[Choice]:
         """Take a request's new output: metered, its choices' deltas rendered; once every choice is

@@ -72,6 +72,8 @@ class _Response(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: StrictBool = False
+    # vLLM's: every chunk carries the usage so far (the gateway meters a broken stream by it)
+    continuous_usage_stats: StrictBool = False
 
 
 class PromptTokensDetails(_Response):

@@ -7,16 +7,18 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from llmserve.engine.async_llm import RequestStream
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.safety import OutputGuard, Verdict
 from llmserve.server.errors import ClientDisconnected
+
+if TYPE_CHECKING:  # the gateway uses this module without an engine (nor torch)
+    from llmserve.engine.async_llm import RequestStream
 
 T = TypeVar("T")
 
@@ -41,10 +43,17 @@ class ChunkEnvelope:
             raise ValueError("the envelope needs a response whose choices are empty")
         self._head = f'data: {head}"choices":['
         self._tail = f"]{tail}\n\n"
+        self._usage_head, marker, self._usage_tail = self._tail.partition('"usage":null')
+        if not marker:
+            raise ValueError("the envelope needs a response whose usage is null")
 
-    def event(self, choices: Iterable[BaseModel | str]) -> str:
-        """An SSE event of the choices (models, or their JSON from `text_choice_json`/`content_choice_json`)."""
-        return self._head + ",".join(c if isinstance(c, str) else c.model_dump_json() for c in choices) + self._tail
+    def event(self, choices: Iterable[BaseModel | str], usage: BaseModel | None = None) -> str:
+        """An SSE event of the choices (models, or their JSON from `text_choice_json`/`content_choice_json`),
+        with `usage` in it when given (`stream_options.continuous_usage_stats`)."""
+        joined = ",".join(c if isinstance(c, str) else c.model_dump_json() for c in choices)
+        if usage is None:
+            return self._head + joined + self._tail
+        return f'{self._head}{joined}{self._usage_head}"usage":{usage.model_dump_json()}{self._usage_tail}'
 
 
 def text_choice_json(index: int, text: str, finish_reason: str | None) -> str:

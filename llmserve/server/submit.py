@@ -16,7 +16,7 @@ from llmserve.engine.grammar import validate_structured_outputs
 from llmserve.errors import InvalidRequestError
 from llmserve.platform.keys import ApiKey
 from llmserve.sampling.params import SamplingParams
-from llmserve.server.errors import APIError, ClientDisconnected
+from llmserve.server.errors import ClientDisconnected
 from llmserve.server.gateway import Meter
 from llmserve.server.protocol import random_id
 from llmserve.server.state import ModelEndpoint, ServerState
@@ -60,25 +60,9 @@ async def screen_prompts(
 ) -> None:
     """The safety pre-filter over `texts()`, on a worker thread: a blocked prompt is a 400
     `content_filter`, before any engine work."""
-    if state.platform is not None and state.platform.safety is not None:
-        await state.workers.run(lambda: check_prompt(state, endpoint, texts(), param))
-
-
-def check_prompt(state: ServerState, endpoint: ModelEndpoint, texts: Sequence[str], param: str) -> None:
     platform = state.platform
-    if platform is None or platform.safety is None:
-        return
-    for text in texts:
-        verdict = platform.safety.check_prompt(text)
-        if verdict.blocked:
-            state.metrics.safety_blocks.labels(endpoint.name, "prompt", verdict.rule or "plugin").inc()
-            logger.warning("safety: blocked a prompt for %s (rule %s)", endpoint.name, verdict.rule)
-            raise APIError(
-                400,
-                "Your request was rejected by the content filter.",
-                param=param,
-                code="content_filter",
-            )
+    if platform is not None and platform.safety is not None:
+        await state.workers.run(lambda: platform.check_prompt(endpoint.name, texts(), param))
 
 
 def count_output_blocks(
@@ -86,9 +70,8 @@ def count_output_blocks(
 ) -> bool:
     """The safety post-filter's bookkeeping: count and log each choice it stopped; whether any was."""
     blocked = [c.blocked for c in cursors if c.blocked is not None]
-    for verdict in blocked:
-        state.metrics.safety_blocks.labels(model, "output", verdict.rule or "plugin").inc()
-        logger.warning("safety: stopped the output of %s (rule %s)", response_id, verdict.rule)
+    if blocked and state.platform is not None:
+        state.platform.count_blocked_outputs(model, response_id, blocked)
     return bool(blocked)
 
 

@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmserve.errors import InvalidRequestError
-from llmserve.server.chat import template_messages
 from llmserve.server.gateway import request_key
+from llmserve.server.messages import template_messages
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from llmserve.server.state import ModelEndpoint, get_state

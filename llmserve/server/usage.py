@@ -12,8 +12,7 @@ from fastapi.responses import JSONResponse
 
 from llmserve.platform.usage import query_usage
 from llmserve.server.errors import APIError
-from llmserve.server.gateway import request_key
-from llmserve.server.state import get_state
+from llmserve.server.gateway import platform_of, request_key
 
 router = APIRouter()
 
@@ -43,8 +42,7 @@ async def get_usage(
     end: str | None = None,
     group_by: Literal["model", "key", "day"] | None = Query(None),
 ) -> JSONResponse:
-    state = get_state(request)
-    platform = state.platform
+    platform = platform_of(request)
     if platform is None or platform.usage is None or platform.database is None:
         raise APIError(404, "Usage metering is not enabled on this server.", code="not_enabled")
     start_at, end_at = _parse_time(start, "start"), _parse_time(end, "end")

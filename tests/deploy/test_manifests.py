@@ -297,6 +297,12 @@ def test_gateway_runs_the_gateway_command_with_a_pools_config() -> None:
     assert args[0] == "gateway"
     parsed = build_parser().parse_args(args)  # the real command line takes these arguments
     assert (parsed.port, parsed.host, parsed.policy) == (8000, "0.0.0.0", "prefix")
+    services = {s["metadata"]["name"]: s for s in of_kind("Service")}
+    # The platform's state is shared by every gateway: keys, usage, conversations in PostgreSQL, limits in Redis.
+    database = re.fullmatch(r"postgresql\+psycopg://\w+:\$\(POSTGRES_PASSWORD\)@([a-z0-9-]+):5432/\w+", parsed.database_url)
+    redis_url = re.fullmatch(r"redis://([a-z0-9-]+):6379/0", parsed.redis_url)
+    assert database and redis_url and {database.group(1), redis_url.group(1)} <= set(services)
+    assert not parsed.no_platform
     config_path = Path(flag_value(args, "--config"))
     assert config_path == Path("/etc/llmserve/gateway.yaml")
     (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == config_path.parent]

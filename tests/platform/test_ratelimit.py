@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from llmserve.platform.keys import ApiKey
 from llmserve.platform.ratelimit import (
@@ -547,7 +547,7 @@ def test_in_process_forgets_idle_windows() -> None:
 
 
 def test_make_rate_limiter_picks_the_backend() -> None:
-    from llmserve.server.serve import make_rate_limiter  # the server's wiring; imports the engine
+    from llmserve.server.platform_options import make_rate_limiter
 
     async def scenario() -> None:
         local = make_rate_limiter(None)
@@ -605,9 +605,9 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 def _platform(limiter: RateLimiter, mode: str) -> Any:
     from llmserve.server.gateway import Platform
-    from llmserve.server.metrics import ServerMetrics
+    from llmserve.server.metrics import PlatformMetrics
 
-    return Platform(limiter=limiter, metrics=ServerMetrics(lambda: []), rate_limit_failure_mode=mode)
+    return Platform(limiter=limiter, metrics=PlatformMetrics(CollectorRegistry()), rate_limit_failure_mode=mode)
 
 
 def _without_redis(platform: Any, outcome: str) -> float:

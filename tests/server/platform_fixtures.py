@@ -1,10 +1,13 @@
 """A live server with the platform on (keys, rate limits, metering, conversations, safety) over the
-tiny model: one engine per test module, a fresh SQLite database and app per test."""
+tiny model: one engine per test module, a fresh SQLite database and app per test.
+
+The platform runs either in `llmserve serve`'s app ("direct") or in `llmserve gateway`'s, in front of
+a replica app without a platform over the same engine ("gateway"): the same tests hold for both."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from fastapi import FastAPI
 from sqlalchemy import func, select
 
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.gateway.app import build_gateway_app
 from llmserve.platform.conversations import ConversationStore
 from llmserve.platform.keys import ApiKey, KeyCache, KeyStore
 from llmserve.platform.ratelimit import InProcessRateLimiter
@@ -25,6 +29,7 @@ from llmserve.store.schema import UsageRecordRow
 from tests.server.conftest import start_server, tiny_engine_running
 
 MODEL = "tiny-llama"
+MODES = ("direct", "gateway")
 
 
 class FrozenClock:
@@ -74,6 +79,15 @@ class PlatformServer:
                 return rows
             time.sleep(0.02)
 
+    def wait_until(self, condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+        """Poll `condition` until it holds (True) or `timeout` passes (False)."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
     def count_usage_rows(self) -> int:
         with self.database.session() as session:
             return session.scalar(select(func.count()).select_from(UsageRecordRow)) or 0
@@ -92,8 +106,11 @@ def serve_platform(
     models: list[ModelSpec] | None = None,
     aliases: dict | None = None,
     prices: PriceTable | None = None,
+    mode: str = "direct",
     **app_options: object,
 ) -> Iterator[PlatformServer]:
+    """The platform over a fresh SQLite database, in `mode` ("direct": `llmserve serve`'s app;
+    "gateway": a gateway in front of a replica app without a platform)."""
     database = open_database(f"sqlite:///{directory / 'platform.db'}")
     clock = FrozenClock()
     keys = KeyStore(database)
@@ -105,6 +122,9 @@ def serve_platform(
         prices=prices or PriceTable(),
         database=database,
     )
+    if mode == "gateway":
+        yield from _behind_gateway(engine, platform, database, keys, clock, models, aliases, **app_options)
+        return
     if models is None:
         app = build_app(engine, MODEL, platform=platform, aliases=aliases, **app_options)
     else:
@@ -115,6 +135,27 @@ def serve_platform(
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def _behind_gateway(
+    engine: AsyncLLM, platform: Platform, database: Database, keys: KeyStore, clock: FrozenClock,
+    models: list[ModelSpec] | None, aliases: dict | None, **gateway_options: object,
+) -> Iterator[PlatformServer]:
+    """The replica: the models without a platform; the gateway: a pool per model, the aliases, the platform."""
+    replica = build_app(engine, MODEL) if models is None else build_app(models=models)
+    replica_server, replica_thread, replica_url, _ = start_server(replica)
+    names = [MODEL] if models is None else [spec.name for spec in models]
+    gateway = build_gateway_app(
+        {name: [replica_url] for name in names}, platform=platform, aliases=aliases, **gateway_options
+    )
+    server, thread, base_url, _ = start_server(gateway)
+    try:
+        yield PlatformServer(base_url, engine, platform, database, keys, clock, server, gateway)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        replica_server.should_exit = True
+        replica_thread.join(timeout=30)
 
 
 def chat_body(content: str = "Hello there", max_tokens: int = 4, **extra) -> dict:

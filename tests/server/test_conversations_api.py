@@ -14,10 +14,11 @@ from llmserve.cli import build_parser
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.conversations import ConversationLimits, ConversationStore
 from llmserve.server.conversations import TRUNCATED_HEADER, fit_history
-from llmserve.server.serve import _conversation_limits
+from llmserve.server.platform_options import conversation_limits
 from llmserve.store.db import open_database
 from tests.server.conftest import MAX_MODEL_LEN
 from tests.server.platform_fixtures import (
+    MODES,
     PlatformServer,
     chat_body,
     serve_platform,
@@ -26,9 +27,10 @@ from tests.server.platform_fixtures import (
 from tests.store.fixtures import BACKENDS, postgres_schema, postgres_url
 
 
-@pytest.fixture
-def server(tiny_engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:  # noqa: F811
-    yield from serve_platform(tiny_engine, tmp_path)
+@pytest.fixture(params=MODES)
+def server(request: pytest.FixtureRequest, tiny_engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:  # noqa: F811
+    """The platform in `llmserve serve` or in `llmserve gateway`."""
+    yield from serve_platform(tiny_engine, tmp_path, mode=request.param)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -89,11 +91,11 @@ def test_limits_on_messages_are_413s_before_any_engine_work(server: PlatformServ
     assert len(server.wait_for_usage_rows(1)) == 1  # only the one turn that ran was metered
 
 
-def test_serve_flags_set_the_conversation_limits() -> None:
+def test_serve_flags_set_theconversation_limits() -> None:
     parser = build_parser()
-    assert _conversation_limits(parser.parse_args(["serve"])) == ConversationLimits()
+    assert conversation_limits(parser.parse_args(["serve"])) == ConversationLimits()
     args = parser.parse_args(["serve", "--conversation-max-message-bytes", "4096", "--conversation-max-messages", "50"])
-    assert _conversation_limits(args) == ConversationLimits(max_message_bytes=4096, max_messages=50)
+    assert conversation_limits(args) == ConversationLimits(max_message_bytes=4096, max_messages=50)
 
 
 # ---- messages, a page at a time -------------------------------------------------------------------

@@ -385,6 +385,19 @@ def test_sse_wire_format(http):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(http):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 10, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        payloads = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    *chunks, last = payloads
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 10  # the role chunk, then each token's
+    assert len({chunk["usage"]["prompt_tokens"] for chunk in payloads}) == 1
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"] for c in chunks)
+    assert last["choices"] == [] and last["usage"] == chunks[-1]["usage"]
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 
 CHAT = "/v1/chat/completions"

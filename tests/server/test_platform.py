@@ -19,6 +19,7 @@ from llmserve.platform.usage import Price, PriceTable
 from llmserve.server.app import ModelSpec
 from tests.server.platform_fixtures import (
     MODEL,
+    MODES,
     PlatformServer,
     chat_body,
     serve_platform,
@@ -26,10 +27,16 @@ from tests.server.platform_fixtures import (
 )
 
 
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    """The platform in `llmserve serve` or in `llmserve gateway`."""
+    return request.param
+
+
 @pytest.fixture
-def server(tiny_engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:  # noqa: F811
+def server(tiny_engine: AsyncLLM, tmp_path: Path, mode: str) -> Iterator[PlatformServer]:  # noqa: F811
     prices = PriceTable({MODEL: Price(input_per_million=2.0, cached_input_per_million=1.0, output_per_million=8.0)})
-    yield from serve_platform(tiny_engine, tmp_path, prices=prices)
+    yield from serve_platform(tiny_engine, tmp_path, prices=prices, mode=mode)
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -87,9 +94,12 @@ def test_once_a_key_exists_every_v1_request_needs_a_valid_one(server: PlatformSe
     assert metric_value(server.base_url, "llmserve:auth_failures_total", {"reason": "invalid_api_key"}, bob) == 3
 
 
-def test_a_key_limited_to_some_models_gets_404_for_the_others(tiny_engine: AsyncLLM, tmp_path: Path) -> None:  # noqa: F811
+def test_a_key_limited_to_some_models_gets_404_for_the_others(
+    tiny_engine: AsyncLLM, tmp_path: Path, mode: str  # noqa: F811
+) -> None:
     models = [ModelSpec("small", tiny_engine), ModelSpec("large", tiny_engine)]
-    for server in serve_platform(tiny_engine, tmp_path, models=models, aliases={"chat": [("small", 1.0)]}):
+    aliases = {"chat": [("small", 1.0)]}
+    for server in serve_platform(tiny_engine, tmp_path, models=models, aliases=aliases, mode=mode):
         _, secret = server.new_key("bob", models=["small", "chat"])
         with server.client(secret) as client:
             assert client.post("/v1/chat/completions", json=chat_body(model="small")).status_code == 200
@@ -370,6 +380,7 @@ def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
     reference = _reference_reply(server, body)
     word, position = _blockable_word(reference)
     server.platform.safety = RuleSetFilter(words=[word])
+    aborted = server.engine.num_aborted
     with server.client() as client:
         if stream:
             text, reasons = "", []
@@ -389,23 +400,35 @@ def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
     assert reference.startswith(text) and len(text) <= position
     [row] = [r for r in server.wait_for_usage_rows(2) if r.status == "content_filter"]
     assert metric_value(server.base_url, "llmserve:safety_blocks_total", {"stage": "output"}) == 1
+    if stream:  # the generation stopped there (behind a gateway: its replica stream was closed)
+        assert server.wait_until(lambda: server.engine.num_aborted > aborted)
+
+
+def test_a_blocked_completion_stream_stops_with_content_filter(server: PlatformServer) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    with server.client() as client:
+        reference = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    word, position = _blockable_word(reference)
+    server.platform.safety = RuleSetFilter(words=[word])
+    text, reasons = "", []
+    with server.client() as client, client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                reasons.append(choice["finish_reason"])
+    assert [r for r in reasons if r is not None] == ["content_filter"] and reasons[-1] == "content_filter"
+    assert word.lower() not in text.lower() and reference.startswith(text) and len(text) <= position
+    assert {r.status for r in server.wait_for_usage_rows(2)} == {"completed", "content_filter"}
 
 
 # ---- several models ----------------------------------------------------------------------------------
 
 
-def test_requests_route_by_name_alias_and_sticky_canary_and_a_loading_model_answers_503(
-    tiny_engine: AsyncLLM, tmp_path: Path  # noqa: F811
-) -> None:
-    release = threading.Event()
-
-    def slow_load() -> AsyncLLM:
-        release.wait(timeout=60)
-        return tiny_engine
-
-    models = [ModelSpec("v1", tiny_engine), ModelSpec("v2", tiny_engine), ModelSpec("late", load=slow_load)]
+def test_requests_route_by_name_alias_and_sticky_canary(tiny_engine: AsyncLLM, tmp_path: Path, mode: str) -> None:  # noqa: F811
+    models = [ModelSpec("v1", tiny_engine), ModelSpec("v2", tiny_engine)]
     aliases = {"chat": [("v1", 0.5), ("v2", 0.5)], "mini": [("v1", 1.0)]}
-    for server in serve_platform(tiny_engine, tmp_path, models=models, aliases=aliases):
+    for server in serve_platform(tiny_engine, tmp_path, models=models, aliases=aliases, mode=mode):
         with server.client() as client:
             listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
             assert listed == ["v1", "v2", "chat", "mini"]
@@ -415,8 +438,25 @@ def test_requests_route_by_name_alias_and_sticky_canary_and_a_loading_model_answ
                        .json()["model"] for _ in range(3)}
                 for user in ("u1", "u2", "u3", "u4", "u5", "u6")
             }
-            assert all(len(models_seen) == 1 for models_seen in picks.values())  # sticky per user
-            assert set().union(*picks.values()) == {"v1", "v2"}  # both versions get traffic
+            unknown = client.post("/v1/chat/completions", json=chat_body(model="nope"))
+        assert all(len(models_seen) == 1 for models_seen in picks.values())  # sticky per user
+        assert set().union(*picks.values()) == {"v1", "v2"}  # both versions get traffic
+        assert unknown.status_code == 404 and error_of(unknown)["code"] == "model_not_found"
+        rows = server.wait_for_usage_rows(19)
+        assert len(rows) == 19 and {r.model for r in rows} == {"v1", "v2"}  # metered as the model that ran
+
+
+def test_a_loading_model_answers_503_until_it_is_ready(tiny_engine: AsyncLLM, tmp_path: Path) -> None:  # noqa: F811
+    """(`llmserve serve` loads its models itself; a gateway's replicas are loaded before they are healthy.)"""
+    release = threading.Event()
+
+    def slow_load() -> AsyncLLM:
+        release.wait(timeout=60)
+        return tiny_engine
+
+    models = [ModelSpec("v1", tiny_engine), ModelSpec("late", load=slow_load)]
+    for server in serve_platform(tiny_engine, tmp_path, models=models):
+        with server.client() as client:
             loading = client.post("/v1/chat/completions", json=chat_body(model="late"))
             health = client.get("/health")
             release.set()

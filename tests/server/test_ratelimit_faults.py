@@ -16,7 +16,7 @@ from llmserve.platform.keys import KeyCache, KeyStore
 from llmserve.platform.ratelimit_redis import CircuitBreaker, RedisRateLimiter
 from llmserve.server.app import build_app
 from llmserve.server.gateway import Platform
-from llmserve.server.serve import build_platform
+from llmserve.server.platform_options import build_platform
 from llmserve.store.db import open_database
 from tests.server.conftest import start_server
 from tests.server.platform_fixtures import MODEL, chat_body, tiny_engine  # noqa: F401 - a fixture

@@ -12,6 +12,7 @@ from llmserve.server.protocol import (
     CompletionChoice,
     CompletionResponse,
     DeltaMessage,
+    Usage,
 )
 from llmserve.server.streaming import ChunkEnvelope, content_choice_json, sse, text_choice_json
 
@@ -44,5 +45,8 @@ def test_envelopes_match_whole_chunks():
     envelope = ChunkEnvelope(ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", choices=[]))
     assert envelope.event([content_choice_json(0, "hi", "stop")]) == sse(
         ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", choices=[chat]))
+    usage = Usage.of(5, 2, 1)
+    assert envelope.event([content_choice_json(0, "hi", "stop")], usage) == sse(
+        ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", choices=[chat], usage=usage))
     with pytest.raises(ValueError):
         ChunkEnvelope(ChatCompletionChunk(id="x", created=7, model="m", choices=[chat]))

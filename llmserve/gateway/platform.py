@@ -1,0 +1,325 @@
+"""The platform in front of the pools: `llmserve serve`'s platform services (server/gateway.py's
+`Platform`: keys, rate limits, usage, conversations, safety) around replicas instead of engines.
+
+A chat or completion request goes one way:
+  the key (`AuthMiddleware`, before this) → the model or alias (a canary alias picks a pool, the same
+  one for the same key or user) → the body validated as the server validates it → a stored
+  conversation's history put before the new messages (fitted to the context window with
+  `truncation: "auto"`) → the safety screen over the new input → the rate limits: a request, and for a
+  key with a token limit the prompt plus its completion budget, the prompt counted by a replica's
+  /tokenize (its own tokenizer and chat template) → forwarded to a replica by the proxy → relayed
+  (relay.py: the output screened, the usage counted from the replica's reports) → metered, the
+  reservation settled to the usage the replica reported (a broken stream to what it had sent) → the
+  reply stored in the conversation.
+
+A request the replica refuses (a 4xx, or no replica could take it) is not metered and gives its
+reservation back, as a request the server refuses before its engine runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from llmserve.errors import InvalidRequestError
+from llmserve.gateway.pool import Pool
+from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_key
+from llmserve.gateway.relay import CONTENT_FILTER, RelayMeter, Reply, StreamRelay
+from llmserve.platform.keys import ApiKey
+from llmserve.platform.routing import ModelRouter
+from llmserve.platform.safety import OutputGuard
+from llmserve.platform.usage import UsageStatus
+from llmserve.server import errors
+from llmserve.server.conversations import ConversationTurn, fit_history, open_turn
+from llmserve.server.errors import APIError, ClientDisconnected
+from llmserve.server.gateway import Admission, Platform, request_key
+from llmserve.server.messages import template_messages, uses_tools
+from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, random_id
+from llmserve.server.streaming import until_disconnect
+from llmserve.server.workers import WorkerPool
+
+# The platform's request fields: the gateway acts on them, the replicas (without a platform) never see them.
+CONVERSATION_FIELDS = ("conversation_id", "parent_message_id", "truncation")
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+@dataclass
+class _Call:
+    """One request on its way through the gateway's platform."""
+
+    path: str
+    id_prefix: str  # of the response id: "chatcmpl", "cmpl"
+    text_field: str  # where a choice's text is: "content" (chat), "text" (completions)
+    model: str
+    pool: Pool
+    key: ApiKey | None
+    payload: dict[str, Any]  # the body sent to the replica
+    stream: bool
+    include_usage: bool  # what the client asked for (the replica is always asked for the usage)
+    continuous_usage: bool
+    choices: int  # n × prompts
+    reserve_tokens: int = 0
+    prompt_tokens: int = 0  # as far as known before the replica answers
+    turn: ConversationTurn | None = None
+    turn_messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+class GatewayPlatform:
+    def __init__(self, platform: Platform, router: ModelRouter[Pool], proxy: Proxy, workers: WorkerPool) -> None:
+        self.platform = platform
+        self.router = router
+        self.proxy = proxy
+        self.workers = workers
+
+    # ---- the endpoints ----------------------------------------------------------------------------
+    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        key = request_key(request.state)
+        model, pool = self.resolve(body.model, key, key.id if key is not None else body.user)
+        errors.reject_unsupported(body.unsupported_params())
+        new_messages = template_messages(body.messages)
+        if body.conversation_id is not None and uses_tools(body):
+            raise InvalidRequestError(
+                "Stored conversations keep text turns only: tools and tool messages cannot be used with "
+                "conversation_id.", param="conversation_id",
+            )
+        turn = await open_turn(self.platform, key, body.conversation_id, body.parent_message_id, new_messages)
+        payload = await _payload(request, model)
+        max_tokens, _ = body.requested_max_tokens()
+        if turn is not None:
+            history = await self._fitted_history(pool, model, turn, payload, max_tokens, body.truncation)
+            payload["messages"] = [*history, *payload["messages"]]
+        await self._screen(lambda: [m["content"] for m in new_messages], model, "messages")
+        call = _Call(
+            "/v1/chat/completions", "chatcmpl", "content", model, pool, key, payload, body.stream,
+            *_usage_asked(body), choices=body.n, turn=turn, turn_messages=new_messages,
+        )
+        if self._limits_tokens(key):
+            count, max_model_len = await self._count(pool, _tokenize_body(model, payload))
+            call.prompt_tokens = count
+            call.reserve_tokens = _reservation([count], max_tokens, body.n, max_model_len)
+        return await self._run(request, call)
+
+    async def completion(self, request: Request, body: CompletionRequest) -> Response:
+        key = request_key(request.state)
+        model, pool = self.resolve(body.model, key, key.id if key is not None else body.user)
+        errors.reject_unsupported(body.unsupported_params())
+        prompts = body.prompts()
+        payload = await _payload(request, model)
+        if self.platform.safety is not None:
+            texts = [p if isinstance(p, str) else await self._detokenize(pool, model, p) for p in prompts]
+            await self._screen(lambda: texts, model, "prompt")
+        call = _Call(
+            "/v1/completions", "cmpl", "text", model, pool, key, payload, body.stream, *_usage_asked(body),
+            choices=body.n * len(prompts),
+        )
+        if self._limits_tokens(key):
+            counted = [await self._count(pool, {"model": model, "prompt": p}) if isinstance(p, str) else (len(p), 0)
+                       for p in prompts]
+            counts = [count for count, _ in counted]
+            max_model_len = max(length for _, length in counted) or await self._max_model_len(pool, model)
+            call.prompt_tokens = sum(counts)
+            call.reserve_tokens = _reservation(counts, body.max_tokens, body.n, max_model_len)
+        return await self._run(request, call)
+
+    async def forward_tokenizer(self, request: Request, path: str) -> Response:
+        """/tokenize and /detokenize, answered by a replica of the model's pool."""
+        payload = await _json(request)
+        key = request_key(request.state)
+        model, pool = self.resolve(payload.get("model"), key, key.id if key is not None else None)
+        payload["model"] = model
+        return await self.proxy.forward(pool, path, json.dumps(payload).encode(), "", _replica_headers(request))
+
+    def resolve(self, model: str | None, key: ApiKey | None, routing_key: str | None) -> tuple[str, Pool]:
+        """The pool a request for `model` goes to: by name or alias (a canary alias picks one, the same
+        for the same `routing_key`); unset means the first. 404 for an unknown one or one the key may not use."""
+        name = model if model is not None else self.router.default_name()
+        if key is not None and not key.allows_model(name):
+            raise errors.model_not_found(name)
+        try:
+            return self.router.resolve(name, routing_key)
+        except KeyError:
+            raise errors.model_not_found(name) from None
+
+    # ---- before the replica -----------------------------------------------------------------------
+    def _limits_tokens(self, key: ApiKey | None) -> bool:
+        return self.platform.limiter is not None and key is not None and key.tpm is not None
+
+    async def _screen(self, texts: Callable[[], Sequence[str]], model: str, param: str) -> None:
+        if self.platform.safety is not None:
+            await self.workers.run(lambda: self.platform.check_prompt(model, texts(), param))
+
+    async def _fitted_history(
+        self, pool: Pool, model: str, turn: ConversationTurn, payload: dict[str, Any], max_tokens: int | None,
+        truncation: str,
+    ) -> list[dict[str, str]]:
+        """The stored history the turn continues; with `truncation: "auto"` its oldest turns are left
+        out until it fits the context window (the server's `fit_history`, counting with /tokenize)."""
+        if truncation == "disabled" or not turn.history:
+            return turn.history
+        loop = asyncio.get_running_loop()
+        _, max_model_len = await self._count(pool, _tokenize_body(model, payload))
+        new_messages = payload["messages"]
+
+        def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+            body = _tokenize_body(model, {**payload, "messages": messages})
+            count, _ = asyncio.run_coroutine_threadsafe(self._count(pool, body), loop).result()
+            return "", [0] * count  # fit_history weighs the prompt by its length only
+
+        _, _, dropped = await self.workers.run(
+            fit_history, render, turn.history, new_messages, max_model_len - (max_tokens or 1), "auto"
+        )
+        turn.truncated = dropped
+        system = 0
+        while system < len(turn.history) and turn.history[system]["role"] == "system":
+            system += 1
+        return turn.history[:system] + turn.history[system + dropped:]
+
+    async def _count(self, pool: Pool, body: dict[str, Any]) -> tuple[int, int]:
+        """The prompt's token count and the model's context window, from a replica's /tokenize."""
+        answer = await self._ask(pool, "/tokenize", body)
+        return int(answer["count"]), int(answer["max_model_len"])
+
+    async def _max_model_len(self, pool: Pool, model: str) -> int:
+        return (await self._count(pool, {"model": model, "prompt": ""}))[1]
+
+    async def _detokenize(self, pool: Pool, model: str, tokens: list[int]) -> str:
+        return str((await self._ask(pool, "/detokenize", {"model": model, "tokens": tokens}))["prompt"])
+
+    async def _ask(self, pool: Pool, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = await self.proxy.forward(pool, path, json.dumps(body).encode(), "", JSON_HEADERS)
+        try:
+            answer = json.loads(bytes(response.body))
+        except ValueError:
+            raise APIError(502, f"A replica's {path} answer is not JSON.", code="replica_failed") from None
+        if response.status_code != 200:
+            raise _replica_error(response.status_code, answer, response.headers)
+        return answer
+
+    # ---- the replica and after ----------------------------------------------------------------------
+    async def _run(self, request: Request, call: _Call) -> Response:
+        admission = await self.platform.admit(call.key, call.model, call.reserve_tokens)
+        started = time.monotonic()
+        response_id = random_id(call.id_prefix)
+        headers = {**admission.headers, **(call.turn.headers() if call.turn is not None else {})}
+        relays: list[StreamRelay] = []  # the stream's, once the proxy hands it over
+
+        def relay() -> StreamRelay:
+            meter = self._meter(call, response_id, admission, started)
+            made = StreamRelay(
+                meter, self._reply(call), response_id, include_usage=call.include_usage,
+                continuous_usage=call.continuous_usage, on_completed=lambda reply: self._completed(call, meter, reply),
+            )
+            relays.append(made)
+            return made
+
+        if call.stream:
+            call.payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        body = json.dumps(call.payload).encode()
+        forwarding = self.proxy.forward(
+            call.pool, call.path, body, prompt_key(call.payload), _replica_headers(request), relay
+        )
+        try:
+            response = await (forwarding if call.stream else until_disconnect(request, forwarding))
+        except ClientDisconnected:  # a non-streamed request the client left: what it used is unknown here
+            self._meter(call, response_id, admission, started).finish(UsageStatus.DISCONNECTED)
+            raise
+        except BaseException:
+            admission.release()
+            raise
+        if relays:
+            response.headers.update(headers)
+            return response
+        if response.status_code != 200:
+            admission.release()
+            return response
+        return await self._reply_whole(call, response, response_id, admission, started, headers)
+
+    async def _reply_whole(
+        self, call: _Call, response: Response, response_id: str, admission: Admission, started: float,
+        headers: dict[str, str],
+    ) -> Response:
+        """A non-streamed reply: its output screened, metered with its usage, stored in the conversation."""
+        data = json.loads(bytes(response.body))
+        meter = self._meter(call, response_id, admission, started)
+        meter.observe_usage(data.get("usage") or {})
+        data["id"] = response_id
+        reply = self._reply(call)
+        for choice in data.get("choices") or ():
+            reply.screen(choice, final=True)
+        await meter.finish_durably(CONTENT_FILTER if reply.blocked else UsageStatus.COMPLETED)
+        await self._completed(call, meter, reply)
+        return JSONResponse(data, headers=headers)
+
+    def _meter(self, call: _Call, response_id: str, admission: Admission, started: float) -> RelayMeter:
+        meter = RelayMeter(self.platform, response_id, call.key, call.model, admission, call.prompt_tokens)
+        meter.started = started
+        return meter
+
+    def _reply(self, call: _Call) -> Reply:
+        return Reply(call.text_field, call.choices, self._output_guard)
+
+    def _output_guard(self) -> OutputGuard | None:
+        safety = self.platform.safety
+        return OutputGuard(safety, self.platform.holdback_chars) if safety is not None else None
+
+    async def _completed(self, call: _Call, meter: RelayMeter, reply: Reply) -> None:
+        """After a request ran to its end: its blocked outputs counted, its reply stored in the conversation."""
+        self.platform.count_blocked_outputs(call.model, meter.request_id, reply.blocked)
+        if call.turn is not None:
+            await call.turn.save(call.turn_messages, reply.first_text, meter.completion_tokens)
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        payload = json.loads(await request.body())
+    except ValueError:
+        raise APIError(400, "The request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    return payload
+
+
+async def _payload(request: Request, model: str) -> dict[str, Any]:
+    """The request's body as the replica gets it: the concrete model, without the platform's fields."""
+    payload = await _json(request)
+    payload["model"] = model
+    for name in CONVERSATION_FIELDS:
+        payload.pop(name, None)
+    return payload
+
+
+def _usage_asked(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+    options = body.stream_options
+    return (options.include_usage, options.continuous_usage_stats) if options is not None else (False, False)
+
+
+def _tokenize_body(model: str, payload: dict[str, Any]) -> dict[str, Any]:
+    return {"model": model, "messages": payload["messages"],
+            "add_generation_prompt": payload.get("add_generation_prompt", True)}
+
+
+def _reservation(prompt_counts: Sequence[int], max_tokens: int | None, n: int, max_model_len: int) -> int:
+    """What `llmserve serve` reserves: each prompt plus n completion budgets (max_tokens, or what the
+    context window leaves)."""
+    return sum(count + n * (max_tokens if max_tokens is not None else max(max_model_len - count, 0))
+               for count in prompt_counts)
+
+
+def _replica_headers(request: Request) -> dict[str, str]:
+    """The client's headers for the replica, less its key (the replicas run without a platform)."""
+    return {k: v for k, v in forwarded_headers(request.headers).items() if k.lower() != "authorization"}
+
+
+def _replica_error(status: int, answer: Any, headers: Mapping[str, str]) -> APIError:
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if not isinstance(error, dict):
+        return APIError(502, f"A replica answered {status}.", code="replica_failed")
+    retry = {"Retry-After": headers["retry-after"]} if "retry-after" in headers else None
+    return APIError(status, str(error.get("message")), param=error.get("param"), code=error.get("code"),
+                    type=error.get("type"), headers=retry)

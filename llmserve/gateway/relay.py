@@ -1,0 +1,222 @@
+"""A replica's reply on its way to the client through the gateway's platform: the usage counted from
+what the replica reports, the output screened by the safety filter, the response id made the
+gateway's own, and the request metered once it ends.
+
+A streamed request is sent to the replica with `stream_options.continuous_usage_stats`, so every
+chunk carries the usage so far: a stream that breaks off (the replica died) or that the client
+leaves is metered with the tokens of the last chunk that came through. The usage fields the client
+did not ask for are taken out again. With a safety filter, each choice's text goes out only as its
+`OutputGuard` releases it (the server's rule, a window held back until checked); a blocked choice
+ends with finish_reason "content_filter", and once every choice has ended so, the replica's stream
+is closed, which aborts the generation there."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from llmserve.platform.safety import OutputGuard, Verdict
+from llmserve.platform.usage import UsageStatus
+from llmserve.server.gateway import Meter
+from llmserve.server.protocol import Usage
+
+SSE_DONE = b"data: [DONE]\n\n"
+EVENT_END = b"\n\n"
+CONTENT_FILTER = "content_filter"
+
+Chunk = dict[str, Any]
+
+
+class RelayMeter(Meter):
+    """A request's usage as its replica reports it: a response's `usage`, or a stream's running usage."""
+
+    _completion = 0
+    _cached = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._completion
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._cached
+
+    def observe_usage(self, usage: Chunk) -> None:
+        self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        self._completion = int(usage.get("completion_tokens") or 0)
+        self._cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        if self.first_token_at is None and self._completion:
+            self.first_token_at = time.monotonic()
+        self._journal_progress()
+
+    def usage(self) -> Chunk:
+        return Usage.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens).model_dump()
+
+
+def dumps(data: Chunk) -> str:
+    """JSON as the server writes it (pydantic's compact form, non-ASCII kept)."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+class ChoiceScreen:
+    """The output guard of one choice over its text so far (a chat delta's content, a completion's text)."""
+
+    def __init__(self, guard: OutputGuard) -> None:
+        self.guard = guard
+        self.text = ""
+        self.sent = 0
+
+    def take(self, piece: str, finished: bool) -> tuple[str, Verdict | None]:
+        """What of the text so far (with `piece`) may go out now, and the verdict when it blocks."""
+        self.text += piece
+        step = self.guard.feed(self.text, finished=finished)
+        released = self.guard.released_text
+        new = released[self.sent :]
+        self.sent = len(released)
+        return new, step.verdict if step.blocked else None
+
+
+class Reply:
+    """One reply's choices on their way out: screened, their ends noted, the first one's text kept."""
+
+    def __init__(self, text_field: str, choices: int, guards: Callable[[], OutputGuard | None]) -> None:
+        self.text_field = text_field  # "content" in a chat delta or message, "text" in a completion
+        self.choices = choices
+        self._guards = guards
+        self.screens: dict[int, ChoiceScreen] = {}
+        self.ended: set[int] = set()
+        self.blocked: list[Verdict] = []
+        self.first_text = ""  # choice 0 as the client saw it (a stored conversation keeps it)
+
+    @property
+    def all_blocked(self) -> bool:
+        return len(self.blocked) == self.choices
+
+    def _holder(self, choice: Chunk) -> Chunk:
+        if self.text_field == "text":
+            return choice
+        return choice.get("delta") or choice.get("message") or {}
+
+    def screen(self, choice: Chunk, final: bool) -> bool:
+        """Screen one choice in place (`final`: its text is whole, a non-streamed reply); whether it
+        still has anything to send."""
+        index = int(choice.get("index") or 0)
+        if index in self.ended:
+            return False
+        holder = self._holder(choice)
+        piece = holder.get(self.text_field) or ""
+        finished = final or choice.get("finish_reason") is not None
+        screen = self._screen(index)
+        if screen is not None:
+            piece, verdict = screen.take(piece, finished)
+            if holder.get(self.text_field) is not None or piece:
+                holder[self.text_field] = piece
+            if verdict is not None:
+                self.blocked.append(verdict)
+                choice["finish_reason"] = CONTENT_FILTER
+                finished = True
+        if index == 0:
+            self.first_text += piece
+        if finished:
+            self.ended.add(index)
+        return bool(piece) or finished or _carries_more(holder, self.text_field)
+
+    def _screen(self, index: int) -> ChoiceScreen | None:
+        if index not in self.screens:
+            guard = self._guards()
+            if guard is None:
+                return None
+            self.screens[index] = ChoiceScreen(guard)
+        return self.screens[index]
+
+
+def _carries_more(holder: Chunk, text_field: str) -> bool:
+    """A delta with more than its text: the opening role, reasoning, tool calls, logprobs."""
+    return any(value is not None for name, value in holder.items() if name not in (text_field, "index", "text"))
+
+
+# Called once a request ran to its end (metered, before the client sees the end) with its reply.
+OnCompleted = Callable[[Reply], Awaitable[None]]
+
+
+class StreamRelay:
+    """A streamed reply's events rewritten for the client and metered (a `proxy.StreamFilter`)."""
+
+    def __init__(
+        self, meter: RelayMeter, reply: Reply, response_id: str, *, include_usage: bool, continuous_usage: bool,
+        on_completed: OnCompleted,
+    ) -> None:
+        self.meter = meter
+        self.reply = reply
+        self.response_id = response_id
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self.on_completed = on_completed
+        self.last_chunk: Chunk = {}  # the shape of a usage chunk of the gateway's own
+        self.failed = False  # an error event came: the replica (or its engine) failed mid-stream
+
+    def ended(self) -> None:
+        self.meter.finish(UsageStatus.DISCONNECTED)  # nothing when it was metered already
+
+    async def events(self, upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream:
+                for event in _split(chunk):
+                    if event == SSE_DONE:
+                        yield await self._end()
+                        return
+                    out = self._rewrite(event)
+                    if out is not None:
+                        yield out
+                    if self.reply.all_blocked:  # nothing more may go out: stop the generation
+                        yield self._usage_event() + await self._end()
+                        return
+        finally:
+            self.meter.finish(UsageStatus.DISCONNECTED)
+            await upstream.aclose()  # type: ignore[attr-defined]
+
+    def _rewrite(self, event: bytes) -> bytes | None:
+        if not event.startswith(b"data: {"):
+            return event
+        data = json.loads(event[6:])
+        if "error" in data:
+            self.failed = True
+            return event
+        usage = data.get("usage")
+        if usage:
+            self.meter.observe_usage(usage)
+        choices = data.get("choices")
+        data["id"] = self.response_id
+        if not choices:  # the usage chunk
+            return f"data: {dumps(data)}\n\n".encode() if self.include_usage else None
+        self.last_chunk = data
+        data["choices"] = [c for c in choices if self.reply.screen(c, final=False)]
+        if not data["choices"]:
+            return None
+        if not self.continuous_usage:
+            data["usage"] = None
+        return f"data: {dumps(data)}\n\n".encode()
+
+    def _usage_event(self) -> bytes:
+        if not self.include_usage:
+            return b""
+        replaced = {"choices": [], "usage": self.meter.usage()}
+        chunk = {name: replaced.get(name, value) for name, value in self.last_chunk.items()}
+        return f"data: {dumps(chunk)}\n\n".encode()
+
+    async def _end(self) -> bytes:
+        """Meter the request (before the client sees the end), then hand the reply over; `[DONE]`."""
+        if self.failed:
+            await self.meter.finish_durably(UsageStatus.ERROR)
+            return SSE_DONE
+        blocked = bool(self.reply.blocked)
+        await self.meter.finish_durably(CONTENT_FILTER if blocked else UsageStatus.COMPLETED)
+        await self.on_completed(self.reply)
+        return SSE_DONE
+
+
+def _split(chunk: bytes) -> list[bytes]:
+    """A relayed chunk's whole events (the proxy sends only whole ones), each with its blank line."""
+    return [part + EVENT_END for part in chunk.split(EVENT_END) if part]

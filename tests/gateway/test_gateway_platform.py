@@ -1,0 +1,143 @@
+"""What only a gateway's platform meets (its sameness with `llmserve serve`'s is shown by the platform
+tests, which run against both): a replica killed mid-stream, metered with what the stream had sent,
+and two `llmserve gateway` processes side by side enforcing one RPM limit through Redis and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from sqlalchemy import select
+
+from llmserve.gateway.app import build_gateway_app
+from llmserve.platform.conversations import ConversationStore
+from llmserve.platform.keys import KeyCache, KeyStore
+from llmserve.platform.ratelimit import InProcessRateLimiter
+from llmserve.platform.usage import UsageRecorder
+from llmserve.server.gateway import Platform
+from llmserve.store.db import open_database
+from llmserve.store.schema import UsageRecordRow
+from tests.gateway.test_gateway import MODEL, STARTUP_TIMEOUT_S, Process, _start, _stop
+from tests.server.conftest import start_server
+from tests.store.fixtures import postgres_schema, postgres_url
+
+REDIS_URL = os.environ.get("LLMSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture
+def replica(tiny_llama_dir: Path) -> Iterator[Process]:
+    """One `llmserve serve --no-platform` replica of the tiny model, for this test alone."""
+    command = [
+        sys.executable, "-m", "llmserve.cli", "serve", "--model", str(tiny_llama_dir), "--served-model-name",
+        MODEL, "--no-platform", "--port", "0", "--num-kv-blocks", "256", "--max-model-len", "512",
+    ]
+    proc, ready, found = _start(command, r"serving \S+ at (http://\S+)/v1")
+    try:
+        assert ready.wait(STARTUP_TIMEOUT_S), "the replica did not start"
+        yield Process(proc, found[0])
+    finally:
+        _stop(proc)
+
+
+def test_a_replica_killed_mid_stream_ends_it_with_an_error_event_metered_with_what_was_sent(
+    replica: Process, tmp_path: Path
+) -> None:
+    database = open_database(f"sqlite:///{tmp_path / 'platform.db'}")
+    platform = Platform(
+        keys=KeyCache(KeyStore(database)), limiter=InProcessRateLimiter(),
+        usage=UsageRecorder(database, flush_interval=0.2), conversations=ConversationStore(database),
+        database=database,
+    )
+    server, thread, base_url, _ = start_server(build_gateway_app({MODEL: [replica.url]}, platform=platform))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story"}], "max_tokens": 400,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events: list[dict] = []
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                if len(events) == 6:  # the role chunk and five tokens
+                    replica.proc.send_signal(signal.SIGKILL)
+                    break
+            rest = [line for line in lines if line.startswith("data: ")]
+        platform.usage.flush()
+        with database.session() as session:
+            rows = list(session.scalars(select(UsageRecordRow)))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        database.dispose()
+    assert rest[-1] == "data: [DONE]"
+    events += [json.loads(line[6:]) for line in rest[:-1]]
+    error = events[-1]["error"]
+    assert error["code"] == "replica_failed" and set(error) == {"message", "type", "param", "code"}
+    sent = [event for event in events if "choices" in event]
+    assert all(not event["usage"] or event["choices"] for event in sent)  # the stream broke before its end
+    last_usage = sent[-1]["usage"]
+    assert 5 <= last_usage["completion_tokens"] < 400
+    [row] = rows
+    assert row.status == "error" and row.request_id == sent[0]["id"]
+    assert (row.prompt_tokens, row.completion_tokens) == (last_usage["prompt_tokens"], last_usage["completion_tokens"])
+
+
+def _redis_or_skip() -> redis.Redis:
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"Redis at {REDIS_URL} is unreachable: {exc}")
+    return client
+
+
+def test_two_gateways_sharing_redis_and_postgresql_enforce_one_rpm_limit(replica: Process) -> None:
+    redis_client = _redis_or_skip()
+    with postgres_schema() as schema:
+        database_url = postgres_url(schema)
+        database = open_database(database_url)
+        key, secret = KeyStore(database).create("shared", rpm=3)
+        command = [sys.executable, "-m", "llmserve.cli", "gateway", "--pool", f"{MODEL}={replica.url}", "--port",
+                   "0", "--database-url", database_url, "--redis-url", REDIS_URL]
+        gateways = [_start(command, r"llmserve: gateway at (http://\S+)/v1") for _ in range(2)]
+        try:
+            for _, ready, _ in gateways:
+                assert ready.wait(STARTUP_TIMEOUT_S), "a gateway did not start"
+            first, second = (found[0] for _, _, found in gateways)
+            headers = {"Authorization": f"Bearer {secret}"}
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+            def ask(url: str) -> httpx.Response:
+                return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+            answers = [ask(url) for url in (first, second, first, second, first)]
+        finally:
+            for proc, _, _ in gateways:
+                _stop(proc)  # SIGTERM: each writes the usage records it still buffers
+            redis_client.delete(f"llmserve:rl:{key.id}", f"llmserve:rl:{key.id}:slots")
+        with database.session() as session:
+            rows = list(session.scalars(select(UsageRecordRow)))
+        database.dispose()
+    assert [a.status_code for a in answers] == [200, 200, 200, 429, 429]
+    assert [a.headers["x-ratelimit-remaining-requests"] for a in answers[:3]] == ["2", "1", "0"]
+    assert answers[3].json()["error"]["code"] == "rate_limit_exceeded"
+    # Metered in the one database, whichever gateway served them; refused requests are not metered.
+    assert len(rows) == 3 and {(r.key_id, r.status) for r in rows} == {(key.id, "completed")}
+    for proc, _, _ in gateways:
+        assert proc.returncode == 0
+
+
+def test_the_gateway_with_its_platform_loads_without_torch() -> None:
+    """A gateway process holds no engine: it stays small and starts fast."""
+    code = "import sys, llmserve.gateway.serve, llmserve.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
