@@ -10,12 +10,16 @@ from pathlib import Path
 import uvicorn
 import yaml
 
-from llmserve.gateway.app import build_gateway_app
+from llmserve.gateway.app import ReplicaOptions, build_gateway_app
+from llmserve.gateway.discovery import entry_host
+from llmserve.gateway.pool import DNS_SCHEME
 from llmserve.server.graceful import GracefulServer
 
 
 def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[str]]:
-    """`--pool NAME=URL[,URL...]` (repeatable) joined with the config's `pools: {name: [urls]}`."""
+    """`--pool NAME=URL[,URL...]` (repeatable) joined with the config's `pools: {name: [urls]}`. A URL
+    is one replica (`http://10.0.0.5:8000`), or with `dns+` every address its host name resolves to,
+    re-resolved as they change (`dns+http://llmserve-replica-headless:8000`)."""
     pools: dict[str, list[str]] = {}
     if config_path:
         config = yaml.safe_load(Path(config_path).expanduser().read_text()) or {}
@@ -33,16 +37,23 @@ def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[st
             raise ValueError(f"--pool {value!r}: expected NAME=URL[,URL...].")
         pools.setdefault(name, []).extend(listed)
     for name, urls in pools.items():
-        bad = [url for url in urls if not url.startswith(("http://", "https://"))]
+        bad = [url for url in urls if not url.removeprefix(DNS_SCHEME).startswith(("http://", "https://"))]
         if bad:
-            raise ValueError(f"pool {name!r}: {bad[0]!r} is not an http(s) URL.")
+            raise ValueError(f"pool {name!r}: {bad[0]!r} is not an http(s) URL (or dns+http(s)).")
+        for url in urls:
+            if url.startswith(DNS_SCHEME):
+                entry_host(url)
     if not pools:
         raise ValueError("Give at least one pool: --pool NAME=URL[,URL...] or --config with `pools:`.")
     return pools
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    app = build_gateway_app(parse_pools(args.pool, args.config), args.policy)
+    options = ReplicaOptions(
+        first_byte_timeout_s=args.first_byte_timeout, stream_idle_timeout_s=args.stream_idle_timeout,
+        resolve_interval_s=args.resolve_interval,
+    )
+    app = build_gateway_app(parse_pools(args.pool, args.config), args.policy, options)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_keep_alive=5)
     GracefulServer(config, on_signal=lambda: None, on_listening=_announce).run()
