@@ -12,8 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from llmserve.engine.async_llm import AsyncLLM
 from llmserve.model.builtin import make_model
 from tests.server.conftest import MODEL_NAME, LiveServer, serving
+from tests.server.platform_fixtures import MODEL as PLATFORM_MODEL
+from tests.server.platform_fixtures import serve_platform, tiny_engine  # noqa: F401 - a fixture
 
 NO_EOS = {"ignore_eos": True}
 PROMPT = "The rolling update replaced every replica, one by one, while clients kept asking. " * 3
@@ -101,3 +104,18 @@ def test_reload_refuses_what_does_not_fit(server: LiveServer, tmp_path: Path) ->
     extra = httpx.post(f"{server.base_url}/admin/reload", json={"path": str(other), "force": True})
     assert extra.status_code == 400 and extra.json()["error"]["param"] == "force"
     assert _tokens(_complete(server.base_url)) == _tokens(before)  # nothing changed
+
+
+def test_once_keys_exist_only_an_admin_key_reloads(tiny_engine: AsyncLLM, tiny_llama_dir: Path,  # noqa: F811
+                                                   tmp_path: Path) -> None:
+    for platform in serve_platform(tiny_engine, tmp_path):
+        _, admin = platform.new_key("admin", admin=True)
+        _, user = platform.new_key("user")
+        body = {"path": str(tiny_llama_dir)}  # the weights it has: the same answers afterwards
+        assert httpx.post(f"{platform.base_url}/admin/reload", json=body).status_code == 401
+        with platform.client(user) as client:
+            refused = client.post("/admin/reload", json=body)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_key_required"
+        with platform.client(admin) as client:
+            reloaded = client.post("/admin/reload", json=body)
+        assert reloaded.status_code == 200 and reloaded.json()["model"] == PLATFORM_MODEL
