@@ -79,6 +79,15 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     gateway.add_argument("--policy", choices=["prefix", "least_load", "round_robin"], default="prefix")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed at start)")
+    gateway.add_argument(
+        "--first-byte-timeout", type=float, default=600.0, metavar="SECONDS",
+        help="retry elsewhere when a replica sends nothing for this long (a non-streamed reply comes "
+             "whole, so this bounds one generation); a replica the health checks eject is left at once",
+    )
+    gateway.add_argument("--stream-idle-timeout", type=float, default=60.0, metavar="SECONDS",
+                         help="end a stream with an error event when its replica sends nothing for this long")
+    gateway.add_argument("--resolve-interval", type=float, default=5.0, metavar="SECONDS",
+                         help="how often dns+http://name:port pool entries are resolved again")
     add_platform_args(gateway, "`pools: {name: [url, ...]}`, and aliases, prices, safety rules")
     gateway.set_defaults(func=cmd_gateway)
 

@@ -25,6 +25,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -317,6 +318,15 @@ class AsyncLLM:
     async def check_invariants(self) -> None:
         """Run the engine core's block accounting check; raises AssertionError if it fails."""
         await self._call("check_invariants")
+
+    async def reload_weights(self, model_dir: str | Path) -> int:
+        """Replace the model's weights with the checkpoint in `model_dir` (same architecture and shapes)
+        without stopping: the engine core reads it on a thread while steps go on and swaps it in between
+        two steps, emptying its prefix cache; running requests go on. A restarted engine core loads it
+        too. Returns the cached blocks forgotten; raises AssertionError naming why it did not fit."""
+        forgotten = await self._call("reload_weights", str(model_dir))
+        self.facts.model_dir = self.model_dir = Path(model_dir)
+        return int(forgotten)  # type: ignore[arg-type]
 
     async def wait_idle(self) -> None:
         """Return once the engine core has no unfinished request (counting every message sent before)."""

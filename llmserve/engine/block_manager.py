@@ -228,6 +228,22 @@ class BlockManager:
         seq.block_table.append(block)
         return matched
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (their KV came from weights since replaced): the unheld ones are
+        plain free again, the held ones stay with their sequences but are never matched again. Returns
+        how many named blocks were forgotten."""
+        if self.cache is None:
+            return 0
+        forgotten = len(self.cache)
+        for block in list(self.cache.by_block):
+            self.cache.forget(block)
+        self._free.extend(self._evictable)
+        self._free.extend(self._tail_prefix)
+        self._evictable.clear()
+        self._tail_prefix.clear()
+        self._tails.clear()
+        return forgotten
+
     def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens

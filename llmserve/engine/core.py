@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -85,7 +86,8 @@ class EngineCore:
             eos_token_ids=facts.eos_token_ids, max_model_len=facts.max_model_len,
         )
         # What else changes the KV of the same tokens; a LoRA adapter would join per request.
-        self._cache_identity = (str(facts.model_dir), config.revision, str(self.runner.dtype))
+        self.weights_version = 0  # bumped by each in-place weight reload
+        self._cache_identity = self._identity()
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_requests_added = 0
@@ -104,6 +106,38 @@ class EngineCore:
             facts.model_config.architecture, self.runner.dtype, self.runner.num_blocks, config.block_size,
             facts.max_model_len, "overlapped" if config.async_scheduling else "serial",
         )
+
+    def _identity(self) -> tuple:
+        return (str(self.facts.model_dir), self.config.revision, str(self.runner.dtype), self.weights_version)
+
+    # ---- weights --------------------------------------------------------------------------------
+    def read_weights(self, model_dir: str) -> Future:
+        """Start reading and checking the checkpoint in `model_dir` on a thread (steps go on meanwhile);
+        the future's result goes to `swap_weights`."""
+        future: Future = Future()
+
+        def read() -> None:
+            try:
+                future.set_result(self.runner.read_weights(Path(model_dir)))
+            except BaseException as exc:  # reported to the caller, whatever it is
+                future.set_exception(exc)
+
+        threading.Thread(target=read, name="llmserve-read-weights", daemon=True).start()
+        return future
+
+    def swap_weights(self, model_dir: str, weights: list) -> int:
+        """Put read weights in place between two steps. The prefix cache is emptied and requests added
+        from now on hash their prompts under a new identity, so no KV of the old weights is reused;
+        running requests go on (their KV so far came from the old weights). Returns the cached blocks
+        forgotten."""
+        self.runner.swap_weights(weights)
+        self.facts.model_dir = Path(model_dir)
+        self.weights_version += 1
+        self._cache_identity = self._identity()
+        forgotten = self.block_manager.reset_prefix_cache()
+        logger.info("weights from %s in place (version %d); %d cached blocks forgotten", model_dir,
+                    self.weights_version, forgotten)
+        return forgotten
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:

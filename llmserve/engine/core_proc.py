@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -41,8 +42,9 @@ from llmserve.plugins import load_plugins
 
 logger = logging.getLogger(__name__)
 
-# What the front end may call between steps (`UtilityCall.method`); wait_idle answers once idle.
-UTILITY_METHODS = ("stats", "check_invariants", "wait_idle")
+# What the front end may call between steps (`UtilityCall.method`); wait_idle answers once idle, and
+# reload_weights once the new weights, read on a thread while steps go on, are in place.
+UTILITY_METHODS = ("stats", "check_invariants", "wait_idle", "reload_weights")
 
 
 class EngineCoreProc:
@@ -53,6 +55,7 @@ class EngineCoreProc:
         self._decoder = msgspec.msgpack.Decoder(EngineCoreInput)
         self._encoder = msgspec.msgpack.Encoder()
         self._idle_waiters: list[int] = []
+        self._reloads: list[tuple[int, str, Future]] = []  # (call id, model dir, weights being read)
         self._changed = False  # a message changed the core's state since the last step
         self._grammar_poller: zmq.Poller | None = None
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -66,7 +69,7 @@ class EngineCoreProc:
         """Serve until told to shut down."""
         while True:
             self._changed = False
-            if self._take_inputs(block=not self.core.can_step()):
+            if self._take_inputs(block=not self.core.can_step() and not self._reloads):
                 return
             if self.core.can_step():
                 outputs = self.core.step()
@@ -74,6 +77,8 @@ class EngineCoreProc:
                     self._send(outputs)
             elif self._changed:  # e.g. the last request aborted: no step will report it
                 self._send(EngineCoreOutputs([], None, self.core.stats()))
+            if self._reloads:
+                self._swap_read_weights(wait=not self.core.can_step())
             if self._idle_waiters and not self.core.has_work():
                 for call_id in self._idle_waiters:
                     self._send(UtilityResult(call_id))
@@ -115,6 +120,9 @@ class EngineCoreProc:
             self._send(UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}"))
         elif call.method == "wait_idle":
             self._idle_waiters.append(call.call_id)
+        elif call.method == "reload_weights":
+            model_dir = str(call.args[0])
+            self._reloads.append((call.call_id, model_dir, self.core.read_weights(model_dir)))
         else:
             try:
                 result = getattr(self.core, call.method)(*call.args)
@@ -122,6 +130,22 @@ class EngineCoreProc:
                 self._send(UtilityResult(call.call_id, error=repr(exc)))
             else:
                 self._send(UtilityResult(call.call_id, result))
+
+    def _swap_read_weights(self, wait: bool) -> None:
+        """Between two steps: put in place the weights whose reading finished (waiting for it when
+        there is nothing to step), and answer their calls."""
+        pending = []
+        for call_id, model_dir, future in self._reloads:
+            if not wait and not future.done():
+                pending.append((call_id, model_dir, future))
+                continue
+            try:
+                forgotten = self.core.swap_weights(model_dir, future.result())
+            except Exception as exc:
+                self._send(UtilityResult(call_id, error=str(exc)))
+            else:
+                self._send(UtilityResult(call_id, forgotten))
+        self._reloads = pending
 
     def _send(self, message: msgspec.Struct) -> None:
         self.outputs.send(self._encoder.encode(message), copy=False)

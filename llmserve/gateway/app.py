@@ -11,6 +11,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
@@ -18,10 +19,17 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.gateway import errors
+from llmserve.gateway.discovery import Discovery, Resolver, resolve_host
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.platform import GatewayPlatform
 from llmserve.gateway.pool import HealthChecker, Pool
-from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_key
+from llmserve.gateway.proxy import (
+    FIRST_BYTE_TIMEOUT_S,
+    STREAM_IDLE_TIMEOUT_S,
+    Proxy,
+    forwarded_headers,
+    prompt_key,
+)
 from llmserve.gateway.routing import policy_by_name
 from llmserve.platform.routing import ModelRouter
 from llmserve.server import conversations, usage
@@ -36,10 +44,22 @@ from llmserve.server.workers import WorkerPool
 REPLICA_TIMEOUT = httpx.Timeout(connect=2.0, read=600.0, write=30.0, pool=None)
 
 
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """How the gateway watches its replicas and waits for them (see pool.py, proxy.py, discovery.py)."""
+
+    health_interval_s: float = 0.5
+    health_timeout_s: float = 0.5
+    first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
+    stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
+    resolve_interval_s: float = 5.0
+    resolver: Resolver = resolve_host
+
+
 class GatewayState:
     def __init__(
-        self, pools: Mapping[str, Sequence[str]], policy: str, *, health_interval_s: float,
-        health_timeout_s: float, aliases: Mapping[str, Sequence[tuple[str, float]]],
+        self, pools: Mapping[str, Sequence[str]], policy: str, options: ReplicaOptions, *,
+        aliases: Mapping[str, Sequence[tuple[str, float]]],
     ) -> None:
         self.pools = {name: Pool.of(name, urls, policy_by_name(policy)) for name, urls in pools.items()}
         self.router: ModelRouter[Pool] = ModelRouter()
@@ -48,40 +68,55 @@ class GatewayState:
         for alias, targets in aliases.items():
             self.router.add_alias(alias, list(targets))
         self.metrics = GatewayMetrics(self.pools.values())
-        for pool in self.pools.values():
-            pool.on_eject = lambda pool, replica: self.metrics.ejections.labels(pool.name, replica.url).inc()
         self.client = httpx.AsyncClient(
             timeout=REPLICA_TIMEOUT, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
         )
-        self.proxy = Proxy(self.client, self.metrics)
+        self.proxy = Proxy(self.client, self.metrics, first_byte_timeout_s=options.first_byte_timeout_s,
+                           stream_idle_timeout_s=options.stream_idle_timeout_s)
         self.health = HealthChecker(
-            list(self.pools.values()), self.client, interval_s=health_interval_s, timeout_s=health_timeout_s
+            list(self.pools.values()), self.client, interval_s=options.health_interval_s,
+            timeout_s=options.health_timeout_s,
         )
+        self.discovery = Discovery(list(self.pools.values()), resolver=options.resolver,
+                                   interval_s=options.resolve_interval_s)
+        for pool in self.pools.values():
+            pool.on_eject = lambda pool, replica: self.metrics.ejections.labels(pool.name, replica.url).inc()
+            pool.on_change = lambda pool: self.health.sync()
         self.created = int(time.time())
+
+    async def start(self) -> None:
+        """Resolve the pools' dns+ entries and check every replica once, then keep doing both."""
+        await self.discovery.resolve_all()
+        await self.health.check_all()
+        self.health.start()
+        self.discovery.start()
+
+    async def stop(self) -> None:
+        await self.discovery.stop()
+        await self.health.stop()
+        await self.client.aclose()
 
 
 def build_gateway_app(
-    pools: Mapping[str, Sequence[str]], policy: str = "prefix", *, health_interval_s: float = 0.5,
-    health_timeout_s: float = 0.5, platform: Platform | None = None,
-    aliases: Mapping[str, Sequence[tuple[str, float]]] | None = None, public_metrics: bool = False,
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    pools: Mapping[str, Sequence[str]], policy: str = "prefix", options: ReplicaOptions | None = None, *,
+    platform: Platform | None = None, aliases: Mapping[str, Sequence[tuple[str, float]]] | None = None,
+    public_metrics: bool = False, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
-    """The gateway over `pools` (model name -> replica base URLs, e.g. http://10.0.0.5:8000), answering
-    to `aliases` too (alias -> [(pool, weight)], a canary when several). `platform` puts the platform
-    services in front (once keys exist, every path but /health needs one, /metrics too unless
-    `public_metrics`); None passes requests through as they are."""
+    """The gateway over `pools` (model name -> replica base URLs, e.g. http://10.0.0.5:8000, or
+    `dns+http://name:port` for every address the name resolves to), answering to `aliases` too
+    (alias -> [(pool, weight)], a canary when several). `platform` puts the platform services in front
+    (once keys exist, every path but /health needs one, /metrics too unless `public_metrics`); None
+    passes requests through as they are."""
     if not pools or any(not urls for urls in pools.values()):
         raise ValueError("The gateway needs at least one pool, each with at least one replica URL.")
-    state = GatewayState(pools, policy, health_interval_s=health_interval_s, health_timeout_s=health_timeout_s,
-                         aliases=aliases or {})
+    state = GatewayState(pools, policy, options or ReplicaOptions(), aliases=aliases or {})
     workers = WorkerPool()
     if platform is not None:
         platform.metrics = PlatformMetrics(state.metrics.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await state.health.check_all()
-        state.health.start()
+        await state.start()
         background = []
         if platform is not None:
             await platform.check_limiter()
@@ -91,11 +126,10 @@ def build_gateway_app(
         finally:
             for task in background:
                 task.cancel()
-            await state.health.stop()
             if platform is not None:
                 await platform.aclose()
             workers.shutdown()
-            await state.client.aclose()
+            await state.stop()
 
     app = FastAPI(title="llmserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state

@@ -24,8 +24,8 @@ class GatewayMetrics:
             ["pool", "replica"], registry=self.registry,
         )
         self.retried = Counter(
-            "llmserve:gateway_requests_retried", "Requests retried on another replica after a failure "
-            "before any byte reached the client.", ["pool"], registry=self.registry,
+            "llmserve:gateway_requests_retried", "Requests sent to another replica after a failure before "
+            "any byte reached the client, or after a draining replica refused them.", ["pool"], registry=self.registry,
         )
         self.streams_broken = Counter(
             "llmserve:gateway_streams_broken", "Streams whose replica failed mid-way (ended with an error "
@@ -52,6 +52,10 @@ class _PoolCollector:
             "llmserve:gateway_replica_healthy", "1 when the replica may be sent requests, else 0 "
             "(ejected or draining).", labels=["pool", "replica"],
         )
+        draining = GaugeMetricFamily(
+            "llmserve:gateway_replica_draining", "1 while the replica shuts down (finishing what it has, "
+            "getting nothing new), else 0.", labels=["pool", "replica"],
+        )
         in_flight = GaugeMetricFamily(
             "llmserve:gateway_replica_in_flight", "Requests this gateway has in flight on the replica.",
             labels=["pool", "replica"],
@@ -61,5 +65,6 @@ class _PoolCollector:
                 decisions.add_metric([pool.name, reason], count)
             for replica in pool.replicas:
                 healthy.add_metric([pool.name, replica.url], float(replica.state is ReplicaState.HEALTHY))
+                draining.add_metric([pool.name, replica.url], float(replica.state is ReplicaState.DRAINING))
                 in_flight.add_metric([pool.name, replica.url], replica.in_flight)
-        yield from (decisions, healthy, in_flight)
+        yield from (decisions, healthy, draining, in_flight)

@@ -5,12 +5,23 @@ short timeout, and its `/metrics` read for vLLM's load gauges (`report_load`); a
 a non-200 answer ejects it at once, a timeout after `timeouts_to_eject` in a row (a busy replica may be
 slow to answer once), so a hung replica is out within interval + 2 timeouts (2 s with the defaults).
 Passively, the proxy ejects a replica the moment a request to it fails to connect, times out or gets a
-503. An ejected replica is re-admitted when its `/health` answers 200 again."""
+503. An ejected replica is re-admitted when its `/health` answers 200 again.
+
+A replica shutting down (SIGTERM) answers every new request, /health included, with a 503 whose code
+is `shutting_down` while its in-flight requests finish: that replica is draining, not failing. It gets
+nothing new from then on (a request refused so goes to another replica at once, no retry spent), and
+when it stops answering it leaves quietly (no ejection counted). Ejecting and draining both show in
+`state`; a replica that answers 200 again (restarted at the same address) is re-admitted.
+
+Replicas come from the pool's entries: `http://host:port` is one replica; `dns+http://name:port`
+stands for every address the name resolves to (a Kubernetes headless Service: one per ready pod), kept
+current by `discovery.Discovery`, which adds and removes them here."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +44,19 @@ REPLICA_ERRORS = (httpx.TransportError, OSError, AttributeError)
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+DNS_SCHEME = "dns+"
+DRAINING_CODE = "shutting_down"  # the error code of a replica's 503s once it drains (server/errors.py)
+
+
+def is_draining_answer(status_code: int, body: bytes) -> bool:
+    """Whether a replica's answer says it is draining: a 503 whose error code is `shutting_down`."""
+    if status_code != 503:
+        return False
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == DRAINING_CODE
 
 
 @dataclass(eq=False)
@@ -42,12 +66,37 @@ class Pool:
     name: str
     replicas: list[Replica]
     policy: RoutingPolicy
+    dns_entries: list[str] = field(default_factory=list)  # `dns+http://name:port`, resolved by discovery
     on_eject: Callable[[Pool, Replica], None] | None = field(default=None, repr=False)
+    on_change: Callable[[Pool], None] | None = field(default=None, repr=False)  # a replica came or went
 
     @classmethod
     def of(cls, name: str, urls: Sequence[str], policy: RoutingPolicy) -> Pool:
-        replicas = [Replica(url.rstrip("/"), state=ReplicaState.EJECTED) for url in urls]
-        return cls(name, replicas, policy)
+        replicas = [Replica(url.rstrip("/"), state=ReplicaState.EJECTED)
+                    for url in urls if not url.startswith(DNS_SCHEME)]
+        return cls(name, replicas, policy, [url.rstrip("/") for url in urls if url.startswith(DNS_SCHEME)])
+
+    def add(self, url: str, source: str | None = None) -> Replica | None:
+        """A new replica (ejected until its health is known), or None if the pool has that URL already."""
+        if any(replica.url == url for replica in self.replicas):
+            return None
+        replica = Replica(url, state=ReplicaState.EJECTED, source=source)
+        self.replicas.append(replica)
+        logger.warning("gateway: %s joins pool %s", url, self.name)
+        self._changed()
+        return replica
+
+    def remove(self, replica: Replica) -> None:
+        """The replica leaves the pool; requests it is serving finish, it gets no new ones."""
+        self.replicas.remove(replica)
+        replica.drain()
+        self.policy.on_eject(replica)
+        logger.warning("gateway: %s leaves pool %s", replica.url, self.name)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
 
     def choose(self, prompt: PromptKey, excluded: Sequence[Replica] = ()) -> Replica:
         """A routable replica for the prompt, never one of `excluded` (raises `NoReplicaAvailable`)."""
@@ -55,16 +104,28 @@ class Pool:
         return self.policy.choose(prompt, candidates)
 
     def eject(self, replica: Replica, reason: str) -> None:
+        """Out of routing until healthy again. A draining replica that stops answering has just finished
+        shutting down: it leaves quietly, no ejection counted."""
         if replica.state is ReplicaState.EJECTED:
             return
-        logger.warning("gateway: ejecting %s from pool %s: %s", replica.url, self.name, reason)
+        drained = replica.state is ReplicaState.DRAINING
+        if drained:
+            logger.info("gateway: %s (pool %s) is gone after draining: %s", replica.url, self.name, reason)
+        else:
+            logger.warning("gateway: ejecting %s from pool %s: %s", replica.url, self.name, reason)
         replica.eject()
         self.policy.on_eject(replica)
-        if self.on_eject is not None:
+        if self.on_eject is not None and not drained:
             self.on_eject(self, replica)
 
+    def drain(self, replica: Replica) -> None:
+        """The replica is shutting down: nothing new goes to it; what it serves finishes."""
+        if replica.state is ReplicaState.HEALTHY:
+            logger.warning("gateway: %s (pool %s) is draining", replica.url, self.name)
+            replica.drain()
+
     def readmit(self, replica: Replica) -> None:
-        if replica.state is ReplicaState.EJECTED:
+        if replica.state is not ReplicaState.HEALTHY:
             logger.warning("gateway: %s (pool %s) is healthy again", replica.url, self.name)
             replica.readmit()
 
@@ -85,7 +146,8 @@ def parse_load(metrics_text: str) -> tuple[int, int, float]:
 
 
 class HealthChecker:
-    """Polls every replica of every pool, each on its own task, until stopped."""
+    """Polls every replica of every pool, each on its own task, until stopped; `sync` starts polling
+    replicas that joined and stops polling those that left."""
 
     def __init__(
         self, pools: Sequence[Pool], client: httpx.AsyncClient, *, interval_s: float = 0.5,
@@ -97,24 +159,38 @@ class HealthChecker:
         self.timeout_s = timeout_s
         self.timeouts_to_eject = timeouts_to_eject
         self._timeouts: dict[Replica, int] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[Replica, asyncio.Task] = {}
+        self._running = False
 
     async def check_all(self) -> None:
         """One round over every replica (at start, so the pools' health is known before any request)."""
         await asyncio.gather(*(self.check(pool, replica) for pool in self.pools for replica in pool.replicas))
 
     def start(self) -> None:
-        self._tasks = [
-            asyncio.create_task(self._poll(pool, replica)) for pool in self.pools for replica in pool.replicas
-        ]
+        self._running = True
+        self.sync()
+
+    def sync(self) -> None:
+        """One polling task per replica in the pools now."""
+        if not self._running:
+            return
+        current = {replica: pool for pool in self.pools for replica in pool.replicas}
+        for replica in [replica for replica in self._tasks if replica not in current]:
+            self._tasks.pop(replica).cancel()
+            self._timeouts.pop(replica, None)
+        for replica, pool in current.items():
+            if replica not in self._tasks:
+                self._tasks[replica] = asyncio.create_task(self._poll(pool, replica))
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        self._running = False
+        tasks = list(self._tasks.values())
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._tasks = []
+        self._tasks = {}
 
     async def _poll(self, pool: Pool, replica: Replica) -> None:
         while True:
@@ -137,6 +213,9 @@ class HealthChecker:
             pool.eject(replica, f"/health: {type(exc).__name__}: {exc}")
             return
         self._timeouts[replica] = 0
+        if is_draining_answer(health.status_code, health.content):
+            pool.drain(replica)
+            return
         if health.status_code != 200:
             pool.eject(replica, f"/health answered {health.status_code}")
             return

@@ -3,16 +3,25 @@
 A request that fails before any byte reached the client (the connection is refused or times out, the
 replica answers 503, dies before its headers, or breaks off a non-streamed body, which is buffered) is
 retried once on another replica, the failed one excluded; a replica that fails so is ejected at once.
+A replica that answers the drain 503 (`shutting_down`: it got SIGTERM) is not failing: the pool marks
+it draining and the request goes to another replica without spending its retry.
 A stream is relayed event by event (only whole SSE events go out, so an error event can always follow);
 its first event is read before the client gets the headers, so a replica that dies before its first
 token is retried too. A stream broken after that ends with an error event in OpenAI's shape, then
 `data: [DONE]`.
+
+A hung replica (it accepts connections but never answers, or stalls mid-stream) holds nobody forever:
+waiting for the first byte (a non-streamed reply's whole body, a stream's first event) ends after
+`first_byte_timeout_s` or as soon as the health checks eject the replica, whichever comes first, and
+the request is retried elsewhere; a stream that sends nothing for `stream_idle_timeout_s` ends with
+an error event.
 
 A caller may rewrite a stream's events on their way (a `StreamFilter`: the platform screens the output
 and counts the usage there) and learns when the response is over, whether its body ran or not."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Protocol
 
@@ -21,12 +30,14 @@ from fastapi.responses import Response, StreamingResponse
 
 from llmserve.gateway import errors
 from llmserve.gateway.metrics import GatewayMetrics
-from llmserve.gateway.pool import REPLICA_ERRORS, Pool
+from llmserve.gateway.pool import REPLICA_ERRORS, Pool, is_draining_answer
 from llmserve.gateway.prefix_index import PromptKey
-from llmserve.gateway.replica import Replica
+from llmserve.gateway.replica import Replica, ReplicaState
 from llmserve.gateway.routing import NoReplicaAvailable
 
-MAX_ATTEMPTS = 2  # the first try and one retry
+MAX_ATTEMPTS = 2  # the first try and one retry (a draining replica's refusal is not a try)
+FIRST_BYTE_TIMEOUT_S = 600.0  # a non-streamed reply comes whole: this bounds a whole generation
+STREAM_IDLE_TIMEOUT_S = 60.0
 EVENT_END = b"\n\n"
 # Not forwarded: they describe one hop's connection, or are set again by the next hop's server.
 _HOP_HEADERS = frozenset({
@@ -80,10 +91,19 @@ class _Failed(Exception):
     """This attempt failed before any byte reached the client; another replica may take the request."""
 
 
+class _Draining(Exception):
+    """The replica refused the request because it is draining; another replica takes it."""
+
+
 class Proxy:
-    def __init__(self, client: httpx.AsyncClient, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, metrics: GatewayMetrics, *,
+        first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S, stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
+    ) -> None:
         self.client = client
         self.metrics = metrics
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.stream_idle_timeout_s = stream_idle_timeout_s
 
     async def forward(
         self, pool: Pool, path: str, body: bytes, prompt: PromptKey, headers: Mapping[str, str],
@@ -91,21 +111,25 @@ class Proxy:
     ) -> Response:
         """The replica's response; a stream's events go through the filter `stream_filter` makes (called
         once the stream is handed over to the client, so never for a request that failed before)."""
-        failed: list[Replica] = []
+        tried: list[Replica] = []
+        failures = 0
         reason = ""
-        for attempt in range(MAX_ATTEMPTS):
+        while failures < MAX_ATTEMPTS:
             try:
-                replica = pool.choose(prompt, failed)
+                replica = pool.choose(prompt, tried)
             except NoReplicaAvailable:
                 return errors.no_replica(pool.name)
-            if attempt:
+            if tried:
                 self.metrics.retried.labels(pool.name).inc()
             try:
                 return await self._send(pool, replica, path, body, headers, stream_filter)
+            except _Draining:
+                tried.append(replica)
             except _Failed as exc:
-                failed.append(replica)
+                tried.append(replica)
+                failures += 1
                 reason = str(exc)
-        return errors.replica_failed(f"The request failed on {len(failed)} replicas of `{pool.name}`: {reason}")
+        return errors.replica_failed(f"The request failed on {failures} replicas of `{pool.name}`: {reason}")
 
     async def _send(
         self, pool: Pool, replica: Replica, path: str, body: bytes, headers: Mapping[str, str],
@@ -113,36 +137,46 @@ class Proxy:
     ) -> Response:
         pool.policy.on_start(replica)
         self.metrics.requests.labels(pool.name, replica.url).inc()
+        response: httpx.Response | None = None
         handed_over = False  # once the relay owns the response, it closes it and finishes the request
         try:
             request = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
             try:
-                response = await self.client.send(request, stream=True)
+                async with replica.waiting_for_answer(self.first_byte_timeout_s):
+                    response = await self.client.send(request, stream=True)
+                    if response.status_code == 503:
+                        await self._refuse(pool, replica, response)
+                    reply_headers = forwarded_headers(response.headers)
+                    chunks = response.aiter_raw()
+                    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                        content = await self._read_all(pool, replica, chunks)
+                        return Response(content, status_code=response.status_code, headers=reply_headers)
+                    first, rest = await self._first_events(pool, replica, chunks)
+            except TimeoutError as exc:  # before REPLICA_ERRORS, which holds OSError, its base
+                lost = "was ejected" if replica.state is ReplicaState.EJECTED else "did not answer in time"
+                raise self._fail(pool, replica, f"{lost} (waited for its first byte)") from exc
             except REPLICA_ERRORS as exc:
                 raise self._fail(pool, replica, f"{type(exc).__name__}: {exc}") from exc
-            try:
-                if response.status_code == 503:
-                    raise self._fail(pool, replica, "the replica answered 503")
-                reply_headers = forwarded_headers(response.headers)
-                chunks = response.aiter_raw()
-                if not response.headers.get("content-type", "").startswith("text/event-stream"):
-                    content = await self._read_all(pool, replica, chunks)
-                    return Response(content, status_code=response.status_code, headers=reply_headers)
-                first, rest = await self._first_events(pool, replica, chunks)
-                handed_over = True
-                rewrite = stream_filter() if stream_filter is not None else None
-                finish = _Finish(pool, replica, response, rewrite.ended if rewrite is not None else None)
-                events = self._relay(pool, replica, chunks, first, rest, finish)
-                return _RelayResponse(
-                    rewrite.events(events) if rewrite is not None else events, finish,
-                    status_code=response.status_code, headers=reply_headers,
-                )
-            finally:
-                if not handed_over:
-                    await response.aclose()
+            handed_over = True
+            rewrite = stream_filter() if stream_filter is not None else None
+            finish = _Finish(pool, replica, response, rewrite.ended if rewrite is not None else None)
+            events = self._relay(pool, replica, chunks, first, rest, finish)
+            return _RelayResponse(
+                rewrite.events(events) if rewrite is not None else events, finish,
+                status_code=response.status_code, headers=reply_headers,
+            )
         finally:
             if not handed_over:
+                if response is not None:
+                    await response.aclose()
                 pool.policy.on_finish(replica)
+
+    async def _refuse(self, pool: Pool, replica: Replica, response: httpx.Response) -> None:
+        """A 503: the replica is draining (another one takes the request), or failing (ejected)."""
+        if is_draining_answer(503, await response.aread()):
+            pool.drain(replica)
+            raise _Draining(replica.url)
+        raise self._fail(pool, replica, "the replica answered 503")
 
     def _fail(self, pool: Pool, replica: Replica, reason: str) -> _Failed:
         pool.eject(replica, reason)
@@ -176,12 +210,22 @@ class Proxy:
         try:
             yield first
             try:
-                async for chunk in chunks:
+                while True:
+                    try:
+                        async with asyncio.timeout(self.stream_idle_timeout_s):  # around the read only
+                            chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        break
                     pending += chunk
                     cut = pending.rfind(EVENT_END)
                     if cut >= 0:
                         yield pending[:cut + len(EVENT_END)]
                         pending = pending[cut + len(EVENT_END):]
+            except TimeoutError:  # stalled: the health checks decide whether the replica is hung
+                self.metrics.streams_broken.labels(pool.name).inc()
+                yield errors.sse_error_and_done(
+                    f"The replica serving this stream sent nothing for {self.stream_idle_timeout_s:g} s.")
+                return
             except REPLICA_ERRORS as exc:
                 self.metrics.streams_broken.labels(pool.name).inc()
                 pool.eject(replica, f"stream broke off: {type(exc).__name__}")

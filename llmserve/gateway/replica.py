@@ -6,11 +6,18 @@ or a report every so often and include every gateway's traffic, but are stale be
 gateway's own count of requests in flight is current but sees only this gateway. The load score joins
 them: the last polled figures plus the change in this gateway's in-flight count since that poll, so a
 burst sent between two polls spreads instead of landing on the replica that looked idle at the last
-poll (a LiteLLM proxy on "least busy" sent all 10 requests of a burst to one replica that way)."""
+poll (a LiteLLM proxy on "least busy" sent all 10 requests of a burst to one replica that way).
+
+Requests waiting for a replica's first byte register a timer here (`waiting_for_answer`); ejecting the
+replica fires them at once, so a request stuck on a replica that hung is retried elsewhere as soon as
+the health checks give up on it, however long its own first-byte timeout is."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 WAITING_WEIGHT = 4  # vLLM's router score: a queued request costs four running ones
@@ -35,7 +42,9 @@ class Replica:
     # Bumped on every ejection, so a policy can tell that what it remembered of this replica's cache
     # predates a restart, even if it never saw the replica while it was ejected.
     cache_epoch: int = 0
+    source: str | None = None  # the `dns+` pool entry whose name resolved to it; None: listed as it is
     _in_flight_at_report: int = field(default=0, repr=False)
+    _waiting: set[asyncio.Timeout] = field(default_factory=set, repr=False)
 
     @property
     def name(self) -> str:
@@ -69,10 +78,23 @@ class Replica:
             raise RuntimeError(f"{self.url}: a request finished that was never started.")
         self.in_flight -= 1
 
+    @contextlib.asynccontextmanager
+    async def waiting_for_answer(self, timeout_s: float) -> AsyncIterator[None]:
+        """Bounds waiting for this replica's answer: TimeoutError after `timeout_s`, or once it is ejected."""
+        async with asyncio.timeout(timeout_s) as timer:
+            self._waiting.add(timer)
+            try:
+                yield
+            finally:
+                self._waiting.discard(timer)
+
     def eject(self) -> None:
         if self.state is not ReplicaState.EJECTED:
             self.state = ReplicaState.EJECTED
             self.cache_epoch += 1
+            now = asyncio.get_running_loop().time() if self._waiting else 0.0
+            for timer in self._waiting:
+                timer.reschedule(now)
 
     def drain(self) -> None:
         if self.state is ReplicaState.HEALTHY:

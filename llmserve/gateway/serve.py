@@ -12,14 +12,18 @@ import uvicorn
 import yaml
 from pydantic import ValidationError
 
-from llmserve.gateway.app import build_gateway_app
+from llmserve.gateway.app import ReplicaOptions, build_gateway_app
+from llmserve.gateway.discovery import entry_host
+from llmserve.gateway.pool import DNS_SCHEME
 from llmserve.platform.routing import ModelsConfig
 from llmserve.server.graceful import GracefulServer
 from llmserve.server.platform_options import build_platform, configured_aliases
 
 
 def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[str]]:
-    """`--pool NAME=URL[,URL...]` (repeatable) joined with the config's `pools: {name: [urls]}`."""
+    """`--pool NAME=URL[,URL...]` (repeatable) joined with the config's `pools: {name: [urls]}`. A URL
+    is one replica (`http://10.0.0.5:8000`), or with `dns+` every address its host name resolves to,
+    re-resolved as they change (`dns+http://llmserve-replica-headless:8000`)."""
     pools: dict[str, list[str]] = {}
     if config_path:
         config = yaml.safe_load(Path(config_path).expanduser().read_text()) or {}
@@ -37,9 +41,12 @@ def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[st
             raise ValueError(f"--pool {value!r}: expected NAME=URL[,URL...].")
         pools.setdefault(name, []).extend(listed)
     for name, urls in pools.items():
-        bad = [url for url in urls if not url.startswith(("http://", "https://"))]
+        bad = [url for url in urls if not url.removeprefix(DNS_SCHEME).startswith(("http://", "https://"))]
         if bad:
-            raise ValueError(f"pool {name!r}: {bad[0]!r} is not an http(s) URL.")
+            raise ValueError(f"pool {name!r}: {bad[0]!r} is not an http(s) URL (or dns+http(s)).")
+        for url in urls:
+            if url.startswith(DNS_SCHEME):
+                entry_host(url)
     if not pools:
         raise ValueError("Give at least one pool: --pool NAME=URL[,URL...] or --config with `pools:`.")
     return pools
@@ -61,8 +68,12 @@ def run_gateway(args: argparse.Namespace) -> int:
     config = platform_config(args.config)
     if config is not None and config.models:
         raise ValueError(f"{args.config}: a gateway has pools, not models.")
+    options = ReplicaOptions(
+        first_byte_timeout_s=args.first_byte_timeout, stream_idle_timeout_s=args.stream_idle_timeout,
+        resolve_interval_s=args.resolve_interval,
+    )
     app = build_gateway_app(
-        parse_pools(args.pool, args.config), args.policy, platform=build_platform(args, config),
+        parse_pools(args.pool, args.config), args.policy, options, platform=build_platform(args, config),
         aliases=configured_aliases(args, config), public_metrics=args.public_metrics,
         max_request_body_bytes=args.max_request_body_bytes,
     )

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -251,6 +252,22 @@ class ModelRunner:
         if quantized is not None:
             quantized.finalize(self.dtype)
         return model.eval()
+
+    def read_weights(self, model_dir: Path) -> list[tuple[str, torch.Tensor]]:
+        """Another checkpoint's tensors, checked against this model (every parameter present, each shape
+        the same) on a shadow model without storage, so the live one is untouched: safe on a thread
+        while steps run. Raises ModelLoadError when they do not fit."""
+        weights = list(iterate_weights(model_dir))
+        with torch.device("meta"):
+            shadow = model_class(self.model_config.architecture)(self.model_config, max_positions=self.max_model_len)
+        shadow.load_weights(weights)
+        return weights
+
+    @torch.no_grad()
+    def swap_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy weights `read_weights` checked into the live model, in place (between two steps: on a
+        GPU the copies queue behind the step in flight, so it finishes on the old weights)."""
+        self.model.load_weights(weights)
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

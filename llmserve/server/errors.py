@@ -134,7 +134,7 @@ def overloaded(message: str = "The server is overloaded; retry later.", retry_af
 def shutting_down() -> APIError:
     return APIError(
         503,
-        "The server is shutting down.",
+        "The server is shutting down: it is draining (requests already running finish) and takes no new ones.",
         code="shutting_down",
         headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
     )

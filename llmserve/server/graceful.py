@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 
@@ -20,7 +21,13 @@ class GracefulServer(uvicorn.Server):
     instead of re-raising the signal, and reports its address once it listens.
 
     With `on_deadline`, requests still running `shutdown_timeout` seconds into the shutdown are
-    ended by it (uvicorn itself cancels them `ABORT_GRACE_S` later, mid-response)."""
+    ended by it (uvicorn itself cancels them `ABORT_GRACE_S` later, mid-response).
+
+    With `drain_listening`, the server goes on listening after the signal until no request is left
+    running (or `shutdown_timeout` passed): the app answers new requests (its /health included) with a
+    503 saying it is draining, so a gateway or a load balancer sees the drain as such, instead of a
+    refused connection that looks like a crash, while in-flight requests finish. Only then does uvicorn
+    stop listening and shut down."""
 
     def __init__(
         self,
@@ -29,18 +36,36 @@ class GracefulServer(uvicorn.Server):
         on_listening: Callable[[str, int], None],
         on_deadline: Callable[[], None] | None = None,
         shutdown_timeout: float | None = None,
+        drain_listening: bool = False,
     ) -> None:
         super().__init__(config)
         self._on_signal = on_signal
         self._on_listening = on_listening
         self._on_deadline = on_deadline
         self._shutdown_timeout = shutdown_timeout
+        self._drain_listening = drain_listening
+        self._signalled_at: float | None = None
+
+    @property
+    def _draining_for(self) -> float:
+        return 0.0 if self._signalled_at is None else time.monotonic() - self._signalled_at
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._signalled_at is not None and not self.should_exit and self._drained():
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    def _drained(self) -> bool:
+        """No request is running any more (a 503 to a late request is one for a moment), or time is up."""
+        timeout = self._shutdown_timeout if self._shutdown_timeout is not None else 0.0
+        return not self.server_state.tasks or self._draining_for >= timeout
 
     async def shutdown(self, sockets: list | None = None) -> None:
         if self._on_deadline is None or self._shutdown_timeout is None:
             await super().shutdown(sockets)
             return
-        deadline = asyncio.get_running_loop().call_later(self._shutdown_timeout, self._on_deadline)
+        remaining = max(0.0, self._shutdown_timeout - self._draining_for)  # counted from the signal
+        deadline = asyncio.get_running_loop().call_later(remaining, self._on_deadline)
         try:
             await super().shutdown(sockets)
         finally:
@@ -59,9 +84,14 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def _handle_signal(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl+C: stop waiting for in-flight requests
-        self.should_exit = True
+        if self._signalled_at is not None or self.should_exit:
+            if sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl+C: stop waiting for in-flight requests
+            self.should_exit = True
+            return
+        self._signalled_at = time.monotonic()
+        if not self._drain_listening:
+            self.should_exit = True  # else on_tick stops the server once drained
         self._on_signal()
 
     async def startup(self, sockets: list | None = None) -> None:

@@ -675,6 +675,18 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
+class ReloadRequest(_Request):
+    model: str | None = None  # unset: the first served model
+    path: str = Field(min_length=1)  # a checkpoint directory on the server: same architecture and shapes
+
+
+class ReloadResponse(_Response):
+    object: Literal["reload"] = "reload"
+    model: str
+    path: str
+    cached_blocks_forgotten: int
+
+
 class HealthResponse(_Response):
     status: Literal["ok"] = "ok"
 

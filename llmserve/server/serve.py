@@ -1,7 +1,9 @@
 """`llmserve serve`: the engine, the app and uvicorn, with a graceful shutdown on SIGTERM.
 
-SIGTERM (or Ctrl+C): new requests get a 503 at once, uvicorn stops listening, in-flight requests
-run to completion for up to --shutdown-timeout seconds (then each one still running is aborted: a
+SIGTERM (or Ctrl+C): new requests (and /health) get a 503 `shutting_down` at once, which a gateway
+takes as "draining": it sends nothing new but lets what runs finish. The server keeps listening until
+no request is left running, then stops listening; in-flight requests run to completion for up to
+--shutdown-timeout seconds from the signal (then each one still running is aborted: a
 stream gets an error event and `data: [DONE]`, and its usage is recorded as `aborted_by_server`),
 the engine stops, and the process exits 0.
 """
@@ -190,7 +192,9 @@ def run_server(args: argparse.Namespace) -> int:
         state.background(announce_when_ready())
 
     try:
-        GracefulServer(config_uv, on_signal, on_listening, on_deadline, args.shutdown_timeout).run()  # on uvloop when it is installed
+        GracefulServer(
+            config_uv, on_signal, on_listening, on_deadline, args.shutdown_timeout, drain_listening=True
+        ).run()  # on uvloop when it is installed
     finally:
         for endpoint in state.endpoints():
             endpoint.engine.close(timeout=args.shutdown_timeout)

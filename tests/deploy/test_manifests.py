@@ -289,6 +289,7 @@ def test_hpa_scales_the_replicas_on_queue_depth() -> None:
 
 def test_gateway_runs_the_gateway_command_with_a_pools_config() -> None:
     from llmserve.cli import build_parser
+    from llmserve.gateway.discovery import replica_url
     from llmserve.gateway.serve import parse_pools
 
     gateway = named("Deployment", "llmserve-gateway")
@@ -316,9 +317,10 @@ def test_gateway_runs_the_gateway_command_with_a_pools_config() -> None:
         assert parse_pools([], str(path)) == config["pools"]
     for model, urls in config["pools"].items():
         assert urls, model
-        for url in urls:
-            match = re.fullmatch(r"http://([a-z0-9-]+):(\d+)", url)
+        for url in urls:  # dns+: one backend per pod address behind the headless name
+            match = re.fullmatch(r"dns\+http://([a-z0-9-]+):(\d+)", url)
             assert match and match.group(1) in headless, url
+            assert replica_url(url, "10.1.2.3") == f"http://10.1.2.3:{match.group(2)}"
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/health"
 

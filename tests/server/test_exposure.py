@@ -42,6 +42,7 @@ ROUTE_ACCESS = {
     "/v1/conversations": KEY,
     "/v1/conversations/{conversation_id}": KEY,
     "/v1/conversations/{conversation_id}/messages": KEY,
+    "/admin/reload": KEY,  # an admin key, in fact (test_weight_reload.py)
 }
 ORIGIN = "https://chat.example"
 

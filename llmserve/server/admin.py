@@ -1,0 +1,40 @@
+"""POST /admin/reload: new weights for a served model, put in place without stopping it.
+
+The engine core reads and checks the checkpoint on a thread while it goes on stepping, then swaps the
+weights in between two steps and empties its prefix cache (that KV came from the old weights): streams
+running across the reload go on, and requests from then on see only the new weights. The checkpoint
+must have the served model's architecture and shapes (a fine-tune, a new version of the same model);
+one that does not fit is a 400 and changes nothing. Once keys exist, only an admin key may reload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from llmserve.server.errors import APIError
+from llmserve.server.gateway import request_key
+from llmserve.server.openapi import documented
+from llmserve.server.protocol import ReloadRequest, ReloadResponse
+from llmserve.server.state import get_state
+
+router = APIRouter()
+
+
+@router.post("/admin/reload", response_model=None, responses=documented(ReloadResponse))
+async def reload_weights(body: ReloadRequest, request: Request) -> JSONResponse:
+    key = request_key(request.state)
+    if key is not None and not key.is_admin:
+        raise APIError(403, "Reloading weights needs an admin key.", code="admin_key_required")
+    endpoint = get_state(request).endpoint(body.model, key)
+    path = Path(body.path).expanduser()
+    if not path.is_dir():
+        raise APIError(400, f"{body.path} is not a directory on the server.", param="path", code="invalid_path")
+    try:
+        forgotten = await endpoint.engine.reload_weights(path)
+    except AssertionError as exc:  # the engine core's answer: the checkpoint did not fit or not read
+        raise APIError(400, f"Could not load the weights in {body.path}: {exc}", param="path",
+                       code="weights_not_loaded") from None
+    response = ReloadResponse(model=endpoint.name, path=str(path), cached_blocks_forgotten=forgotten)
+    return JSONResponse(response.model_dump())
