@@ -51,6 +51,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         params=params,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        resumable=bool(body.stream_options and body.stream_options.resumable),
         screen_texts=lambda: [_prompt_text(p, endpoint.token_texts) for p in prompts],
         screen_param="prompt",
         priority=body.priority,

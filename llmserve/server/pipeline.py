@@ -29,12 +29,14 @@ from llmserve.server.protocol import Usage, now
 from llmserve.server.state import ModelEndpoint, ServerState
 from llmserve.server.streaming import (
     SSE_DONE,
+    STREAM_ID_HEADER,
     ChunkEnvelope,
     Delta,
     StreamCursor,
     event_stream,
     final_outputs,
     merged,
+    numbered,
     sse,
 )
 from llmserve.server.submit import (
@@ -110,6 +112,7 @@ class PreparedRequest:
     include_usage: bool  # streamed: a last chunk with the usage
     screen_texts: Callable[[], Sequence[str]]  # what the safety pre-filter reads (called on a worker)
     screen_param: str  # the parameter a blocked prompt is reported on
+    resumable: bool = False  # streamed: kept generating into a buffer when the client drops (server/streams.py)
     priority: int = 0
     cache_salt: str | None = None
     renames: Mapping[str, str] | None = None  # engine parameter names -> the request's own
@@ -136,8 +139,12 @@ async def respond(request: Request, prepared: PreparedRequest, shape: ResponseSh
     )
     run = _Run(prepared, shape, started)
     headers = {**started.headers, **prepared.headers}
+    if prepared.stream and prepared.resumable:
+        owner = prepared.key.id if prepared.key is not None else None
+        stream = state.streams.open(started.response_id, owner, run.events())
+        return event_stream(stream.follow(), {**headers, STREAM_ID_HEADER: started.response_id})
     if prepared.stream:
-        return event_stream(run.events(), headers)
+        return event_stream(numbered(run.events()), headers)
     return JSONResponse(await run.to_end(request), headers=headers)
 
 

@@ -72,6 +72,8 @@ class _Response(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: StrictBool = False
+    # llmserve's: the stream survives a dropped connection for a grace period (GET /v1/streams/{id})
+    resumable: StrictBool = False
 
 
 class PromptTokensDetails(_Response):

@@ -1,11 +1,14 @@
-"""Plumbing between engine streams and HTTP: server-sent events, client-disconnect detection, and
-several request streams merged into one (a /v1/completions prompt list)."""
+"""Plumbing between engine streams and HTTP: server-sent events (numbered, and buffered for resuming
+when asked: see server/streams.py), client-disconnect detection, and several request streams merged
+into one (a /v1/completions prompt list)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -16,13 +19,15 @@ from pydantic import BaseModel
 from llmserve.engine.async_llm import RequestStream
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.safety import OutputGuard, Verdict
-from llmserve.server.errors import ClientDisconnected
+from llmserve.server.errors import APIError, ClientDisconnected
 
 T = TypeVar("T")
 
 CONTENT_FILTER = "content_filter"
 
 SSE_DONE = "data: [DONE]\n\n"
+
+STREAM_ID_HEADER = "x-stream-id"  # a resumable stream's id (its response id)
 
 
 def sse(payload: BaseModel | str) -> str:
@@ -210,3 +215,183 @@ class StreamCursor:
         self.tokens_sent = len(completion.token_ids)
         self.done = finished
         return Delta(new_text, completion.token_ids[start:], logprobs, finish_reason)
+
+
+# ---- numbered events and resumable streams ---------------------------------------------------------
+
+
+def with_id(number: int, event: str) -> str:
+    """An SSE event (`data: ...\\n\\n`) with its id line."""
+    return f"id: {number}\n{event}"
+
+
+async def numbered(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events` with their ids (a stream that is not resumable still says where a client was)."""
+    number = 0
+    async for event in events:
+        yield with_id(number, event)
+        number += 1
+
+
+@dataclass(frozen=True)
+class ResumeLimits:
+    max_bytes: int = 1 << 20  # of one stream's buffered events; the oldest go first
+    grace_seconds: float = 30.0  # unfollowed before the generation is aborted; finished before forgotten
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1 or self.grace_seconds <= 0:
+            raise ValueError("max_bytes must be at least 1 and grace_seconds positive")
+
+
+class EventsDropped(Exception):
+    """The events after the requested one are no longer in the buffer."""
+
+
+class ResumableStream:
+    """One response's events, produced by a task of their own (so the generation outlives a dropped
+    connection) into a buffer that any number of followers read from an event id on."""
+
+    def __init__(
+        self, stream_id: str, owner: str | None, events: AsyncIterator[str], limits: ResumeLimits,
+        registry: StreamRegistry,
+    ) -> None:
+        self.id = stream_id
+        self.owner = owner  # the key id that may follow it (None: the server has no keys)
+        self.limits = limits
+        self._registry = registry
+        self._buffer: deque[str] = deque()  # events first_kept .. next_number-1, with their ids
+        self.first_kept = 0
+        self.next_number = 0
+        self.bytes = 0
+        self.finished = False
+        self._followers = 0
+        self._arrived: asyncio.Future[None] | None = None
+        loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = loop.call_later(limits.grace_seconds, self._grace_over)
+        self._producer = asyncio.ensure_future(self._produce(events))
+
+    async def _produce(self, events: AsyncIterator[str]) -> None:
+        try:
+            async for event in events:
+                self._append(event)
+        finally:
+            self.finished = True
+            self._wake()
+            self._restart_timer()
+
+    def _append(self, event: str) -> None:
+        event = with_id(self.next_number, event)
+        self._buffer.append(event)
+        self.next_number += 1
+        self.bytes += len(event)
+        while self.bytes > self.limits.max_bytes and len(self._buffer) > 1:
+            self.bytes -= len(self._buffer.popleft())
+            self.first_kept += 1
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._arrived is not None and not self._arrived.done():
+            self._arrived.set_result(None)
+
+    def _restart_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        if self._followers == 0 or self.finished:
+            self._timer = asyncio.get_running_loop().call_later(self.limits.grace_seconds, self._grace_over)
+
+    def _grace_over(self) -> None:
+        """Nobody followed the stream for the grace period, or it finished that long ago."""
+        self._timer = None
+        if not self.finished:
+            self._producer.cancel()  # aborts the engine requests, records the usage as "disconnected"
+        self._registry.forget(self)
+
+    def check_resumable_after(self, last_event: int) -> None:
+        if last_event + 1 < self.first_kept:
+            raise EventsDropped()
+
+    def _events_from(self, number: int) -> Iterator[str]:
+        if number < self.first_kept:
+            raise EventsDropped()
+        for i in range(number - self.first_kept, len(self._buffer)):
+            yield self._buffer[i]
+
+    async def follow(self, last_event: int = -1) -> AsyncIterator[str]:
+        """The events after `last_event`, then the live ones as they come, to the stream's end. A
+        follower that falls further behind than the buffer holds gets an error event and the end."""
+        self._followers += 1
+        self._restart_timer()
+        number = last_event + 1
+        try:
+            while True:
+                try:
+                    pending = list(self._events_from(number))
+                except EventsDropped:
+                    yield sse(dropped_events(self.id).body_json())
+                    yield SSE_DONE
+                    return
+                for event in pending:
+                    yield event
+                number += len(pending)
+                if self.finished and number >= self.next_number:
+                    return
+                if number >= self.next_number:
+                    if self._arrived is None or self._arrived.done():
+                        self._arrived = asyncio.get_running_loop().create_future()
+                    await asyncio.shield(self._arrived)
+        finally:
+            self._followers -= 1
+            self._restart_timer()
+
+    def cancel(self) -> None:
+        """Stop the generation now and forget the stream."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._producer.cancel()
+        self._registry.forget(self)
+
+    async def wait_finished(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(self._producer)
+
+
+class StreamRegistry:
+    """The resumable streams of one server, by response id."""
+
+    def __init__(self, limits: ResumeLimits | None = None) -> None:
+        self.limits = limits or ResumeLimits()
+        self._streams: dict[str, ResumableStream] = {}
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def open(self, stream_id: str, owner: str | None, events: AsyncIterator[str]) -> ResumableStream:
+        stream = ResumableStream(stream_id, owner, events, self.limits, self)
+        self._streams[stream_id] = stream
+        return stream
+
+    def get(self, stream_id: str, owner: str | None) -> ResumableStream:
+        """The stream, if `owner` may follow it; a 404 otherwise (unknown, forgotten, or another key's)."""
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.owner != owner:
+            raise APIError(404, f"No resumable stream found with id '{stream_id}'.", code="stream_not_found")
+        return stream
+
+    def forget(self, stream: ResumableStream) -> None:
+        if self._streams.get(stream.id) is stream:
+            del self._streams[stream.id]
+
+    async def close(self) -> None:
+        """Stop every stream (the server is shutting down)."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream.cancel()
+        await asyncio.gather(*(s.wait_finished() for s in streams))
+
+
+def dropped_events(stream_id: str) -> APIError:
+    return APIError(
+        410, f"The events of stream '{stream_id}' after that id are no longer buffered.", code="stream_events_dropped"
+    )
