@@ -19,6 +19,7 @@ from llmserve.gateway.pool import HealthChecker, Pool
 from llmserve.gateway.prefix_index import PromptKey
 from llmserve.gateway.proxy import Proxy, forwarded_headers
 from llmserve.gateway.routing import policy_by_name
+from llmserve.web import install_page
 
 # Connecting is quick or the replica is gone; generating may take minutes.
 REPLICA_TIMEOUT = httpx.Timeout(connect=2.0, read=600.0, write=30.0, pool=None)
@@ -128,4 +129,5 @@ def build_gateway_app(
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    install_page(app)  # the chat page (conversations and resuming need a replica's own API)
     return app

@@ -26,6 +26,7 @@ from llmserve.server.openapi import install_openapi
 from llmserve.server.slo import SLO
 from llmserve.server.state import ModelEndpoint, ServerState
 from llmserve.server.streaming import ResumeLimits, StreamRegistry
+from llmserve.web import install_page, page_paths
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ def build_app(
     keys, rate limits, usage metering, conversations and safety filters; once keys exist, every path
     but /health needs one, and /metrics and the OpenAPI document too unless `public_metrics` or
     `public_openapi`. `unlisted_aliases` (among `aliases`) are answered but not listed in /v1/models.
-    `allowed_origins` turns
+    The chat page at `/` (llmserve/web) is public: it asks for a key itself. `allowed_origins` turns
     on CORS for those origins ("*": any). A body over `max_request_body_bytes` gets a 413 before
     anything reads it. `tool_call_parser` and `reasoning_parser` name the formats
     `engine_client`'s replies are parsed in (a spec in `models` names its own). `stream_resume` bounds
@@ -234,12 +235,13 @@ def build_app(
         )
     for module in (chat, completions, streams, models_api, tokens, health, metrics, usage, conversations):
         app.include_router(module.router)
+    install_page(app)
     return app
 
 
 def _public_paths(app: FastAPI, public_metrics: bool, public_openapi: bool) -> frozenset[str]:
     """The paths answered without a key once keys exist."""
-    public = set(ALWAYS_PUBLIC_PATHS)
+    public = set(ALWAYS_PUBLIC_PATHS) | page_paths()
     if public_metrics:
         public.add("/metrics")
     if public_openapi:

@@ -1,0 +1,213 @@
+"""The chat page in a real browser (Debian's Chromium driven by Playwright) against a live server over
+the tiny model: streaming, stop, branches, reload, delete, untrusted output rendered inert, a dropped
+connection resumed, and the key errors. Skips only where Chromium is not installed."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmserve.engine.async_llm import AsyncLLM
+from tests.server.conftest import tiny_engine_running
+from tests.server.platform_fixtures import PlatformServer, serve_platform
+
+CHROMIUM = Path("/usr/bin/chromium")
+if not CHROMIUM.exists():
+    pytest.skip(f"the browser tests need Chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (pip install playwright)")
+
+MAX_MODEL_LEN = 2048  # room for an answer long enough to stop in the middle
+TIMEOUT_MS = 30_000
+
+ATTACK = (
+    'Look: <img src=x onerror="window.__pwned = 1"> and <script>window.__pwned = 2</script> '
+    "[click me](javascript:window.__pwned=3) <a href=\"javascript:window.__pwned=4\">raw link</a> "
+    "[a real link](https://example.com/docs)\n\n```html\n<script>window.__pwned = 5</script>\n```"
+)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: Path) -> Iterator[AsyncLLM]:
+    with tiny_engine_running(tiny_llama_dir, num_kv_blocks=1024, max_num_batched_tokens=256,
+                             max_model_len=MAX_MODEL_LEN) as engine:
+        yield engine
+
+
+@pytest.fixture
+def server(engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:
+    yield from serve_platform(engine, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, server: PlatformServer) -> Iterator[object]:
+    context = browser.new_context(base_url=server.base_url)
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    page.dialogs = []
+    page.on("dialog", lambda dialog: (page.dialogs.append(dialog.message), dialog.dismiss()))
+    page.errors = []
+    page.on("pageerror", lambda error: page.errors.append(str(error)))
+    yield page
+    context.close()
+
+
+def open_page(page, settings: dict[str, str] | None = None, path: str = "/") -> None:
+    page.goto(path)
+    page.wait_for_selector("#model option", state="attached")
+    if settings:
+        page.click(".settings summary")
+        for field, value in settings.items():
+            page.fill(f"#{field}", value)
+
+
+def send(page, text: str) -> None:
+    """Type `text` and press Enter, then wait for the answer to end."""
+    with answer_ends(page):
+        page.fill("#prompt", text)
+        page.press("#prompt", "Enter")
+
+
+@contextmanager
+def answer_ends(page) -> Iterator[None]:
+    """Wait, after the block, for the page to finish one more answer (done, stopped or failed)."""
+    before = page.evaluate("() => Number(document.body.dataset.answers ?? 0)")
+    yield
+    page.wait_for_function(f"() => Number(document.body.dataset.answers ?? 0) > {before}")
+
+
+def answers(page) -> list[str]:
+    return page.locator(".msg.assistant .body").all_inner_texts()
+
+
+def metric(server: PlatformServer, name: str) -> float:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if re.match(rf"{re.escape(name)}(\{{| )", line))
+
+
+def test_stream_stop_regenerate_branches_reload_and_delete(page, server: PlatformServer):
+    open_page(page, {"max-tokens": str(MAX_MODEL_LEN - 100)})
+    aborted_before = metric(server, "llmserve:requests_aborted_total")
+    with answer_ends(page):
+        page.fill("#prompt", "Write a long story")
+        page.press("#prompt", "Enter")
+        # Tokens show while the answer is still streaming.
+        page.wait_for_function("() => document.querySelector('.msg.assistant.streaming .body')?.textContent.length > 0")
+        page.keyboard.press("Escape")  # Esc stops: the stream is deleted on the server, its KV freed
+    assert "stopped" in page.inner_text(".msg.assistant .meta")
+    stats = server.idle_stats()
+    assert stats.num_running == 0 and stats.num_used_blocks == 0
+    assert metric(server, "llmserve:requests_aborted_total") == aborted_before + 1
+    assert metric(server, "vllm:num_requests_running") == 0
+
+    page.fill("#max-tokens", "12")
+    send(page, "Hello there")
+    assert "12 tokens" in page.inner_text(".msg.assistant:last-child .meta")
+    first_reply = page.get_attribute(".msg.assistant:last-child", "data-id")
+    with answer_ends(page):
+        page.click(".msg.assistant:last-child button.regenerate")
+    assert page.inner_text(".msg.assistant:last-child .branch-label") == "2/2"
+    second_reply = page.get_attribute(".msg.assistant:last-child", "data-id")
+    page.click(".msg.assistant:last-child .branches .prev")
+    assert page.inner_text(".msg.assistant:last-child .branch-label") == "1/2"
+    assert page.get_attribute(".msg.assistant:last-child", "data-id") == first_reply != second_reply
+
+    page.reload()  # the conversation is stored: the address names it, the branches are back
+    page.wait_for_selector(".msg.assistant .branch-label")
+    assert page.inner_text(".msg.assistant:last-child .branch-label") == "2/2"
+    assert page.locator("#conversations li").count() == 1
+    conversation_id = page.get_attribute("#conversations li", "data-id")
+    page.click("#conversations li .delete")
+    page.wait_for_selector("#conversations li", state="detached")
+    assert httpx.get(f"{server.base_url}/v1/conversations/{conversation_id}").status_code == 404
+    assert page.errors == [] and page.dialogs == []
+
+
+def test_model_output_is_rendered_inert(page, server: PlatformServer):
+    created = httpx.post(f"{server.base_url}/v1/conversations", json={"title": "attack", "messages": [
+        {"role": "user", "content": "Say something nasty"}, {"role": "assistant", "content": ATTACK},
+    ]}).json()
+    open_page(page, path=f"/#{created['id']}")
+    body = page.wait_for_selector(".msg.assistant .body")
+    assert_inert(page, body)
+
+    # The same text streamed (a fake server answer, on a server without a conversation store, so the
+    # page keeps the chat in the tab): inert once it is done.
+    page.route(re.compile(r"/v1/conversations"), lambda route: route.fulfill(status=404, json={"error": {
+        "message": "Conversation storage is not enabled on this server.", "type": "invalid_request_error",
+        "param": None, "code": "not_enabled"}}))
+    chunks = [ATTACK[i:i + 7] for i in range(0, len(ATTACK), 7)]
+    events = "".join(
+        f'id: {i}\ndata: {json.dumps({"id": "chatcmpl-x", "choices": [{"index": 0, "delta": {"content": c}, "finish_reason": None}]})}\n\n'
+        for i, c in enumerate(chunks)
+    ) + f"id: {len(chunks)}\ndata: [DONE]\n\n"
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"content-type": "text/event-stream", "x-stream-id": "chatcmpl-x"}, body=events,
+    ))
+    open_page(page)
+    assert page.is_visible("#store-note")
+    send(page, "again")
+    assert_inert(page, page.query_selector(".msg.assistant .body"))
+
+
+def assert_inert(page, body) -> None:
+    text = body.inner_text()
+    assert '<img src=x onerror="window.__pwned = 1">' in text and "<script>window.__pwned = 2</script>" in text
+    assert "[click me](javascript:window.__pwned=3)" in text and "<script>window.__pwned = 5</script>" in text
+    assert body.query_selector_all("img, script, iframe, [onerror]") == []
+    links = [a.get_attribute("href") for a in body.query_selector_all("a")]
+    assert links == ["https://example.com/docs"]
+    assert page.evaluate("() => window.__pwned") is None
+    assert page.errors == [] and page.dialogs == []
+
+
+def test_a_dropped_connection_resumes_to_the_same_answer(page, server: PlatformServer):
+    open_page(page, {"temperature": "0", "max-tokens": "60"})
+    send(page, "Count to ten")
+    uninterrupted = answers(page)[-1]
+
+    # The connection drops after five events: the page resumes the stream from the last id it saw.
+    def drop_midway(route) -> None:
+        response = route.fetch()
+        events = response.text().split("\n\n")
+        route.fulfill(status=200, headers=response.headers, body="\n\n".join(events[:5]) + "\n\n")
+
+    page.route("**/v1/chat/completions", drop_midway)
+    resumes = []
+    page.on("request", lambda request: resumes.append(request.headers.get("last-event-id"))
+            if "/v1/streams/" in request.url else None)
+    page.click("#new-chat")
+    send(page, "Count to ten")
+    assert resumes == ["4"]
+    assert answers(page)[-1] == uninterrupted and len(uninterrupted) > 0
+    assert page.inner_text("#error") == ""
+
+
+def test_a_wrong_key_shows_the_401_message(page, server: PlatformServer):
+    server.new_key("the only key")
+    server.clock.advance(10)  # past the key cache's memory of "no keys yet"
+    open_page_without_models(page)
+    page.fill("#api-key", "sk-wrong")
+    page.press("#api-key", "Enter")
+    page.locator("#api-key").blur()
+    page.wait_for_selector("#error:not([hidden])")
+    assert "401" in page.inner_text("#error") and "API key" in page.inner_text("#error")
+    assert page.evaluate("() => localStorage.getItem('llmserve.apiKey')") == "sk-wrong"
+
+
+def open_page_without_models(page) -> None:
+    page.goto("/")
+    page.wait_for_selector("#error:not([hidden])")  # no key yet: the model list is refused
