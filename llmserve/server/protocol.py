@@ -72,8 +72,10 @@ class _Response(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: StrictBool = False
-    # llmserve's: the stream survives a dropped connection for a grace period (GET /v1/streams/{id})
-    resumable: StrictBool = False
+    resumable: StrictBool = Field(False, description=(
+        "llmserve: keep generating through a dropped connection for a grace period; resume with "
+        "GET /v1/streams/{id} (the x-stream-id header) and Last-Event-ID."
+    ))
 
 
 class PromptTokensDetails(_Response):

@@ -98,8 +98,15 @@ def metric(server: PlatformServer, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if re.match(rf"{re.escape(name)}(\{{| )", line))
 
 
+def ignoring_eos(route) -> None:
+    """The page's chat request with ignore_eos: an answer that surely runs to max_tokens."""
+    body = json.loads(route.request.post_data)
+    route.continue_(post_data=json.dumps({**body, "ignore_eos": True}))
+
+
 def test_stream_stop_regenerate_branches_reload_and_delete(page, server: PlatformServer):
     open_page(page, {"max-tokens": str(MAX_MODEL_LEN - 100)})
+    page.route("**/v1/chat/completions", ignoring_eos)
     aborted_before = metric(server, "llmserve:requests_aborted_total")
     with answer_ends(page):
         page.fill("#prompt", "Write a long story")
@@ -113,6 +120,7 @@ def test_stream_stop_regenerate_branches_reload_and_delete(page, server: Platfor
     assert metric(server, "llmserve:requests_aborted_total") == aborted_before + 1
     assert metric(server, "vllm:num_requests_running") == 0
 
+    page.unroute("**/v1/chat/completions")
     page.fill("#max-tokens", "12")
     send(page, "Hello there")
     assert "12 tokens" in page.inner_text(".msg.assistant:last-child .meta")

@@ -222,7 +222,7 @@ function renderConversations() {
     item.dataset.id = conversation.id;
     const open = button(conversation.title || "New chat", "Open", () => openConversation(conversation.id), "open");
     const rename = button("✎", "Rename", () => renameConversation(conversation, item), "rename");
-    const remove = button("🗑", "Delete", () => deleteConversation(conversation.id), "delete");
+    const remove = button("×", "Delete", () => deleteConversation(conversation.id), "delete");
     item.append(open, rename, remove);
     list.append(item);
   }
