@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from llmserve.engine.async_llm import RequestStream
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.safety import OutputGuard, Verdict
 from llmserve.server.errors import APIError, ClientDisconnected
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -220,27 +223,27 @@ class StreamCursor:
 # ---- numbered events and resumable streams ---------------------------------------------------------
 
 
-def with_id(number: int, event: str) -> str:
-    """An SSE event (`data: ...\\n\\n`) with its id line."""
-    return f"id: {number}\n{event}"
+class EventIds:
+    """Numbers a response's events from 0: their SSE ids, which a client resumes from."""
 
+    def __init__(self) -> None:
+        self.next = 0
 
-async def numbered(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`events` with their ids (a stream that is not resumable still says where a client was)."""
-    number = 0
-    async for event in events:
-        yield with_id(number, event)
-        number += 1
+    def __call__(self, event: str) -> str:
+        numbered = f"id: {self.next}\n{event}"
+        self.next += 1
+        return numbered
 
 
 @dataclass(frozen=True)
 class ResumeLimits:
     max_bytes: int = 1 << 20  # of one stream's buffered events; the oldest go first
     grace_seconds: float = 30.0  # unfollowed before the generation is aborted; finished before forgotten
+    max_total_bytes: int = 256 << 20  # of every stream's buffer: past it, finished streams go early, oldest first
 
     def __post_init__(self) -> None:
-        if self.max_bytes < 1 or self.grace_seconds <= 0:
-            raise ValueError("max_bytes must be at least 1 and grace_seconds positive")
+        if self.max_bytes < 1 or self.max_total_bytes < 1 or self.grace_seconds <= 0:
+            raise ValueError("max_bytes and max_total_bytes must be at least 1, grace_seconds positive")
 
 
 class EventsDropped(Exception):
@@ -248,8 +251,9 @@ class EventsDropped(Exception):
 
 
 class ResumableStream:
-    """One response's events, produced by a task of their own (so the generation outlives a dropped
-    connection) into a buffer that any number of followers read from an event id on."""
+    """One response's events (numbered from 0, see EventIds), produced by a task of their own (so the
+    generation outlives a dropped connection) into a buffer that any number of followers read from an
+    event id on."""
 
     def __init__(
         self, stream_id: str, owner: str | None, events: AsyncIterator[str], limits: ResumeLimits,
@@ -274,19 +278,25 @@ class ResumableStream:
         try:
             async for event in events:
                 self._append(event)
+        except Exception:  # a bug: the followers still get an error and the end, not a silent cut
+            logger.exception("resumable stream %s failed", self.id)
+            failed = APIError(500, "The stream failed on the server.", code="stream_failed")
+            self._append(f"id: {self.next_number}\n" + sse(failed.body_json()))
+            self._append(f"id: {self.next_number}\n{SSE_DONE}")
         finally:
             self.finished = True
             self._wake()
             self._restart_timer()
 
     def _append(self, event: str) -> None:
-        event = with_id(self.next_number, event)
         self._buffer.append(event)
         self.next_number += 1
+        before = self.bytes
         self.bytes += len(event)
         while self.bytes > self.limits.max_bytes and len(self._buffer) > 1:
             self.bytes -= len(self._buffer.popleft())
             self.first_kept += 1
+        self._registry.resized(self, self.bytes - before)
         self._wake()
 
     def _wake(self) -> None:
@@ -362,15 +372,32 @@ class StreamRegistry:
 
     def __init__(self, limits: ResumeLimits | None = None) -> None:
         self.limits = limits or ResumeLimits()
-        self._streams: dict[str, ResumableStream] = {}
+        self._streams: dict[str, ResumableStream] = {}  # oldest first
+        self.bytes = 0  # buffered by the streams held
 
     def __len__(self) -> int:
         return len(self._streams)
 
     def open(self, stream_id: str, owner: str | None, events: AsyncIterator[str]) -> ResumableStream:
+        """Start producing `events` (numbered from 0) into a new stream's buffer."""
+        self._make_room()
         stream = ResumableStream(stream_id, owner, events, self.limits, self)
         self._streams[stream_id] = stream
         return stream
+
+    def _make_room(self) -> None:
+        """Over the total, forget finished streams, oldest first (live ones are bounded one by one, and
+        in number by admission control)."""
+        if self.bytes <= self.limits.max_total_bytes:
+            return
+        for stream in [s for s in self._streams.values() if s.finished]:
+            self.forget(stream)
+            if self.bytes <= self.limits.max_total_bytes:
+                return
+
+    def resized(self, stream: ResumableStream, change: int) -> None:
+        if self._streams.get(stream.id) is stream:
+            self.bytes += change
 
     def get(self, stream_id: str, owner: str | None) -> ResumableStream:
         """The stream, if `owner` may follow it; a 404 otherwise (unknown, forgotten, or another key's)."""
@@ -382,6 +409,7 @@ class StreamRegistry:
     def forget(self, stream: ResumableStream) -> None:
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
+            self.bytes -= stream.bytes
 
     async def close(self) -> None:
         """Stop every stream (the server is shutting down)."""

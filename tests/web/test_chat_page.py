@@ -204,7 +204,7 @@ def test_a_dropped_connection_resumes_to_the_same_answer(page, server: PlatformS
     assert page.inner_text("#error") == ""
 
 
-def test_a_wrong_key_shows_the_401_message(page, server: PlatformServer):
+def test_a_wrong_key_shows_the_401_message_and_limits_show_when_to_retry(page, server: PlatformServer):
     server.new_key("the only key")
     server.clock.advance(10)  # past the key cache's memory of "no keys yet"
     open_page_without_models(page)
@@ -214,6 +214,21 @@ def test_a_wrong_key_shows_the_401_message(page, server: PlatformServer):
     page.wait_for_selector("#error:not([hidden])")
     assert "401" in page.inner_text("#error") and "API key" in page.inner_text("#error")
     assert page.evaluate("() => localStorage.getItem('llmserve.apiKey')") == "sk-wrong"
+
+    for status, retry_after, expected in ((429, "7", "Try again in 7 s"), (503, "3", "Retry in 3 s")):
+        page.route("**/v1/models", refusal(status, retry_after))
+        page.reload()
+        page.wait_for_selector("#error:not([hidden])")
+        assert str(status) in page.inner_text("#error") and expected in page.inner_text("#error")
+        page.unroute("**/v1/models")
+
+
+def refusal(status: int, retry_after: str):
+    """A route handler answering `status` with Retry-After, as the server does when it refuses."""
+    def fulfill(route) -> None:
+        route.fulfill(status=status, headers={"retry-after": retry_after}, json={
+            "error": {"message": "not now", "type": "rate_limit_error", "param": None, "code": None}})
+    return fulfill
 
 
 def open_page_without_models(page) -> None:
