@@ -4,8 +4,11 @@ connection resumed, and the key errors. Skips only where Chromium is not install
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -202,6 +205,79 @@ def test_a_dropped_connection_resumes_to_the_same_answer(page, server: PlatformS
     assert resumes == ["4"]
     assert answers(page)[-1] == uninterrupted and len(uninterrupted) > 0
     assert page.inner_text("#error") == ""
+
+
+class CuttableProxy:
+    """A TCP proxy in front of the server whose connections the test can cut, as a network that drops."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("http://").split(":")
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.open: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(self.target)
+            with self.lock:
+                self.open += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        """Drop every connection open now (new ones still get through)."""
+        with self.lock:
+            cut, self.open = self.open, []
+        for connection in cut:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cut()
+
+
+def test_the_network_dropping_mid_answer_is_survived(browser, server: PlatformServer):
+    proxy = CuttableProxy(server.base_url)
+    context = browser.new_context(base_url=proxy.base_url)
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    try:
+        open_page(page, {"temperature": "0", "max-tokens": "1200"})
+        page.route("**/v1/chat/completions", ignoring_eos)
+        send(page, "Tell me everything")
+        uninterrupted = answers(page)[-1]
+        page.click("#new-chat")
+        with answer_ends(page):
+            page.fill("#prompt", "Tell me everything")
+            page.press("#prompt", "Enter")
+            page.wait_for_function("() => document.querySelector('.msg.assistant.streaming .body')?.textContent.length > 0")
+            proxy.cut()
+            page.wait_for_selector("#connection:not([hidden])")  # "reconnecting", then resumed
+        assert answers(page)[-1] == uninterrupted and len(uninterrupted) > 1000
+        assert page.inner_text("#error") == ""
+    finally:
+        context.close()
+        proxy.close()
 
 
 def test_a_wrong_key_shows_the_401_message_and_limits_show_when_to_retry(page, server: PlatformServer):
