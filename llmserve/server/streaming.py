@@ -269,7 +269,7 @@ class ResumableStream:
         self.bytes = 0
         self.finished = False
         self._followers = 0
-        self._arrived: asyncio.Future[None] | None = None
+        self._waiting: list[asyncio.Future[None]] = []  # one per follower waiting for the next event
         loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = loop.call_later(limits.grace_seconds, self._grace_over)
         self._producer = asyncio.ensure_future(self._produce(events))
@@ -300,8 +300,10 @@ class ResumableStream:
         self._wake()
 
     def _wake(self) -> None:
-        if self._arrived is not None and not self._arrived.done():
-            self._arrived.set_result(None)
+        waiting, self._waiting = self._waiting, []
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _restart_timer(self) -> None:
         if self._timer is not None:
@@ -347,9 +349,9 @@ class ResumableStream:
                 if self.finished and number >= self.next_number:
                     return
                 if number >= self.next_number:
-                    if self._arrived is None or self._arrived.done():
-                        self._arrived = asyncio.get_running_loop().create_future()
-                    await asyncio.shield(self._arrived)
+                    waiter = asyncio.get_running_loop().create_future()
+                    self._waiting.append(waiter)
+                    await waiter
         finally:
             self._followers -= 1
             self._restart_timer()
