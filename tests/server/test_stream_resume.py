@@ -135,6 +135,25 @@ def test_a_stream_can_be_followed_from_its_start_and_by_two_clients(server: Plat
     assert again == first and first[-1][1] == "[DONE]"
 
 
+def test_text_completions_resume_too(server: PlatformServer, key: str):
+    body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"resumable": True}}
+    with server.client(key) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            stream_id = response.headers["x-stream-id"]
+            seen = read_events(response, stop_after=2)
+        with http.stream("GET", f"/v1/streams/{stream_id}", headers={"Last-Event-ID": "1"}) as response:
+            rest = read_events(response)
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            whole = read_events(response)
+
+    def text(events: list[Event]) -> str:
+        return "".join(json.loads(data)["choices"][0]["text"] for _, data in events if data != "[DONE]")
+
+    assert stream_id.startswith("cmpl-") and [number for number, _ in seen + rest] == list(range(len(seen + rest)))
+    assert text(seen + rest) == text(whole) and rest[-1][1] == "[DONE]"
+
+
 def test_unknown_or_foreign_streams_are_not_found(server: PlatformServer, key: str):
     other = server.new_key("someone else")[1]
     with server.client(key) as http, server.client(other) as stranger:
