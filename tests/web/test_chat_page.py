@@ -154,6 +154,11 @@ def test_model_output_is_rendered_inert(page, server: PlatformServer):
     open_page(page, path=f"/#{created['id']}")
     body = page.wait_for_selector(".msg.assistant .body")
     assert_inert(page, body)
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page.click(".msg.assistant footer .copy")  # the answer's own text, as the model wrote it
+    page.wait_for_selector(".msg.assistant footer .copy:text('Copied')")
+    assert page.evaluate("() => navigator.clipboard.readText()") == ATTACK
+    assert page.query_selector(".msg.user button.edit") is None, "a turn at the root cannot branch"
 
     # The same text streamed (a fake server answer, on a server without a conversation store, so the
     # page keeps the chat in the tab): inert once it is done.

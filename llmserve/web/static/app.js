@@ -171,6 +171,8 @@ function actions(node) {
   if (node.role === "system") return bar;
   bar.append(copyButton(() => node.content));
   const idle = state.pending === null && !node.pending && !node.unstored;
+  // A branch needs a parent to start from: the server appends a turn without one after the head.
+  const branchable = (user) => user?.role === "user" && (user.parent_id !== null || state.current?.local);
   if (node.role === "assistant") {
     const stats = state.stats.get(node.id);
     const tokens = stats?.tokens ?? node.token_count;
@@ -182,9 +184,9 @@ function actions(node) {
     if (stats?.totalMs != null) parts.push(`${(stats.totalMs / 1000).toFixed(2)} s`);
     if (stats?.stopped) parts.push("stopped");
     meta.textContent = parts.join(" · ");
-    if (idle && state.nodes.get(node.parent_id)?.role === "user") bar.append(button("Regenerate", "Regenerate this answer", () => regenerate(node), "regenerate"));
+    if (idle && branchable(state.nodes.get(node.parent_id))) bar.append(button("Regenerate", "Regenerate this answer", () => regenerate(node), "regenerate"));
     bar.append(meta);
-  } else if (idle && node.role === "user") {
+  } else if (idle && branchable(node)) {
     bar.append(button("Edit", "Edit this message (a new branch)", () => edit(node), "edit"));
   }
   return bar;

@@ -154,18 +154,32 @@ function highlight(code) {
   return nodes;
 }
 
+async function copyText(text) {
+  try {
+    await navigator.clipboard.writeText(text);
+    return true;
+  } catch {
+    // No clipboard API (a page served over plain http from another host): the older way.
+    const area = document.createElement("textarea");
+    area.value = text;
+    area.setAttribute("readonly", "");
+    area.style.position = "fixed";
+    area.style.opacity = "0";
+    document.body.append(area);
+    area.select();
+    const copied = document.execCommand("copy");
+    area.remove();
+    return copied;
+  }
+}
+
 export function copyButton(text, label = "Copy") {
   const button = document.createElement("button");
   button.type = "button";
   button.className = "copy";
   button.textContent = label;
   button.addEventListener("click", async () => {
-    try {
-      await navigator.clipboard.writeText(text());
-      button.textContent = "Copied";
-    } catch {
-      button.textContent = "Copy failed";
-    }
+    button.textContent = (await copyText(text())) ? "Copied" : "Copy failed";
     setTimeout(() => { button.textContent = label; }, 1200);
   });
   return button;
