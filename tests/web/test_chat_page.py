@@ -147,6 +147,36 @@ def test_stream_stop_regenerate_branches_reload_and_delete(page, server: Platfor
     assert page.errors == [] and page.dialogs == []
 
 
+def test_phone_width_themes_keyboard_system_prompt_and_rename(page, server: PlatformServer):
+    page.set_viewport_size({"width": 390, "height": 844})
+    open_page(page, {"system-prompt": "Answer in one word.", "max-tokens": "4"})
+    assert not page.is_visible("#new-chat")  # the conversation list folds away at phone width
+    page.click("#theme")
+    assert page.get_attribute("html", "data-theme") == "dark"
+    page.fill("#prompt", "line one")
+    page.press("#prompt", "Shift+Enter")  # a new line, not a send
+    page.type("#prompt", "line two")
+    assert page.input_value("#prompt") == "line one\nline two" and answers(page) == []
+    with answer_ends(page):
+        page.press("#prompt", "Enter")
+    assert page.input_value("#prompt") == "" and len(answers(page)) == 1
+
+    page.click("#menu")
+    conversation_id = page.get_attribute("#conversations li", "data-id")
+    page.click("#conversations li .rename")
+    page.fill(".rename-input", "One word")
+    page.press(".rename-input", "Enter")
+    page.wait_for_selector("#conversations li .open:text('One word')")
+    stored = httpx.get(f"{server.base_url}/v1/conversations/{conversation_id}/tree").json()["data"]
+    assert [(m["role"], m["content"]) for m in stored[:2]] == [("system", "Answer in one word."), ("user", "line one\nline two")]
+    assert httpx.get(f"{server.base_url}/v1/conversations/{conversation_id}").json()["title"] == "One word"
+    page.reload()
+    page.wait_for_selector(".msg.assistant")
+    assert page.get_attribute("html", "data-theme") == "dark"  # the theme is remembered
+    assert page.input_value("#system-prompt") == "Answer in one word." and page.is_disabled("#system-prompt")
+    assert page.errors == []
+
+
 def test_model_output_is_rendered_inert(page, server: PlatformServer):
     created = httpx.post(f"{server.base_url}/v1/conversations", json={"title": "attack", "messages": [
         {"role": "user", "content": "Say something nasty"}, {"role": "assistant", "content": ATTACK},
