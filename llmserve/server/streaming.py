@@ -237,13 +237,14 @@ class EventIds:
 
 @dataclass(frozen=True)
 class ResumeLimits:
-    max_bytes: int = 1 << 20  # of one stream's buffered events; the oldest go first
+    # Sizes in characters of the events' text (their UTF-8 is up to 4 bytes a character).
+    max_chars: int = 1 << 20  # of one stream's buffered events; the oldest go first
     grace_seconds: float = 30.0  # unfollowed before the generation is aborted; finished before forgotten
-    max_total_bytes: int = 256 << 20  # of every stream's buffer: past it, finished streams go early, oldest first
+    max_total_chars: int = 256 << 20  # of every stream's buffer: past it, finished streams go early, oldest first
 
     def __post_init__(self) -> None:
-        if self.max_bytes < 1 or self.max_total_bytes < 1 or self.grace_seconds <= 0:
-            raise ValueError("max_bytes and max_total_bytes must be at least 1, grace_seconds positive")
+        if self.max_chars < 1 or self.max_total_chars < 1 or self.grace_seconds <= 0:
+            raise ValueError("max_chars and max_total_chars must be at least 1, grace_seconds positive")
 
 
 class EventsDropped(Exception):
@@ -266,7 +267,7 @@ class ResumableStream:
         self._buffer: deque[str] = deque()  # events first_kept .. next_number-1, with their ids
         self.first_kept = 0
         self.next_number = 0
-        self.bytes = 0
+        self.chars = 0
         self.finished = False
         self._followers = 0
         self._waiting: list[asyncio.Future[None]] = []  # one per follower waiting for the next event
@@ -291,12 +292,12 @@ class ResumableStream:
     def _append(self, event: str) -> None:
         self._buffer.append(event)
         self.next_number += 1
-        before = self.bytes
-        self.bytes += len(event)
-        while self.bytes > self.limits.max_bytes and len(self._buffer) > 1:
-            self.bytes -= len(self._buffer.popleft())
+        before = self.chars
+        self.chars += len(event)
+        while self.chars > self.limits.max_chars and len(self._buffer) > 1:
+            self.chars -= len(self._buffer.popleft())
             self.first_kept += 1
-        self._registry.resized(self, self.bytes - before)
+        self._registry.resized(self, self.chars - before)
         self._wake()
 
     def _wake(self) -> None:
@@ -375,7 +376,7 @@ class StreamRegistry:
     def __init__(self, limits: ResumeLimits | None = None) -> None:
         self.limits = limits or ResumeLimits()
         self._streams: dict[str, ResumableStream] = {}  # oldest first
-        self.bytes = 0  # buffered by the streams held
+        self.chars = 0  # buffered by the streams held
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -390,16 +391,16 @@ class StreamRegistry:
     def _make_room(self) -> None:
         """Over the total, forget finished streams, oldest first (live ones are bounded one by one, and
         in number by admission control)."""
-        if self.bytes <= self.limits.max_total_bytes:
+        if self.chars <= self.limits.max_total_chars:
             return
         for stream in [s for s in self._streams.values() if s.finished]:
             self.forget(stream)
-            if self.bytes <= self.limits.max_total_bytes:
+            if self.chars <= self.limits.max_total_chars:
                 return
 
     def resized(self, stream: ResumableStream, change: int) -> None:
         if self._streams.get(stream.id) is stream:
-            self.bytes += change
+            self.chars += change
 
     def get(self, stream_id: str, owner: str | None) -> ResumableStream:
         """The stream, if `owner` may follow it; a 404 otherwise (unknown, forgotten, or another key's)."""
@@ -411,7 +412,7 @@ class StreamRegistry:
     def forget(self, stream: ResumableStream) -> None:
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
-            self.bytes -= stream.bytes
+            self.chars -= stream.chars
 
     async def close(self) -> None:
         """Stop every stream (the server is shutting down)."""

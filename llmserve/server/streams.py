@@ -4,13 +4,15 @@ up again with `GET /v1/streams/{id}` and `Last-Event-ID`, getting the events it 
 live rest; `DELETE /v1/streams/{id}` stops it (the stop button of a client that may reconnect).
 
 Every streamed event carries an `id:` (its number in the response, from 0); the stream's id is the
-response id, also in the `x-stream-id` header. Bounds: a stream's buffer keeps at most `max_bytes` of
+response id, also in the `x-stream-id` header. Bounds: a stream's buffer keeps at most `max_chars` of
 its newest events (a resume from an event already dropped gets a 410); a stream nobody follows for
 `grace_seconds` is aborted (its KV freed), and a finished one is forgotten `grace_seconds` after its
 end. A stream without the option is not kept: a disconnect aborts it at once.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
@@ -24,14 +26,16 @@ from llmserve.server.streaming import STREAM_ID_HEADER, EventsDropped, dropped_e
 
 router = APIRouter()
 
+
 def _last_event(header: str | None) -> int:
-    if header is None or header == "":
+    """The id of the last event the client has (-1, or no header: none, replay from the start)."""
+    if not header:
         return -1
     try:
         number = int(header)
     except ValueError:
-        number = -2
-    if number < -1:
+        number = None
+    if number is None or number < -1:
         raise APIError(400, "Last-Event-ID must be an event id of the stream (an integer).", param="Last-Event-ID")
     return number
 
@@ -39,7 +43,7 @@ def _last_event(header: str | None) -> int:
 class StreamDeleted(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str
-    object: str
+    object: Literal["stream.deleted"]
     deleted: bool
 
 

@@ -65,13 +65,13 @@ def test_followers_get_the_events_after_their_id_then_the_live_ones_in_order():
     assert stream.finished and stream.next_number == 5
 
 
-def test_a_stream_keeps_only_its_newest_events_within_max_bytes():
+def test_a_stream_keeps_only_its_newest_events_within_max_chars():
     async def main():
-        registry = StreamRegistry(ResumeLimits(max_bytes=60))
+        registry = StreamRegistry(ResumeLimits(max_chars=60))
         source = Source()
         stream = registry.open("s1", None, source.events())
         for i in range(10):
-            source.put(f"event-{i}")  # "id: i\ndata: event-i\n\n": 23 bytes
+            source.put(f"event-{i}")  # "id: i\ndata: event-i\n\n": 23 characters
         source.end()
         await stream.wait_finished()
         with pytest.raises(EventsDropped):
@@ -81,20 +81,20 @@ def test_a_stream_keeps_only_its_newest_events_within_max_bytes():
         return stream, registry, behind, tail
 
     stream, registry, behind, tail = asyncio.run(main())
-    assert stream.bytes <= 60 and stream.first_kept == 9 and registry.bytes == stream.bytes
+    assert stream.chars <= 60 and stream.first_kept == 9 and registry.chars == stream.chars
     assert json.loads(datas(behind)[0])["error"]["code"] == "stream_events_dropped" and behind[1] == SSE_DONE
     assert datas(tail) == ["event-9", "[DONE]"]
 
 
 def test_over_the_total_the_oldest_finished_streams_are_forgotten():
     async def main():
-        registry = StreamRegistry(ResumeLimits(max_total_bytes=100))
+        registry = StreamRegistry(ResumeLimits(max_total_chars=100))
         finished = []
         for name in ("old", "newer"):
             source = Source()
             stream = registry.open(name, None, source.events())
             for _ in range(3):
-                source.put("x" * 10)  # 21 bytes each, with the done event 84 a stream
+                source.put("x" * 10)  # 21 characters each, with the done event 84 a stream
             source.end()
             await stream.wait_finished()
             finished.append(stream)
@@ -107,7 +107,7 @@ def test_over_the_total_the_oldest_finished_streams_are_forgotten():
 
     names, registry = asyncio.run(main())
     assert names == ["newer", "live"]
-    assert registry.bytes == sum(s.bytes for s in registry._streams.values())
+    assert registry.chars == sum(s.chars for s in registry._streams.values())
 
 
 def test_a_failing_producer_ends_its_followers_with_an_error_event():

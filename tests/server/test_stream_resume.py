@@ -24,13 +24,13 @@ from tests.server.platform_fixtures import (
 
 GRACE_SECONDS = 1.0
 SHORT_GRACE_SECONDS = 0.05  # much less than the tiny model takes for 480 tokens
-MAX_BUFFER_BYTES = 4096
+MAX_BUFFER_CHARS = 4096
 CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture
 def server(tiny_engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:  # noqa: F811
-    limits = ResumeLimits(max_bytes=MAX_BUFFER_BYTES, grace_seconds=GRACE_SECONDS)
+    limits = ResumeLimits(max_chars=MAX_BUFFER_CHARS, grace_seconds=GRACE_SECONDS)
     yield from serve_platform(tiny_engine, tmp_path, stream_resume=limits)
 
 
@@ -241,7 +241,7 @@ def test_the_buffer_keeps_only_the_newest_events_within_its_size(server: Platfor
             stream_id = stream_id_of(response)
             events = read_events(response)
         stream = server.app.state.llmserve.streams.get(stream_id, server.keys.lookup(key).id)
-        assert 0 < stream.bytes <= MAX_BUFFER_BYTES and stream.first_kept > 0
+        assert 0 < stream.chars <= MAX_BUFFER_CHARS and stream.first_kept > 0
         gone = resume(http, stream_id, 0)
         assert gone.status_code == 410 and gone.json()["error"]["code"] == "stream_events_dropped"
         with http.stream("GET", f"/v1/streams/{stream_id}", headers={"Last-Event-ID": str(events[-3][0])}) as tail:
