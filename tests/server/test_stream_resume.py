@@ -13,7 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from llmserve.cli import build_parser
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.server.serve import resume_limits
 from llmserve.server.streaming import ResumeLimits
 from tests.server.platform_fixtures import (
     PlatformServer,
@@ -180,6 +182,15 @@ def test_streams_without_the_option_are_numbered_but_not_kept(server: PlatformSe
         assert [number for number, _ in events] == list(range(len(events)))
         stream_id = json.loads(events[0][1])["id"]
         assert resume(http, stream_id, None).status_code == 404
+
+
+def test_serve_flags_set_the_resume_limits():
+    parser = build_parser()
+    assert resume_limits(parser.parse_args(["serve"])) == ResumeLimits()
+    args = parser.parse_args(["serve", "--stream-resume-grace-seconds", "5", "--stream-resume-max-chars", "4096"])
+    assert resume_limits(args) == ResumeLimits(max_chars=4096, grace_seconds=5.0)
+    with pytest.raises(SystemExit, match="grace_seconds positive"):
+        resume_limits(parser.parse_args(["serve", "--stream-resume-grace-seconds", "0"]))
 
 
 # ---- stopping and the grace period ----------------------------------------------------------------
