@@ -433,10 +433,12 @@ function showUnstored(user, reply, stats) {
   render();
 }
 
+let localIds = 0;
+
 async function storeTurn(user, reply, stats, local) {
   if (local) {
-    user.id = `local-${crypto.randomUUID()}`;
-    reply.id = `local-${crypto.randomUUID()}`;
+    user.id = `local-${++localIds}`; // (crypto.randomUUID needs a secure context: not plain http)
+    reply.id = `local-${++localIds}`;
     reply.parent_id = user.id;
     user.pending = reply.pending = false;
     addNode(user);
