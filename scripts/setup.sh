@@ -13,3 +13,10 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "torch==2.13.0"
 fi
 python -m pip install -q -e ".[test]"
+# The chat page's browser tests drive Debian's Chromium through Playwright (no `playwright install`).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; fi
+  { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null; } \
+    || echo "setup: could not install chromium; the browser tests will be skipped" >&2
+fi

@@ -39,6 +39,7 @@ from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from llmserve.server.metrics import PlatformMetrics
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from llmserve.server.workers import WorkerPool
+from llmserve.web import install_page, page_paths
 
 # Connecting is quick or the replica is gone; generating may take minutes.
 REPLICA_TIMEOUT = httpx.Timeout(connect=2.0, read=600.0, write=30.0, pool=None)
@@ -137,7 +138,7 @@ def build_gateway_app(
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if platform is not None and platform.keys is not None:
-        public = public_paths(app, public_metrics, public_openapi=False)
+        public = public_paths(app, public_metrics, public_openapi=False) | page_paths()
         app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=platform.metrics, public_paths=public)
     front = GatewayPlatform(platform or Platform(), state.router, state.proxy, workers)
 
@@ -205,4 +206,5 @@ def build_gateway_app(
 
     app.include_router(usage.router)
     app.include_router(conversations.router)
+    install_page(app)  # the chat page (resuming a stream is not routed by the gateway yet)
     return app

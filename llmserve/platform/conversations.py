@@ -327,6 +327,27 @@ class ConversationStore:
             page.reverse()
         return [_to_message(row) for row in page], len(rows) > limit
 
+    def tree(self, key_id: str | None, conversation_id: str) -> tuple[Conversation, list[Message]]:
+        """The conversation (its head marks the active branch) and every message of every branch, oldest
+        first: what a client needs to show the branches and move between them. Bounded by the limit on
+        a conversation's messages."""
+        with self._db.session() as session:
+            conversation = self._owned(session, key_id, conversation_id)
+            rows = session.scalars(
+                select(MessageRow)
+                .where(MessageRow.conversation_id == conversation.id)
+                .order_by(MessageRow.created_at, MessageRow.id)
+            )
+            return _to_conversation(conversation), [_to_message(row) for row in rows]
+
+    def rename(self, key_id: str | None, conversation_id: str, title: str | None) -> Conversation:
+        """Set the conversation's title (None or blank: untitled)."""
+        with self._db.session(write=True) as session:
+            conversation = self._owned(session, key_id, conversation_id, lock=True)
+            conversation.title = _checked_title(title)
+            conversation.updated_at = utcnow()
+            return _to_conversation(conversation)
+
     def message_count(self, key_id: str | None, conversation_id: str) -> int:
         """How many messages the conversation holds, every branch counted (what its limit counts)."""
         with self._db.session() as session:

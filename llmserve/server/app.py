@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import llmserve
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.routing import ModelRouter
-from llmserve.server import admin, chat, completions, conversations, health, metrics, tokens, usage
+from llmserve.server import admin, chat, completions, conversations, health, metrics, streams, tokens, usage
 from llmserve.server import models as models_api
 from llmserve.server.errors import install_error_handlers, shutting_down
 from llmserve.server.gateway import AuthMiddleware, Platform, public_paths
@@ -25,6 +25,8 @@ from llmserve.server.metrics import ServerMetrics
 from llmserve.server.openapi import install_openapi
 from llmserve.server.slo import SLO
 from llmserve.server.state import ModelEndpoint, ServerState
+from llmserve.server.streaming import ResumeLimits, StreamRegistry
+from llmserve.web import install_page, page_paths
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ _ALWAYS_SERVED = ("/metrics",)
 
 # Response headers a cross-origin page may read (beyond the CORS-safelisted ones).
 _EXPOSED_HEADERS = [
-    "retry-after", "retry-after-ms", "x-conversation-id",
+    "retry-after", "retry-after-ms", "x-conversation-id", "x-stream-id",
     *(f"x-ratelimit-{part}-{limit}" for part in ("limit", "remaining", "reset") for limit in ("requests", "tokens")),
 ]
 
@@ -82,6 +84,7 @@ def _lifespan(state: ServerState, specs: Sequence[ModelSpec], slo: SLO, owns_eng
         with contextlib.suppress(asyncio.CancelledError):
             await drainer
         state.draining = True
+        await state.streams.close()
         state.workers.shutdown()
         for loader in loaders:
             loader.cancel()
@@ -142,6 +145,7 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    stream_resume: ResumeLimits | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over one engine (`engine_client` served as `served_model_name`, also
     answering to `model_aliases`) or several (`models`, routed by name and `aliases`).
@@ -151,9 +155,11 @@ def build_app(
     keys, rate limits, usage metering, conversations and safety filters; once keys exist, every path
     but /health needs one, and /metrics and the OpenAPI document too unless `public_metrics` or
     `public_openapi`. `unlisted_aliases` (among `aliases`) are answered but not listed in /v1/models.
-    `allowed_origins` turns on CORS for those origins ("*": any). A body over `max_request_body_bytes`
-    gets a 413 before anything reads it. `tool_call_parser` and `reasoning_parser` name the formats
-    `engine_client`'s replies are parsed in (a spec in `models` names its own).
+    The chat page at `/` (llmserve/web) is public: it asks for a key itself. `allowed_origins` turns
+    on CORS for those origins ("*": any). A body over `max_request_body_bytes` gets a 413 before
+    anything reads it. `tool_call_parser` and `reasoning_parser` name the formats
+    `engine_client`'s replies are parsed in (a spec in `models` names its own). `stream_resume` bounds
+    the buffers of resumable streams (server/streams.py).
     """
     specs = list(models)
     if engine_client is not None:
@@ -166,7 +172,10 @@ def build_app(
         raise ValueError("build_app needs an engine or at least one model spec.")
     slo = slo or SLO()
     router: ModelRouter[ModelEndpoint] = ModelRouter()
-    state = ServerState(router=router, metrics=ServerMetrics(router.ready_handles), platform=platform)
+    state = ServerState(
+        router=router, metrics=ServerMetrics(router.ready_handles), platform=platform,
+        streams=StreamRegistry(stream_resume),
+    )
     if platform is not None:
         platform.metrics = state.metrics.platform
     for spec in specs:
@@ -192,7 +201,7 @@ def build_app(
     install_openapi(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if platform is not None and platform.keys is not None:
-        public = public_paths(app, public_metrics, public_openapi)
+        public = public_paths(app, public_metrics, public_openapi) | page_paths()
         app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=state.metrics.platform, public_paths=public)
     app.add_middleware(DrainMiddleware, state=state)
     if allowed_origins:
@@ -202,6 +211,7 @@ def build_app(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"],
             expose_headers=_EXPOSED_HEADERS,
         )
-    for module in (chat, completions, models_api, tokens, health, metrics, usage, conversations, admin):
+    for module in (chat, completions, streams, models_api, tokens, health, metrics, usage, conversations, admin):
         app.include_router(module.router)
+    install_page(app)
     return app

@@ -331,6 +331,48 @@ async def list_messages(
     return JSONResponse(_page_json([m.as_dict() for m in page], has_more))
 
 
+class UpdateConversation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    title: str | None = Field(max_length=200)
+
+
+class ConversationTree(_Response):
+    object: Literal["conversation.tree"]
+    id: str
+    head_message_id: str | None
+    data: list[MessageObject]
+
+
+@router.post("/v1/conversations/{conversation_id}", responses=documented(ConversationSummary))
+async def update_conversation(conversation_id: str, body: UpdateConversation, request: Request) -> JSONResponse:
+    """Rename the conversation (as OpenAI's conversation update, with a title instead of metadata)."""
+    store = _store(get_state(request))
+    key_id = _key_id(request_key(request.state))
+    try:
+        await asyncio.to_thread(store.rename, key_id, conversation_id, body.title)
+        summary = await asyncio.to_thread(store.summary, key_id, conversation_id)
+    except ConversationNotFound:
+        raise _not_found(conversation_id) from None
+    return JSONResponse(_summary_json(*summary))
+
+
+@router.get("/v1/conversations/{conversation_id}/tree", responses=documented(ConversationTree))
+async def conversation_tree(conversation_id: str, request: Request) -> JSONResponse:
+    """Every message of every branch, oldest first, and the head of the active branch (each message
+    names its parent): what the chat page shows branches from."""
+    store = _store(get_state(request))
+    try:
+        conversation, messages = await asyncio.to_thread(
+            store.tree, _key_id(request_key(request.state)), conversation_id
+        )
+    except ConversationNotFound:
+        raise _not_found(conversation_id) from None
+    return JSONResponse({
+        "object": "conversation.tree", "id": conversation.id, "head_message_id": conversation.head_message_id,
+        "data": [m.as_dict() for m in messages],
+    })
+
+
 @router.delete("/v1/conversations/{conversation_id}", responses=documented(ConversationDeleted))
 async def delete_conversation(conversation_id: str, request: Request) -> Response:
     store = _store(platform_of(request))

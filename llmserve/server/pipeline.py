@@ -29,8 +29,10 @@ from llmserve.server.protocol import Usage, now
 from llmserve.server.state import ModelEndpoint, ServerState
 from llmserve.server.streaming import (
     SSE_DONE,
+    STREAM_ID_HEADER,
     ChunkEnvelope,
     Delta,
+    EventIds,
     StreamCursor,
     event_stream,
     final_outputs,
@@ -111,6 +113,7 @@ class PreparedRequest:
     continuous_usage: bool  # streamed: every chunk with the usage so far
     screen_texts: Callable[[], Sequence[str]]  # what the safety pre-filter reads (called on a worker)
     screen_param: str  # the parameter a blocked prompt is reported on
+    resumable: bool = False  # streamed: kept generating into a buffer when the client drops (server/streams.py)
     priority: int = 0
     cache_salt: str | None = None
     renames: Mapping[str, str] | None = None  # engine parameter names -> the request's own
@@ -137,6 +140,10 @@ async def respond(request: Request, prepared: PreparedRequest, shape: ResponseSh
     )
     run = _Run(prepared, shape, started)
     headers = {**started.headers, **prepared.headers}
+    if prepared.stream and prepared.resumable:
+        owner = prepared.key.id if prepared.key is not None else None
+        stream = state.streams.open(started.response_id, owner, run.events())
+        return event_stream(stream.follow(), {**headers, STREAM_ID_HEADER: started.response_id})
     if prepared.stream:
         return event_stream(run.events(), headers)
     return JSONResponse(await run.to_end(request), headers=headers)
@@ -195,40 +202,41 @@ class _Run:
         return self.shape.response(self.started.response_id, self.model, choices, usage, outputs).model_dump()
 
     async def events(self) -> AsyncIterator[str]:
-        """The streamed response's server-sent events."""
+        """The streamed response's server-sent events, numbered (their SSE ids) for resuming."""
         started, shape = self.started, self.shape
+        numbered = EventIds()
         streams, meter = started.streams, started.meter
         created = now()
         envelope = ChunkEnvelope(shape.empty_chunk(started.response_id, created, self.model, None))
         status = "disconnected"  # unless the streams get to their end
         try:
             for choices in shape.opening_chunks(len(streams), self.n):
-                yield envelope.event(choices, self._usage_so_far())
+                yield numbered(envelope.event(choices, self._usage_so_far()))
             if len(streams) == 1:  # iterated directly: a merging generator costs a hop per token
                 async for output in streams[0]:
                     choices = self._advance(0, output)
                     if choices:
-                        yield envelope.event(choices, self._usage_so_far())
+                        yield numbered(envelope.event(choices, self._usage_so_far()))
                     if self.finals:
                         break
             else:
                 async for position, output in merged(streams):
                     choices = self._advance(position, output)
                     if choices:
-                        yield envelope.event(choices, self._usage_so_far())
+                        yield numbered(envelope.event(choices, self._usage_so_far()))
                     if len(self.finals) == len(streams):
                         break
             status = "content_filter" if self._count_blocks() else "completed"
             if self.prepared.include_usage:
-                yield sse(shape.empty_chunk(started.response_id, created, self.model, usage_of(meter)))
+                yield numbered(sse(shape.empty_chunk(started.response_id, created, self.model, usage_of(meter))))
             await meter.finish_durably(status)  # metered before the client sees the end
             await shape.completed([self.finals[i] for i in sorted(self.finals)], self.cursors, status == "content_filter")
-            yield SSE_DONE
+            yield numbered(SSE_DONE)
         except LLMServeError as exc:  # the engine died or is shutting down mid-stream
             status = "error"
-            yield sse(errors.from_exception(exc).body_json())
+            yield numbered(sse(errors.from_exception(exc).body_json()))
             await meter.finish_durably(status)
-            yield SSE_DONE
+            yield numbered(SSE_DONE)
         finally:
             started.abort(status)
 

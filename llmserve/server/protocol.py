@@ -74,6 +74,10 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
     # vLLM's: every chunk carries the usage so far (the gateway meters a broken stream by it)
     continuous_usage_stats: StrictBool = False
+    resumable: StrictBool = Field(False, description=(
+        "llmserve: keep generating through a dropped connection for a grace period; resume with "
+        "GET /v1/streams/{id} (the x-stream-id header) and Last-Event-ID."
+    ))
 
 
 class PromptTokensDetails(_Response):

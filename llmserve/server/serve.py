@@ -29,6 +29,7 @@ from llmserve.server.gateway import Platform
 from llmserve.server.graceful import GracefulServer
 from llmserve.server.platform_options import build_platform, configured_aliases
 from llmserve.server.slo import SLO
+from llmserve.server.streaming import ResumeLimits
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,16 @@ def make_app(args: argparse.Namespace, config: ModelsConfig | None, platform: Pl
         public_openapi=args.public_openapi,
         allowed_origins=parse_origins(args.allowed_origins),
         max_request_body_bytes=args.max_request_body_bytes,
+        stream_resume=resume_limits(args),
     )
+
+
+def resume_limits(args: argparse.Namespace) -> ResumeLimits:
+    """--stream-resume-*: the bounds of resumable streams' buffers (bad values end the command with why)."""
+    try:
+        return ResumeLimits(max_chars=args.stream_resume_max_chars, grace_seconds=args.stream_resume_grace_seconds)
+    except ValueError as exc:
+        raise SystemExit(f"llmserve serve: {exc}") from None
 
 
 def parse_origins(values: list[str]) -> list[str]:

@@ -19,6 +19,7 @@ from llmserve.server.limits import PromptBound
 from llmserve.server.logprobs import TokenTexts
 from llmserve.server.protocol import now
 from llmserve.server.reasoning import ReasoningParser, reasoning_parser
+from llmserve.server.streaming import StreamRegistry
 from llmserve.server.tool_calls import ToolParser, tool_parser_for
 from llmserve.server.workers import WorkerPool
 from llmserve.tokenizer.continuations import ContinuationCache
@@ -107,6 +108,7 @@ class ServerState:
     platform: Platform | None = None  # None: no keys, limits, metering or conversations
     draining: bool = False  # set on SIGTERM: new requests get a 503
     workers: WorkerPool = field(default_factory=WorkerPool)  # tokenization, templating, the safety screen
+    streams: StreamRegistry = field(default_factory=StreamRegistry)  # resumable streams, by response id
     created: int = field(default_factory=now)
     _tasks: set[asyncio.Task] = field(default_factory=set)
     _ready: asyncio.Event | None = None

@@ -1,11 +1,15 @@
-"""Plumbing between engine streams and HTTP: server-sent events, client-disconnect detection, and
-several request streams merged into one (a /v1/completions prompt list)."""
+"""Plumbing between engine streams and HTTP: server-sent events (numbered, and buffered for resuming
+when asked: see server/streams.py), client-disconnect detection, and several request streams merged
+into one (a /v1/completions prompt list)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -15,7 +19,9 @@ from pydantic import BaseModel
 
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.safety import OutputGuard, Verdict
-from llmserve.server.errors import ClientDisconnected
+from llmserve.server.errors import APIError, ClientDisconnected
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the gateway uses this module without an engine (nor torch)
     from llmserve.engine.async_llm import RequestStream
@@ -25,6 +31,8 @@ T = TypeVar("T")
 CONTENT_FILTER = "content_filter"
 
 SSE_DONE = "data: [DONE]\n\n"
+
+STREAM_ID_HEADER = "x-stream-id"  # a resumable stream's id (its response id)
 
 
 def sse(payload: BaseModel | str) -> str:
@@ -219,3 +227,211 @@ class StreamCursor:
         self.tokens_sent = len(completion.token_ids)
         self.done = finished
         return Delta(new_text, completion.token_ids[start:], logprobs, finish_reason)
+
+
+# ---- numbered events and resumable streams ---------------------------------------------------------
+
+
+class EventIds:
+    """Numbers a response's events from 0: their SSE ids, which a client resumes from."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def __call__(self, event: str) -> str:
+        numbered = f"id: {self.next}\n{event}"
+        self.next += 1
+        return numbered
+
+
+@dataclass(frozen=True)
+class ResumeLimits:
+    # Sizes in characters of the events' text (their UTF-8 is up to 4 bytes a character).
+    max_chars: int = 1 << 20  # of one stream's buffered events; the oldest go first
+    grace_seconds: float = 30.0  # unfollowed before the generation is aborted; finished before forgotten
+    max_total_chars: int = 256 << 20  # of every stream's buffer: past it, finished streams go early, oldest first
+
+    def __post_init__(self) -> None:
+        if self.max_chars < 1 or self.max_total_chars < 1 or self.grace_seconds <= 0:
+            raise ValueError("max_chars and max_total_chars must be at least 1, grace_seconds positive")
+
+
+class EventsDropped(Exception):
+    """The events after the requested one are no longer in the buffer."""
+
+
+class ResumableStream:
+    """One response's events (numbered from 0, see EventIds), produced by a task of their own (so the
+    generation outlives a dropped connection) into a buffer that any number of followers read from an
+    event id on."""
+
+    def __init__(
+        self, stream_id: str, owner: str | None, events: AsyncIterator[str], limits: ResumeLimits,
+        registry: StreamRegistry,
+    ) -> None:
+        self.id = stream_id
+        self.owner = owner  # the key id that may follow it (None: the server has no keys)
+        self.limits = limits
+        self._registry = registry
+        self._buffer: deque[str] = deque()  # events first_kept .. next_number-1, with their ids
+        self.first_kept = 0
+        self.next_number = 0
+        self.chars = 0
+        self.finished = False
+        self._followers = 0
+        self._waiting: list[asyncio.Future[None]] = []  # one per follower waiting for the next event
+        loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = loop.call_later(limits.grace_seconds, self._grace_over)
+        self._producer = asyncio.ensure_future(self._produce(events))
+
+    async def _produce(self, events: AsyncIterator[str]) -> None:
+        try:
+            async for event in events:
+                self._append(event)
+        except Exception:  # a bug: the followers still get an error and the end, not a silent cut
+            logger.exception("resumable stream %s failed", self.id)
+            failed = APIError(500, "The stream failed on the server.", code="stream_failed")
+            self._append(f"id: {self.next_number}\n" + sse(failed.body_json()))
+            self._append(f"id: {self.next_number}\n{SSE_DONE}")
+        finally:
+            self.finished = True
+            self._wake()
+            self._restart_timer()
+
+    def _append(self, event: str) -> None:
+        self._buffer.append(event)
+        self.next_number += 1
+        before = self.chars
+        self.chars += len(event)
+        while self.chars > self.limits.max_chars and len(self._buffer) > 1:
+            self.chars -= len(self._buffer.popleft())
+            self.first_kept += 1
+        self._registry.resized(self, self.chars - before)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _restart_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        if self._followers == 0 or self.finished:
+            self._timer = asyncio.get_running_loop().call_later(self.limits.grace_seconds, self._grace_over)
+
+    def _grace_over(self) -> None:
+        """Nobody followed the stream for the grace period, or it finished that long ago."""
+        self._timer = None
+        if not self.finished:
+            self._producer.cancel()  # aborts the engine requests, records the usage as "disconnected"
+        self._registry.forget(self)
+
+    def check_resumable_after(self, last_event: int) -> None:
+        if last_event + 1 < self.first_kept:
+            raise EventsDropped()
+
+    def _events_from(self, number: int) -> Iterator[str]:
+        if number < self.first_kept:
+            raise EventsDropped()
+        for i in range(number - self.first_kept, len(self._buffer)):
+            yield self._buffer[i]
+
+    async def follow(self, last_event: int = -1) -> AsyncIterator[str]:
+        """The events after `last_event`, then the live ones as they come, to the stream's end. A
+        follower that falls further behind than the buffer holds gets an error event and the end."""
+        self._followers += 1
+        self._restart_timer()
+        number = last_event + 1
+        try:
+            while True:
+                try:
+                    pending = list(self._events_from(number))
+                except EventsDropped:
+                    yield sse(dropped_events(self.id).body_json())
+                    yield SSE_DONE
+                    return
+                for event in pending:
+                    yield event
+                number += len(pending)
+                if self.finished and number >= self.next_number:
+                    return
+                if number >= self.next_number:
+                    waiter = asyncio.get_running_loop().create_future()
+                    self._waiting.append(waiter)
+                    await waiter
+        finally:
+            self._followers -= 1
+            self._restart_timer()
+
+    def cancel(self) -> None:
+        """Stop the generation now and forget the stream."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._producer.cancel()
+        self._registry.forget(self)
+
+    async def wait_finished(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(self._producer)
+
+
+class StreamRegistry:
+    """The resumable streams of one server, by response id."""
+
+    def __init__(self, limits: ResumeLimits | None = None) -> None:
+        self.limits = limits or ResumeLimits()
+        self._streams: dict[str, ResumableStream] = {}  # oldest first
+        self.chars = 0  # buffered by the streams held
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def open(self, stream_id: str, owner: str | None, events: AsyncIterator[str]) -> ResumableStream:
+        """Start producing `events` (numbered from 0) into a new stream's buffer."""
+        self._make_room()
+        stream = ResumableStream(stream_id, owner, events, self.limits, self)
+        self._streams[stream_id] = stream
+        return stream
+
+    def _make_room(self) -> None:
+        """Over the total, forget finished streams, oldest first (live ones are bounded one by one, and
+        in number by admission control)."""
+        if self.chars <= self.limits.max_total_chars:
+            return
+        for stream in [s for s in self._streams.values() if s.finished]:
+            self.forget(stream)
+            if self.chars <= self.limits.max_total_chars:
+                return
+
+    def resized(self, stream: ResumableStream, change: int) -> None:
+        if self._streams.get(stream.id) is stream:
+            self.chars += change
+
+    def get(self, stream_id: str, owner: str | None) -> ResumableStream:
+        """The stream, if `owner` may follow it; a 404 otherwise (unknown, forgotten, or another key's)."""
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.owner != owner:
+            raise APIError(404, f"No resumable stream found with id '{stream_id}'.", code="stream_not_found")
+        return stream
+
+    def forget(self, stream: ResumableStream) -> None:
+        if self._streams.get(stream.id) is stream:
+            del self._streams[stream.id]
+            self.chars -= stream.chars
+
+    async def close(self) -> None:
+        """Stop every stream (the server is shutting down)."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream.cancel()
+        await asyncio.gather(*(s.wait_finished() for s in streams))
+
+
+def dropped_events(stream_id: str) -> APIError:
+    return APIError(
+        410, f"The events of stream '{stream_id}' after that id are no longer buffered.", code="stream_events_dropped"
+    )

@@ -6,6 +6,7 @@ a replica app without a platform over the same engine ("gateway"): the same test
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from fastapi import FastAPI
 from sqlalchemy import func, select
 
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.messages import EngineStats
 from llmserve.gateway.app import build_gateway_app
 from llmserve.platform.conversations import ConversationStore
 from llmserve.platform.keys import ApiKey, KeyCache, KeyStore
@@ -26,7 +28,7 @@ from llmserve.server.app import ModelSpec, build_app
 from llmserve.server.gateway import Platform
 from llmserve.store.db import Database, open_database
 from llmserve.store.schema import UsageRecordRow
-from tests.server.conftest import start_server, tiny_engine_running
+from tests.server.conftest import idle_stats, start_server, tiny_engine_running
 
 MODEL = "tiny-llama"
 MODES = ("direct", "gateway")
@@ -55,6 +57,12 @@ class PlatformServer:
     clock: FrozenClock
     server: object = field(repr=False, default=None)
     app: FastAPI | None = field(repr=False, default=None)
+    loop: asyncio.AbstractEventLoop | None = field(repr=False, default=None)  # the server's (and engine client's)
+
+    def idle_stats(self) -> EngineStats:
+        """Wait (without sleeping) until the engine has nothing left to run; its fresh stats."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(idle_stats(self.engine), self.loop).result(timeout=120)
 
     def client(self, key: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -129,9 +137,9 @@ def serve_platform(
         app = build_app(engine, MODEL, platform=platform, aliases=aliases, **app_options)
     else:
         app = build_app(models=models, platform=platform, aliases=aliases, **app_options)
-    server, thread, base_url, _ = start_server(app)
+    server, thread, base_url, loop = start_server(app)
     try:
-        yield PlatformServer(base_url, engine, platform, database, keys, clock, server, app)
+        yield PlatformServer(base_url, engine, platform, database, keys, clock, server, app, loop)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -98,6 +98,46 @@ def test_serve_flags_set_theconversation_limits() -> None:
     assert conversation_limits(args) == ConversationLimits(max_message_bytes=4096, max_messages=50)
 
 
+# ---- the chat page's needs: every branch at once, renaming -------------------------------------------
+
+
+def test_the_tree_holds_every_branch_and_the_head_marks_the_active_one(server: PlatformServer) -> None:
+    owner, other = server.new_key("owner")[1], server.new_key("another")[1]
+    with server.client(owner) as client, server.client(other) as stranger:
+        conversation = client.post("/v1/conversations", json={"messages": [{"role": "system", "content": "Be brief"}]})
+        conversation_id = conversation.json()["id"]
+        system_id = client.get(f"/v1/conversations/{conversation_id}/tree").json()["data"][0]["id"]
+        first = client.post("/v1/chat/completions", json=chat_body("hi", conversation_id=conversation_id))
+        again = client.post(  # regenerate: the same turn again from the same parent, a second branch
+            "/v1/chat/completions", json=chat_body("hi", conversation_id=conversation_id, parent_message_id=system_id)
+        )
+        tree = client.get(f"/v1/conversations/{conversation_id}/tree").json()
+        foreign = stranger.get(f"/v1/conversations/{conversation_id}/tree")
+    assert first.status_code == again.status_code == 200
+    messages = tree["data"]
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("system", "Be brief"), ("user", "hi"), ("assistant", first.json()["choices"][0]["message"]["content"]),
+        ("user", "hi"), ("assistant", again.json()["choices"][0]["message"]["content"]),
+    ]
+    assert messages[1]["parent_id"] == messages[3]["parent_id"] == system_id
+    assert messages[2]["parent_id"] == messages[1]["id"] and messages[4]["parent_id"] == messages[3]["id"]
+    assert tree["head_message_id"] == messages[4]["id"] and tree["object"] == "conversation.tree"
+    assert foreign.status_code == 404
+
+
+def test_a_conversation_can_be_renamed(server: PlatformServer) -> None:
+    with server.client() as client:
+        conversation_id = client.post("/v1/conversations", json={"messages": turns("a question")}).json()["id"]
+        renamed = client.post(f"/v1/conversations/{conversation_id}", json={"title": "  Plans  "})
+        listed = client.get("/v1/conversations").json()["data"]
+        too_long = client.post(f"/v1/conversations/{conversation_id}", json={"title": "x" * 201})
+        unknown = client.post("/v1/conversations/conv_nope", json={"title": "x"})
+    assert renamed.status_code == 200 and renamed.json()["title"] == "Plans"
+    assert renamed.json()["message_count"] == 1
+    assert [c["title"] for c in listed] == ["Plans"]
+    assert too_long.status_code == 400 and unknown.status_code == 404
+
+
 # ---- messages, a page at a time -------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.routing import iter_route_contexts
+from starlette.routing import Mount
 
 from llmserve.cli import build_parser
 from llmserve.engine.async_llm import AsyncLLM
@@ -43,6 +44,10 @@ ROUTE_ACCESS = {
     "/v1/conversations/{conversation_id}": KEY,
     "/v1/conversations/{conversation_id}/messages": KEY,
     "/admin/reload": KEY,  # an admin key, in fact (test_weight_reload.py)
+    "/v1/conversations/{conversation_id}/tree": KEY,
+    "/v1/streams/{stream_id}": KEY,
+    "/": PUBLIC,  # the chat page: it asks for a key itself
+    "/web": PUBLIC,  # the page's assets (a mount: one of its files is requested)
 }
 ORIGIN = "https://chat.example"
 
@@ -65,7 +70,8 @@ def _requests(server: PlatformServer) -> list[tuple[str, str, str]]:
     undecided = sorted({r.path for r in routes} - set(ROUTE_ACCESS))
     assert not undecided, f"decide who may call {undecided} (add them to ROUTE_ACCESS)"
     return [
-        (method, re.sub(r"\{[^}]+\}", "unknown-id", route.path), route.path)
+        (method, f"{route.path}/app.js" if isinstance(route.route, Mount) else re.sub(r"\{[^}]+\}", "unknown-id", route.path),
+         route.path)
         for route in routes
         for method in sorted(getattr(route, "methods", None) or {"GET"})
     ]

@@ -371,11 +371,12 @@ def test_sse_wire_format(http):
         raw = b"".join(response.iter_bytes())
     text = raw.decode("utf-8")  # strict: every piece is whole UTF-8
     events = text.split("\n\n")
-    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert events[-1] == "" and events[-2] == f"id: {len(events) - 2}\ndata: [DONE]"
     payloads = []
-    for event in events[:-2]:
-        assert event.startswith("data: ") and "\n" not in event
-        payloads.append(json.loads(event[len("data: ") :]))
+    for number, event in enumerate(events[:-2]):
+        id_line, data_line = event.split("\n")  # each event is numbered, for resuming (server/streams.py)
+        assert id_line == f"id: {number}" and data_line.startswith("data: ")
+        payloads.append(json.loads(data_line[len("data: ") :]))
     assert all(p["object"] == "chat.completion.chunk" for p in payloads)
     assert len({p["id"] for p in payloads}) == 1
     first, *middle, finish, usage = payloads
@@ -661,7 +662,7 @@ def test_a_failing_engine_step_fails_requests_and_health_until_a_new_core_serves
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
             streamed = await http.post(COMPLETIONS, json={**poison, "stream": True})
             assert streamed.status_code == 200
-            events = [e for e in streamed.text.split("\n\n") if e]
+            events = [e.split("\n")[-1] for e in streamed.text.split("\n\n") if e]  # without the id lines
             assert events[-1] == "data: [DONE]"
             error = json.loads(events[-2][len("data: ") :])["error"]
             assert error["code"] == "engine_dead" and "injected fault" in error["message"]

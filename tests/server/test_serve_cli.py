@@ -92,7 +92,7 @@ def test_sigterm_finishes_in_flight_refuses_new_and_exits_0(server_process, tiny
         with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
-            assert next(lines).startswith("data: {")  # the request is running
+            assert next(lines) == "id: 0" and next(lines).startswith("data: {")  # the request is running
             proc.send_signal(signal.SIGTERM)
             output.wait_for("shutting down", timeout=30)
             try:
