@@ -346,7 +346,7 @@ class ConversationTree(_Response):
 @router.post("/v1/conversations/{conversation_id}", responses=documented(ConversationSummary))
 async def update_conversation(conversation_id: str, body: UpdateConversation, request: Request) -> JSONResponse:
     """Rename the conversation (as OpenAI's conversation update, with a title instead of metadata)."""
-    store = _store(get_state(request))
+    store = _store(platform_of(request))
     key_id = _key_id(request_key(request.state))
     try:
         await asyncio.to_thread(store.rename, key_id, conversation_id, body.title)
@@ -360,7 +360,7 @@ async def update_conversation(conversation_id: str, body: UpdateConversation, re
 async def conversation_tree(conversation_id: str, request: Request) -> JSONResponse:
     """Every message of every branch, oldest first, and the head of the active branch (each message
     names its parent): what the chat page shows branches from."""
-    store = _store(get_state(request))
+    store = _store(platform_of(request))
     try:
         conversation, messages = await asyncio.to_thread(
             store.tree, _key_id(request_key(request.state)), conversation_id
