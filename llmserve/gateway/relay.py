@@ -161,26 +161,30 @@ class StreamRelay:
         self.meter.finish(UsageStatus.DISCONNECTED)  # nothing when it was metered already
 
     async def events(self, upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The client's events, numbered anew (`id:`): the replica's numbers count events the gateway
+        takes out or rewrites."""
+        numbered = _EventIds()
         try:
             async for chunk in upstream:
                 for event in _split(chunk):
-                    if event == SSE_DONE:
-                        yield await self._end()
+                    data = _data_of(event)
+                    if data == b"[DONE]":
+                        yield numbered(await self._end())
                         return
-                    out = self._rewrite(event)
+                    out = self._rewrite(event, data)
                     if out is not None:
-                        yield out
+                        yield numbered(out)
                     if self.reply.all_blocked:  # nothing more may go out: stop the generation
-                        yield self._usage_event() + await self._end()
+                        yield numbered(self._usage_event() + await self._end())
                         return
         finally:
             self.meter.finish(UsageStatus.DISCONNECTED)
             await upstream.aclose()  # type: ignore[attr-defined]
 
-    def _rewrite(self, event: bytes) -> bytes | None:
-        if not event.startswith(b"data: {"):
+    def _rewrite(self, event: bytes, payload: bytes | None) -> bytes | None:
+        if payload is None or not payload.startswith(b"{"):
             return event
-        data = json.loads(event[6:])
+        data = json.loads(payload)
         if "error" in data:
             self.failed = True
             return event
@@ -220,3 +224,29 @@ class StreamRelay:
 def _split(chunk: bytes) -> list[bytes]:
     """A relayed chunk's whole events (the proxy sends only whole ones), each with its blank line."""
     return [part + EVENT_END for part in chunk.split(EVENT_END) if part]
+
+
+def _data_of(event: bytes) -> bytes | None:
+    """An event's `data:` field (the replica writes one line of it, after its `id:`)."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data: "):
+            return line[6:]
+    return None
+
+
+class _EventIds:
+    """Numbers the events going out from 0, as the server does (each gets an `id:` line)."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def __call__(self, events: bytes) -> bytes:
+        out = []
+        for event in _split(events):
+            if not event.startswith(b"id: "):
+                event = b"id: %d\n" % self.next + event
+            else:  # the replica's number: replaced
+                event = b"id: %d\n" % self.next + event.split(b"\n", 1)[1]
+            out.append(event)
+            self.next += 1
+        return b"".join(out)
