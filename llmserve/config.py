@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, get_args, get_type_hints
 
 GiB = 1 << 30
+TASKS = ("auto", "generate", "embed")
+POOLING_TYPES = ("mean", "cls", "last")  # how llmserve.model.pooling pools a sequence
 
 
 @dataclass
@@ -39,6 +41,11 @@ class EngineConfig:
     enforce_eager: bool = False  # never use CUDA graphs (they are only used on CUDA anyway)
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, 32, ...
     served_model_name: str | None = None
+    # embed: serve embeddings (/v1/embeddings, LLM.embed); a decoder model still generates too.
+    # auto: embed for an encoder (BERT) or a checkpoint in the sentence-transformers layout.
+    task: str = "auto"
+    pooling: str | None = None  # mean | cls | last; None: the sentence-transformers layout's, else last (cls: encoders)
+    normalize: bool = True  # False: never L2-normalise embeddings (else as the layout says; no layout: yes)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -51,6 +58,10 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}.")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}.")
         if self.cuda_graph_sizes is not None and any(size < 1 for size in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}.")
 
@@ -105,6 +116,12 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
     ),
     _EngineFlag("enforce_eager", "--enforce-eager", help="CUDA: never use CUDA graphs"),
     _EngineFlag("attention_backend", "--attention-backend", help="default: triton on CUDA, torch elsewhere"),
+    _EngineFlag(
+        "task", "--task", choices=TASKS,
+        help="embed: also serve /v1/embeddings (auto: for encoders and sentence-transformers checkpoints)",
+    ),
+    _EngineFlag("pooling", "--pooling", choices=POOLING_TYPES, help="embeddings: how token states are pooled"),
+    _EngineFlag("normalize", "--no-normalize", help="embeddings: never L2-normalise them"),
     _EngineFlag(
         "async_scheduling", "--no-async-scheduling",
         help="run engine steps one after another instead of overlapping the next step's scheduling "
