@@ -119,24 +119,17 @@ class InputProcessor:
         return EngineCoreRequest(request_id, token_ids, params, seed, priority, cache_salt)
 
 
-    def process_embedding(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        pooling: PoolingParams | None = None,
-        truncate_prompt_tokens: int | None = None,
-        priority: int = 0,
-    ) -> EngineCoreRequest:
-        """The engine core's embedding request: the input tokenized (cut from the right to
-        `truncate_prompt_tokens`, -1: as much as the model embeds, text keeping its special tokens as
-        sentence-transformers does) and checked against what the model embeds at most."""
+    def check_can_embed(self) -> None:
         if not self.can_embed:
             raise InvalidRequestError(
                 f"The model {self.model_name!r} does not serve embeddings; start it with --task embed to "
                 "pool its hidden states.", param="model",
             )
-        pooling = pooling or PoolingParams()
-        pooling.validate(self.hidden_size)
+
+    def embedding_tokens(self, prompt: str | Sequence[int], truncate_prompt_tokens: int | None = None) -> list[int]:
+        """An embedding input's tokens: cut from the right to `truncate_prompt_tokens` (-1: to what the
+        model embeds at most; text keeps its special tokens, as sentence-transformers truncates) and
+        checked against what the model embeds at most."""
         limit = self.max_embedding_tokens
         keep = truncate_prompt_tokens
         if keep is not None:
@@ -162,6 +155,21 @@ class InputProcessor:
                 "shorten the input, or set truncate_prompt_tokens to cut it.",
                 param="input",
             )
+        return token_ids
+
+    def process_embedding(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        pooling: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+    ) -> EngineCoreRequest:
+        """The engine core's embedding request, its input checked (see `embedding_tokens`)."""
+        self.check_can_embed()
+        pooling = pooling or PoolingParams()
+        pooling.validate(self.hidden_size)
+        token_ids = self.embedding_tokens(prompt, truncate_prompt_tokens)
         return EngineCoreRequest(request_id, token_ids, _EMBEDDING_SAMPLING, 0, priority, pooling=pooling)
 
 

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import llmserve
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.routing import ModelRouter
-from llmserve.server import chat, completions, conversations, health, metrics, tokens, usage
+from llmserve.server import chat, completions, conversations, embeddings, health, metrics, tokens, usage
 from llmserve.server import models as models_api
 from llmserve.server.errors import install_error_handlers, shutting_down
 from llmserve.server.gateway import ALWAYS_PUBLIC_PATHS, AuthMiddleware, Platform
@@ -224,7 +224,7 @@ def build_app(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"],
             expose_headers=_EXPOSED_HEADERS,
         )
-    for module in (chat, completions, models_api, tokens, health, metrics, usage, conversations):
+    for module in (chat, completions, embeddings, models_api, tokens, health, metrics, usage, conversations):
         app.include_router(module.router)
     return app
 
