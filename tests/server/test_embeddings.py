@@ -34,9 +34,9 @@ WORDS = (
 
 
 def mixed_texts(count: int, seed: int = 0) -> list[str]:
-    """Texts of 1 to ~400 words (some far past max_seq_length), deterministic."""
+    """Texts of 1 to 300 words (a tenth of them past max_seq_length), deterministic."""
     rng = random.Random(seed)
-    lengths = [rng.choice((1, 2, 5, 12, 40, 90, 150, 220, 300, 400)) for _ in range(count)]
+    lengths = [rng.choice((1, 2, 5, 12, 25, 40, 60, 90, 150, 300)) for _ in range(count)]
     return [" ".join(rng.choice(WORDS) for _ in range(n)) for n in lengths]
 
 
