@@ -11,6 +11,7 @@ takes no KV cache and has no language-model head. Absolute position embeddings, 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,22 +33,78 @@ class LayerNorm(nn.Module):
         return nn.functional.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
+# A group of sequences padded to its longest may waste at most this share of its attention work.
+MAX_PADDING_WASTE = 0.25
+MAX_GROUP_SIZE = 64
+
+
+@dataclass
+class _Group:
+    """Sequences of about the same length, attended in one padded call."""
+
+    # [size * length] each padded position's token; padding repeats a token of the group (a masked
+    # key, a query whose output is dropped: any finite values do)
+    gather: torch.Tensor
+    mask: torch.Tensor | None  # [size, 1, 1, length] keys that are tokens; None when none is padding
+    size: int
+    length: int
+
+
+class PackedLayout:
+    """How a step's packed sequences (tokens starts[i]:starts[i + 1]) are attended: sorted by length
+    into groups that pad little, one attention call per group, the results put back in token order.
+    Built once per step, used by every layer."""
+
+    def __init__(self, starts: list[int], device: torch.device) -> None:
+        lengths = [end - begin for begin, end in zip(starts[:-1], starts[1:], strict=True)]
+        num_tokens = starts[-1]
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        self.groups: list[_Group] = []
+        placed = torch.empty(num_tokens, dtype=torch.int64)  # each token's row among the padded outputs
+        offset = 0
+        while order:
+            members = _take_group(order, lengths)
+            length = lengths[members[0]]
+            gather = torch.full((len(members), length), starts[members[0]], dtype=torch.int64)
+            mask = torch.zeros(len(members), 1, 1, length, dtype=torch.bool)
+            for j, i in enumerate(members):
+                tokens = torch.arange(starts[i], starts[i + 1])
+                gather[j, : lengths[i]] = tokens
+                mask[j, ..., : lengths[i]] = True
+                placed[tokens] = torch.arange(lengths[i]) + offset + j * length
+            offset += len(members) * length
+            padded = any(lengths[i] != length for i in members)
+            self.groups.append(_Group(
+                gather.view(-1).to(device), mask.to(device) if padded else None, len(members), length
+            ))
+        self.scatter = placed.to(device)
+
+
+def _take_group(order: list[int], lengths: list[int]) -> list[int]:
+    """Pop from `order` (longest first) the next group: while padding to its longest wastes little."""
+    members = [order.pop(0)]
+    longest, total = lengths[members[0]], lengths[members[0]]
+    while order and len(members) < MAX_GROUP_SIZE:
+        candidate = lengths[order[0]]
+        if longest * (len(members) + 1) > (total + candidate) * (1 + MAX_PADDING_WASTE):
+            break
+        members.append(order.pop(0))
+        total += candidate
+    return members
+
+
 def bidirectional_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], scale: float
+    qkv: torch.Tensor, layout: PackedLayout, num_heads: int, head_dim: int, scale: float
 ) -> torch.Tensor:
-    """Attention of every token over every token of its own sequence; q, k, v are [T, heads, head_dim]
-    and sequence i holds tokens starts[i]:starts[i + 1]. One call per sequence: no padding computed."""
-    if len(starts) == 2:
-        return _attend(q, k, v, scale)
-    out = torch.empty_like(q)
-    for begin, end in zip(starts[:-1], starts[1:], strict=True):
-        out[begin:end] = _attend(q[begin:end], k[begin:end], v[begin:end], scale)
-    return out
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, L, head_dim]
-    return nn.functional.scaled_dot_product_attention(q, k, v, scale=scale).transpose(0, 1)
+    """Every token attending to every token of its own sequence: `qkv` [T, 3 * heads * head_dim] in,
+    [T, heads * head_dim] out, with little padding (see `PackedLayout`)."""
+    outputs = []
+    for group in layout.groups:
+        x = qkv.index_select(0, group.gather).view(group.size, group.length, 3, num_heads, head_dim)
+        q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)  # [size, heads, length, head_dim] each
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+        outputs.append(out.transpose(1, 2).reshape(group.size * group.length, num_heads * head_dim))
+    return torch.cat(outputs).index_select(0, layout.scatter)
 
 
 class BertLayer(nn.Module):
@@ -64,10 +121,8 @@ class BertLayer(nn.Module):
         self.output = Linear(cfg.intermediate_size, hidden, True, cfg.dtype)
         self.output_norm = LayerNorm(hidden, eps, cfg.dtype)
 
-    def forward(self, x: torch.Tensor, starts: list[int]) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
-        attended = bidirectional_attention(q, k, v, starts, self.scale).reshape(tokens, -1)
+    def forward(self, x: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+        attended = bidirectional_attention(self.qkv(x), layout, self.num_heads, self.head_dim, self.scale)
         x = self.attention_norm(x + self.attention_output(attended))
         hidden = nn.functional.gelu(self.intermediate(x))
         return self.output_norm(x + self.output(hidden))
@@ -114,9 +169,9 @@ class BertModel(nn.Module):
         unused (the runner's interface): each sequence is all in this step."""
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
         x = self.embeddings_norm(x)
-        starts = meta.query_start_loc_host
+        layout = PackedLayout(meta.query_start_loc_host, x.device)
         for layer in self.layers:
-            x = layer(x, starts)
+            x = layer(x, layout)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
