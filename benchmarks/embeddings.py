@@ -8,6 +8,7 @@ The served side: one `llmserve serve` process per dtype, sent the texts as reque
 `--request-size` inputs, `--concurrency` of them in flight.
 
     python benchmarks/embeddings.py --rounds 3 --json bench_out/embeddings.json
+    python benchmarks/embeddings.py --num-texts 300 --rounds 2 --served-dtypes ''   # offline only
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--request-size", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--no-served", action="store_true")
+    parser.add_argument("--served-dtypes", default="bfloat16", help="the dtypes served over HTTP too ('': none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -123,7 +124,7 @@ def main() -> None:
     llms = {d: LLM(MODEL, dtype=d, max_num_batched_tokens=args.max_num_batched_tokens) for d in dtypes}
     low, high = map(int, args.tokens.split(":"))
     texts = make_texts(llms[dtypes[0]].get_tokenizer(), args.num_texts, low, high, seed=0)
-    servers = {} if args.no_served else {d: Server(d, engine_args) for d in dtypes}
+    servers = {d: Server(d, engine_args) for d in args.served_dtypes.split(",") if d}
     sides = ["sentence-transformers"] + [f"offline {d}" for d in dtypes] + [f"served {d}" for d in servers]
     seconds: dict[str, list[float]] = {side: [] for side in sides}
     vectors: dict[str, np.ndarray] = {}
