@@ -75,6 +75,15 @@ def test_mixed_generation_and_embeddings_on_one_engine(tiny_llama_dir: Path) -> 
     )
     generations = [("gen", p) for p in PROMPTS]
     alone = run_all(engine, generations)
+    steps: list[tuple[int, int]] = []  # (rows sampled, rows pooled) of each step
+    schedule = engine.core.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        steps.append((len(out.samples), len(out.pools)))
+        return out
+
+    engine.core.scheduler.schedule = recording_schedule
     embeddings = [("emb", p) for p in PROMPTS * 3]
     mixed_requests = [item for pair in zip(embeddings[:4], generations, strict=True) for item in pair] + embeddings[4:]
     mixed = run_all(engine, mixed_requests)
@@ -91,6 +100,7 @@ def test_mixed_generation_and_embeddings_on_one_engine(tiny_llama_dir: Path) -> 
     for prompt, expected in zip(PROMPTS, reference, strict=True):
         for got in vectors[tuple(prompt)]:
             np.testing.assert_allclose(got, expected, atol=2e-5)
+    assert any(sampled and pooled for sampled, pooled in steps)  # generation and embeddings in one step
     stats = engine.stats()
     assert stats.num_used_blocks == 0 and stats.num_unfinished_requests == 0
     assert stats.num_free_blocks == stats.num_blocks

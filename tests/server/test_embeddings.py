@@ -192,3 +192,10 @@ def test_offline_embed_equals_sentence_transformers(minilm_dir: Path, texts: lis
     with pytest.raises(Exception, match="encoder"):
         llm.generate("hello")
     assert llm.engine.stats().num_unfinished_requests == 0
+
+
+def test_a_model_not_serving_embeddings_answers_400(live_server: LiveServer) -> None:
+    response = httpx.post(f"{live_server.base_url}/v1/embeddings", json={"model": live_server.model, "input": "hi"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "model" and "--task embed" in error["message"]
