@@ -29,6 +29,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+# Both sides in this process get OpenMP threads that sleep between parallel regions, as the served
+# engine core has (`core_client`): on a shared machine spinning threads slow down whichever side runs
+# (`--spinning` keeps OpenMP's default). Read once, when torch loads, so set before it is imported.
+if "--spinning" not in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 MODEL = "all-MiniLM-L6-v2"
 WORDS = (
     "the of and to in is was for on that with as by at from his her they have this an are which be or had "
@@ -108,6 +114,7 @@ def main() -> None:
     parser.add_argument("--request-size", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--served-dtypes", default="bfloat16", help="the dtypes served over HTTP too ('': none)")
+    parser.add_argument("--spinning", action="store_true", help="OpenMP's default wait policy in this process")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -157,7 +164,8 @@ def main() -> None:
     report = {
         "model": MODEL, "texts": args.num_texts, "tokens": args.tokens, "rounds": args.rounds,
         "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-        "max_num_batched_tokens": args.max_num_batched_tokens, "sides": {},
+        "max_num_batched_tokens": args.max_num_batched_tokens, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "sides": {},
     }
     for side in sides:
         median = statistics.median(seconds[side])

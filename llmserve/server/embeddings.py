@@ -6,15 +6,17 @@ pre-filter, rate limits, admission control and metering are the ones completions
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from llmserve.engine.async_llm import RequestStream
 from llmserve.errors import InvalidRequestError
 from llmserve.model.pooling import PoolingParams
 from llmserve.outputs import EmbeddingRequestOutput
+from llmserve.platform.keys import ApiKey
 from llmserve.server.gateway import Meter, request_key
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import EmbeddingRequest, EmbeddingResponse, random_id
@@ -59,7 +61,10 @@ def _tokenize(endpoint: ModelEndpoint, inputs: Sequence[str | list[int]], trunca
     return [_indexed(processor.embedding_tokens, i, item, truncate, many=len(inputs) > 1) for i, item in enumerate(inputs)]
 
 
-def _indexed(tokenize, index: int, item: str | list[int], truncate: int | None, many: bool) -> list[int]:
+def _indexed(
+    tokenize: Callable[[str | list[int], int | None], list[int]], index: int, item: str | list[int],
+    truncate: int | None, many: bool,
+) -> list[int]:
     try:
         return tokenize(item, truncate)
     except InvalidRequestError as exc:
@@ -69,14 +74,15 @@ def _indexed(tokenize, index: int, item: str | list[int], truncate: int | None, 
 
 
 async def _start(
-    state: ServerState, endpoint: ModelEndpoint, key, token_ids: list[list[int]], pooling: PoolingParams, priority: int
+    state: ServerState, endpoint: ModelEndpoint, key: ApiKey | None, token_ids: list[list[int]],
+    pooling: PoolingParams, priority: int,
 ) -> Started:
     """Rate-limit, admit and add one engine request per input (as `submit.start_requests` does for
     generation); on any failure what was added is aborted and the reservation returned."""
     response_id = random_id("embd")
     prompt_tokens = sum(map(len, token_ids))
     admission = None
-    streams = []
+    streams: list[RequestStream] = []
     try:
         if state.platform is not None:
             admission = await state.platform.admit(key, endpoint.name, prompt_tokens)
