@@ -199,3 +199,16 @@ def test_a_model_not_serving_embeddings_answers_400(live_server: LiveServer) -> 
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "model" and "--task embed" in error["message"]
+
+
+def test_wordpiece_tokenizer_matches_transformers(minilm_dir: Path, texts: list[str]) -> None:
+    """BERT's WordPiece with its [CLS] ... [SEP] post-processor, whole and cut from the right."""
+    transformers = pytest.importorskip("transformers")
+    from llmserve.tokenizer.tokenizer import Tokenizer
+
+    reference = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    ours = Tokenizer.from_pretrained(minilm_dir)
+    for text in [*texts[:20], "Ünïcödé café 東京 🙂", "x"]:
+        assert ours.encode(text) == reference(text)["input_ids"]
+        for keep in (2, 3, 17):
+            assert ours.encode_truncated(text, keep) == reference(text, truncation=True, max_length=keep)["input_ids"]
