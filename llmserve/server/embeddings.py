@@ -36,14 +36,15 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
     processor = endpoint.engine.input_processor
     processor.check_can_embed()
-    PoolingParams(body.dimensions).validate(processor.hidden_size)
+    pooling = PoolingParams(body.dimensions)
+    pooling.validate(processor.hidden_size)
     inputs = body.inputs()
     for item in inputs:
         if isinstance(item, str) and body.truncate_prompt_tokens is None:
             endpoint.prompt_bound.check(len(item), param="input")
     token_ids = await state.workers.run(_tokenize, endpoint, inputs, body.truncate_prompt_tokens)
     await screen_prompts(state, endpoint, lambda: [t for t in inputs if isinstance(t, str)], "input")
-    started = await _start(state, endpoint, key, token_ids, PoolingParams(body.dimensions), body.priority)
+    started = await _start(state, endpoint, key, token_ids, pooling, body.priority)
     status = "error"
     try:
         outputs = await started.run_to_end(request, final_outputs(started.streams))
