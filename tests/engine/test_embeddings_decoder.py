@@ -4,6 +4,8 @@ on one engine change no generated token and leak no KV block."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.errors import InvalidRequestError
+from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.llm import LLM
 from llmserve.outputs import EmbeddingRequestOutput
 from llmserve.sampling.params import SamplingParams
@@ -119,3 +121,33 @@ def test_abort_of_a_waiting_embedding_frees_everything(tiny_llama_dir: Path) -> 
     assert finished == ["a"]
     engine.check_invariants()
     assert engine.stats().num_used_blocks == 0
+
+
+def sentence_transformers_copy(model_dir: Path, out: Path, pooling_config: dict, modules: list[str]) -> Path:
+    """`model_dir` laid out as a sentence-transformers checkpoint (as Qwen3-Embedding ships)."""
+    shutil.copytree(model_dir, out)
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+    paths = {"Transformer": "", "Pooling": "1_Pooling", "Normalize": "2_Normalize", "Dense": "2_Dense"}
+    (out / "modules.json").write_text(json.dumps([
+        {"idx": i, "name": str(i), "path": paths[kind], "type": f"sentence_transformers.models.{kind}"}
+        for i, kind in enumerate(modules)
+    ]))
+    return out
+
+
+def test_sentence_transformers_layout_of_a_decoder(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Its layout turns embeddings on (task auto) with its pooling; generation still works."""
+    model_dir = sentence_transformers_copy(
+        tiny_llama_dir, tmp_path / "st", {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False},
+        ["Transformer", "Pooling", "Normalize"],
+    )
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    got = np.stack([o.outputs.data for o in llm.embed(PROMPTS[:2])])
+    np.testing.assert_allclose(got, reference_embeddings(model_dir, PROMPTS[:2], "mean"), atol=2e-5)
+    assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+    dense = sentence_transformers_copy(
+        tiny_llama_dir, tmp_path / "dense", {"pooling_mode_lasttoken": True}, ["Transformer", "Pooling", "Dense"]
+    )
+    with pytest.raises(ModelLoadError, match="Dense"):
+        LLM(str(dense), dtype="float32", num_kv_blocks=64, max_model_len=256)
