@@ -14,6 +14,8 @@ from typing import Any, get_args, get_type_hints
 GiB = 1 << 30
 QUANTIZATION_CHOICES = ("int8", "fp8")  # as llmserve.model.quantization.QUANTIZATION_METHODS (torch-free here)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+TASKS = ("auto", "generate", "embed")
+POOLING_TYPES = ("mean", "cls", "last")  # how llmserve.model.pooling pools a sequence
 
 
 @dataclass
@@ -45,6 +47,11 @@ class EngineConfig:
     # runs quantized without it); see llmserve.model.quantization.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8 (fp8_e4m3): e4m3 with a per-tensor scale (triton backend)
+    # embed: serve embeddings (/v1/embeddings, LLM.embed); a decoder model still generates too.
+    # auto: embed for an encoder (BERT) or a checkpoint in the sentence-transformers layout.
+    task: str = "auto"
+    pooling: str | None = None  # mean | cls | last; None: the sentence-transformers layout's, else last (cls: encoders)
+    normalize: bool = True  # False: never L2-normalise embeddings (else as the layout says; no layout: yes)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -61,6 +68,10 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}.")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}.")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}.")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}.")
         if self.cuda_graph_sizes is not None and any(size < 1 for size in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}.")
 
@@ -125,6 +136,12 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
     ),
     _EngineFlag("enforce_eager", "--enforce-eager", help="CUDA: never use CUDA graphs"),
     _EngineFlag("attention_backend", "--attention-backend", help="default: triton on CUDA, torch elsewhere"),
+    _EngineFlag(
+        "task", "--task", choices=TASKS,
+        help="embed: also serve /v1/embeddings (auto: for encoders and sentence-transformers checkpoints)",
+    ),
+    _EngineFlag("pooling", "--pooling", choices=POOLING_TYPES, help="embeddings: how token states are pooled"),
+    _EngineFlag("normalize", "--no-normalize", help="embeddings: never L2-normalise them"),
     _EngineFlag(
         "async_scheduling", "--no-async-scheduling",
         help="run engine steps one after another instead of overlapping the next step's scheduling "

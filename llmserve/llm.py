@@ -10,7 +10,8 @@ from collections.abc import Sequence as Seq
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import InvalidRequestError
-from llmserve.outputs import RequestOutput
+from llmserve.model.pooling import PoolingParams
+from llmserve.outputs import EmbeddingRequestOutput, RequestOutput
 from llmserve.sampling.params import RequestOutputKind, SamplingParams
 
 # vLLM's prompt shapes: text, token ids, {"prompt": text} (TextPrompt), {"prompt_token_ids": ids}
@@ -75,9 +76,29 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params)
 
-    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+    def embed(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`output.outputs.embedding`), batched by the engine's scheduler.
+        `truncate_prompt_tokens` cuts each input from the right (-1: to what the model embeds at most)."""
+        request_ids = []
+        try:
+            for prompt in _as_prompt_list(prompts):
+                request_id = f"offline-{next(self._ids)}"
+                content, _ = _unpack_prompt(prompt)
+                self.engine.add_embedding_request(request_id, content, pooling_params, truncate_prompt_tokens)
+                request_ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids)  # type: ignore[return-value]
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput | EmbeddingRequestOutput]:
         pending = set(request_ids)
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         while pending:
             for output in self.engine.step():
                 if output.finished and output.request_id in pending:

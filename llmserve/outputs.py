@@ -1,8 +1,11 @@
-"""What the engine hands back for a request: vLLM's `RequestOutput` / `CompletionOutput` shapes."""
+"""What the engine hands back for a request: vLLM's `RequestOutput` / `CompletionOutput` shapes, and
+`EmbeddingRequestOutput` for an embedding request."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(slots=True)
@@ -70,3 +73,29 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked for them
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One input's embedding (vLLM's shape); `data` holds it as float32 values."""
+
+    data: np.ndarray
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.data)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What an embedding request returns (vLLM's `EmbeddingRequestOutput`): one output, at its end."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    metrics: RequestMetrics
+    finished: bool = True

@@ -39,6 +39,7 @@ from llmserve.engine.messages import (
     EngineCoreDead,
     EngineCoreMessage,
     EngineCoreOutputs,
+    EngineCoreRequest,
     EngineStats,
     StepRecord,
     StopChoices,
@@ -48,7 +49,8 @@ from llmserve.engine.messages import (
 from llmserve.engine.model_facts import load_model
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import EngineClosedError, EngineDeadError, InvalidRequestError, LLMServeError
-from llmserve.outputs import RequestOutput
+from llmserve.model.pooling import PoolingParams
+from llmserve.outputs import EmbeddingRequestOutput, RequestOutput
 from llmserve.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -255,9 +257,29 @@ class AsyncLLM:
         if request_id in self._streams:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
         request = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
+        return self._send_request(request, prompt)
+
+    async def add_embedding_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        pooling: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Validate and queue an embedding request; its stream yields one `EmbeddingRequestOutput`.
+        Raises as `add_request` does."""
+        self._bind_loop()
+        self._check_open()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
+        request = self.input_processor.process_embedding(request_id, prompt, pooling, truncate_prompt_tokens, priority)
+        return self._send_request(request, prompt)
+
+    def _send_request(self, request: EngineCoreRequest, prompt: str | Sequence[int]) -> RequestStream:
         self.output_processor.add_request(request, prompt, time.monotonic())
-        stream = RequestStream(self, request_id)
-        self._streams[request_id] = stream._slot
+        stream = RequestStream(self, request.request_id)
+        self._streams[request.request_id] = stream._slot
         self._num_sent += 1
         self._core.send(request)
         return stream
@@ -460,7 +482,8 @@ class AsyncLLM:
                 del streams[output.request_id]
                 self.num_finished += 1
             stream.put(output)
-        self._notify(message.step, processed.outputs)
+        # Listeners (metrics of generation) hear of the step, not of embeddings.
+        self._notify(message.step, [o for o in processed.outputs if not isinstance(o, EmbeddingRequestOutput)])
         self._check_drained()
 
     def _check_drained(self) -> None:

@@ -29,8 +29,8 @@ from llmserve.engine.sequence import Sequence
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
-        if num_blocks < 1:
-            raise ValueError("The KV cache needs at least one block.")
+        if num_blocks < 0:  # none: an encoder's engine, which keeps no KV
+            raise ValueError("The KV cache cannot have a negative number of blocks.")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
@@ -63,7 +63,7 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -181,8 +181,9 @@ class BlockManager:
         return len(seq.block_table) * self.block_size + self._take_tail(seq)
 
     def _keep_tail(self, seq: Sequence) -> None:
-        """File `seq`'s partly filled, computed last block as a tail, if nobody else holds it."""
-        if self.cache is None:
+        """File `seq`'s partly filled, computed last block as a tail, if nobody else holds it (never an
+        embedding request's: its blocks are not named, and nothing is kept of them)."""
+        if self.cache is None or seq.request.pooling is not None:
             return
         computed = _known_computed(seq)
         full = computed // self.block_size

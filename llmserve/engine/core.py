@@ -71,9 +71,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, facts: ModelFacts) -> None:
         self.config = config
         self.facts = facts
-        self.runner = ModelRunner(config, facts.model_config, facts.model_dir, facts.max_model_len)
+        self.runner = ModelRunner(config, facts.model_config, facts.model_dir, facts.max_model_len, facts.pooler)
         pool_tokens = self.runner.num_blocks * config.block_size
-        if pool_tokens < facts.max_model_len:
+        if not self.runner.is_encoder and pool_tokens < facts.max_model_len:
             raise ValueError(
                 f"The KV cache holds {pool_tokens} tokens, fewer than max_model_len={facts.max_model_len}; "
                 "give it more memory (kv_cache_memory / num_kv_blocks) or lower max_model_len."
@@ -84,6 +84,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy,
             eos_token_ids=facts.eos_token_ids, max_model_len=facts.max_model_len,
+            pooling_needs_kv=not self.runner.is_encoder,
         )
         # What else changes the KV of the same tokens; a LoRA adapter would join per request.
         self.weights_version = 0  # bumped by each in-place weight reload
@@ -153,6 +154,7 @@ class EngineCore:
             arrival_order=next(self._arrivals),
             priority=request.priority,
             cache_root=hash_root(*self._cache_identity, request.cache_salt),
+            pooling=request.pooling,
         )
         self.num_requests_added += 1
         so = request.params.structured_outputs
@@ -296,6 +298,8 @@ class EngineCore:
             prompt_logprobs=_prompt_logprobs_batch(scheduled, starts) if scheduled.prompt_scores else None,
             mask_rows=np.fromiter(mask_rows, dtype=np.int64, count=len(mask_rows)) if mask_rows else None,
             token_bitmask=bitmask,
+            pool_rows=[target.row for target in scheduled.pools],
+            pool_dimensions=[target.seq.request.pooling.dimensions for target in scheduled.pools],  # type: ignore[union-attr]
         )
 
     def _grammar_bitmask(self, samples: list[SampleTarget]) -> tuple[dict[int, int], np.ndarray | None]:

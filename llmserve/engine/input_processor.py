@@ -2,7 +2,8 @@
 (tokenized, non-empty, ids in the vocabulary, room left in the context), the sampling parameters
 against the model (stop token ids, the default and the limit of max_tokens, generation_config's
 defaults, truncate_prompt_tokens applied before the context checks), the request's seed, and its
-structured output (exactly one kind, and a grammar that compiles; a `json` dict becomes JSON text).
+structured output (exactly one kind, and a grammar that compiles; a `json` dict becomes JSON text);
+and for an embedding request, its input against what the model embeds at most.
 Raises `InvalidRequestError` naming the offending parameter. Runs on the caller's thread (the server
 calls it from a worker pool): compiling a grammar without the vocabulary is cheap, but it grows with
 the schema.
@@ -20,10 +21,12 @@ from llmserve.engine.grammar import validate_structured_outputs
 from llmserve.engine.messages import EngineCoreRequest
 from llmserve.engine.model_facts import ModelFacts
 from llmserve.errors import ContextLengthExceededError, InvalidRequestError
+from llmserve.model.pooling import PoolingParams
 from llmserve.sampling.params import SamplingParams
 from llmserve.tokenizer.tokenizer import Tokenizer
 
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_EMBEDDING_SAMPLING = SamplingParams(max_tokens=1)  # what an embedding request carries: it samples nothing
 
 
 class InputProcessor:
@@ -31,6 +34,12 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = facts.model_config.vocab_size
         self.max_model_len = facts.max_model_len
+        self.model_name = config.served_model_name or config.model
+        self.can_generate = facts.can_generate
+        self.can_embed = facts.pooler is not None
+        self.hidden_size = facts.model_config.hidden_size
+        # An embedding's prompt is computed in one step: it must fit the step's token budget too.
+        self.max_embedding_tokens = min(facts.max_model_len, config.max_num_batched_tokens)
         self._defaults = _generation_defaults(facts.generation_config)
         self._rng = random.Random(config.seed)
 
@@ -89,6 +98,11 @@ class InputProcessor:
         cache_salt: str | None = None,
     ) -> EngineCoreRequest:
         """The engine core's request, validated and with every default filled in."""
+        if not self.can_generate:
+            raise InvalidRequestError(
+                f"The model {self.model_name!r} is an encoder: it serves embeddings (/v1/embeddings), not "
+                "text generation.", param="model",
+            )
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string.", param="cache_salt")
         params = params or self.default_sampling_params()
@@ -103,6 +117,60 @@ class InputProcessor:
             params = dataclasses.replace(params, max_tokens=max_tokens)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return EngineCoreRequest(request_id, token_ids, params, seed, priority, cache_salt)
+
+
+    def check_can_embed(self) -> None:
+        if not self.can_embed:
+            raise InvalidRequestError(
+                f"The model {self.model_name!r} does not serve embeddings; start it with --task embed to "
+                "pool its hidden states.", param="model",
+            )
+
+    def embedding_tokens(self, prompt: str | Sequence[int], truncate_prompt_tokens: int | None = None) -> list[int]:
+        """An embedding input's tokens: cut from the right to `truncate_prompt_tokens` (-1: to what the
+        model embeds at most; text keeps its special tokens, as sentence-transformers truncates) and
+        checked against what the model embeds at most."""
+        limit = self.max_embedding_tokens
+        keep = truncate_prompt_tokens
+        if keep is not None:
+            if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1 or keep > limit:
+                raise InvalidRequestError(
+                    f"truncate_prompt_tokens must be -1 or in [1, {limit}] for this model, got {keep!r}.",
+                    param="truncate_prompt_tokens",
+                )
+            keep = limit if keep == -1 else keep
+        if not len(prompt):
+            raise InvalidRequestError("The input is empty.", param="input")
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt) if keep is None else self.tokenizer.encode_truncated(prompt, keep)
+        else:
+            try:
+                token_ids = self.tokenize(prompt)[:keep]
+            except InvalidRequestError as exc:
+                exc.param = "input"
+                raise
+        if len(token_ids) > limit:
+            raise ContextLengthExceededError(
+                f"This model embeds at most {limit} tokens, but the input has {len(token_ids)} tokens. Please "
+                "shorten the input, or set truncate_prompt_tokens to cut it.",
+                param="input",
+            )
+        return token_ids
+
+    def process_embedding(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        pooling: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+    ) -> EngineCoreRequest:
+        """The engine core's embedding request, its input checked (see `embedding_tokens`)."""
+        self.check_can_embed()
+        pooling = pooling or PoolingParams()
+        pooling.validate(self.hidden_size)
+        token_ids = self.embedding_tokens(prompt, truncate_prompt_tokens)
+        return EngineCoreRequest(request_id, token_ids, _EMBEDDING_SAMPLING, 0, priority, pooling=pooling)
 
 
 def _generation_defaults(generation_config: dict) -> SamplingParams:

@@ -16,7 +16,8 @@ from llmserve.engine.messages import EngineStats
 from llmserve.engine.model_facts import load_model
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import InvalidRequestError
-from llmserve.outputs import RequestOutput
+from llmserve.model.pooling import PoolingParams
+from llmserve.outputs import EmbeddingRequestOutput, RequestOutput
 from llmserve.sampling.params import SamplingParams
 
 
@@ -56,6 +57,21 @@ class LLMEngine:
         self.output_processor.add_request(request, prompt, arrival_time if arrival_time is not None else time.monotonic())
         self.core.add_request(request)
 
+    def add_embedding_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        pooling: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate and queue an embedding request (its one output is an `EmbeddingRequestOutput`)."""
+        if request_id in self.output_processor.requests:
+            raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
+        request = self.input_processor.process_embedding(request_id, prompt, pooling, truncate_prompt_tokens, priority)
+        self.output_processor.add_request(request, prompt, time.monotonic())
+        self.core.add_request(request)
+
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Stop requests wherever they are; their blocks return to the pool at once."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -67,7 +83,7 @@ class LLMEngine:
         return self.output_processor.has_unfinished()
 
     # ---- the step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Run one engine step; report every request that made progress in the step that completed.
         When the only requests left wait for their grammar, it first waits for one to compile."""
         if not self.core.can_step():

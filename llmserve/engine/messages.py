@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from llmserve.model.pooling import PoolingParams
 from llmserve.sampling.params import SamplingParams
 
 
@@ -58,6 +59,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
     seed: int
     priority: int = 0
     cache_salt: str | None = None
+    pooling: PoolingParams | None = None  # an embedding request: its prompt's pooled hidden states, no tokens
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -107,6 +109,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     scheduled_time: float | None = None  # on the request's first output: when it was first scheduled
     num_cached_tokens: int | None = None  # on the first output: prompt tokens found in the prefix cache
     num_preemptions: int = 0  # on the last output
+    embedding: bytes | None = None  # an embedding request's one output (token_id -1): float32 values
 
 
 class PromptLogprobsChunk(msgspec.Struct, array_like=True, gc=False):

@@ -1,5 +1,6 @@
 """What both sides of the engine need to know about the model before anything runs: where it is, its
-configuration, its generation defaults, the tokens that end a sequence, and the context limit.
+configuration, its generation defaults, the tokens that end a sequence, the context limit, and
+whether it generates and how it embeds.
 
 The front end reads them (it has the tokenizer) and hands them to the engine core once, at start.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from llmserve.config import EngineConfig
 from llmserve.model.config import ModelConfig
 from llmserve.model.loader import resolve_model_path
+from llmserve.model.pooling import PoolerConfig, pooler_config
 from llmserve.model.registry import model_class
 from llmserve.plugins import load_plugins
 from llmserve.tokenizer.tokenizer import Tokenizer
@@ -28,6 +30,8 @@ class ModelFacts:
     generation_config: dict
     eos_token_ids: frozenset[int]
     max_model_len: int
+    can_generate: bool = True  # False for an encoder
+    pooler: PoolerConfig | None = None  # how it embeds; None: it does not
 
 
 def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
@@ -37,7 +41,8 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
     load_plugins()
     model_dir = resolve_model_path(config.model, config.revision)
     model_config = ModelConfig.from_pretrained(model_dir)
-    model_class(model_config.architecture)
+    is_encoder = getattr(model_class(model_config.architecture), "is_encoder", False)
+    pooler = pooler_config(config, model_dir, is_encoder)
     tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
     generation_config = _read_json(model_dir / "generation_config.json")
     facts = ModelFacts(
@@ -45,7 +50,9 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
         model_config=model_config,
         generation_config=generation_config,
         eos_token_ids=_eos_token_ids(model_config, generation_config, tokenizer),
-        max_model_len=_max_model_len(config, model_config),
+        max_model_len=_max_model_len(config, model_config, pooler),
+        can_generate=not is_encoder,
+        pooler=pooler,
     )
     return facts, tokenizer
 
@@ -59,11 +66,13 @@ def _eos_token_ids(model_config: ModelConfig, generation_config: dict, tokenizer
     return frozenset(ids)
 
 
-def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+def _max_model_len(config: EngineConfig, model_config: ModelConfig, pooler: PoolerConfig | None) -> int:
     limit = model_config.max_position_embeddings
     if model_config.sliding_window:
         limit = min(limit, model_config.sliding_window)
     if config.max_model_len is None:
+        if pooler is not None and pooler.max_seq_length:  # what sentence-transformers embeds at most
+            return min(limit, pooler.max_seq_length)
         return limit
     if config.max_model_len > limit:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit}.")

@@ -1,6 +1,7 @@
 """The front end's side of every step: the engine core sends token ids; here they become text
 (incremental detokenization), stop strings are matched (across token boundaries), logprobs are
-assembled, and each request's `RequestOutput` is built (vLLM v1's output processor).
+assembled, and each request's `RequestOutput` is built (vLLM v1's output processor). An embedding
+request's one output carries its vector: it becomes an `EmbeddingRequestOutput`.
 
 A choice that a stop string ends is finished here, first: the engine core only learns of it from the
 front end (`ProcessedOutputs.stopped`) and drops the sequence then.
@@ -13,9 +14,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsChunk
 from llmserve.outputs import (
     CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
     Logprob,
     PromptLogprobs,
     RequestMetrics,
@@ -132,10 +137,16 @@ class RequestState:
     num_cached_tokens: int = 0
     num_finished_choices: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # complete before the first output is made
+    is_embedding: bool = False
 
     @property
     def finished(self) -> bool:
         return self.num_finished_choices == self.params.n
+
+    def embedding_output(self, embedding: bytes, now: float) -> EmbeddingRequestOutput:
+        self.metrics.finished_time = now
+        vector = np.frombuffer(embedding, dtype=np.float32)
+        return EmbeddingRequestOutput(self.request_id, self.prompt_token_ids, EmbeddingOutput(vector), self.metrics.snapshot())
 
     def output(self) -> RequestOutput:
         """A snapshot: nothing in it changes as the request goes on, so other tasks may keep it."""
@@ -165,7 +176,8 @@ class RequestState:
 
 @dataclass
 class ProcessedOutputs:
-    outputs: list[RequestOutput]  # of the requests that finished, or asked for every step's output
+    # of the requests that finished, or asked for every step's output
+    outputs: list[RequestOutput | EmbeddingRequestOutput]
     stopped: list[tuple[str, int]]  # (request id, choice) that stop strings ended: tell the engine core
 
 
@@ -186,6 +198,7 @@ class OutputProcessor:
         )
         if request.params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]  # the first prompt token has nothing before it
+        state.is_embedding = request.pooling is not None
         self.requests[request.request_id] = state
 
     def has_unfinished(self) -> bool:
@@ -202,10 +215,16 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         stopped: list[tuple[str, int]] = []
+        results: list[RequestOutput | EmbeddingRequestOutput] = []
         for output in outputs:
             state = self.requests.get(output.request_id)
             if state is None:
                 continue  # aborted, or a stop string ended it while the token was on its way
+            if output.embedding is not None:
+                state.metrics.first_scheduled_time = output.scheduled_time
+                del self.requests[state.request_id]
+                results.append(state.embedding_output(output.embedding, now))
+                continue
             choice = state.choices.get(output.index)
             if choice is None:
                 choice = state.choices[output.index] = ChoiceState(output.index, self.tokenizer, state.params, self.token_text)
@@ -217,7 +236,6 @@ class OutputProcessor:
             if choice.finish_reason is not None:
                 state.num_finished_choices += 1
             touched[state.request_id] = state
-        results = []
         for state in touched.values():
             if state.finished:
                 state.metrics.finished_time = now
@@ -242,7 +260,7 @@ class OutputProcessor:
         """End a request here (its choices finish with "abort"); its final output, or None if it was
         not running. The caller tells the engine core."""
         state = self.requests.pop(request_id, None)
-        if state is None:
+        if state is None or state.is_embedding:
             return None
         for index in range(state.params.n):
             choice = state.choices.get(index)

@@ -29,6 +29,12 @@ re-admitted until its pending token arrived, and a request with repetition penal
 history) or with a grammar (structured output: its token mask depends on every token so far) skips
 a step rather than sample from a stale one. A sequence that will have reached its
 length limit once its pending tokens arrive is not scheduled again.
+
+An embedding request (`Request.pooling`) is prefill-only work under the same token budget: its whole
+prompt is admitted in one step or waits (it is never chunked: an encoder attends both ways, and mean
+pooling needs every token's hidden state), packed with the step's other rows, bypassing the prefix
+cache; it is not a running sequence (never preempted, never scheduled again) and ends when its
+step's embedding is applied, its KV blocks (a decoder's; an encoder's engine has none) freed then.
 """
 
 from __future__ import annotations
@@ -70,6 +76,12 @@ class PromptScoreTarget:
     count: int
 
 
+@dataclass(slots=True)
+class PoolTarget:
+    row: int  # a row holding a whole embedding request's prompt
+    seq: Sequence
+
+
 @dataclass
 class SchedulerOutput:
     rows: list[ScheduledRow] = field(default_factory=list)  # decodes (one new token) first
@@ -77,6 +89,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     prompt_scores: list[PromptScoreTarget] = field(default_factory=list)
+    pools: list[PoolTarget] = field(default_factory=list)  # embedding requests, in row order
 
     @property
     def num_batched_tokens(self) -> int:
@@ -89,7 +102,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs",
-        eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
+        eos_token_ids: Iterable[int] = (), max_model_len: int | None = None, pooling_needs_kv: bool = True,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"Unknown scheduling policy {policy!r}; use one of {', '.join(POLICIES)}.")
@@ -99,6 +112,7 @@ class Scheduler:
         self.policy = policy
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.pooling_needs_kv = pooling_needs_kv  # False for an encoder: embeddings take no blocks
         self.requests: dict[str, Request] = {}
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -163,7 +177,8 @@ class Scheduler:
     def _remove(self, seq: Sequence) -> None:
         """Take `seq` out of the queues and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            if seq.request.pooling is None:  # an embedding request in its step is not in `running`
+                self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.release(seq)
@@ -222,6 +237,9 @@ class Scheduler:
             known = len(seq.token_ids)
             rows.append(ScheduledRow(seq, begin, num_new, seq.pending_sample_row if begin + num_new > known else -1))
             seq.num_computed_tokens = computed = begin + num_new
+            if seq.request.pooling is not None:
+                out.pools.append(PoolTarget(row, seq))
+                continue
             if naming:
                 self._name_full_blocks(seq)
             if seq.request.needs_prompt_logprobs:
@@ -263,6 +281,16 @@ class Scheduler:
             seq = self.waiting[index]
             if seq.num_pending:
                 break  # preempted with a token in flight: it recomputes once the token is known
+            if seq.request.pooling is not None:
+                if not self._admit_pooling(seq, budget):
+                    break
+                for skipped in self.waiting[:index]:
+                    skipped.times_overtaken += 1
+                self.waiting.pop(index)
+                scheduled[seq] = seq.num_tokens
+                out.admitted.append(seq)
+                budget -= seq.num_tokens
+                continue
             # Prompt logprobs need the prompt computed: such a request may fill the cache, not read it.
             reused = 0 if seq.request.needs_prompt_logprobs else self.block_manager.take_cached_prefix(seq)
             seq.num_computed_tokens = reused
@@ -287,6 +315,19 @@ class Scheduler:
             else:
                 budget -= num_new
 
+    def _admit_pooling(self, seq: Sequence, budget: int) -> bool:
+        """Take an embedding request's whole prompt into this step, with blocks for its KV (a decoder's
+        layers write it) unless the model keeps none; False when it must wait."""
+        num_tokens = seq.num_tokens
+        if num_tokens > budget:
+            return False
+        if self.pooling_needs_kv:
+            if not self.block_manager.can_grow(seq, num_tokens):
+                return False
+            self.block_manager.grow(seq, num_tokens)
+        seq.status = SequenceStatus.RUNNING
+        return True
+
     def _pick_waiting(self) -> int:
         """Longest cached prefix first (SGLang's LPM), among the waiting sequences that rank like
         the head of the queue; plain queue order when the queue is long (the lookups would cost
@@ -310,7 +351,10 @@ class Scheduler:
         return best
 
     def _usable_cached_blocks(self, seq: Sequence) -> int:
-        return 0 if seq.request.needs_prompt_logprobs else self.block_manager.num_cached_prefix_blocks(seq)
+        request = seq.request
+        if request.needs_prompt_logprobs or request.pooling is not None:
+            return 0
+        return self.block_manager.num_cached_prefix_blocks(seq)
 
     def _rank(self, seq: Sequence) -> int:
         return seq.request.priority if self.policy == "priority" else 0
@@ -379,9 +423,19 @@ class Scheduler:
                 output.num_preemptions = request.num_preemptions
                 finished.append(seq)
             outputs.append(output)
+        for target, embedding in zip(out.pools, result.embeddings if result is not None else (), strict=True):
+            seq = target.seq
+            if seq.is_finished:
+                continue  # aborted while its step ran
+            request = seq.request
+            outputs.append(EngineCoreOutput(
+                request.request_id, -1, finish_reason="stop", embedding=embedding.tobytes(),
+                scheduled_time=request.first_scheduled_time, num_cached_tokens=0,
+            ))
+            finished.append(seq)
         if self.block_manager.enable_prefix_caching:
             for row in out.rows:
-                if not row.seq.is_finished:
+                if not row.seq.is_finished and row.seq.request.pooling is None:
                     self._name_full_blocks(row.seq)
         for seq in finished:
             self._remove(seq)

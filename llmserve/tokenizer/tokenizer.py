@@ -295,6 +295,16 @@ class Tokenizer:
             return [self._prepend_bos_id, *ids]
         return ids
 
+    def encode_truncated(self, text: str, max_length: int) -> list[int]:
+        """The text's tokens with the special tokens, the text cut from the right so that all of it fits
+        in `max_length` (transformers' `truncation=True`, as sentence-transformers embeds)."""
+        encoding = self._backend.encode_batch_fast([text], add_special_tokens=False)[0]
+        room = max_length - self._backend.num_special_tokens_to_add(False) - (self._prepend_bos_id is not None)
+        if len(encoding.ids) > room:
+            encoding.truncate(max(room, 0))
+        ids = self._backend.post_process(encoding).ids
+        return [self._prepend_bos_id, *ids] if self._prepend_bos_id is not None else ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids if isinstance(ids, list) else list(ids), skip_special_tokens=skip_special_tokens)
 
