@@ -70,6 +70,7 @@ def llmserve_decode(llm: LLM, prompt: list[int], new_tokens: int) -> float:
 
 
 def llmserve_prefill(llm: LLM, prompt: list[int]) -> float:
+    """tok/s of a prompt's prefill (a prompt not seen before: prefix caching would skip it)."""
     t = time.perf_counter()
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     return len(prompt) / (time.perf_counter() - t)
@@ -134,8 +135,9 @@ def main() -> None:
     rng = random.Random(0)
     vocab = cfg.vocab_size
     prompt = [rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)]
-    long_prompt = [rng.randrange(10, vocab - 10) for _ in range(args.prefill_len)]
-    batch = [[rng.randrange(10, vocab - 10) for _ in range(128)] for _ in range(64)]
+
+    def fresh(length: int) -> list[int]:
+        return [rng.randrange(10, vocab - 10) for _ in range(length)]
 
     binary = llama_bench_binary()
     ggufs = {name: Path(args.gguf_dir) / f"{Path(model_dir).name}-{name}.gguf" for name in ("bf16", "q8_0")}
@@ -159,9 +161,9 @@ def main() -> None:
             use_cpu_kernels(on)
             tag = "kernels" if on else "torch"
             row[f"llmserve_{tag}_decode"] = llmserve_decode(llm, prompt, args.new_tokens)
-            row[f"llmserve_{tag}_prefill"] = llmserve_prefill(llm, long_prompt)
+            row[f"llmserve_{tag}_prefill"] = llmserve_prefill(llm, fresh(args.prefill_len))
             if args.batch64:
-                row[f"llmserve_{tag}_batch64"] = llmserve_batch(llm, batch, 128)
+                row[f"llmserve_{tag}_batch64"] = llmserve_batch(llm, [fresh(128) for _ in range(64)], 128)
         use_cpu_kernels(True)
         for name, path in ggufs.items():
             row[f"llama_cpp_{name}_decode"] = llama_bench(binary, path, threads, 0, args.new_tokens, args.prompt_len)
