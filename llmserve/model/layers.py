@@ -1,8 +1,9 @@
 """Building blocks shared by the decoder architectures: norms, rotary embeddings, linear layers.
 
 On CUDA the norms (with the residual add), rotary embedding and SiLU-and-multiply run as fused Triton
-kernels (`fused_kernels`) when triton is installed; elsewhere, and when LLMSERVE_FUSED_KERNELS=0, they
-run as the plain torch code below, whose numerics the kernels reproduce.
+kernels (`fused_kernels`) when triton is installed; on CPU, for decode-sized bf16 batches, as C kernels
+(`cpu_fused`); elsewhere, and when LLMSERVE_FUSED_KERNELS=0, they run as the plain torch code below, whose
+numerics the kernels reproduce.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from llmserve.model import cpu_fused, cpu_linear
 from llmserve.model.config import RopeConfig
 
 logger = logging.getLogger(__name__)
@@ -33,18 +35,21 @@ def _fused_setting_from_env() -> bool | None:
     raise ValueError(f"{FUSED_KERNELS_ENV} must be auto, 1 or 0 (got {value!r})")
 
 
-# None: fused kernels on CUDA tensors when triton imports; True: always (CPU tensors need TRITON_INTERPRET=1,
-# for tests); False: never. Read once at import; tests set it directly.
+# None: fused kernels on CUDA tensors when triton imports, and the C ones on decode-sized CPU bf16 tensors;
+# True: the Triton ones always (CPU tensors need TRITON_INTERPRET=1, for tests); False: never. Read once at import; tests set it directly.
 use_fused_kernels: bool | None = _fused_setting_from_env()
 _fused_module: ModuleType | None = None
 _fused_import_failed = False
 
 
 def fused_kernels_for(x: torch.Tensor) -> ModuleType | None:
-    """The `fused_kernels` module when the fused path should run on x, else None (the torch path)."""
+    """The `fused_kernels` (or, on CPU, `cpu_fused`) module when a fused path should run on x, else None
+    (the torch path)."""
     setting = use_fused_kernels
-    if setting is False or (setting is None and not x.is_cuda):
+    if setting is False:
         return None
+    if setting is None and not x.is_cuda:
+        return cpu_fused if cpu_fused.fits(x) else None
     kernels = _import_fused_kernels()
     if kernels is None:
         if setting:
@@ -74,9 +79,8 @@ def _import_fused_kernels() -> ModuleType | None:
 
 class Linear(nn.Module):
     """A linear layer whose weights come from a checkpoint, so nothing is initialised at construction.
-
-    A quantized layer (`llmserve.model.quantization`) holds int8/fp8 weights and a `quant_method` that
-    runs its forward pass."""
+    Decode-sized bf16 batches on CPU run through `cpu_linear`'s kernel. A quantized layer
+    (`llmserve.model.quantization`) holds int8/fp8 weights and a `quant_method` that runs its forward pass."""
 
     quant_method = None
 
@@ -88,7 +92,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
-        return nn.functional.linear(x, self.weight, self.bias)
+        return cpu_linear.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

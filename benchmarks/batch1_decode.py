@@ -1,0 +1,193 @@
+"""CPU batch-1 decode of llmserve (bf16) against llama.cpp (BF16, Q8_0) and transformers (bf16), same weights.
+
+Rounds alternate the systems, so a noisy neighbour slows them alike; each round reports its own ratios:
+  - llmserve with the CPU kernels (`cpu_linear`, `cpu_fused`) and without them (F.linear and the torch
+    ops, as before issue 18), switched at run time in one process;
+  - llama.cpp's `llama-bench` on GGUF conversions of the same checkpoint (skipped, with a message, when the
+    build is missing: see benchmarks/llama_cpp.sh);
+  - transformers generate, bf16 (--skip-hf to leave it out).
+Workloads: batch-1 decode of 128 tokens after a 128-token prompt (tok/s of the 127 tokens after the first),
+prefill of 512 tokens (tok/s), and --batch64: 64 sequences of 128 in + 128 out (output tok/s).
+The machine's read bandwidth (float32 sum of 1 GiB over torch's threads) is measured in each round, and
+decode is reported as weight bytes per second and % of it.
+
+    bash benchmarks/llama_cpp.sh            # once: builds llama-bench, converts the model (~/.cache/llmserve-bench)
+    python benchmarks/batch1_decode.py --rounds 3 --batch64 --json bench_out/batch1_decode.json
+    python benchmarks/batch1_decode.py --threads 1 ...   # one core: robust to busy neighbours
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.model import cpu_linear, layers
+from llmserve.model.builtin import ensure_default_model
+
+BENCH_CACHE = Path(os.environ.get("LLMSERVE_BENCH_CACHE", Path.home() / ".cache" / "llmserve-bench"))
+
+
+def read_bandwidth_gbs() -> float:
+    x = torch.ones(1 << 28)  # 1 GiB of float32
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def use_cpu_kernels(on: bool) -> None:
+    cpu_linear.use_kernel(on)
+    layers.use_fused_kernels = None if on else False
+
+
+# ---- llmserve -------------------------------------------------------------------------------------
+def llmserve_decode(llm: LLM, prompt: list[int], new_tokens: int) -> float:
+    """tok/s of the decode steps after the first token (the prefill step is not timed)."""
+    engine = llm.engine
+    engine.add_request("decode", prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    engine.step()  # prefill + first token
+    t = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return (new_tokens - 1) / (time.perf_counter() - t)
+
+
+def llmserve_prefill(llm: LLM, prompt: list[int]) -> float:
+    """tok/s of a prompt's prefill (a prompt not seen before: prefix caching would skip it)."""
+    t = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    return len(prompt) / (time.perf_counter() - t)
+
+
+def llmserve_batch(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
+    t = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    return produced / (time.perf_counter() - t)
+
+
+# ---- transformers ---------------------------------------------------------------------------------
+@torch.inference_mode()
+def hf_decode(model, prompt: list[int], new_tokens: int) -> float:
+    ids = torch.tensor([prompt])
+
+    def generate(n: int) -> float:
+        return _timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                             min_new_tokens=n, do_sample=False, pad_token_id=0))
+
+    return (new_tokens - 1) / (generate(new_tokens) - generate(1))
+
+
+# ---- llama.cpp ------------------------------------------------------------------------------------
+def llama_bench_binary() -> Path | None:
+    for candidate in BENCH_CACHE.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-bench"):
+        return candidate
+    found = shutil.which("llama-bench")
+    return Path(found) if found else None
+
+
+def llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, generate: int, depth: int) -> float:
+    """tok/s that llama-bench reports for one test (-p prompt tokens or -n generated tokens at -d depth)."""
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(generate),
+           "-d", str(depth), "-r", "1", "-o", "json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: built-in llama medium)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--batch64", action="store_true", help="also 64 sequences x (128 in + 128 out)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--gguf-dir", default=str(BENCH_CACHE / "gguf"))
+    ap.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model_dir = args.model or str(ensure_default_model("llama", "medium"))
+    threads = torch.get_num_threads()
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=2 << 30, max_num_seqs=64)
+    cfg = llm.engine.facts.model_config
+    weight_bytes = 2 * (cfg.num_parameters() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size))
+    rng = random.Random(0)
+    vocab = cfg.vocab_size
+    prompt = [rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)]
+
+    def fresh(length: int) -> list[int]:
+        return [rng.randrange(10, vocab - 10) for _ in range(length)]
+
+    binary = llama_bench_binary()
+    ggufs = {name: Path(args.gguf_dir) / f"{Path(model_dir).name}-{name}.gguf" for name in ("bf16", "q8_0")}
+    if binary is None:
+        print("llama.cpp: llama-bench not found; build it with `bash benchmarks/llama_cpp.sh` (skipped)")
+    ggufs = {name: path for name, path in ggufs.items() if binary is not None and path.exists()}
+    if binary is not None and len(ggufs) < 2:
+        print(f"llama.cpp: GGUF files missing in {args.gguf_dir}; run `bash benchmarks/llama_cpp.sh` (skipped)")
+    hf = None
+    if not args.skip_hf:
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+    use_cpu_kernels(True)
+    llm.generate([prompt[:16]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    rounds = []
+    for r in range(args.rounds):
+        row: dict[str, float] = {"read_gbs": read_bandwidth_gbs()}
+        for on in (True, False):
+            use_cpu_kernels(on)
+            tag = "kernels" if on else "torch"
+            row[f"llmserve_{tag}_decode"] = llmserve_decode(llm, prompt, args.new_tokens)
+            row[f"llmserve_{tag}_prefill"] = llmserve_prefill(llm, fresh(args.prefill_len))
+            if args.batch64:
+                row[f"llmserve_{tag}_batch64"] = llmserve_batch(llm, [fresh(128) for _ in range(64)], 128)
+        use_cpu_kernels(True)
+        for name, path in ggufs.items():
+            row[f"llama_cpp_{name}_decode"] = llama_bench(binary, path, threads, 0, args.new_tokens, args.prompt_len)
+            row[f"llama_cpp_{name}_prefill"] = llama_bench(binary, path, threads, args.prefill_len, 0, 0)
+        if hf is not None:
+            row["hf_decode"] = hf_decode(hf, prompt, args.new_tokens)
+        decode = row["llmserve_kernels_decode"]
+        row["llmserve_weight_gbs"] = decode * weight_bytes / 1e9
+        row["pct_read_bw"] = 100 * row["llmserve_weight_gbs"] / row["read_gbs"]
+        row["kernels_vs_torch_decode"] = decode / row["llmserve_torch_decode"]
+        if "llama_cpp_bf16_decode" in row:
+            row["llmserve_vs_llama_cpp_bf16_decode"] = decode / row["llama_cpp_bf16_decode"]
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+        rounds.append(row)
+
+    medians = {k: statistics.median(row[k] for row in rounds) for k in rounds[0]}
+    print("medians: " + ", ".join(f"{k} {v:.2f}" for k, v in medians.items()))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "model": model_dir, "weight_bytes": weight_bytes, "threads": threads, "args": vars(args),
+            "llama_bench": str(binary) if binary else None, "rounds": rounds, "medians": medians,
+        }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

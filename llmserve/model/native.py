@@ -1,0 +1,77 @@
+"""Building and loading the C kernels for CPUs (`csrc/` beside the modules that use them).
+
+Each kernel is one C file compiled on first use with the system C compiler and OpenMP (gcc or clang,
+`-march=native`, so the AVX-512 paths are compiled where the machine has them), cached as a shared object
+under the llmserve cache directory keyed by the source, the flags and the machine, and called through
+ctypes with raw pointers, so no PyTorch headers are needed. Without a compiler, or when the build fails,
+`load_library` returns None and callers keep their PyTorch path.
+
+LLMSERVE_CPU_KERNELS: 1 (default) uses every kernel on its best path, 0 turns them all off, `portable`
+keeps them on their plain-C implementation (for comparisons and for testing machines without AVX-512).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ENV = "LLMSERVE_CPU_KERNELS"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def portable_from_env() -> bool:
+    return os.environ.get(ENV) == "portable"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LLMSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llmserve"
+    )
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def load_library(source: Path) -> ctypes.CDLL | None:
+    """`source` built (or found in the cache) and loaded; None when kernels are off or it cannot be built."""
+    if not kernels_enabled():
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.info("no C compiler found: %s is not used, the PyTorch path runs instead", source.name)
+        return None
+    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *FLAGS, platform.node(), platform.machine()]).encode())
+    target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            _build(compiler, source, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        logger.warning("building %s failed (%s); the PyTorch path runs instead", source.name, exc)
+        return None
+
+
+def _build(compiler: str, source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], check=True, capture_output=True)
+        os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
