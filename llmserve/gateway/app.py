@@ -1,5 +1,5 @@
-"""The gateway's HTTP app: the OpenAI endpoints forwarded to the pool named by the body's `model` (or
-an alias of it), `/v1/models` (the pools and aliases), /tokenize and /detokenize (answered by a
+"""The gateway's HTTP app: the OpenAI endpoints (/v1/chat/completions, /v1/completions, /v1/embeddings)
+forwarded to the pool named by the body's `model` (or an alias of it), `/v1/models` (the pools and aliases), /tokenize and /detokenize (answered by a
 replica), `/health` and `/metrics`. With a platform (platform.py), the keys, rate limits, usage,
 conversations and safety of `llmserve serve` around it all, and `/v1/usage` and `/v1/conversations`
 served from the platform's store; without one, requests are passed through as they are."""
@@ -37,7 +37,13 @@ from llmserve.server.errors import install_error_handlers
 from llmserve.server.gateway import AuthMiddleware, Platform, public_paths, request_key
 from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from llmserve.server.metrics import PlatformMetrics
-from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from llmserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ModelCard,
+    ModelList,
+)
 from llmserve.server.workers import WorkerPool
 from llmserve.web import install_page, page_paths
 
@@ -165,6 +171,10 @@ def build_gateway_app(
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             return await forward(request, "/v1/completions")
+
+        @app.post("/v1/embeddings")
+        async def embeddings(request: Request) -> Response:
+            return await forward(request, "/v1/embeddings")
     else:
         @app.post("/v1/chat/completions", response_model=None)
         async def chat_completions_with_platform(body: ChatCompletionRequest, request: Request) -> Response:
@@ -173,6 +183,10 @@ def build_gateway_app(
         @app.post("/v1/completions", response_model=None)
         async def completions_with_platform(body: CompletionRequest, request: Request) -> Response:
             return await front.completion(request, body)
+
+        @app.post("/v1/embeddings", response_model=None)
+        async def embeddings_with_platform(body: EmbeddingRequest, request: Request) -> Response:
+            return await front.embeddings(request, body)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -12,6 +12,10 @@ A chat or completion request goes one way:
   reservation settled to the usage the replica reported (a broken stream to what it had sent) → the
   reply stored in the conversation.
 
+An embeddings request goes the same way where it applies: the key → the model or alias → the body
+validated → the safety screen over its text inputs → the rate limits (its inputs' tokens, no completion)
+→ forwarded to a replica → its reply passed on as the replica wrote it, metered with its `usage`.
+
 A request the replica refuses (a 4xx, or no replica could take it) is not metered and gives its
 reservation back, as a request the server refuses before its engine runs it."""
 
@@ -24,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -40,7 +45,7 @@ from llmserve.server.conversations import ConversationTurn, fit_history, open_tu
 from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Admission, Platform, request_key
 from llmserve.server.messages import template_messages, uses_tools
-from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, random_id
+from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, random_id
 from llmserve.server.streaming import until_disconnect
 from llmserve.server.workers import WorkerPool
 
@@ -54,8 +59,8 @@ class _Call:
     """One request on its way through the gateway's platform."""
 
     path: str
-    id_prefix: str  # of the response id: "chatcmpl", "cmpl"
-    text_field: str  # where a choice's text is: "content" (chat), "text" (completions)
+    id_prefix: str  # of the response id: "chatcmpl", "cmpl", "embd"
+    text_field: str | None  # where a choice's text is: "content" (chat), "text" (completions); None: no choices
     model: str
     pool: Pool
     key: ApiKey | None
@@ -127,6 +132,21 @@ class GatewayPlatform:
             call.reserve_tokens = _reservation(counts, body.max_tokens, body.n, max_model_len)
         return await self._run(request, call)
 
+    async def embeddings(self, request: Request, body: EmbeddingRequest) -> Response:
+        key = request_key(request.state)
+        model, pool = self.resolve(body.model, key, key.id if key is not None else body.user)
+        inputs = body.inputs()
+        payload = await _payload(request, model)
+        await self._screen(lambda: [item for item in inputs if isinstance(item, str)], model, "input")
+        call = _Call("/v1/embeddings", "embd", None, model, pool, key, payload, stream=False, include_usage=False,
+                     continuous_usage=False, choices=0)
+        if self._limits_tokens(key):
+            counts = await asyncio.gather(
+                *(self._embedding_tokens(pool, model, item, body.truncate_prompt_tokens) for item in inputs)
+            )
+            call.prompt_tokens = call.reserve_tokens = sum(counts)
+        return await self._run(request, call)
+
     async def forward_tokenizer(self, request: Request, path: str) -> Response:
         """/tokenize and /detokenize, answered by a replica of the model's pool."""
         payload = await _json(request)
@@ -185,6 +205,18 @@ class GatewayPlatform:
         answer = await self._ask(pool, "/tokenize", body)
         return int(answer["count"]), int(answer["max_model_len"])
 
+    async def _embedding_tokens(self, pool: Pool, model: str, item: str | list[int], truncate: int | None) -> int:
+        """An embeddings input's token count as the replica embeds it, cut to `truncate_prompt_tokens`
+        (-1: to the context window, which may be more than the model embeds: the reservation is settled
+        to the usage the replica reports)."""
+        if not isinstance(item, str):
+            count, max_model_len = len(item), len(item)
+        else:
+            count, max_model_len = await self._count(pool, {"model": model, "prompt": item})
+        if truncate is None:
+            return count
+        return min(count, max_model_len if truncate == -1 else truncate)
+
     async def _max_model_len(self, pool: Pool, model: str) -> int:
         return (await self._count(pool, {"model": model, "prompt": ""}))[1]
 
@@ -238,6 +270,8 @@ class GatewayPlatform:
         if response.status_code != 200:
             admission.release()
             return response
+        if call.text_field is None:
+            return await self._reply_as_written(call, response, response_id, admission, started, headers)
         return await self._reply_whole(call, response, response_id, admission, started, headers)
 
     async def _reply_whole(
@@ -256,12 +290,25 @@ class GatewayPlatform:
         await self._completed(call, meter, reply)
         return JSONResponse(data, headers=headers)
 
+    async def _reply_as_written(
+        self, call: _Call, response: Response, response_id: str, admission: Admission, started: float,
+        headers: dict[str, str],
+    ) -> Response:
+        """A reply without choices (embeddings): passed on as the replica wrote it, metered with its usage
+        (read on a worker thread: the body grows with the inputs)."""
+        reported = await self.workers.run(_USAGE.decode, bytes(response.body))
+        meter = self._meter(call, response_id, admission, started)
+        meter.observe_usage(reported.usage)
+        await meter.finish_durably(UsageStatus.COMPLETED)
+        return Response(response.body, status_code=200, media_type="application/json", headers=headers)
+
     def _meter(self, call: _Call, response_id: str, admission: Admission, started: float) -> RelayMeter:
         meter = RelayMeter(self.platform, response_id, call.key, call.model, admission, call.prompt_tokens)
         meter.started = started
         return meter
 
     def _reply(self, call: _Call) -> Reply:
+        assert call.text_field is not None
         return Reply(call.text_field, call.choices, self._output_guard)
 
     def _output_guard(self) -> OutputGuard | None:
@@ -273,6 +320,13 @@ class GatewayPlatform:
         self.platform.count_blocked_outputs(call.model, meter.request_id, reply.blocked)
         if call.turn is not None:
             await call.turn.save(call.turn_messages, reply.first_text, meter.completion_tokens)
+
+
+class _ReportedUsage(msgspec.Struct):
+    usage: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+_USAGE = msgspec.json.Decoder(_ReportedUsage)
 
 
 async def _json(request: Request) -> dict[str, Any]:

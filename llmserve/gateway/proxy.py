@@ -52,11 +52,11 @@ def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 def prompt_key(payload: dict) -> PromptKey:
     """What the prefix policy routes on: a chat's message texts joined (a conversation's next turn
-    starts with the same text), or a completion's prompt. O(prompt) on the event loop, as is parsing
-    the body; fine at a few hundred KB."""
+    starts with the same text), a completion's prompt, or an embeddings request's input. O(prompt) on
+    the event loop, as is parsing the body; fine at a few hundred KB."""
     if "messages" in payload:
         return "\n".join(_message_text(message) for message in payload.get("messages") or ())
-    prompt = payload.get("prompt", "")
+    prompt = payload.get("prompt", payload.get("input", ""))
     if isinstance(prompt, list) and prompt:
         first = prompt[0]
         if isinstance(first, int):

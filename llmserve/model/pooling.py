@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError, ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 _ST_POOLING_MODES = {
     "pooling_mode_mean_tokens": "mean",
@@ -108,6 +111,8 @@ def _max_seq_length(model_dir: Path) -> int | None:
 
 def pool(hidden: torch.Tensor, starts: list[int], rows: list[int], pooling: str) -> torch.Tensor:
     """[len(rows), hidden] float32: each row's tokens (hidden[starts[r]:starts[r + 1]]) pooled."""
+    import torch  # not at the top: PoolingParams reaches processes without torch (a gateway's, via engine.messages)
+
     if pooling == "cls":
         index = [starts[r] for r in rows]
     elif pooling == "last":

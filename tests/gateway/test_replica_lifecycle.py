@@ -106,6 +106,11 @@ def _chat(content: str, **extra: object) -> dict:
             "temperature": 0, **extra}
 
 
+def _first_data(lines: Iterator[str]) -> str:
+    """A stream's first data line (its events are numbered: `id: N` lines come before them)."""
+    return next(line for line in lines if line.startswith("data: "))
+
+
 def _completed(text: str) -> bool:
     """A stream that ended normally: [DONE] after a last choice with a finish reason, no error event."""
     events = _events(text)
@@ -176,7 +181,7 @@ def test_a_hung_replica_holds_no_client(replicas: Replicas) -> None:
         body = _chat("a long story", max_tokens=400, ignore_eos=True, stream=True)
         with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=30) as stream:
             lines = stream.iter_lines()
-            assert next(lines).startswith("data: {")  # round robin: the first request is the hung one's
+            assert _first_data(lines).startswith("data: {")  # round robin: the first request is the hung one's
             assert hung.in_flight == 1
             hung_proc.send_signal(signal.SIGSTOP)
             try:
@@ -290,7 +295,7 @@ def test_rolling_restart_of_every_replica_under_load_fails_no_request(replicas: 
                 with httpx.stream("POST", f"{replicas.url(old)}/v1/chat/completions", json=body,
                                   timeout=60) as direct:
                     lines = direct.iter_lines()
-                    assert next(lines).startswith("data: {")
+                    assert _first_data(lines).startswith("data: {")
                     proc.send_signal(signal.SIGTERM)
                     _wait_until(lambda victim=victim: victim.state is not ReplicaState.HEALTHY, 5,
                                 f"{old} to leave the routing")

