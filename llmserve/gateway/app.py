@@ -161,6 +161,11 @@ def build_gateway_app(
         pool = state.pools.get(model)
         if pool is None:
             return errors.model_not_found(model)
+        options = payload.get("stream_options")
+        if isinstance(options, dict) and options.pop("resumable", None) is not None:
+            # Resuming (GET /v1/streams/{id}) is not routed to the replica that holds a stream, so a
+            # stream stays plain: its generation stops when its client leaves.
+            body = json.dumps(payload).encode()
         return await state.proxy.forward(pool, path, body, prompt_key(payload), forwarded_headers(request.headers))
 
     if platform is None:

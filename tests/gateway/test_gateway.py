@@ -195,6 +195,17 @@ def test_responses_pass_through_unchanged(gateway: Gateway, replicas: list[Proce
     assert proxied.status_code == 200 and proxied.json()["choices"] == direct.json()["choices"]
 
 
+def test_a_resumable_stream_is_forwarded_plain(gateway: Gateway, replicas: list[Process]) -> None:
+    """The gateway does not route resumes (GET /v1/streams/{id}) to the replica holding a stream, so it
+    asks for none: no stream id comes back, and the stream is the plain one."""
+    body = _chat("Tell me a story.", max_tokens=6, stream=True, stream_options={"resumable": True})
+    direct = httpx.post(f"{replicas[0].url}/v1/chat/completions", json=body, timeout=30)
+    proxied = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30)
+    assert direct.status_code == proxied.status_code == 200
+    assert "x-stream-id" in direct.headers and "x-stream-id" not in proxied.headers
+    assert _events(proxied.text)[-1] == "[DONE]"
+
+
 def test_errors_models_and_health(gateway: Gateway, replicas: list[Process]) -> None:
     response = httpx.post(f"{gateway.url}/v1/chat/completions", json={**_chat("hi"), "model": "nope"})
     assert response.status_code == 404
