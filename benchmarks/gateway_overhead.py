@@ -12,7 +12,7 @@ percentile minus the direct one's. The gateway process's CPU time per request (f
 too: on a machine whose cores are busy with other work, queueing behind that work inflates latency, not
 CPU time.
 
-    python benchmarks/gateway_overhead.py [--rate 200] [--rounds 6] [--block-s 5] [--stream] [--json out.json]
+    python benchmarks/gateway_overhead.py [--rate 200] [--rounds 6] [--block-s 5] [--stream] [--no-platform] [--json out.json]
 """
 
 from __future__ import annotations
@@ -185,6 +185,7 @@ def main() -> int:
     ap.add_argument("--block-s", type=float, default=5.0)
     ap.add_argument("--stream", action="store_true", help="streamed requests (two events each)")
     ap.add_argument("--policy", default="prefix")
+    ap.add_argument("--no-platform", action="store_true", help="the gateway routes only (keys, limits, metering off)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)  # the backend process
     args = ap.parse_args()
@@ -205,11 +206,12 @@ def main() -> int:
     backend = [sys.executable, __file__, "--serve-fake", str(port)]
     with process(backend, r"fake backend at (http://\S+)") as (direct, _):
         gateway_command = [sys.executable, "-m", "llmserve.cli", "gateway", "--pool", f"{MODEL}={direct}",
-                           "--policy", args.policy, "--port", "0"]
+                           "--policy", args.policy, "--port", "0", *(["--no-platform"] if args.no_platform else [])]
         with process(gateway_command, r"gateway at (http://\S+)/v1") as (gateway, gateway_pid):
             summary = asyncio.run(measure(direct, gateway, gateway_pid, args))
     summary["config"] = {"rate": args.rate, "rounds": args.rounds, "block_s": args.block_s, "stream": args.stream,
-                         "policy": args.policy, "cpus": os.cpu_count()}
+                         "policy": args.policy, "platform": not args.no_platform,
+                         "cpus": os.cpu_count()}
     print(json.dumps(summary, indent=2))
     if args.json:
         with open(args.json, "w") as out:
