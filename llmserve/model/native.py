@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "LLMSERVE_CPU_KERNELS"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+INCLUDE_DIR = Path(__file__).parent / "csrc"  # headers every kernel may include (bf16.h)
 
 
 def kernels_enabled() -> bool:
@@ -58,7 +59,10 @@ def load_library(source: Path) -> ctypes.CDLL | None:
     if compiler is None:
         logger.info("no C compiler found: %s is not used, the PyTorch path runs instead", source.name)
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *FLAGS, platform.node(), platform.machine()]).encode())
+    headers = b"".join(header.read_bytes() for header in sorted(INCLUDE_DIR.glob("*.h")))
+    key = hashlib.sha256(
+        source.read_bytes() + headers + " ".join([compiler, *FLAGS, platform.node(), platform.machine()]).encode()
+    )
     target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
@@ -73,5 +77,5 @@ def _build(compiler: str, source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], check=True, capture_output=True)
+        subprocess.run([compiler, *FLAGS, f"-I{INCLUDE_DIR}", str(source), "-o", str(built), "-lm"], check=True, capture_output=True)
         os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
