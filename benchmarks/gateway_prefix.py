@@ -17,7 +17,7 @@ Measured per arm: the prefix-cache hit rate (prompt tokens found cached / looked
 how evenly the work spread (each replica's `vllm:num_requests_running`, sampled every 0.2 s while the
 arm runs: the busiest replica's mean against the mean over replicas; and requests per replica).
 
-    python benchmarks/gateway_prefix.py [--requests 240] [--rate 2] [--json out.json]
+    python benchmarks/gateway_prefix.py [--requests 240] [--rate 2] [--no-platform] [--json out.json]
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ def replica(model_dir: Path, blocks: int, max_model_len: int) -> Process:
     return Process(command, r"serving \S+ at (http://\S+)/v1")
 
 
-def gateway(urls: list[str], policy: str) -> Process:
+def gateway(urls: list[str], policy: str, platform: bool) -> Process:
     command = [sys.executable, "-m", "llmserve.cli", "gateway", "--pool", f"{MODEL}={','.join(urls)}",
-               "--policy", policy, "--port", "0"]
+               "--policy", policy, "--port", "0", *([] if platform else ["--no-platform"])]
     return Process(command, r"gateway at (http://\S+)/v1")
 
 
@@ -194,6 +194,8 @@ def main() -> int:
     ap.add_argument("--kv-blocks", type=int, default=384,
                     help="KV blocks (16 tokens) per replica of the 3-replica arms; `single` gets 3x")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-platform", action="store_true",
+                    help="the gateways route only (no keys, limits or metering), as the `single` arm's bare replica")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else make_model(Path(tempfile.mkdtemp(prefix="llmserve-small-")),
@@ -206,7 +208,8 @@ def main() -> int:
         for process in started:
             stack.callback(process.stop)
         urls = [process.url() for process in started]
-        gateways = [gateway(urls[0:3], "prefix"), gateway(urls[3:6], "round_robin")]
+        gateways = [gateway(urls[0:3], "prefix", not args.no_platform),
+                    gateway(urls[3:6], "round_robin", not args.no_platform)]
         for process in gateways:
             stack.callback(process.stop)
         prefix_gateway, round_robin_gateway = (process.url() for process in gateways)
