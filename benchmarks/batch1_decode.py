@@ -6,7 +6,8 @@ Rounds alternate the systems, so a noisy neighbour slows them alike; each round 
     (`cpu_linear`, `cpu_fused`); `torch`, without them (F.linear and the torch ops, as before issue 18).
     Decode also reports each mode's process CPU time per step (robust to neighbours' load);
   - llama.cpp's `llama-bench` on GGUF conversions of the same checkpoint (skipped, with a message, when the
-    build is missing: see benchmarks/llama_cpp.sh);
+    build is missing: see benchmarks/llama_cpp.sh), with its CPU time per decoded token (a run of 1 token
+    subtracted from the decode run);
   - transformers generate, bf16 (--skip-hf to leave it out).
 Workloads: batch-1 decode of 128 tokens after a 128-token prompt (tok/s of the 127 tokens after the first),
 prefill of 512 tokens (tok/s), and --batch64: 64 sequences of 128 in + 128 out (output tok/s).
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -109,12 +111,27 @@ def llama_bench_binary() -> Path | None:
     return Path(found) if found else None
 
 
-def llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, generate: int, depth: int) -> float:
-    """tok/s that llama-bench reports for one test (-p prompt tokens or -n generated tokens at -d depth)."""
+def llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, generate: int, depth: int) -> tuple[float, float]:
+    """(tok/s that llama-bench reports for one test (-p prompt tokens or -n generated tokens at -d depth),
+    the CPU seconds of the whole run: loading, warm-up and the test)."""
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(generate),
            "-d", str(depth), "-r", "1", "-o", "json"]
+    before = _children_cpu_s()
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return float(json.loads(out)[0]["avg_ts"])
+    return float(json.loads(out)[0]["avg_ts"]), _children_cpu_s() - before
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def llama_bench_decode(binary: Path, gguf: Path, threads: int, generate: int, depth: int) -> tuple[float, float]:
+    """(decode tok/s, CPU ms per decoded token): the CPU time of a run that generates `generate` tokens less
+    that of one generating 1, so loading, the context's prefill and the warm-up cancel out."""
+    tok_s, cpu_s = llama_bench(binary, gguf, threads, 0, generate, depth)
+    _, cpu_one_s = llama_bench(binary, gguf, threads, 0, 1, depth)
+    return tok_s, (cpu_s - cpu_one_s) / (generate - 1) * 1e3
 
 
 def main() -> None:
@@ -178,8 +195,10 @@ def main() -> None:
                     row[f"llmserve_{mode}_batch64"] = llmserve_batch(llm, [fresh(128) for _ in range(64)], 128)
         use_mode(modes[0])
         for name, path in ggufs.items():
-            row[f"llama_cpp_{name}_decode"] = llama_bench(binary, path, threads, 0, args.new_tokens, args.prompt_len)
-            row[f"llama_cpp_{name}_prefill"] = llama_bench(binary, path, threads, args.prefill_len, 0, 0)
+            row[f"llama_cpp_{name}_decode"], row[f"llama_cpp_{name}_cpu_ms_per_token"] = llama_bench_decode(
+                binary, path, threads, args.new_tokens, args.prompt_len
+            )
+            row[f"llama_cpp_{name}_prefill"] = llama_bench(binary, path, threads, args.prefill_len, 0, 0)[0]
         if hf is not None:
             row["hf_decode"] = hf_decode(hf, prompt, args.new_tokens)
         decode = row[f"llmserve_{modes[0]}_decode"]
@@ -189,6 +208,10 @@ def main() -> None:
             row[f"{modes[0]}_vs_{other}_decode"] = decode / row[f"llmserve_{other}_decode"]
         if "llama_cpp_bf16_decode" in row:
             row["llmserve_vs_llama_cpp_bf16_decode"] = decode / row["llama_cpp_bf16_decode"]
+            # by CPU time per token: what each costs, whatever the neighbours take
+            row["llmserve_vs_llama_cpp_bf16_cpu"] = (
+                row["llama_cpp_bf16_cpu_ms_per_token"] / row[f"llmserve_{modes[0]}_cpu_ms_per_step"]
+            )
         print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
         rounds.append(row)
 
