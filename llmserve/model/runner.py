@@ -2,6 +2,9 @@
 tokens, block tables, rows to sample and how) into one forward pass over its flattened tokens, and
 samples the next tokens.
 
+On CPU, steps of a few bf16 tokens (batch-1 decode) run the whole forward pass in one C call
+(`cpu_decode`) when the model and its settings allow; others take the model's own forward pass.
+
 On CUDA it also sizes the KV pool from a profiling step, replays CUDA graphs for decode-only steps
 (`cuda_graphs`), and keeps the step free of host syncs: every input tensor is built on the host and
 sent before the forward pass is launched, and the sampled ids are copied back asynchronously, so
