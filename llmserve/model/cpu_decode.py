@@ -73,7 +73,7 @@ class Decoder(ctypes.Structure):
         ("num_layers", _i32), ("hidden", _i32), ("heads", _i32), ("kv_heads", _i32), ("head_dim", _i32),
         ("intermediate", _i32), ("block_size", _i32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("embed", _ptr), ("final_norm", _ptr), ("cos_cache", _ptr), ("sin_cache", _ptr), ("layers", _ptr),
-        ("residual", _ptr), ("normed", _ptr), ("qkv", _ptr), ("query", _ptr), ("attn", _ptr), ("proj", _ptr),
+        ("qkv", _ptr), ("query", _ptr), ("attn", _ptr), ("proj", _ptr),
         ("gate_up", _ptr), ("act", _ptr),
     ]
 
@@ -128,8 +128,7 @@ class CpuDecoder:
         self.hidden_size = cfg.hidden_size
         q_size = cfg.num_attention_heads * cfg.head_dim
         qkv_width = q_size + 2 * cfg.num_key_value_heads * cfg.head_dim
-        widths = [cfg.hidden_size, cfg.hidden_size, qkv_width, q_size, q_size, cfg.hidden_size,
-                  2 * cfg.intermediate_size, cfg.intermediate_size]
+        widths = [qkv_width, q_size, q_size, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.intermediate_size]
         self._scratch = [torch.empty(MAX_TOKENS, width, dtype=torch.bfloat16) for width in widths]
         self._layers = (LayerWeights * len(model.layers))(*(
             LayerWeights(
