@@ -97,9 +97,10 @@ def load() -> ctypes.CDLL | None:
 
 
 def _kernel_path_active() -> bool:
-    """Whether the per-module path would run its small bf16 steps through the C kernels too."""
+    """Whether the per-module path would run its small bf16 steps through the C kernels too (not when the
+    fused kernels are off, nor when the Triton ones are forced)."""
     return (
-        _enabled and cpu_linear.kernel_enabled() and layers.use_fused_kernels is not False
+        _enabled and cpu_linear.kernel_enabled() and layers.use_fused_kernels is None
         and (cpu_linear.has_fast_path() or _portable_only)
     )
 

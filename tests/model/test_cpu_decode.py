@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model import cpu_decode, cpu_linear
+from llmserve.model import cpu_decode, cpu_linear, layers
 from llmserve.model.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernels
 from llmserve.model.builtin import ensure_default_model
 from llmserve.model.config import ModelConfig
@@ -147,7 +147,7 @@ def test_a_short_prefill_chunk_matches_within_bf16_rounding(portable):
     assert error.max() < 0.02, error
 
 
-def test_models_and_steps_it_does_not_take():
+def test_models_and_steps_it_does_not_take(monkeypatch):
     model = _model("llama")
     cfg = model.config
     backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, 32, BLOCK_SIZE, dtype=torch.bfloat16)
@@ -160,6 +160,14 @@ def test_models_and_steps_it_does_not_take():
         assert not decoder.fits(1)
     finally:
         cpu_decode.use_fast_path(True)
+    for forced in (False, True):  # the fused kernels off, or the Triton ones forced
+        monkeypatch.setattr(layers, "use_fused_kernels", forced)
+        assert not decoder.fits(1)
+    monkeypatch.setattr(layers, "use_fused_kernels", None)
+    assert decoder.fits(1)
+    monkeypatch.setattr(model.layers[1].mlp.down_proj, "quant_method", object())  # a quantized layer
+    assert cpu_decode.CpuDecoder.build(model, caches, backend) is None
+    monkeypatch.undo()
     float_model = model.float()
     float_backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, 32, BLOCK_SIZE)
     assert cpu_decode.CpuDecoder.build(float_model, [(k.float(), v.float()) for k, v in caches], float_backend) is None
