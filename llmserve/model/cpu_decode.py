@@ -124,8 +124,7 @@ class CpuDecoder:
     ) -> None:
         cfg = model.config
         self._lib = lib
-        self._model = model  # keeps the weights the descriptors point at alive
-        self._kv_caches = kv_caches
+        self._model, self._kv_caches = model, kv_caches  # the descriptors point into them
         self.hidden_size = cfg.hidden_size
         q_size = cfg.num_attention_heads * cfg.head_dim
         qkv_width = q_size + 2 * cfg.num_key_value_heads * cfg.head_dim
@@ -174,6 +173,7 @@ class CpuDecoder:
             rows = torch.repeat_interleave(meta.query_start_loc.diff())
             tables = meta.block_tables.index_select(0, rows)
             lens = (positions + 1).to(torch.int32)
+        _check_index_types(input_ids, positions, meta.slot_mapping, tables, lens)
         out = torch.empty(tokens, self.hidden_size, dtype=torch.bfloat16)
         step = self._step
         step.tokens, step.max_blocks = tokens, tables.shape[1]
@@ -184,6 +184,13 @@ class CpuDecoder:
         if self._lib.llmserve_decode_step(self._decoder_ref, self._step_ref) != 0:
             raise RuntimeError("the CPU decode step rejected its arguments")
         return out
+
+
+def _check_index_types(*tensors: torch.Tensor) -> None:
+    """The C side reads ids, positions and slots as int64, tables and lengths as int32, all contiguous."""
+    for tensor, dtype in zip(tensors, (torch.int64, torch.int64, torch.int64, torch.int32, torch.int32), strict=True):
+        if tensor.dtype != dtype or not tensor.is_contiguous():
+            raise TypeError(f"the CPU decode step needs contiguous {dtype} indices, got {tensor.dtype}")
 
 
 def _supports(
