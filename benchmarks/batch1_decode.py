@@ -9,7 +9,8 @@ Rounds alternate the systems, so a noisy neighbour slows them alike; each round 
     build is missing: see benchmarks/llama_cpp.sh), with its CPU time per decoded token (a run of 1 token
     subtracted from the decode run);
   - transformers generate, bf16 (--skip-hf to leave it out).
-Workloads: batch-1 decode of 128 tokens after a 128-token prompt (tok/s of the 127 tokens after the first),
+Workloads: batch-1 decode of 128 tokens after a 128-token prompt (tok/s of the 127 tokens after the first;
+--best-window: also of the fastest W consecutive steps, for machines shared with other jobs),
 prefill of 512 tokens (tok/s), and --batch64: 64 sequences of 128 in + 128 out (output tok/s).
 The machine's read bandwidth (float32 sum of 1 GiB over torch's threads) is measured in each round, and
 decode is reported as weight bytes per second and % of it.
@@ -64,17 +65,22 @@ def use_mode(mode: str) -> None:
 
 
 # ---- llmserve -------------------------------------------------------------------------------------
-def llmserve_decode(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    """(tok/s, process CPU ms per step) of the decode steps after the first token (the prefill step is not
-    timed)."""
+def llmserve_decode(llm: LLM, prompt: list[int], new_tokens: int, window: int) -> tuple[float, float, float]:
+    """(tok/s, process CPU ms per step, tok/s of the fastest `window` consecutive steps) of the decode steps
+    after the first token (the prefill step is not timed)."""
     engine = llm.engine
     engine.add_request("decode", prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     engine.step()  # prefill + first token
     t, cpu = time.perf_counter(), time.process_time()
+    step_times = []
     while engine.has_unfinished_requests():
+        start = time.perf_counter()
         engine.step()
+        step_times.append(time.perf_counter() - start)
     cpu_ms = (time.process_time() - cpu) / (new_tokens - 1) * 1e3
-    return (new_tokens - 1) / (time.perf_counter() - t), cpu_ms
+    decodes = step_times[: new_tokens - 1]  # the last step only hands over the last token
+    best = min(sum(decodes[i : i + window]) for i in range(len(decodes) - window + 1)) if window else 0.0
+    return (new_tokens - 1) / (time.perf_counter() - t), cpu_ms, window / best if window else 0.0
 
 
 def llmserve_prefill(llm: LLM, prompt: list[int]) -> float:
@@ -126,6 +132,14 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def llama_bench_best_window(binary: Path, gguf: Path, threads: int, window: int, depth: int, reps: int) -> float:
+    """tok/s of the fastest of `reps` runs of `window` generated tokens at `depth`."""
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(window), "-d", str(depth),
+           "-r", str(reps), "-o", "json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return window / (min(json.loads(out)[0]["samples_ns"]) / 1e9)
+
+
 def llama_bench_decode(binary: Path, gguf: Path, threads: int, generate: int, depth: int) -> tuple[float, float]:
     """(decode tok/s, CPU ms per decoded token): the CPU time of a run that generates `generate` tokens less
     that of one generating 1, so loading, the context's prefill and the warm-up cancel out."""
@@ -147,6 +161,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
     ap.add_argument("--modes", default=",".join(MODES), help="llmserve modes to run, comma-separated (first: the "
                     "one compared with the others; prefill and batch 64 run in the first and the last)")
+    ap.add_argument("--best-window", type=int, default=0, metavar="W",
+                    help="also the tok/s of the fastest W consecutive decode steps (llama.cpp: the fastest of "
+                    "--new-tokens / W runs of W tokens): what each reaches when the neighbours leave it the cores")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -187,8 +204,10 @@ def main() -> None:
         row: dict[str, float] = {"read_gbs": read_bandwidth_gbs()}
         for mode in modes:
             use_mode(mode)
-            decode, cpu_ms = llmserve_decode(llm, prompt, args.new_tokens)
+            decode, cpu_ms, best = llmserve_decode(llm, prompt, args.new_tokens, args.best_window)
             row[f"llmserve_{mode}_decode"], row[f"llmserve_{mode}_cpu_ms_per_step"] = decode, cpu_ms
+            if args.best_window:
+                row[f"llmserve_{mode}_best_window_decode"] = best
             if mode in (modes[0], modes[-1]):  # prefill and batch 64 never take the one-call step
                 row[f"llmserve_{mode}_prefill"] = llmserve_prefill(llm, fresh(args.prefill_len))
                 if args.batch64:
@@ -199,6 +218,10 @@ def main() -> None:
                 binary, path, threads, args.new_tokens, args.prompt_len
             )
             row[f"llama_cpp_{name}_prefill"] = llama_bench(binary, path, threads, args.prefill_len, 0, 0)[0]
+            if args.best_window:
+                row[f"llama_cpp_{name}_best_window_decode"] = llama_bench_best_window(
+                    binary, path, threads, args.best_window, args.prompt_len, max(1, args.new_tokens // args.best_window)
+                )
         if hf is not None:
             row["hf_decode"] = hf_decode(hf, prompt, args.new_tokens)
         decode = row[f"llmserve_{modes[0]}_decode"]
@@ -212,6 +235,10 @@ def main() -> None:
             row["llmserve_vs_llama_cpp_bf16_cpu"] = (
                 row["llama_cpp_bf16_cpu_ms_per_token"] / row[f"llmserve_{modes[0]}_cpu_ms_per_step"]
             )
+            if args.best_window:
+                row["llmserve_vs_llama_cpp_bf16_best_window"] = (
+                    row[f"llmserve_{modes[0]}_best_window_decode"] / row["llama_cpp_bf16_best_window_decode"]
+                )
         print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
         rounds.append(row)
 
