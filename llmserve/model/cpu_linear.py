@@ -11,8 +11,9 @@ for tests and comparisons). Calls with more rows than `MAX_ROWS` (prefill, large
 and runs the same dot products, so it computes weight-only quantization's result while reading half the
 bytes; `quantization.int8` calls it for up to `MAX_ROWS` rows.
 
-LLMSERVE_CPU_KERNELS (see `llmserve.model.native`) turns the kernel off or keeps it on its portable path;
-`use_kernel` and `use_portable` do the same at run time, for comparisons in one process.
+LLMSERVE_CPU_KERNELS (see `llmserve.model.native`) turns the kernels off or keeps them on their portable
+path; `use_kernel` (both kernels), `use_int8_kernel` and `use_portable` do the same at run time, for
+comparisons in one process.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ INT8_SOURCE = Path(__file__).with_name("csrc") / "linear_int8_cpu.c"
 MAX_ROWS = 8
 
 _enabled = True
+_int8_enabled = True
 _portable_only = native.portable_from_env()
 
 
@@ -40,6 +42,13 @@ def use_kernel(enabled: bool) -> None:
     """Route later small-batch bf16 linears through the kernel (True) or always through F.linear (False)."""
     global _enabled
     _enabled = enabled
+
+
+def use_int8_kernel(enabled: bool) -> None:
+    """Route later small-batch int8 linears through the int8 kernel (True, if `use_kernel` allows) or through
+    torch's int8 path (False), for comparisons."""
+    global _int8_enabled
+    _int8_enabled = enabled
 
 
 def use_portable(portable: bool) -> None:
@@ -129,7 +138,7 @@ def int8_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `int8_linear` should run x [M, K] against int8 `weight` [N, K]: few bf16 rows on the CPU, and
     the kernel built on its fast path (or the portable one asked for)."""
     return (
-        _enabled and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+        _enabled and _int8_enabled and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
         and x.shape[0] <= MAX_ROWS and weight.dtype == torch.int8 and weight.is_contiguous()
         and (int8_has_fast_path() or (_portable_only and load_int8() is not None))
     )

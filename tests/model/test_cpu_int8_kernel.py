@@ -149,10 +149,14 @@ def test_int8_layers_route_decode_sized_bf16_batches_to_the_kernel():
         cpu_linear.use_portable(True)
         assert torch.equal(layer(small), cpu_linear.int8_linear(small, layer.weight, layer.weight_scale, layer.bias,
                                                                 portable=True))
+        cpu_linear.use_int8_kernel(False)
+        assert torch.equal(layer(small), _old_path(layer, small))
+        cpu_linear.use_int8_kernel(True)
         cpu_linear.use_kernel(False)
         assert torch.equal(layer(small), _old_path(layer, small))
     finally:
         cpu_linear.use_portable(False)
+        cpu_linear.use_int8_kernel(True)
         cpu_linear.use_kernel(True)
 
 

@@ -9,8 +9,8 @@
  * Two implementations:
  *  - AVX512-BF16 (compiled where the build machine has it): each weight row against tiles of up to 4 rows
  *    of x, 32 bf16 products per `vdpbf16ps` summed into float32 accumulators held in registers; masked
- *    loads for a k that is not a multiple of 32. Threads split the weight rows into contiguous ranges
- *    (thread_rows.h).
+ *    loads for a k that is not a multiple of 32. Threads split the weight rows into contiguous ranges, so
+ *    each thread reads one stretch of memory front to back (separate streams per row measured slower).
  *  - Portable C for any machine, the same split over threads.
  *
  * Built on first use by llmserve/model/cpu_linear.py and called through ctypes with raw pointers.
@@ -25,13 +25,22 @@
 #endif
 
 #include "bf16.h"
-#include "thread_rows.h"
+
+/* Weight rows [first, last) of thread `t` of `threads`, in blocks of `align` rows. */
+static void thread_rows(int n, int align, int t, int threads, int *first, int *last) {
+    const int blocks = (n + align - 1) / align;
+    const int per = blocks / threads, extra = blocks % threads;
+    const int b0 = t * per + (t < extra ? t : extra);
+    const int b1 = b0 + per + (t < extra ? 1 : 0);
+    *first = b0 * align < n ? b0 * align : n;
+    *last = b1 * align < n ? b1 * align : n;
+}
 
 static void linear_portable(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m,
                             int n, int k, int ldx, int threads) {
 #pragma omp parallel num_threads(threads)
     {
-        int64_t first = 0, last = n;
+        int first = 0, last = n;
 #if defined(_OPENMP)
         thread_rows(n, 1, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
 #endif
@@ -94,7 +103,7 @@ static void linear_avx512bf16(const uint16_t *x, const uint16_t *w, const uint16
                               int n, int k, int ldx, int threads) {
 #pragma omp parallel num_threads(threads)
     {
-        int64_t first = 0, last = n;
+        int first = 0, last = n;
 #if defined(_OPENMP)
         thread_rows(n, 1, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
 #endif
