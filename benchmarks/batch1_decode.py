@@ -2,11 +2,14 @@
 Q8_0) and transformers (bf16), same weights.
 
 Rounds alternate the systems, so a noisy neighbour slows them alike; each round reports its own ratios:
-  - llmserve with the CPU kernels (`cpu_linear`, `cpu_fused`) and without them (F.linear and the torch
-    ops, as before issue 18; with --quantization int8, torch's `_weight_int8pack_mm`), switched at run
-    time in one process;
+  - llmserve in three modes switched at run time in one process (--modes): `step`, small steps in one C
+    call (`cpu_decode`, the default); `kernels`, the per-module forward pass with the CPU kernels
+    (`cpu_linear`, `cpu_fused`); `torch`, without them (F.linear and the torch ops, as before issue 18;
+    with --quantization int8, torch's `_weight_int8pack_mm`).
+    Decode also reports each mode's process CPU time per step (robust to neighbours' load);
   - llama.cpp's `llama-bench` on GGUF conversions of the same checkpoint (skipped, with a message, when the
-    build is missing: see benchmarks/llama_cpp.sh);
+    build is missing: see benchmarks/llama_cpp.sh), with its CPU time per decoded token (a run of 1 token
+    subtracted from the decode run);
   - transformers generate, bf16 (--skip-hf to leave it out).
 Workloads: batch-1 decode of 128 tokens after a 128-token prompt (tok/s of the 127 tokens after the first),
 prefill of 512 tokens (tok/s), and --batch64: 64 sequences of 128 in + 128 out (output tok/s).
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -34,7 +38,7 @@ from pathlib import Path
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model import cpu_linear, layers
+from llmserve.model import cpu_decode, cpu_linear, layers
 from llmserve.model.builtin import ensure_default_model
 
 BENCH_CACHE = Path(os.environ.get("LLMSERVE_BENCH_CACHE", Path.home() / ".cache" / "llmserve-bench"))
@@ -64,23 +68,27 @@ def streamed_weight_bytes(cfg, quantization: str | None) -> int:
     return bf16_bytes - linear
 
 
-def use_cpu_kernels(on: bool) -> None:
-    cpu_linear.use_kernel(on)
-    layers.use_fused_kernels = None if on else False
+MODES = ("step", "kernels", "torch")
+
+
+def use_mode(mode: str) -> None:
+    cpu_decode.use_fast_path(mode == "step")
+    cpu_linear.use_kernel(mode != "torch")
+    layers.use_fused_kernels = None if mode != "torch" else False
 
 
 # ---- llmserve -------------------------------------------------------------------------------------
-def llmserve_decode(llm: LLM, prompt: list[int], new_tokens: int) -> float:
-    """tok/s of the decode steps after the first token (the prefill step is not timed)."""
+def llmserve_decode(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """(tok/s, process CPU ms per step) of the decode steps after the first token (the prefill step is not
+    timed)."""
     engine = llm.engine
     engine.add_request("decode", prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     engine.step()  # prefill + first token
-    t = time.perf_counter()
-    steps = 0
+    t, cpu = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
         engine.step()
-        steps += 1
-    return (new_tokens - 1) / (time.perf_counter() - t)
+    cpu_ms = (time.process_time() - cpu) / (new_tokens - 1) * 1e3
+    return (new_tokens - 1) / (time.perf_counter() - t), cpu_ms
 
 
 def llmserve_prefill(llm: LLM, prompt: list[int]) -> float:
@@ -117,12 +125,27 @@ def llama_bench_binary() -> Path | None:
     return Path(found) if found else None
 
 
-def llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, generate: int, depth: int) -> float:
-    """tok/s that llama-bench reports for one test (-p prompt tokens or -n generated tokens at -d depth)."""
+def llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, generate: int, depth: int) -> tuple[float, float]:
+    """(tok/s that llama-bench reports for one test (-p prompt tokens or -n generated tokens at -d depth),
+    the CPU seconds of the whole run: loading, warm-up and the test)."""
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(generate),
            "-d", str(depth), "-r", "1", "-o", "json"]
+    before = _children_cpu_s()
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return float(json.loads(out)[0]["avg_ts"])
+    return float(json.loads(out)[0]["avg_ts"]), _children_cpu_s() - before
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def llama_bench_decode(binary: Path, gguf: Path, threads: int, generate: int, depth: int) -> tuple[float, float]:
+    """(decode tok/s, CPU ms per decoded token): the CPU time of a run that generates `generate` tokens less
+    that of one generating 1, so loading, the context's prefill and the warm-up cancel out."""
+    tok_s, cpu_s = llama_bench(binary, gguf, threads, 0, generate, depth)
+    _, cpu_one_s = llama_bench(binary, gguf, threads, 0, 1, depth)
+    return tok_s, (cpu_s - cpu_one_s) / (generate - 1) * 1e3
 
 
 def main() -> None:
@@ -136,10 +159,15 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--gguf-dir", default=str(BENCH_CACHE / "gguf"))
     ap.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
+    ap.add_argument("--modes", default=",".join(MODES), help="llmserve modes to run, comma-separated (first: the "
+                    "one compared with the others; prefill and batch 64 run in the first and the last)")
     ap.add_argument("--quantization", choices=["int8"], default=None,
                     help="llmserve's weights quantized at load (compare with llama.cpp Q8_0)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if not modes or set(modes) - set(MODES):
+        ap.error(f"--modes: choose from {', '.join(MODES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -168,31 +196,39 @@ def main() -> None:
 
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
 
-    use_cpu_kernels(True)
+    use_mode(modes[0])
     llm.generate([prompt[:16]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     rounds = []
     for r in range(args.rounds):
         row: dict[str, float] = {"read_gbs": read_bandwidth_gbs()}
-        for on in (True, False):
-            use_cpu_kernels(on)
-            tag = "kernels" if on else "torch"
-            row[f"llmserve_{tag}_decode"] = llmserve_decode(llm, prompt, args.new_tokens)
-            row[f"llmserve_{tag}_prefill"] = llmserve_prefill(llm, fresh(args.prefill_len))
-            if args.batch64:
-                row[f"llmserve_{tag}_batch64"] = llmserve_batch(llm, [fresh(128) for _ in range(64)], 128)
-        use_cpu_kernels(True)
+        for mode in modes:
+            use_mode(mode)
+            decode, cpu_ms = llmserve_decode(llm, prompt, args.new_tokens)
+            row[f"llmserve_{mode}_decode"], row[f"llmserve_{mode}_cpu_ms_per_step"] = decode, cpu_ms
+            if mode in (modes[0], modes[-1]):  # prefill and batch 64 never take the one-call step
+                row[f"llmserve_{mode}_prefill"] = llmserve_prefill(llm, fresh(args.prefill_len))
+                if args.batch64:
+                    row[f"llmserve_{mode}_batch64"] = llmserve_batch(llm, [fresh(128) for _ in range(64)], 128)
+        use_mode(modes[0])
         for name, path in ggufs.items():
-            row[f"llama_cpp_{name}_decode"] = llama_bench(binary, path, threads, 0, args.new_tokens, args.prompt_len)
-            row[f"llama_cpp_{name}_prefill"] = llama_bench(binary, path, threads, args.prefill_len, 0, 0)
+            row[f"llama_cpp_{name}_decode"], row[f"llama_cpp_{name}_cpu_ms_per_token"] = llama_bench_decode(
+                binary, path, threads, args.new_tokens, args.prompt_len
+            )
+            row[f"llama_cpp_{name}_prefill"] = llama_bench(binary, path, threads, args.prefill_len, 0, 0)[0]
         if hf is not None:
             row["hf_decode"] = hf_decode(hf, prompt, args.new_tokens)
-        decode = row["llmserve_kernels_decode"]
+        decode = row[f"llmserve_{modes[0]}_decode"]
         row["llmserve_weight_gbs"] = decode * weight_bytes / 1e9
         row["pct_read_bw"] = 100 * row["llmserve_weight_gbs"] / row["read_gbs"]
-        row["kernels_vs_torch_decode"] = decode / row["llmserve_torch_decode"]
+        for other in modes[1:]:
+            row[f"{modes[0]}_vs_{other}_decode"] = decode / row[f"llmserve_{other}_decode"]
         reference = "q8_0" if args.quantization == "int8" else "bf16"
         if f"llama_cpp_{reference}_decode" in row:
             row[f"llmserve_vs_llama_cpp_{reference}_decode"] = decode / row[f"llama_cpp_{reference}_decode"]
+            # by CPU time per token: what each costs, whatever the neighbours take
+            row[f"llmserve_vs_llama_cpp_{reference}_cpu"] = (
+                row[f"llama_cpp_{reference}_cpu_ms_per_token"] / row[f"llmserve_{modes[0]}_cpu_ms_per_step"]
+            )
         print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
         rounds.append(row)
 

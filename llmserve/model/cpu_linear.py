@@ -57,6 +57,11 @@ def use_portable(portable: bool) -> None:
     _portable_only = portable
 
 
+def kernel_enabled() -> bool:
+    """False after `use_kernel(False)`."""
+    return _enabled
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first use; None when it cannot be built or kernels are off."""

@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -51,15 +52,16 @@ def _compiler() -> str | None:
     return None
 
 
-def load_library(source: Path) -> ctypes.CDLL | None:
-    """`source` built (or found in the cache) and loaded; None when kernels are off or it cannot be built."""
+def load_library(source: Path, included: Sequence[Path] = ()) -> ctypes.CDLL | None:
+    """`source` built (or found in the cache) and loaded; None when kernels are off or it cannot be built.
+    `included`: the other C files that `source` #includes, so that editing them rebuilds it."""
     if not kernels_enabled():
         return None
     compiler = _compiler()
     if compiler is None:
         logger.info("no C compiler found: %s is not used, the PyTorch path runs instead", source.name)
         return None
-    headers = b"".join(header.read_bytes() for header in sorted(INCLUDE_DIR.glob("*.h")))
+    headers = b"".join(path.read_bytes() for path in [*sorted(INCLUDE_DIR.glob("*.h")), *included])
     key = hashlib.sha256(
         source.read_bytes() + headers + " ".join([compiler, *FLAGS, platform.node(), platform.machine()]).encode()
     )

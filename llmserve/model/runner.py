@@ -2,6 +2,9 @@
 tokens, block tables, rows to sample and how) into one forward pass over its flattened tokens, and
 samples the next tokens.
 
+On CPU, steps of a few bf16 tokens (batch-1 decode) run the whole forward pass in one C call
+(`cpu_decode`) when the model and its settings allow; others take the model's own forward pass.
+
 On CUDA it also sizes the KV pool from a profiling step, replays CUDA graphs for decode-only steps
 (`cuda_graphs`), and keeps the step free of host syncs: every input tensor is built on the host and
 sent before the forward pass is launched, and the sampled ids are copied back asynchronously, so
@@ -26,6 +29,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, get_backend
 from llmserve.model.config import ModelConfig, parse_dtype
+from llmserve.model.cpu_decode import CpuDecoder
 from llmserve.model.cuda_graphs import (
     GRAPH_SAFE_BACKENDS,
     CudaGraphCapture,
@@ -253,6 +257,8 @@ class ModelRunner:
         self.memory_profile: MemoryProfile | None = None
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = [] if self.is_encoder else self._allocate_kv_cache(self.num_blocks)
+        # small bf16 steps on CPU: the whole forward pass in one C call (None where it does not apply)
+        self.cpu_decoder = None if self.is_encoder else CpuDecoder.build(self.model, self.kv_caches, self.attn_backend)
         self.graphs: DecodeGraphs | None = None
         self._last_sampled: torch.Tensor | None = None  # the previous step's sampled ids, on the device
         if self._use_cuda_graphs():
@@ -433,6 +439,8 @@ class ModelRunner:
         meta = inputs.meta
         if use_graph and self.graphs is not None and self.graphs.size_for(meta) is not None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        elif self.cpu_decoder is not None and kv_caches is self.kv_caches and self.cpu_decoder.fits(len(inputs.input_ids)):
+            hidden = self.cpu_decoder(inputs.input_ids, inputs.positions, meta)
         else:
             self.attn_backend.prepare(meta)
             hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, self.attn_backend, meta)

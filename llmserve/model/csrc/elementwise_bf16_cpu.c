@@ -86,14 +86,18 @@ void llmserve_rotary_bf16(uint16_t *q, uint16_t *k, const int64_t *positions, co
     }
 }
 
+/* out[c] = bf16(bf16(silu(gate[c])) * up[c]) for `cols` columns. */
+static void silu_mul_span(const uint16_t *gate, const uint16_t *up, uint16_t *out, int cols) {
+    for (int c = 0; c < cols; c++) {
+        const float g = bf16_to_float(gate[c]);
+        out[c] = float_to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16_to_float(up[c]));
+    }
+}
+
 /* out [T, I] = bf16(bf16(silu(gate)) * up), gate and up the halves of each gate_up row (row stride given). */
 void llmserve_silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int tokens, int cols, long stride) {
     for (int t = 0; t < tokens; t++) {
-        const uint16_t *gate = gate_up + t * stride, *up = gate + cols;
-        uint16_t *o = out + (size_t)t * cols;
-        for (int c = 0; c < cols; c++) {
-            const float g = bf16_to_float(gate[c]);
-            o[c] = float_to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16_to_float(up[c]));
-        }
+        const uint16_t *gate = gate_up + t * stride;
+        silu_mul_span(gate, gate + cols, out + (size_t)t * cols, cols);
     }
 }

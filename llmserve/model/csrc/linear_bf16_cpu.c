@@ -36,23 +36,17 @@ static void thread_rows(int n, int align, int t, int threads, int *first, int *l
     *last = b1 * align < n ? b1 * align : n;
 }
 
-static void linear_portable(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m,
-                            int n, int k, int ldx, int threads) {
-#pragma omp parallel num_threads(threads)
-    {
-        int first = 0, last = n;
-#if defined(_OPENMP)
-        thread_rows(n, 1, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
-#endif
-        for (int j = first; j < last; j++) {
-            const uint16_t *wj = w + (size_t)j * k;
-            for (int i = 0; i < m; i++) {
-                const uint16_t *xi = x + (size_t)i * ldx;
-                float acc = 0.0f;
-                for (int c = 0; c < k; c++) acc += bf16_to_float(xi[c]) * bf16_to_float(wj[c]);
-                if (bias) acc += bf16_to_float(bias[j]);
-                y[(size_t)i * n + j] = float_to_bf16(acc);
-            }
+/* Output columns [first, last) of y for every row of x: one thread's share of the work. */
+static void linear_rows_portable(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m,
+                                 int n, int k, int ldx, int first, int last) {
+    for (int j = first; j < last; j++) {
+        const uint16_t *wj = w + (size_t)j * k;
+        for (int i = 0; i < m; i++) {
+            const uint16_t *xi = x + (size_t)i * ldx;
+            float acc = 0.0f;
+            for (int c = 0; c < k; c++) acc += bf16_to_float(xi[c]) * bf16_to_float(wj[c]);
+            if (bias) acc += bf16_to_float(bias[j]);
+            y[(size_t)i * n + j] = float_to_bf16(acc);
         }
     }
 }
@@ -99,46 +93,68 @@ static inline __attribute__((always_inline)) void row_tile(const uint16_t *x, co
     }
 }
 
-static void linear_avx512bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m,
-                              int n, int k, int ldx, int threads) {
-#pragma omp parallel num_threads(threads)
-    {
-        int first = 0, last = n;
-#if defined(_OPENMP)
-        thread_rows(n, 1, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
-#endif
-        for (int j = first; j < last; j++) {
-            int i0 = 0;
-            for (; i0 + MR <= m; i0 += MR) row_tile(x, w, bias, y, i0, MR, 2, j, n, k, ldx);
-            /* A single row keeps one accumulator: measured faster than two when only the weights stream. */
-            switch (m - i0) {
-            case 3: row_tile(x, w, bias, y, i0, 3, 2, j, n, k, ldx); break;
-            case 2: row_tile(x, w, bias, y, i0, 2, 2, j, n, k, ldx); break;
-            case 1: row_tile(x, w, bias, y, i0, 1, 1, j, n, k, ldx); break;
-            default: break;
-            }
+static void linear_rows_avx512bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                                   int m, int n, int k, int ldx, int first, int last) {
+    for (int j = first; j < last; j++) {
+        int i0 = 0;
+        for (; i0 + MR <= m; i0 += MR) row_tile(x, w, bias, y, i0, MR, 2, j, n, k, ldx);
+        /* A single row keeps one accumulator: measured faster than two when only the weights stream. */
+        switch (m - i0) {
+        case 3: row_tile(x, w, bias, y, i0, 3, 2, j, n, k, ldx); break;
+        case 2: row_tile(x, w, bias, y, i0, 2, 2, j, n, k, ldx); break;
+        case 1: row_tile(x, w, bias, y, i0, 1, 1, j, n, k, ldx); break;
+        default: break;
         }
     }
 }
 #endif
 
+/* Output columns [first, last) by the best implementation compiled in, or the portable one. Callable by each
+   thread of a team (decode_llama_cpu.c runs whole layers in one parallel region). Products of a column are
+   summed in the same order whatever the split, so results do not depend on the number of threads. */
+static void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m, int n,
+                             int k, int ldx, int first, int last, int portable) {
+#if defined(__AVX512BF16__)
+    if (!portable) {
+        linear_rows_avx512bf16(x, w, bias, y, m, n, k, ldx, first, last);
+        return;
+    }
+#else
+    (void)portable;
+#endif
+    linear_rows_portable(x, w, bias, y, m, n, k, ldx, first, last);
+}
+
+/* This thread's contiguous range of n output columns (the whole of them outside a parallel region). */
+static void thread_share(int n, int *first, int *last) {
+    *first = 0;
+    *last = n;
+#if defined(_OPENMP)
+    thread_rows(n, 1, omp_get_thread_num(), omp_get_num_threads(), first, last);
+#endif
+}
+
+static int linear_parallel(const void *x, const void *w, const void *bias, void *y, int m, int n, int k, int ldx,
+                           int threads, int portable) {
+    if (m < 0 || n < 0 || k <= 0 || ldx < k || threads < 1) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        int first, last;
+        thread_share(n, &first, &last);
+        linear_rows_bf16(x, w, bias, y, m, n, k, ldx, first, last, portable);
+    }
+    return 0;
+}
+
 /* Returns 0, or -1 for arguments it cannot take. */
 int llmserve_linear_bf16(const void *x, const void *w, const void *bias, void *y, int m, int n, int k, int ldx,
                          int threads) {
-    if (m < 0 || n < 0 || k <= 0 || ldx < k || threads < 1) return -1;
-#if defined(__AVX512BF16__)
-    linear_avx512bf16(x, w, bias, y, m, n, k, ldx, threads);
-#else
-    linear_portable(x, w, bias, y, m, n, k, ldx, threads);
-#endif
-    return 0;
+    return linear_parallel(x, w, bias, y, m, n, k, ldx, threads, 0);
 }
 
 int llmserve_linear_bf16_portable(const void *x, const void *w, const void *bias, void *y, int m, int n, int k,
                                   int ldx, int threads) {
-    if (m < 0 || n < 0 || k <= 0 || ldx < k || threads < 1) return -1;
-    linear_portable(x, w, bias, y, m, n, k, ldx, threads);
-    return 0;
+    return linear_parallel(x, w, bias, y, m, n, k, ldx, threads, 1);
 }
 
 /* 1 when the fast path above was compiled in. */

@@ -21,6 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -35,12 +38,22 @@ static inline void bf16_store(uint16_t *p, float v) { *p = float_to_bf16(v); }
 #define MAX_GROUP 16
 #define MAX_DIM 256
 
+/* Threads of the enclosing team (1 outside a parallel region): the functions below split their tasks over
+   it with an orphaned `omp for`, so they run inside one region opened by their caller. */
+static inline int team_size(void) {
+#if defined(_OPENMP)
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                             \
     static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *tables,               \
                      const int32_t *lens, T *out, int batch, int heads, int kv_heads, int dim,             \
-                     int block_size, int max_blocks, float scale, int threads) {                           \
+                     int block_size, int max_blocks, float scale) {                                        \
         const int group = heads / kv_heads;                                                               \
-        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                              \
+        _Pragma("omp for schedule(dynamic, 1)")                                                           \
         for (int task = 0; task < batch * kv_heads; task++) {                                             \
             const int b = task / kv_heads, h = task % kv_heads, len = lens[b];                            \
             float qf[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM], row[MAX_DIM];                         \
@@ -215,8 +228,8 @@ static inline int qk_block_bf16(const uint16_t *queries, const uint16_t *keys, i
 #define DEFINE_DECODE_AVX512(NAME, T, LOAD16, STORE, FAST_QK)                                          \
 static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *tables, const int32_t *lens, \
                  T *out, int batch, int heads, int kv_heads, int dim, int block_size, int max_blocks,    \
-                 float scale, int threads) {                                                            \
-    const int group = heads / kv_heads, chunks = dim / 16;                                              \
+                 float scale) {                                                                         \
+    const int group = heads / kv_heads, chunks = dim / 16, threads = team_size();                       \
     /* kv heads per task: as many as fit (whole blocks are read contiguously), fewer when that would leave \
        too few tasks to keep every thread busy. */                                                      \
     int per_task = kv_heads;                                                                            \
@@ -225,7 +238,7 @@ static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *
         per_task /= 2;                                                                                  \
     if (per_task * group > MAX_QUERIES_PER_TASK) per_task = 1;                                          \
     const int splits = kv_heads / per_task;                                                             \
-    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                                \
+    _Pragma("omp for schedule(dynamic, 1)")                                                             \
     for (int task = 0; task < batch * splits; task++) {                                                 \
         const int b = task / splits, h0 = (task % splits) * per_task, len = lens[b];                    \
         const int nq = per_task * group;                                                                \
@@ -305,21 +318,30 @@ DEFINE_DECODE_AVX512(avx512_bf16, uint16_t, load16_bf16, bf16_store, FAST_QK_BF1
 #endif
 
 typedef void (*decode_fn)(const void *, const void *, const void *, const int32_t *, const int32_t *, void *, int,
-                          int, int, int, int, int, float, int);
+                          int, int, int, int, int, float);
 
-static int dispatch(int dtype, int allow_avx512, const void *q, const void *k_cache, const void *v_cache,
-                    const int32_t *tables, const int32_t *lens, void *out, int batch, int heads, int kv_heads,
-                    int dim, int block_size, int max_blocks, float scale, int threads) {
-    if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim > MAX_DIM) return -1;
-    if (dtype != 0 && dtype != 1) return -1;
+/* The implementation for these shapes, to be called by every thread of a team; NULL when none takes them. */
+static decode_fn choose_decode(int dtype, int allow_avx512, int heads, int kv_heads, int dim, int block_size) {
+    if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim > MAX_DIM) return NULL;
+    if (dtype != 0 && dtype != 1) return NULL;
     decode_fn fn = dtype == 0 ? (decode_fn)portable_f32 : (decode_fn)portable_bf16;
 #if defined(__AVX512F__)
     if (allow_avx512 && dim % 16 == 0 && block_size <= MAX_BLOCK)
         fn = dtype == 0 ? (decode_fn)avx512_f32 : (decode_fn)avx512_bf16;
 #else
     (void)allow_avx512;
+    (void)block_size;
 #endif
-    fn(q, k_cache, v_cache, tables, lens, out, batch, heads, kv_heads, dim, block_size, max_blocks, scale, threads);
+    return fn;
+}
+
+static int dispatch(int dtype, int allow_avx512, const void *q, const void *k_cache, const void *v_cache,
+                    const int32_t *tables, const int32_t *lens, void *out, int batch, int heads, int kv_heads,
+                    int dim, int block_size, int max_blocks, float scale, int threads) {
+    decode_fn fn = choose_decode(dtype, allow_avx512, heads, kv_heads, dim, block_size);
+    if (fn == NULL) return -1;
+#pragma omp parallel num_threads(threads)
+    fn(q, k_cache, v_cache, tables, lens, out, batch, heads, kv_heads, dim, block_size, max_blocks, scale);
     return 0;
 }
 

@@ -1,0 +1,202 @@
+"""Small bf16 steps of Llama-family decoders on CPU in one C call: csrc/decode_llama_cpu.c.
+
+A batch-1 decode step streams the weights through `cpu_linear`'s kernel in tens of milliseconds; driving
+it from Python, 24 layers of about ten module and kernel calls each, added a quarter to that, and more on
+two threads, which share the weights but not the Python. `CpuDecoder` runs the whole forward pass
+(embedding to final norm) in one call instead, with the other kernels' code, so its hidden states are the
+same bits as `LlamaForCausalLM.forward`'s on the kernel path. Its descriptors (weight and KV cache
+pointers, scratch rows) are built once per model; a step fills in its token arrays and makes one call.
+
+The runner takes it for steps of at most `MAX_TOKENS` tokens (decodes, or a short prefill chunk: each
+token then attends to its sequence's cache up to its own position, as a decode does) on a bf16 model on
+CPU with the torch attention backend and unquantized weights, where `cpu_linear`'s kernel runs (built with
+AVX512-BF16, or the portable build on request). Otherwise, and with `use_fast_path(False)`,
+LLMSERVE_CPU_KERNELS=0 or LLMSERVE_FUSED_KERNELS=0, the per-module path runs.
+
+Projections are described to the C code by `LinearWeights` (a format, the weights, optional per-channel
+scales and bias), so other weight formats can bring their own kernel for a range of output channels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmserve.model import cpu_fused, cpu_linear, layers, native
+from llmserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, cpu_kernels
+from llmserve.model.layers import Linear, RMSNorm
+from llmserve.model.llama import LlamaForCausalLM
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "decode_llama_cpu.c"
+INCLUDED = [CSRC / "linear_bf16_cpu.c", CSRC / "elementwise_bf16_cpu.c", cpu_kernels.SOURCE]
+MAX_TOKENS = 8  # MAX_TOKENS in the C source; `cpu_linear`'s kernel is the fast one up to here
+WEIGHTS_BF16 = 0
+
+_enabled = True
+_portable_only = native.portable_from_env()
+
+_ptr = ctypes.c_void_p
+_i32 = ctypes.c_int32
+
+
+def use_fast_path(enabled: bool) -> None:
+    """Run later small CPU bf16 steps through the one-call decoder (True) or the per-module path (False)."""
+    global _enabled
+    _enabled = enabled
+
+
+def use_portable(portable: bool) -> None:
+    """Keep later calls on the plain-C linear and attention code (True) or the best built (False)."""
+    global _portable_only
+    _portable_only = portable
+
+
+class LinearWeights(ctypes.Structure):
+    _fields_ = [("format", _i32), ("n", _i32), ("k", _i32), ("weight", _ptr), ("scale", _ptr), ("bias", _ptr)]
+
+
+class LayerWeights(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _ptr), ("post_attention_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+        ("qkv", LinearWeights), ("o", LinearWeights), ("gate_up", LinearWeights), ("down", LinearWeights),
+        ("k_cache", _ptr), ("v_cache", _ptr),
+    ]
+
+
+class Decoder(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _i32), ("hidden", _i32), ("heads", _i32), ("kv_heads", _i32), ("head_dim", _i32),
+        ("intermediate", _i32), ("block_size", _i32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("embed", _ptr), ("final_norm", _ptr), ("cos_cache", _ptr), ("sin_cache", _ptr), ("layers", _ptr),
+        ("qkv", _ptr), ("query", _ptr), ("attn", _ptr), ("proj", _ptr),
+        ("gate_up", _ptr), ("act", _ptr),
+    ]
+
+
+class DecodeStep(ctypes.Structure):
+    _fields_ = [
+        ("tokens", _i32), ("max_blocks", _i32), ("threads", _i32), ("portable", _i32),
+        ("input_ids", _ptr), ("positions", _ptr), ("slots", _ptr), ("tables", _ptr), ("lens", _ptr), ("out", _ptr),
+    ]
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The library, built on first use; None when it cannot be built or kernels are off."""
+    lib = native.load_library(SOURCE, INCLUDED)
+    if lib is None:
+        return None
+    lib.llmserve_decode_step.restype = ctypes.c_int
+    lib.llmserve_decode_step.argtypes = [ctypes.POINTER(Decoder), ctypes.POINTER(DecodeStep)]
+    return lib
+
+
+def _kernel_path_active() -> bool:
+    """Whether the per-module path would run its small bf16 steps through the C kernels too."""
+    return (
+        _enabled and cpu_linear.kernel_enabled() and layers.use_fused_kernels is not False
+        and (cpu_linear.has_fast_path() or _portable_only)
+    )
+
+
+def _linear(layer: Linear) -> LinearWeights:
+    n, k = layer.weight.shape
+    bias = None if layer.bias is None else layer.bias.data_ptr()
+    return LinearWeights(WEIGHTS_BF16, n, k, layer.weight.data_ptr(), None, bias)
+
+
+def _norm_weight(norm: RMSNorm | None) -> int | None:
+    return None if norm is None else norm.weight.data_ptr()
+
+
+class CpuDecoder:
+    """One model's forward pass for steps of at most MAX_TOKENS tokens, through `llmserve_decode_step`."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
+        lib: ctypes.CDLL,
+    ) -> None:
+        cfg = model.config
+        self._lib = lib
+        self._model = model  # keeps the weights the descriptors point at alive
+        self._kv_caches = kv_caches
+        self.hidden_size = cfg.hidden_size
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        qkv_width = q_size + 2 * cfg.num_key_value_heads * cfg.head_dim
+        widths = [qkv_width, q_size, q_size, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.intermediate_size]
+        self._scratch = [torch.empty(MAX_TOKENS, width, dtype=torch.bfloat16) for width in widths]
+        self._layers = (LayerWeights * len(model.layers))(*(
+            LayerWeights(
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                _norm_weight(layer.self_attn.q_norm), _norm_weight(layer.self_attn.k_norm),
+                _linear(layer.self_attn.qkv_proj), _linear(layer.self_attn.o_proj),
+                _linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj),
+                k_cache.data_ptr(), v_cache.data_ptr(),
+            )
+            for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True)
+        ))
+        self._decoder = Decoder(
+            len(model.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.intermediate_size, backend.block_size, cfg.rms_norm_eps, backend.scale,
+            model.embed_tokens.weight.data_ptr(), model.norm.weight.data_ptr(),
+            model.rotary.cos_cache.data_ptr(), model.rotary.sin_cache.data_ptr(), ctypes.addressof(self._layers),
+            *(buffer.data_ptr() for buffer in self._scratch),
+        )
+        self._step = DecodeStep()
+        self._decoder_ref = ctypes.byref(self._decoder)
+        self._step_ref = ctypes.byref(self._step)
+
+    @classmethod
+    def build(
+        cls, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend
+    ) -> CpuDecoder | None:
+        """The decoder for this model, or None when it cannot run it (see the module docstring)."""
+        if not isinstance(model, LlamaForCausalLM) or not _supports(model, kv_caches, backend):
+            return None
+        lib = load()
+        return None if lib is None else cls(model, kv_caches, backend, lib)
+
+    def fits(self, num_tokens: int) -> bool:
+        return 0 < num_tokens <= MAX_TOKENS and _kernel_path_active()
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The final norm's output [T, hidden] for the step's tokens, the new keys and values in the cache."""
+        tokens = input_ids.shape[0]
+        if meta.num_decodes == meta.num_seqs:  # one token per sequence: the step's tables and lengths as they are
+            tables, lens = meta.block_tables, meta.seq_lens
+        else:
+            rows = torch.repeat_interleave(meta.query_start_loc.diff())
+            tables = meta.block_tables.index_select(0, rows)
+            lens = (positions + 1).to(torch.int32)
+        out = torch.empty(tokens, self.hidden_size, dtype=torch.bfloat16)
+        step = self._step
+        step.tokens, step.max_blocks = tokens, tables.shape[1]
+        step.threads, step.portable = torch.get_num_threads(), _portable_only
+        step.input_ids, step.positions = input_ids.data_ptr(), positions.data_ptr()
+        step.slots, step.tables, step.lens = meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr()
+        step.out = out.data_ptr()
+        if self._lib.llmserve_decode_step(self._decoder_ref, self._step_ref) != 0:
+            raise RuntimeError("the CPU decode step rejected its arguments")
+        return out
+
+
+def _supports(
+    model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend
+) -> bool:
+    cfg = model.config
+    params = list(model.parameters())
+    return (
+        isinstance(backend, TorchAttentionBackend) and backend.kv_cache_dtype == torch.bfloat16
+        and cpu_kernels.supports(torch.bfloat16, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        and len(kv_caches) == len(model.layers) > 0
+        and all(k.device.type == "cpu" and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
+        and all(p.device.type == "cpu" and p.dtype == torch.bfloat16 and p.is_contiguous() for p in params)
+        and not any(getattr(m, "quant_method", None) is not None for m in model.modules())
+        and model.rotary.cos_cache.dtype == torch.float32 and cfg.hidden_size <= cpu_fused.MAX_WIDTH
+        and cfg.head_dim % 2 == 0
+    )

@@ -1,0 +1,203 @@
+/*
+ * A whole forward pass of a Llama-family decoder (Llama, Mistral, Qwen2's q/k/v bias, Qwen3's per-head q/k
+ * norms) for a step of at most MAX_TOKENS bf16 tokens on the CPU, in one call: embedding, every layer
+ * (residual add + RMSNorm, qkv projection, rotary, new K/V written to their paged-cache slots, paged
+ * attention, o projection, add + RMSNorm, gate_up projection with SiLU * up, down projection) and the final
+ * norm. At batch 1 the weights stream in a few tens of milliseconds; the same work driven from Python, one
+ * module and one kernel call at a time, added a quarter to that.
+ *
+ * It is the other kernels' code, included here, in the same order and with the same roundings as the
+ * per-module path (llama.py with cpu_linear, cpu_fused and the attention kernel), so its hidden states are
+ * the same bits. One OpenMP parallel region covers the whole step: the projections and attention are split
+ * over its threads; each thread norms the rows it needs itself (the same bits as the others), and readies
+ * the heads of the qkv columns it computed, so a layer costs four barriers (the per-module path forks and
+ * joins a team five times a layer).
+ *
+ * Every token attends as a decode query does: over its sequence's cache up to its own position (the keys
+ * of the step's earlier tokens of the same sequence are written first), so a short prefill chunk fits too.
+ *
+ * Built on first use by llmserve/model/cpu_decode.py, which prepares the descriptors once per model.
+ */
+#include "linear_bf16_cpu.c"
+#include "elementwise_bf16_cpu.c"
+#include "../attention/csrc/paged_attention_cpu.c"
+
+#include <stdlib.h>
+
+#define MAX_TOKENS 8
+
+/* How a projection's weights are stored; each format brings the kernel that computes a range of its outputs. */
+enum { WEIGHTS_BF16 = 0 };
+
+typedef struct {
+    int32_t format; /* WEIGHTS_* */
+    int32_t n, k;   /* output and input features */
+    const void *weight; /* [n, k] */
+    const float *scale; /* [n] per output channel, for quantized formats; NULL for bf16 */
+    const uint16_t *bias; /* [n] bf16 or NULL */
+} linear_weights;
+
+typedef struct {
+    const uint16_t *input_norm, *post_attention_norm; /* [hidden] */
+    const uint16_t *q_norm, *k_norm; /* [head_dim], or NULL without per-head norms */
+    linear_weights qkv, o, gate_up, down;
+    uint16_t *k_cache, *v_cache; /* [blocks, kv_heads, block_size, head_dim] */
+} layer_weights;
+
+typedef struct {
+    int32_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    const uint16_t *embed, *final_norm;
+    const float *cos_cache, *sin_cache; /* [max_positions, head_dim / 2] */
+    const layer_weights *layers;
+    /* scratch shared by the threads, MAX_TOKENS rows of: qkv width, heads * head_dim (twice), hidden,
+       2 * intermediate, intermediate */
+    uint16_t *qkv, *query, *attn, *proj, *gate_up, *act;
+} decoder;
+
+typedef struct {
+    int32_t tokens, max_blocks, threads, portable;
+    const int64_t *input_ids, *positions, *slots; /* [tokens] */
+    const int32_t *tables; /* [tokens, max_blocks]: the block table of each token's sequence */
+    const int32_t *lens; /* [tokens]: each token's context, its position + 1 */
+    uint16_t *out; /* [tokens, hidden]: the final norm's output */
+} decode_step;
+
+/* This thread's share of y = x W^T (+ bias): output columns [first, last) for all m rows of x ([m, k]). */
+static void linear_columns(const linear_weights *lw, const uint16_t *x, uint16_t *y, int m, int first, int last,
+                           int portable) {
+    switch (lw->format) {
+    case WEIGHTS_BF16:
+        linear_rows_bf16(x, lw->weight, lw->bias, y, m, lw->n, lw->k, lw->k, first, last, portable);
+        break;
+    default: break; /* rejected by llmserve_decode_step */
+    }
+}
+
+static void linear_team(const linear_weights *lw, const uint16_t *x, uint16_t *y, int m, int portable) {
+    int first, last;
+    thread_share(lw->n, &first, &last);
+    linear_columns(lw, x, y, m, first, last, portable);
+}
+
+/* act = SiLU(gate) * up: each thread computes the same range of gate and up columns, so it can multiply
+   them without waiting for the others. */
+static void gate_up_team(const decoder *d, const linear_weights *lw, const uint16_t *normed, int m, int portable) {
+    const int inter = d->intermediate;
+    int first, last;
+    thread_share(inter, &first, &last);
+    linear_columns(lw, normed, d->gate_up, m, first, last, portable);
+    linear_columns(lw, normed, d->gate_up, m, inter + first, inter + last, portable);
+    for (int t = 0; t < m; t++) {
+        const uint16_t *row = d->gate_up + (size_t)t * 2 * inter;
+        silu_mul_span(row + first, row + inter + first, d->act + (size_t)t * inter + first, last - first);
+    }
+}
+
+static int thread_index(void) {
+#if defined(_OPENMP)
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* This thread's qkv columns, whole heads of them, and those heads made ready for attention: per-head norm
+   and rotary in place, queries copied out, keys and values written to their cache slots. A thread touches
+   only its own heads, so no other thread is waited for until attention. */
+static void qkv_team(const decoder *d, const layer_weights *lw, const decode_step *s, const uint16_t *normed) {
+    const int dim = d->head_dim, heads = d->heads, kv_heads = d->kv_heads, width = (heads + 2 * kv_heads) * dim;
+    int first = 0, last = width;
+#if defined(_OPENMP)
+    thread_rows(width, dim, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
+#endif
+    linear_columns(&lw->qkv, normed, d->qkv, s->tokens, first, last, s->portable);
+    for (int t = 0; t < s->tokens; t++) {
+        uint16_t *row = d->qkv + (size_t)t * width;
+        const float *cos_row = d->cos_cache + (size_t)s->positions[t] * (dim / 2);
+        const float *sin_row = d->sin_cache + (size_t)s->positions[t] * (dim / 2);
+        const int64_t block = s->slots[t] / d->block_size, offset = s->slots[t] % d->block_size;
+        for (int head = first / dim; head < last / dim; head++) {
+            uint16_t *x = row + (size_t)head * dim;
+            if (head < heads + kv_heads) { /* a query or key head */
+                const uint16_t *norm = head < heads ? lw->q_norm : lw->k_norm;
+                if (norm != NULL) llmserve_rms_norm_bf16(x, norm, x, 1, 1, 0, 0, dim, d->eps);
+                rotate_heads(x, 0, 1, cos_row, sin_row, dim / 2);
+            }
+            if (head < heads) {
+                memcpy(d->query + ((size_t)t * heads + head) * dim, x, sizeof(uint16_t) * dim);
+                continue;
+            }
+            uint16_t *cache = head < heads + kv_heads ? lw->k_cache : lw->v_cache;
+            const int h = (head - heads) % kv_heads;
+            memcpy(cache + (((size_t)block * kv_heads + h) * d->block_size + offset) * dim, x, sizeof(uint16_t) * dim);
+        }
+    }
+}
+
+/* Each thread keeps its own copy of the residual stream and of the normed rows (the input of the next
+   projection): every thread computes the same bits from the shared projection output, which spares the
+   barrier that handing one thread's result to the others would cost. */
+typedef struct {
+    uint16_t *residual, *normed;
+} thread_rows_copy;
+
+static void embed(const decoder *d, const decode_step *s, thread_rows_copy own) {
+    for (int t = 0; t < s->tokens; t++)
+        memcpy(own.residual + (size_t)t * d->hidden, d->embed + (size_t)s->input_ids[t] * d->hidden,
+               sizeof(uint16_t) * d->hidden);
+    llmserve_rms_norm_bf16(own.residual, d->layers[0].input_norm, own.normed, s->tokens, 1, d->hidden, 0, d->hidden,
+                           d->eps);
+}
+
+static int supported(const decoder *d, const decode_step *s, decode_fn attend) {
+    if (attend == NULL || s->tokens < 1 || s->tokens > MAX_TOKENS || s->threads < 1 || d->num_layers < 1) return 0;
+    if (d->hidden > MAX_N || d->head_dim > MAX_N || d->head_dim % 2 != 0) return 0;
+    for (int l = 0; l < d->num_layers; l++) {
+        const layer_weights *lw = &d->layers[l];
+        if (lw->qkv.format != WEIGHTS_BF16 || lw->o.format != WEIGHTS_BF16 || lw->gate_up.format != WEIGHTS_BF16
+            || lw->down.format != WEIGHTS_BF16)
+            return 0;
+        if ((lw->q_norm == NULL) != (lw->k_norm == NULL)) return 0;
+    }
+    return 1;
+}
+
+/* Returns 0, or -1 for a step or a model it cannot take (nothing is computed then). */
+int llmserve_decode_step(const decoder *d, const decode_step *s) {
+    const decode_fn attend = choose_decode(1, !s->portable, d->heads, d->kv_heads, d->head_dim, d->block_size);
+    if (!supported(d, s, attend)) return -1;
+    const size_t rows = (size_t)MAX_TOKENS * d->hidden;
+    uint16_t *copies = malloc(sizeof(uint16_t) * 2 * rows * (size_t)s->threads);
+    if (copies == NULL) return -1;
+    const int m = s->tokens, portable = s->portable;
+    /* Four barriers a layer: before attention, at its end, after the o projection, after gate_up. */
+#pragma omp parallel num_threads(s->threads)
+    {
+        const thread_rows_copy own = {copies + 2 * rows * thread_index(), copies + (2 * thread_index() + 1) * rows};
+        embed(d, s, own);
+        for (int l = 0; l < d->num_layers; l++) {
+            const layer_weights *lw = &d->layers[l];
+            qkv_team(d, lw, s, own.normed);
+#pragma omp barrier
+            attend(d->query, lw->k_cache, lw->v_cache, s->tables, s->lens, d->attn, m, d->heads, d->kv_heads,
+                   d->head_dim, d->block_size, s->max_blocks, d->scale);
+            linear_team(&lw->o, d->attn, d->proj, m, portable);
+#pragma omp barrier
+            llmserve_add_rms_norm_bf16(d->proj, own.residual, lw->post_attention_norm, own.normed, own.residual, m,
+                                       d->hidden, d->eps);
+            gate_up_team(d, &lw->gate_up, own.normed, m, portable);
+#pragma omp barrier
+            linear_team(&lw->down, d->act, d->proj, m, portable);
+#pragma omp barrier
+            if (l + 1 < d->num_layers)
+                llmserve_add_rms_norm_bf16(d->proj, own.residual, d->layers[l + 1].input_norm, own.normed,
+                                           own.residual, m, d->hidden, d->eps);
+            else if (thread_index() == 0)
+                llmserve_add_rms_norm_bf16(d->proj, own.residual, d->final_norm, s->out, own.residual, m, d->hidden,
+                                           d->eps);
+        }
+    }
+    free(copies);
+    return 0;
+}

@@ -1,0 +1,187 @@
+"""The one-call CPU decoder (`cpu_decode`) against the per-module forward pass on the kernel path.
+
+Both run the same kernels in the same order, so for decode steps the hidden states and the KV caches must
+be the same bits, on the best build and on the portable one; a short prefill chunk, which the per-module
+path attends with SDPA, agrees within bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.model import cpu_decode, cpu_linear
+from llmserve.model.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernels
+from llmserve.model.builtin import ensure_default_model
+from llmserve.model.config import ModelConfig
+from llmserve.model.llama import LlamaForCausalLM
+
+pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="the CPU decoder could not be built here")
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(params=[False, True], ids=["best", "portable"])
+def portable(request):
+    """Every kernel on the chosen build, for both paths; the per-module path needs its linear kernel."""
+    if not request.param and not cpu_linear.has_fast_path():
+        pytest.skip("no AVX512-BF16 build on this machine")
+    for module in (cpu_decode, cpu_linear, cpu_kernels):
+        module.use_portable(request.param)
+    yield request.param
+    for module in (cpu_decode, cpu_linear, cpu_kernels):
+        module.use_portable(False)
+
+
+def _model(arch: str, head_dim: int = 32, seed: int = 0) -> LlamaForCausalLM:
+    """A 3-layer bf16 model of `arch` ("llama"; "qwen2": q/k/v bias; "qwen3": per-head q/k norms) with random
+    weights, norm weights included."""
+    heads = 256 // head_dim
+    cfg = ModelConfig.from_dict({
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": arch, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 704,
+        "num_hidden_layers": 3, "num_attention_heads": heads, "num_key_value_heads": heads // 2, "head_dim": head_dim,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    })
+    model = LlamaForCausalLM(cfg)
+    model.init_dummy_weights(seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+def _caches(model: LlamaForCausalLM, backend: TorchAttentionBackend, num_blocks: int, seed: int):
+    """Random KV caches: the context the steps attend to."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = backend.kv_cache_shape(num_blocks)
+    return [(torch.randn(shape, generator=gen).to(torch.bfloat16), torch.randn(shape, generator=gen).to(torch.bfloat16))
+            for _ in model.layers]
+
+
+def _meta(seq_lens: list[int], num_new: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions and metadata of a step where sequence i computes its last num_new[i] of seq_lens[i] tokens."""
+    positions, slots, starts = [], [], [0]
+    for length, new, table in zip(seq_lens, num_new, tables, strict=True):
+        for pos in range(length - new, length):
+            positions.append(pos)
+            slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        starts.append(starts[-1] + new)
+    width = max(map(len, tables))
+    padded = [table + [0] * (width - len(table)) for table in tables]
+    num_decodes = next((i for i, new in enumerate(num_new) if new != 1), len(num_new))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=torch.tensor(padded, dtype=torch.int32),
+        num_decodes=num_decodes, num_decode_tokens=num_decodes, max_seq_len=max(seq_lens),
+        query_start_loc_host=starts, seq_lens_host=seq_lens,
+    )
+    return torch.tensor(positions), meta
+
+
+def _tables(lengths: list[int], num_blocks: int, seed: int) -> list[list[int]]:
+    """Distinct shuffled blocks for each sequence, enough for its final length."""
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, used = [], 0
+    for length in lengths:
+        need = -(-length // BLOCK_SIZE)
+        tables.append(perm[used : used + need])
+        used += need
+    return tables
+
+
+def _both_paths(model, backend, caches, input_ids, positions, meta):
+    """(hidden, caches) of the per-module forward pass and of the one-call decoder, each on its own copy."""
+    per_module = [(k.clone(), v.clone()) for k, v in caches]
+    one_call = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.inference_mode():
+        backend.prepare(meta)
+        expected = model(input_ids, positions, per_module, backend, meta)
+        decoder = cpu_decode.CpuDecoder.build(model, one_call, backend)
+        assert decoder is not None and decoder.fits(len(input_ids))
+        got = decoder(input_ids, positions, meta)
+    return expected, per_module, got, one_call
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("arch", "head_dim"), [("llama", 32), ("llama", 64), ("qwen2", 32), ("qwen3", 64)])
+def test_decode_steps_are_bit_equal_to_the_per_module_path(portable, arch, head_dim, threads):
+    torch.set_num_threads(threads)
+    model = _model(arch, head_dim)
+    cfg = model.config
+    backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, BLOCK_SIZE,
+                                    dtype=torch.bfloat16)
+    num_blocks = 64
+    caches = _caches(model, backend, num_blocks, seed=head_dim)
+    # 1 to 8 sequences; lengths on both sides of block boundaries, one token, many blocks
+    start_lens = [1, 15, 16, 17, 31, 33, 100, 250]
+    tables = _tables([n + 3 for n in start_lens], num_blocks, seed=len(arch))
+    gen = torch.Generator().manual_seed(7)
+    for rows in range(1, 9):
+        for step in range(3):  # consecutive steps: each one reads the keys the previous one wrote
+            lens = [n + step for n in start_lens[:rows]]
+            positions, meta = _meta(lens, [1] * rows, tables[:rows])
+            input_ids = torch.randint(0, cfg.vocab_size, (rows,), generator=gen)
+            expected, expected_caches, got, got_caches = _both_paths(model, backend, caches, input_ids, positions, meta)
+            assert torch.equal(got, expected), f"{rows} rows, step {step}: max diff {(got - expected).abs().max()}"
+            for (k1, v1), (k2, v2) in zip(expected_caches, got_caches, strict=True):
+                assert torch.equal(k1, k2) and torch.equal(v1, v2)
+            caches = got_caches
+
+
+def test_a_short_prefill_chunk_matches_within_bf16_rounding(portable):
+    # a decode, then 3 tokens of one prompt after 14 cached ones (across a block boundary), then a 4-token prompt
+    model = _model("llama")
+    cfg = model.config
+    backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, 32, BLOCK_SIZE, dtype=torch.bfloat16)
+    caches = _caches(model, backend, 16, seed=3)
+    lens, num_new = [40, 17, 4], [1, 3, 4]
+    positions, meta = _meta(lens, num_new, _tables(lens, 16, seed=5))
+    input_ids = torch.randint(0, cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(1))
+    expected, expected_caches, got, got_caches = _both_paths(model, backend, caches, input_ids, positions, meta)
+    assert torch.equal(expected_caches[0][0], got_caches[0][0])  # the first layer's keys come before attention
+    error = (got.float() - expected.float()).norm(dim=-1) / expected.float().norm(dim=-1)
+    assert error.max() < 0.02, error
+
+
+def test_models_and_steps_it_does_not_take():
+    model = _model("llama")
+    cfg = model.config
+    backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, 32, BLOCK_SIZE, dtype=torch.bfloat16)
+    caches = _caches(model, backend, 4, seed=0)
+    decoder = cpu_decode.CpuDecoder.build(model, caches, backend)
+    assert decoder is not None
+    assert not decoder.fits(9) and not decoder.fits(0)
+    cpu_decode.use_fast_path(False)
+    try:
+        assert not decoder.fits(1)
+    finally:
+        cpu_decode.use_fast_path(True)
+    float_model = model.float()
+    float_backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, 32, BLOCK_SIZE)
+    assert cpu_decode.CpuDecoder.build(float_model, [(k.float(), v.float()) for k, v in caches], float_backend) is None
+
+
+def test_greedy_tokens_of_the_engine_are_the_same_with_and_without_it(monkeypatch):
+    llm = LLM(str(ensure_default_model("llama", "small")), dtype="bfloat16", kv_cache_memory=64 << 20)
+    decoder = llm.engine.core.runner.cpu_decoder
+    assert decoder is not None
+    calls = []
+    original = type(decoder).__call__
+    monkeypatch.setattr(type(decoder), "__call__", lambda self, *args: calls.append(len(args[0])) or original(self, *args))
+    prompts = [[5, 17, 99, 3], list(range(100, 137)), [7] * 3, list(range(2000, 2020)), [4000]]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    with_decoder = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    assert calls and max(calls) <= cpu_decode.MAX_TOKENS
+    cpu_decode.use_fast_path(False)
+    try:
+        calls.clear()
+        without = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    finally:
+        cpu_decode.use_fast_path(True)
+    assert not calls
+    assert with_decoder == without
+    assert all(len(tokens) == 32 for tokens in with_decoder)
