@@ -51,6 +51,11 @@ def use_int8_kernel(enabled: bool) -> None:
     _int8_enabled = enabled
 
 
+def int8_kernel_enabled() -> bool:
+    """False after `use_kernel(False)` or `use_int8_kernel(False)`."""
+    return _enabled and _int8_enabled
+
+
 def use_portable(portable: bool) -> None:
     """Send later kernel calls to the portable C implementation (True) or to the best one built (False)."""
     global _portable_only
