@@ -11,7 +11,9 @@ matrices of the built-in `medium` Llama (24 layers x qkv 2048x1024, o 1024x1024,
 Each pass runs all 96 matrices (more than the caches hold, so weights come from memory, as in a decode
 step); the methods alternate, ROUNDS times, and the fastest pass of each is reported as process CPU time
 (robust to busy neighbours; with --threads 1 it is the compute thread's time) and int8 weight GB/s
-(283 MB / time: for bf16, half the bytes it actually reads).
+(283 MB / time: for bf16, half the bytes it actually reads). Then, per shape, the relative error
+(Frobenius) of the int8 kernel's and `_weight_int8pack_mm`'s outputs against float64 x @ (q * scale)^T,
+next to that of the float64 result rounded to bf16 (the least any bf16 output can have).
 
     python benchmarks/cpu_int8_linear.py --threads 1 --rows 1,2,4,8,16,64 --json bench_out/cpu_int8_linear.json
 """
@@ -43,6 +45,26 @@ def methods(portable: bool) -> dict[str, Callable]:
     }
     if portable:
         found["int8_portable"] = lambda x, w, q, s, s16: cpu_linear.int8_linear(x, q, s, portable=True)
+    return found
+
+
+def _relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((got.double() - exact).norm() / exact.norm()).item()
+
+
+def accuracy(rows: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(1)
+    found = []
+    for n, k in SHAPES:
+        q, scale = quantize_int8(torch.randn(n, k, generator=gen) * 0.02)
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        exact = x.double() @ (q.double() * scale.double()[:, None]).T
+        row = {"n": n, "k": k, "rows": rows, "int8_kernel": _relative_error(cpu_linear.int8_linear(x, q, scale), exact),
+               "int8pack_mm": _relative_error(torch._weight_int8pack_mm(x, q, scale.bfloat16()), exact),
+               "bf16_rounding": _relative_error(exact.bfloat16(), exact)}
+        found.append(row)
+        print(f"{n}x{k}, {rows} rows: relative error int8 kernel {row['int8_kernel']:.3g}, int8pack_mm "
+              f"{row['int8pack_mm']:.3g}, exact rounded to bf16 {row['bf16_rounding']:.3g}")
     return found
 
 
@@ -80,10 +102,11 @@ def main() -> None:
         results.append(row)
         print(f"M={rows}: " + "  ".join(f"{name} {1e3 * t:.1f} ms ({int8_bytes / t / 1e9:.1f} GB/s)"
                                         for name, t in best.items()), flush=True)
+    errors = accuracy(4)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "int8_bytes": int8_bytes, "results": results},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "int8_bytes": int8_bytes, "results": results,
+                                               "accuracy": errors}, indent=2))
 
 
 if __name__ == "__main__":
