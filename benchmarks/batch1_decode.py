@@ -1,9 +1,11 @@
-"""CPU batch-1 decode of llmserve (bf16) against llama.cpp (BF16, Q8_0) and transformers (bf16), same weights.
+"""CPU batch-1 decode of llmserve (bf16, or int8 weights with --quantization int8) against llama.cpp (BF16,
+Q8_0) and transformers (bf16), same weights.
 
 Rounds alternate the systems, so a noisy neighbour slows them alike; each round reports its own ratios:
   - llmserve in three modes switched at run time in one process (--modes): `step`, small steps in one C
     call (`cpu_decode`, the default); `kernels`, the per-module forward pass with the CPU kernels
-    (`cpu_linear`, `cpu_fused`); `torch`, without them (F.linear and the torch ops, as before issue 18).
+    (`cpu_linear`, `cpu_fused`); `torch`, without them (F.linear and the torch ops, as before issue 18;
+    with --quantization int8, torch's `_weight_int8pack_mm`).
     Decode also reports each mode's process CPU time per step (robust to neighbours' load);
   - llama.cpp's `llama-bench` on GGUF conversions of the same checkpoint (skipped, with a message, when the
     build is missing: see benchmarks/llama_cpp.sh), with its CPU time per decoded token (a run of 1 token
@@ -18,6 +20,7 @@ decode is reported as weight bytes per second and % of it.
     bash benchmarks/llama_cpp.sh            # once: builds llama-bench, converts the model (~/.cache/llmserve-bench)
     python benchmarks/batch1_decode.py --rounds 3 --batch64 --json bench_out/batch1_decode.json
     python benchmarks/batch1_decode.py --threads 1 ...   # one core: robust to busy neighbours
+    python benchmarks/batch1_decode.py --quantization int8 ...   # int8 weights, against llama.cpp Q8_0
 """
 
 from __future__ import annotations
@@ -53,6 +56,17 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def streamed_weight_bytes(cfg, quantization: str | None) -> int:
+    """Bytes of weights a decode step reads: all but the embedding table (unless tied to the lm_head), with
+    the decoder's linear layers at one byte per weight under int8 (their scales left out: < 0.1%)."""
+    bf16_bytes = 2 * (cfg.num_parameters() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size))
+    if quantization is None:
+        return bf16_bytes
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    linear = cfg.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size)
+    return bf16_bytes - linear
 
 
 MODES = ("step", "kernels", "torch")
@@ -164,6 +178,8 @@ def main() -> None:
     ap.add_argument("--best-window", type=int, default=0, metavar="W",
                     help="also the tok/s of the fastest W consecutive decode steps (llama.cpp: the fastest of "
                     "--new-tokens / W runs of W tokens): what each reaches when the neighbours leave it the cores")
+    ap.add_argument("--quantization", choices=["int8"], default=None,
+                    help="llmserve's weights quantized at load (compare with llama.cpp Q8_0)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -174,9 +190,9 @@ def main() -> None:
 
     model_dir = args.model or str(ensure_default_model("llama", "medium"))
     threads = torch.get_num_threads()
-    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=2 << 30, max_num_seqs=64)
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=2 << 30, max_num_seqs=64, quantization=args.quantization)
     cfg = llm.engine.facts.model_config
-    weight_bytes = 2 * (cfg.num_parameters() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size))
+    weight_bytes = streamed_weight_bytes(cfg, args.quantization)
     rng = random.Random(0)
     vocab = cfg.vocab_size
     prompt = [rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)]
@@ -229,15 +245,16 @@ def main() -> None:
         row["pct_read_bw"] = 100 * row["llmserve_weight_gbs"] / row["read_gbs"]
         for other in modes[1:]:
             row[f"{modes[0]}_vs_{other}_decode"] = decode / row[f"llmserve_{other}_decode"]
-        if "llama_cpp_bf16_decode" in row:
-            row["llmserve_vs_llama_cpp_bf16_decode"] = decode / row["llama_cpp_bf16_decode"]
+        reference = "q8_0" if args.quantization == "int8" else "bf16"
+        if f"llama_cpp_{reference}_decode" in row:
+            row[f"llmserve_vs_llama_cpp_{reference}_decode"] = decode / row[f"llama_cpp_{reference}_decode"]
             # by CPU time per token: what each costs, whatever the neighbours take
-            row["llmserve_vs_llama_cpp_bf16_cpu"] = (
-                row["llama_cpp_bf16_cpu_ms_per_token"] / row[f"llmserve_{modes[0]}_cpu_ms_per_step"]
+            row[f"llmserve_vs_llama_cpp_{reference}_cpu"] = (
+                row[f"llama_cpp_{reference}_cpu_ms_per_token"] / row[f"llmserve_{modes[0]}_cpu_ms_per_step"]
             )
             if args.best_window:
-                row["llmserve_vs_llama_cpp_bf16_best_window"] = (
-                    row[f"llmserve_{modes[0]}_best_window_decode"] / row["llama_cpp_bf16_best_window_decode"]
+                row[f"llmserve_vs_llama_cpp_{reference}_best_window"] = (
+                    row[f"llmserve_{modes[0]}_best_window_decode"] / row[f"llama_cpp_{reference}_best_window_decode"]
                 )
         print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
         rounds.append(row)

@@ -9,8 +9,9 @@ pointers, scratch rows) are built once per model; a step fills in its token arra
 
 The runner takes it for steps of at most `MAX_TOKENS` tokens (decodes, or a short prefill chunk: each
 token then attends to its sequence's cache up to its own position, as a decode does) on a bf16 model on
-CPU with the torch attention backend and unquantized weights, where `cpu_linear`'s kernel runs (built with
-AVX512-BF16, or the portable build on request). Otherwise, and with `use_fast_path(False)`,
+CPU with the torch attention backend and bf16 weights, or int8 ones (`--quantization int8`: the decoder's
+linear layers run `linear_int8_cpu.c`'s kernel), where `cpu_linear`'s kernels run (built with AVX512-BF16,
+or the portable build on request). Otherwise, and with `use_fast_path(False)`,
 LLMSERVE_CPU_KERNELS=0 or LLMSERVE_FUSED_KERNELS=0, the per-module path runs.
 
 Projections are described to the C code by `LinearWeights` (a format, the weights, optional per-channel
@@ -30,12 +31,14 @@ from llmserve.model import cpu_fused, cpu_linear, layers, native
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, cpu_kernels
 from llmserve.model.layers import Linear, RMSNorm
 from llmserve.model.llama import LlamaForCausalLM
+from llmserve.model.quantization.int8 import Int8LinearMethod
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "decode_llama_cpu.c"
-INCLUDED = [CSRC / "linear_bf16_cpu.c", CSRC / "elementwise_bf16_cpu.c", cpu_kernels.SOURCE]
+INCLUDED = [CSRC / "linear_bf16_cpu.c", CSRC / "linear_int8_cpu.c", CSRC / "elementwise_bf16_cpu.c", cpu_kernels.SOURCE]
 MAX_TOKENS = 8  # MAX_TOKENS in the C source; `cpu_linear`'s kernel is the fast one up to here
 WEIGHTS_BF16 = 0
+WEIGHTS_INT8 = 1  # int8 [n, k] with float32 per-channel scales (`--quantization int8`)
 
 _enabled = True
 _portable_only = native.portable_from_env()
@@ -108,6 +111,8 @@ def _kernel_path_active() -> bool:
 def _linear(layer: Linear) -> LinearWeights:
     n, k = layer.weight.shape
     bias = None if layer.bias is None else layer.bias.data_ptr()
+    if layer.weight.dtype == torch.int8:
+        return LinearWeights(WEIGHTS_INT8, n, k, layer.weight.data_ptr(), layer.weight_scale.data_ptr(), bias)
     return LinearWeights(WEIGHTS_BF16, n, k, layer.weight.data_ptr(), None, bias)
 
 
@@ -147,6 +152,7 @@ class CpuDecoder:
             model.rotary.cos_cache.data_ptr(), model.rotary.sin_cache.data_ptr(), ctypes.addressof(self._layers),
             *(buffer.data_ptr() for buffer in self._scratch),
         )
+        self._int8 = any(layer.weight.dtype == torch.int8 for layer in model.modules() if isinstance(layer, Linear))
         self._step = DecodeStep()
         self._decoder_ref = ctypes.byref(self._decoder)
         self._step_ref = ctypes.byref(self._step)
@@ -162,7 +168,10 @@ class CpuDecoder:
         return None if lib is None else cls(model, kv_caches, backend, lib)
 
     def fits(self, num_tokens: int) -> bool:
-        return 0 < num_tokens <= MAX_TOKENS and _kernel_path_active()
+        return (
+            0 < num_tokens <= MAX_TOKENS and _kernel_path_active()
+            and (not self._int8 or (cpu_linear.int8_kernel_enabled() and (cpu_linear.int8_has_fast_path() or _portable_only)))
+        )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final norm's output [T, hidden] for the step's tokens, the new keys and values in the cache."""
@@ -203,8 +212,21 @@ def _supports(
         and cpu_kernels.supports(torch.bfloat16, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         and len(kv_caches) == len(model.layers) > 0
         and all(k.device.type == "cpu" and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
-        and all(p.device.type == "cpu" and p.dtype == torch.bfloat16 and p.is_contiguous() for p in params)
-        and not any(getattr(m, "quant_method", None) is not None for m in model.modules())
+        and all(p.device.type == "cpu" and p.is_contiguous() for p in params)
+        and all(_weights_supported(m) for m in model.modules())
         and model.rotary.cos_cache.dtype == torch.float32 and cfg.hidden_size <= cpu_fused.MAX_WIDTH
         and cfg.head_dim % 2 == 0
+    )
+
+
+def _weights_supported(module: nn.Module) -> bool:
+    """A module's own parameters in bf16, or a Linear's int8 weights with float32 per-channel scales
+    (`--quantization int8`)."""
+    method = getattr(module, "quant_method", None)
+    if method is None:
+        return all(p.dtype == torch.bfloat16 for p in module.parameters(recurse=False))
+    return (
+        isinstance(method, Int8LinearMethod) and module.weight.dtype == torch.int8
+        and module.weight_scale.dtype == torch.float32
+        and (module.bias is None or module.bias.dtype == torch.bfloat16)
     )

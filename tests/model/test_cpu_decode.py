@@ -15,7 +15,9 @@ from llmserve.model import cpu_decode, cpu_linear, layers
 from llmserve.model.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernels
 from llmserve.model.builtin import ensure_default_model
 from llmserve.model.config import ModelConfig
+from llmserve.model.layers import Linear
 from llmserve.model.llama import LlamaForCausalLM
+from llmserve.model.quantization.int8 import Int8LinearMethod, quantize_int8
 
 pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="the CPU decoder could not be built here")
 
@@ -130,6 +132,38 @@ def test_decode_steps_are_bit_equal_to_the_per_module_path(portable, arch, head_
             for (k1, v1), (k2, v2) in zip(expected_caches, got_caches, strict=True):
                 assert torch.equal(k1, k2) and torch.equal(v1, v2)
             caches = got_caches
+
+
+def _quantize_int8(model: LlamaForCausalLM) -> None:
+    """The decoder's linear layers to int8 per-channel weights, as `--quantization int8` does at load."""
+    for layer in model.layers.modules():
+        if isinstance(layer, Linear):
+            q, scale = quantize_int8(layer.weight)
+            layer.weight = torch.nn.Parameter(q, requires_grad=False)
+            layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+            layer.quant_method = Int8LinearMethod()
+            layer.quant_method.process_weights(layer, torch.bfloat16)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_decode_steps_are_bit_equal_to_the_per_module_path(portable, arch, threads):
+    torch.set_num_threads(threads)
+    model = _model(arch)
+    _quantize_int8(model)
+    cfg = model.config
+    backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, 32, BLOCK_SIZE, dtype=torch.bfloat16)
+    caches = _caches(model, backend, 32, seed=1)
+    start_lens = [1, 15, 16, 17, 31, 33, 40, 60]
+    tables = _tables([n + 1 for n in start_lens], 32, seed=2)
+    gen = torch.Generator().manual_seed(8)
+    for rows in range(1, 9):
+        positions, meta = _meta(start_lens[:rows], [1] * rows, tables[:rows])
+        input_ids = torch.randint(0, cfg.vocab_size, (rows,), generator=gen)
+        expected, expected_caches, got, got_caches = _both_paths(model, backend, caches, input_ids, positions, meta)
+        assert torch.equal(got, expected), f"{rows} rows: max diff {(got - expected).abs().max()}"
+        for (k1, v1), (k2, v2) in zip(expected_caches, got_caches, strict=True):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 def test_a_short_prefill_chunk_matches_within_bf16_rounding(portable):

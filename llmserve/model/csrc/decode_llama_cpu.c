@@ -19,6 +19,7 @@
  * Built on first use by llmserve/model/cpu_decode.py, which prepares the descriptors once per model.
  */
 #include "linear_bf16_cpu.c"
+#include "linear_int8_cpu.c"
 #include "elementwise_bf16_cpu.c"
 #include "../attention/csrc/paged_attention_cpu.c"
 
@@ -27,7 +28,7 @@
 #define MAX_TOKENS 8
 
 /* How a projection's weights are stored; each format brings the kernel that computes a range of its outputs. */
-enum { WEIGHTS_BF16 = 0 };
+enum { WEIGHTS_BF16 = 0, WEIGHTS_INT8 = 1 };
 
 typedef struct {
     int32_t format; /* WEIGHTS_* */
@@ -69,6 +70,9 @@ static void linear_columns(const linear_weights *lw, const uint16_t *x, uint16_t
     switch (lw->format) {
     case WEIGHTS_BF16:
         linear_rows_bf16(x, lw->weight, lw->bias, y, m, lw->n, lw->k, lw->k, first, last, portable);
+        break;
+    case WEIGHTS_INT8:
+        linear_rows_int8(x, m, lw->k, lw->k, lw->weight, lw->scale, lw->bias, lw->n, y, first, last, portable);
         break;
     default: break; /* rejected by llmserve_decode_step */
     }
@@ -150,13 +154,17 @@ static void embed(const decoder *d, const decode_step *s, thread_rows_copy own) 
                            d->eps);
 }
 
+static int known_format(const linear_weights *lw) {
+    return lw->format == WEIGHTS_BF16 || (lw->format == WEIGHTS_INT8 && lw->scale != NULL);
+}
+
 static int supported(const decoder *d, const decode_step *s, decode_fn attend) {
     if (attend == NULL || s->tokens < 1 || s->tokens > MAX_TOKENS || s->threads < 1 || d->num_layers < 1) return 0;
     if (d->hidden > MAX_N || d->head_dim > MAX_N || d->head_dim % 2 != 0) return 0;
     for (int l = 0; l < d->num_layers; l++) {
         const layer_weights *lw = &d->layers[l];
-        if (lw->qkv.format != WEIGHTS_BF16 || lw->o.format != WEIGHTS_BF16 || lw->gate_up.format != WEIGHTS_BF16
-            || lw->down.format != WEIGHTS_BF16)
+        if (!known_format(&lw->qkv) || !known_format(&lw->o) || !known_format(&lw->gate_up)
+            || !known_format(&lw->down))
             return 0;
         if ((lw->q_norm == NULL) != (lw->k_norm == NULL)) return 0;
     }

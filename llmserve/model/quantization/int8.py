@@ -1,13 +1,15 @@
 """int8 weight-only linear layers: symmetric, one scale per output channel, activations in the model dtype.
 
-On CPU, decode-sized inputs (up to INT8_KERNEL_MAX_ROWS rows, input size a multiple of 16) run
-`torch._weight_int8pack_mm`: activations times int8 weights with per-channel scales, an AVX-512 kernel
-that reads the int8 weights directly, half the bytes of a bf16 GEMV. It costs about one GEMV per row,
-so larger inputs (prefill) convert the weights and run the dtype's GEMM instead: at 256 rows of the
-medium model's gate_up_proj the kernel took 40 ms, the conversion and GEMM 16 ms (BENCHMARKS.md, issue
-18). On CUDA, with bf16/fp16 activations, a Triton kernel (`triton_int8`) reads int8 weights at any
-size. The conversion path (int8 -> bf16 is exact, the scales applied to the output) is correct
-everywhere but saves memory, not time.
+On CPU, decode-sized bf16 inputs (up to `cpu_linear.MAX_ROWS` rows) run our C kernel
+(`cpu_linear.int8_linear`): each int8 weight row streamed once, converted to bf16 exactly on the fly,
+half the bytes of a bf16 GEMV. Other decode-sized inputs (float32 activations, or the kernel not built;
+up to INT8_KERNEL_MAX_ROWS rows, input size a multiple of 16) run `torch._weight_int8pack_mm`, torch's
+AVX-512 kernel for the same product, which costs about one GEMV per row. Larger inputs (prefill) convert
+the weights and run the dtype's GEMM instead: at 256 rows of the medium model's gate_up_proj
+`_weight_int8pack_mm` took 40 ms, the conversion and GEMM 16 ms (BENCHMARKS.md, issue 18). On CUDA,
+with bf16/fp16 activations, a Triton kernel (`triton_int8`) reads int8 weights at any size. The
+conversion path (int8 -> bf16 is exact, the scales applied to the output) is correct everywhere but
+saves memory, not time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from types import ModuleType
 
 import torch
 from torch import nn
+
+from llmserve.model import cpu_linear
 
 INT8_MAX = 127
 INT8_KERNEL_MAX_ROWS = 8  # past this the CPU kernel is slower than converting the weights (16 rows: 2.75 vs 2.61 ms)
@@ -48,6 +52,9 @@ class Int8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if cpu_linear.int8_kernel_fits(x2, layer.weight):
+            out = cpu_linear.int8_linear(x2, layer.weight, layer.weight_scale, layer.bias)
+            return out.reshape(*shape[:-1], out.shape[-1])
         if layer.use_int8_kernel and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch._weight_int8pack_mm(x2, layer.weight, layer.kernel_scale)
         elif layer.triton_int8 is not None:

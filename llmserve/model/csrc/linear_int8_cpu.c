@@ -1,0 +1,189 @@
+/*
+ * y = x (W * scale)^T (+ bias) for few bf16 rows of x and int8 weights with one float scale per output
+ * channel (`--quantization int8` on CPU, decode steps): each weight row is streamed from memory once per
+ * call, half the bytes of a bf16 row, and dotted with every row of x while it sits in cache.
+ *
+ * Entry points, for Python (ctypes, llmserve/model/cpu_linear.py) and for other C code:
+ *
+ *   int llmserve_linear_int8(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
+ *                            const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int threads);
+ *
+ *   x [m, k] bf16 with row stride ldx (>= k); w [n, k] int8 row-major, as quantized at load (no repacking);
+ *   scale [n] float32; bias [n] bf16 or NULL; y [m, n] bf16, contiguous; `threads` OpenMP threads split the
+ *   weight rows into contiguous ranges. Any m works; the kernel is meant for m <= 8 (beyond, a GEMM on
+ *   converted weights wins). Returns 0, or -1 for arguments it cannot take.
+ *
+ *   static void linear_rows_int8(x, m, k, ldx, w, scale, bias, n, y, first, last, portable);
+ *
+ *   the same for output columns [first, last) only, on the calling thread: for C code that #includes this
+ *   file and splits the columns over its own OpenMP team (every other name here starts with int8_, so it
+ *   can sit beside linear_bf16_cpu.c in one translation unit). A column's products are summed in the same
+ *   order whatever the split, so results do not depend on the number of threads.
+ *
+ * Numerics are weight-only quantization's: the int8 weights are converted to bf16 on the fly, which is exact
+ * (|q| <= 127 fits bf16's 8 significant bits), products with x are exact in float32 and summed in float32,
+ * and the sum is scaled once: y = bf16(sum_k x[k] q[k] * scale + bias). Activations are not quantized.
+ *
+ * Two implementations:
+ *  - AVX512-BF16 (compiled where the build machine has it): 32 weights per step widened to int32, converted
+ *    to float32 and packed to bf16 pairs, then one `vdpbf16ps` per row of x (tiles of up to 4 rows) into
+ *    float32 accumulators held in registers; masked loads for a k that is not a multiple of 32.
+ *  - Portable C for any machine, the same split over threads.
+ * AVX512-VNNI with x quantized to int8 (what llama.cpp's Q8_0 does) was measured too: as fast at 1-4 rows,
+ * twice as fast at 8, but it quantizes the activations (BENCHMARKS.md, issue 18), so it is not used.
+ */
+#include <stdint.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include "bf16.h"
+
+static inline uint16_t int8_finish(float sum, const float *scale, const uint16_t *bias, int64_t j) {
+    return float_to_bf16(sum * scale[j] + (bias ? bf16_to_float(bias[j]) : 0.0f));
+}
+
+static void int8_rows_portable(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
+                               const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int64_t first,
+                               int64_t last) {
+    for (int64_t j = first; j < last; j++) {
+        const int8_t *wj = w + j * k;
+        for (int64_t i = 0; i < m; i++) {
+            const uint16_t *xi = x + i * ldx;
+            float acc = 0.0f;
+            for (int64_t c = 0; c < k; c++) acc += bf16_to_float(xi[c]) * (float)wj[c];
+            y[i * n + j] = int8_finish(acc, scale, bias, j);
+        }
+    }
+}
+
+#if defined(__AVX512BF16__)
+#define INT8_MR 4 /* rows of x per tile: at most INT8_MR x INT8_UNROLL_MAX float32 accumulators in registers */
+#define INT8_UNROLL_MAX 4
+
+/* 32 int8 weights (the first `count` of them, the rest read as 0) as bf16 pairs, exactly. */
+static inline __m512bh int8_widen(const int8_t *p, int count) {
+    const __mmask16 lo = count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1u);
+    const __mmask16 hi = count >= 32 ? 0xffff : count <= 16 ? 0 : (__mmask16)((1u << (count - 16)) - 1u);
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(lo, p)));
+    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(hi, p + 16)));
+    return _mm512_cvtne2ps_pbh(b, a); /* a in the low half: element order kept */
+}
+
+static inline __m512bh int8_widen32(const int8_t *p) {
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return _mm512_cvtne2ps_pbh(b, a);
+}
+
+/* Weight row j against rows [i0, i0 + mr) of x with `unroll` accumulators per row of x; the weight row is
+   read front to back, so a thread's range of rows is one sequential stream. Always inlined with constant
+   mr and unroll, so the loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void int8_row_tile(const uint16_t *x, int64_t k, int64_t ldx,
+                                                                const int8_t *w, const float *scale,
+                                                                const uint16_t *bias, int64_t n, uint16_t *y,
+                                                                int64_t i0, int mr, int unroll, int64_t j) {
+    __m512 acc[INT8_MR][INT8_UNROLL_MAX];
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < unroll; u++) acc[i][u] = _mm512_setzero_ps();
+    const int8_t *wj = w + j * k;
+    int64_t c = 0;
+    for (; c + 32 * unroll <= k; c += 32 * unroll) {
+        __m512bh wv[INT8_UNROLL_MAX];
+        for (int u = 0; u < unroll; u++) wv[u] = int8_widen32(wj + c + 32 * u);
+        for (int i = 0; i < mr; i++) {
+            const uint16_t *xi = x + (i0 + i) * ldx + c;
+            for (int u = 0; u < unroll; u++)
+                acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)_mm512_loadu_si512(xi + 32 * u), wv[u]);
+        }
+    }
+    for (; c < k; c += 32) { /* the last < 32 * unroll columns, the final partial group masked */
+        const int count = k - c >= 32 ? 32 : (int)(k - c);
+        const __mmask32 mask = count == 32 ? 0xffffffffu : (__mmask32)((1u << count) - 1u);
+        const __m512bh wv = int8_widen(wj + c, count);
+        for (int i = 0; i < mr; i++)
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (i0 + i) * ldx + c),
+                                         wv);
+    }
+    for (int i = 0; i < mr; i++) {
+        __m512 sum = acc[i][0];
+        for (int u = 1; u < unroll; u++) sum = _mm512_add_ps(sum, acc[i][u]);
+        y[(i0 + i) * n + j] = int8_finish(_mm512_reduce_add_ps(sum), scale, bias, j);
+    }
+}
+
+static void int8_rows_avx512bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
+                                 const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int64_t first,
+                                 int64_t last) {
+    for (int64_t j = first; j < last; j++) {
+        int64_t i0 = 0;
+        for (; i0 + INT8_MR <= m; i0 += INT8_MR) int8_row_tile(x, k, ldx, w, scale, bias, n, y, i0, INT8_MR, 2, j);
+        /* Fewer rows of x leave registers for more accumulators, which hide vdpbf16ps's latency. */
+        switch (m - i0) {
+        case 3: int8_row_tile(x, k, ldx, w, scale, bias, n, y, i0, 3, 2, j); break;
+        case 2: int8_row_tile(x, k, ldx, w, scale, bias, n, y, i0, 2, 2, j); break;
+        case 1: int8_row_tile(x, k, ldx, w, scale, bias, n, y, i0, 1, 4, j); break;
+        default: break;
+        }
+    }
+}
+#endif
+
+static void linear_rows_int8(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
+                             const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int64_t first,
+                             int64_t last, int portable) {
+#if defined(__AVX512BF16__)
+    if (!portable) {
+        int8_rows_avx512bf16(x, m, k, ldx, w, scale, bias, n, y, first, last);
+        return;
+    }
+#else
+    (void)portable;
+#endif
+    int8_rows_portable(x, m, k, ldx, w, scale, bias, n, y, first, last);
+}
+
+/* Columns [first, last) of thread `t` of `threads`: contiguous ranges, so each thread streams one stretch of
+   the weights front to back (separate streams per row measured slower). */
+static void int8_thread_columns(int64_t n, int t, int threads, int64_t *first, int64_t *last) {
+    const int64_t per = n / threads, extra = n % threads;
+    *first = t * per + (t < extra ? t : extra);
+    *last = *first + per + (t < extra ? 1 : 0);
+}
+
+static int int8_linear_parallel(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
+                                const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int threads,
+                                int portable) {
+    if (m < 0 || n < 0 || k <= 0 || ldx < k || threads < 1) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t first = 0, last = n;
+#if defined(_OPENMP)
+        int8_thread_columns(n, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
+#endif
+        linear_rows_int8(x, m, k, ldx, w, scale, bias, n, y, first, last, portable);
+    }
+    return 0;
+}
+
+int llmserve_linear_int8(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w, const float *scale,
+                         const uint16_t *bias, int64_t n, uint16_t *y, int threads) {
+    return int8_linear_parallel(x, m, k, ldx, w, scale, bias, n, y, threads, 0);
+}
+
+int llmserve_linear_int8_portable(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
+                                  const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int threads) {
+    return int8_linear_parallel(x, m, k, ldx, w, scale, bias, n, y, threads, 1);
+}
+
+/* 1 when the fast path above was compiled in. */
+int llmserve_linear_int8_has_avx512bf16(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
