@@ -124,10 +124,7 @@ class GatewayPlatform:
             choices=body.n * len(prompts),
         )
         if self._limits_tokens(key):
-            counted = [await self._count(pool, {"model": model, "prompt": p}) if isinstance(p, str) else (len(p), 0)
-                       for p in prompts]
-            counts = [count for count, _ in counted]
-            max_model_len = max(length for _, length in counted) or await self._max_model_len(pool, model)
+            counts, max_model_len = await self._counts(pool, model, prompts)
             call.prompt_tokens = sum(counts)
             call.reserve_tokens = _reservation(counts, body.max_tokens, body.n, max_model_len)
         return await self._run(request, call)
@@ -141,10 +138,10 @@ class GatewayPlatform:
         call = _Call("/v1/embeddings", "embd", None, model, pool, key, payload, stream=False, include_usage=False,
                      continuous_usage=False, choices=0)
         if self._limits_tokens(key):
-            counts = await asyncio.gather(
-                *(self._embedding_tokens(pool, model, item, body.truncate_prompt_tokens) for item in inputs)
+            counts, max_model_len = await self._counts(pool, model, inputs)
+            call.prompt_tokens = call.reserve_tokens = sum(
+                _truncated(count, body.truncate_prompt_tokens, max_model_len) for count in counts
             )
-            call.prompt_tokens = call.reserve_tokens = sum(counts)
         return await self._run(request, call)
 
     async def forward_tokenizer(self, request: Request, path: str) -> Response:
@@ -205,20 +202,15 @@ class GatewayPlatform:
         answer = await self._ask(pool, "/tokenize", body)
         return int(answer["count"]), int(answer["max_model_len"])
 
-    async def _embedding_tokens(self, pool: Pool, model: str, item: str | list[int], truncate: int | None) -> int:
-        """An embeddings input's token count as the replica embeds it, cut to `truncate_prompt_tokens`
-        (-1: to the context window, which may be more than the model embeds: the reservation is settled
-        to the usage the replica reports)."""
-        if not isinstance(item, str):
-            count, max_model_len = len(item), len(item)
-        else:
-            count, max_model_len = await self._count(pool, {"model": model, "prompt": item})
-        if truncate is None:
-            return count
-        return min(count, max_model_len if truncate == -1 else truncate)
-
-    async def _max_model_len(self, pool: Pool, model: str) -> int:
-        return (await self._count(pool, {"model": model, "prompt": ""}))[1]
+    async def _counts(
+        self, pool: Pool, model: str, prompts: Sequence[str | list[int]]
+    ) -> tuple[list[int], int]:
+        """Each prompt's token count (the texts counted by one /tokenize call), and the context window."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        answer = await self._ask(pool, "/tokenize", {"model": model, "prompt": texts})
+        text_counts = iter(answer["counts"])
+        counts = [next(text_counts) if isinstance(p, str) else len(p) for p in prompts]
+        return counts, int(answer["max_model_len"])
 
     async def _detokenize(self, pool: Pool, model: str, tokens: list[int]) -> str:
         return str((await self._ask(pool, "/detokenize", {"model": model, "tokens": tokens}))["prompt"])
@@ -354,8 +346,21 @@ def _usage_asked(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool,
 
 
 def _tokenize_body(model: str, payload: dict[str, Any]) -> dict[str, Any]:
-    return {"model": model, "messages": payload["messages"],
+    """A chat prompt as the replica renders it: the tools' schemas and the template's variables too."""
+    body = {"model": model, "messages": payload["messages"],
             "add_generation_prompt": payload.get("add_generation_prompt", True)}
+    for name in ("tools", "chat_template_kwargs"):
+        if payload.get(name):
+            body[name] = payload[name]
+    return body
+
+
+def _truncated(count: int, truncate: int | None, max_model_len: int) -> int:
+    """An embeddings input's token count cut to `truncate_prompt_tokens` (-1: to the context window,
+    which may be more than the model embeds: the reservation is settled to the usage the replica reports)."""
+    if truncate is None:
+        return count
+    return min(count, max_model_len if truncate == -1 else truncate)
 
 
 def _reservation(prompt_counts: Sequence[int], max_tokens: int | None, n: int, max_model_len: int) -> int:

@@ -111,6 +111,19 @@ def test_tokenize_and_detokenize_round_trip(server, http):
     assert chat["tokens"] == server.engine.tokenizer.apply_chat_template(MESSAGES, tokenize=True)
 
 
+def test_tokenize_counts_several_prompts_at_once_and_a_chats_tools(server, http):
+    texts = ["Hello world", "", "Good morning"]
+    batch = http.post("/tokenize", json={"prompt": texts}).json()
+    expected = [server.engine.tokenizer.encode(text) for text in texts]
+    assert batch == {"count": sum(map(len, expected)), "max_model_len": MAX_MODEL_LEN, "tokens": expected,
+                     "counts": [len(ids) for ids in expected]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with_tools = http.post("/tokenize", json={"messages": MESSAGES, "tools": tools}).json()
+    assert with_tools["tokens"] == server.engine.tokenizer.apply_chat_template(MESSAGES, tokenize=True, tools=tools)
+    assert with_tools["count"] > http.post("/tokenize", json={"messages": MESSAGES}).json()["count"]
+
+
 # ---- chat completions -----------------------------------------------------------------------------
 
 

@@ -169,6 +169,22 @@ def test_tpm_reserves_prompt_plus_max_tokens_and_settles_to_what_was_used(server
     assert int(fourth.headers["x-ratelimit-remaining-tokens"]) == 600 - used - (prompt_tokens + 5)
 
 
+def test_tpm_reserves_a_chats_tools_as_part_of_its_prompt(server: PlatformServer) -> None:
+    _, secret = server.new_key("tools", tpm=100_000)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    body = chat_body(max_tokens=3, tools=tools, tool_choice="none")
+    with server.client(secret) as client:
+        prompt = client.post("/tokenize", json={"model": MODEL, "messages": body["messages"], "tools": tools})
+        without_tools = client.post("/tokenize", json={"model": MODEL, "messages": body["messages"]})
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    assert prompt.json()["count"] > without_tools.json()["count"]
+    assert response.json()["usage"]["prompt_tokens"] == prompt.json()["count"]
+    assert int(response.headers["x-ratelimit-remaining-tokens"]) == 100_000 - (prompt.json()["count"] + 3)
+
+
 def test_a_request_larger_than_the_token_limit_is_refused_outright(server: PlatformServer) -> None:
     _, secret = server.new_key("small-tpm", tpm=50)
     with server.client(secret) as client:
