@@ -16,8 +16,9 @@ An embeddings request goes the same way where it applies: the key → the model 
 validated → the safety screen over its text inputs → the rate limits (its inputs' tokens, no completion)
 → forwarded to a replica → its reply passed on as the replica wrote it, metered with its `usage`.
 
-A request the replica refuses (a 4xx, or no replica could take it) is not metered and gives its
-reservation back, as a request the server refuses before its engine runs it."""
+A request the replica refuses as invalid (a 4xx) is not metered and counts against no limit, as the
+server refuses such a request before admitting it; one no replica could take is not metered and gives
+its tokens back (its request still counts, as the server's when its engine fails to take it)."""
 
 from __future__ import annotations
 
@@ -260,7 +261,7 @@ class GatewayPlatform:
             response.headers.update(headers)
             return response
         if response.status_code != 200:
-            admission.release()
+            _give_back(admission, response.status_code)
             return response
         if call.text_field is None:
             return await self._reply_as_written(call, response, response_id, admission, started, headers)
@@ -368,6 +369,15 @@ def _reservation(prompt_counts: Sequence[int], max_tokens: int | None, n: int, m
     context window leaves)."""
     return sum(count + n * (max_tokens if max_tokens is not None else max(max_model_len - count, 0))
                for count in prompt_counts)
+
+
+def _give_back(admission: Admission, status: int) -> None:
+    """A request the replica refused (a 4xx: invalid, as the server finds before it admits a request)
+    counts against no limit; one that failed (no replica could take it) keeps its request counted."""
+    if 400 <= status < 500:
+        admission.withdraw()
+    else:
+        admission.release()
 
 
 def _replica_headers(request: Request) -> dict[str, str]:

@@ -169,6 +169,21 @@ def test_tpm_reserves_prompt_plus_max_tokens_and_settles_to_what_was_used(server
     assert int(fourth.headers["x-ratelimit-remaining-tokens"]) == 600 - used - (prompt_tokens + 5)
 
 
+def test_a_request_refused_as_invalid_counts_against_no_limit_and_is_not_metered(server: PlatformServer) -> None:
+    _, secret = server.new_key("strict", rpm=2, tpm=100_000)
+    with server.client(secret) as client:
+        max_model_len = client.post("/tokenize", json={"model": MODEL, "prompt": ""}).json()["max_model_len"]
+        too_long = client.post("/v1/chat/completions", json=chat_body("hello " * max_model_len))
+        answers = [client.post("/v1/chat/completions", json=chat_body()) for _ in range(3)]
+        prompt = client.post("/tokenize", json={"model": MODEL, "messages": chat_body()["messages"]}).json()["count"]
+    assert too_long.status_code == 400 and error_of(too_long)["type"] == "invalid_request_error"
+    assert "x-ratelimit-remaining-requests" not in too_long.headers
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    assert answers[0].headers["x-ratelimit-remaining-requests"] == "1"
+    assert int(answers[0].headers["x-ratelimit-remaining-tokens"]) == 100_000 - (prompt + 4)
+    assert len(server.wait_for_usage_rows(2)) == 2
+
+
 def test_tpm_reserves_a_chats_tools_as_part_of_its_prompt(server: PlatformServer) -> None:
     _, secret = server.new_key("tools", tpm=100_000)
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
