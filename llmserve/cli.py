@@ -149,6 +149,13 @@ def add_platform_args(parser: argparse.ArgumentParser, config_help: str) -> argp
         "--public-metrics", action="store_true", help="answer /metrics without an API key once keys exist"
     )
     platform.add_argument(
+        "--public-openapi", action="store_true", help="answer /openapi.json without an API key once keys exist"
+    )
+    platform.add_argument(
+        "--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
+        help="let browser pages from these origins call the API (CORS; '*' for any; default: same origin only)",
+    )
+    platform.add_argument(
         "--max-request-body-bytes", type=int, default=8 * 1024 * 1024, help="a larger request body gets a 413"
     )
     return platform
@@ -188,14 +195,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--slo-tpot-ms", type=float, default=None, help="time-per-output-token target (counted in goodput)"
     )
-    platform = add_platform_args(serve, "models, aliases, prices, safety rules")
-    platform.add_argument(
-        "--public-openapi", action="store_true", help="answer /openapi.json without an API key once keys exist"
-    )
-    platform.add_argument(
-        "--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
-        help="let browser pages from these origins call the API (CORS; '*' for any; default: same origin only)",
-    )
+    add_platform_args(serve, "models, aliases, prices, safety rules")
     serve.set_defaults(func=cmd_serve)
 
 

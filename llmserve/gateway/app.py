@@ -33,6 +33,7 @@ from llmserve.gateway.proxy import (
 from llmserve.gateway.routing import policy_by_name
 from llmserve.platform.routing import ModelRouter
 from llmserve.server import conversations, usage
+from llmserve.server.cors import install_cors
 from llmserve.server.errors import install_error_handlers
 from llmserve.server.gateway import AuthMiddleware, Platform, public_paths, request_key
 from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
@@ -107,13 +108,14 @@ class GatewayState:
 def build_gateway_app(
     pools: Mapping[str, Sequence[str]], policy: str = "prefix", options: ReplicaOptions | None = None, *,
     platform: Platform | None = None, aliases: Mapping[str, Sequence[tuple[str, float]]] | None = None,
-    public_metrics: bool = False, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    public_metrics: bool = False, public_openapi: bool = False, allowed_origins: Sequence[str] = (),
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The gateway over `pools` (model name -> replica base URLs, e.g. http://10.0.0.5:8000, or
     `dns+http://name:port` for every address the name resolves to), answering to `aliases` too
     (alias -> [(pool, weight)], a canary when several). `platform` puts the platform services in front
     (once keys exist, every path but /health needs one, /metrics too unless `public_metrics`); None
-    passes requests through as they are."""
+    passes requests through as they are. `public_openapi` and `allowed_origins` (CORS) as `llmserve serve`'s."""
     if not pools or any(not urls for urls in pools.values()):
         raise ValueError("The gateway needs at least one pool, each with at least one replica URL.")
     state = GatewayState(pools, policy, options or ReplicaOptions(), aliases=aliases or {})
@@ -144,8 +146,9 @@ def build_gateway_app(
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if platform is not None and platform.keys is not None:
-        public = public_paths(app, public_metrics, public_openapi=False) | page_paths()
+        public = public_paths(app, public_metrics, public_openapi) | page_paths()
         app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=platform.metrics, public_paths=public)
+    install_cors(app, allowed_origins)
     front = GatewayPlatform(platform or Platform(), state.router, state.proxy, workers)
 
     async def forward(request: Request, path: str) -> Response:

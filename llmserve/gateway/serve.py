@@ -16,6 +16,7 @@ from llmserve.gateway.app import ReplicaOptions, build_gateway_app
 from llmserve.gateway.discovery import entry_host
 from llmserve.gateway.pool import DNS_SCHEME
 from llmserve.platform.routing import ModelsConfig
+from llmserve.server.cors import parse_origins
 from llmserve.server.graceful import GracefulServer
 from llmserve.server.platform_options import build_platform, configured_aliases
 
@@ -75,6 +76,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     app = build_gateway_app(
         parse_pools(args.pool, args.config), args.policy, options, platform=build_platform(args, config),
         aliases=configured_aliases(args, config), public_metrics=args.public_metrics,
+        public_openapi=args.public_openapi, allowed_origins=parse_origins(args.allowed_origins),
         max_request_body_bytes=args.max_request_body_bytes,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -25,6 +25,7 @@ from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.keys import KeyStore
 from llmserve.platform.routing import ModelsConfig
 from llmserve.server.app import ModelSpec, build_app
+from llmserve.server.cors import parse_origins
 from llmserve.server.gateway import Platform
 from llmserve.server.graceful import GracefulServer
 from llmserve.server.platform_options import build_platform, configured_aliases
@@ -148,11 +149,6 @@ def resume_limits(args: argparse.Namespace) -> ResumeLimits:
         return ResumeLimits(max_chars=args.stream_resume_max_chars, grace_seconds=args.stream_resume_grace_seconds)
     except ValueError as exc:
         raise SystemExit(f"llmserve serve: {exc}") from None
-
-
-def parse_origins(values: list[str]) -> list[str]:
-    """--allowed-origins, repeated and/or comma-separated."""
-    return [origin.strip() for value in values for origin in value.split(",") if origin.strip()]
 
 
 def run_server(args: argparse.Namespace) -> int:
