@@ -28,7 +28,9 @@ def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[st
     pools: dict[str, list[str]] = {}
     if config_path:
         config = yaml.safe_load(Path(config_path).expanduser().read_text()) or {}
-        entries = config.get("pools") if isinstance(config, dict) else None
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path}: expected a mapping (`pools: {{name: [url, ...]}}`, aliases, ...).")
+        entries = config.get("pools", {})  # the pools may all come from --pool
         if not isinstance(entries, dict):
             raise ValueError(f"{config_path}: expected `pools: {{name: [url, ...]}}`.")
         for name, urls in entries.items():
