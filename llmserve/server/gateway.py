@@ -252,7 +252,7 @@ class Meter:
             tokens = self.completion_tokens
             if tokens - self._journaled_tokens >= PROGRESS_EVERY_TOKENS:
                 self._journaled_tokens = tokens
-                usage.progress(self.request_id, tokens, self.cached_tokens)
+                usage.progress(self.request_id, tokens, self.cached_tokens, self.prompt_tokens)
 
     @property
     def completion_tokens(self) -> int:
