@@ -158,6 +158,15 @@ def add_platform_args(parser: argparse.ArgumentParser, config_help: str) -> argp
     platform.add_argument(
         "--max-request-body-bytes", type=int, default=8 * 1024 * 1024, help="a larger request body gets a 413"
     )
+    platform.add_argument(
+        "--stream-resume-grace-seconds", type=float, default=30.0,
+        help="a resumable stream (stream_options.resumable) nobody follows is aborted after this long; a "
+        "finished one is forgotten this long after its end",
+    )
+    platform.add_argument(
+        "--stream-resume-max-chars", type=int, default=1 << 20,
+        help="a resumable stream's buffer keeps at most this many characters of its newest events",
+    )
     return platform
 
 
@@ -179,15 +188,6 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "constrains what follows the reasoning",
     )
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
-    serve.add_argument(
-        "--stream-resume-grace-seconds", type=float, default=30.0,
-        help="a resumable stream (stream_options.resumable) nobody follows is aborted after this long; a "
-        "finished one is forgotten this long after its end",
-    )
-    serve.add_argument(
-        "--stream-resume-max-chars", type=int, default=1 << 20,
-        help="a resumable stream's buffer keeps at most this many characters of its newest events",
-    )
     serve.add_argument(
         "--slo-ttft-ms", type=float, default=None,
         help="time-to-first-token target: requests that cannot meet it at the current load get a 503",

@@ -37,6 +37,7 @@ from llmserve.errors import InvalidRequestError
 from llmserve.gateway.pool import Pool
 from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_key
 from llmserve.gateway.relay import CONTENT_FILTER, RelayMeter, Reply, StreamRelay
+from llmserve.gateway.resume import resumable_response
 from llmserve.platform.keys import ApiKey
 from llmserve.platform.routing import ModelRouter
 from llmserve.platform.safety import OutputGuard
@@ -47,7 +48,7 @@ from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Admission, Platform, request_key
 from llmserve.server.messages import template_messages, uses_tools
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, random_id
-from llmserve.server.streaming import until_disconnect
+from llmserve.server.streaming import StreamRegistry, until_disconnect
 from llmserve.server.workers import WorkerPool
 
 # The platform's request fields: the gateway acts on them, the replicas (without a platform) never see them.
@@ -70,6 +71,7 @@ class _Call:
     include_usage: bool  # what the client asked for (the replica is always asked for the usage)
     continuous_usage: bool
     choices: int  # n × prompts
+    resumable: bool = False  # streamed into the gateway's buffer, to be resumed from it (resume.py)
     reserve_tokens: int = 0
     prompt_tokens: int = 0  # as far as known before the replica answers
     turn: ConversationTurn | None = None
@@ -77,11 +79,15 @@ class _Call:
 
 
 class GatewayPlatform:
-    def __init__(self, platform: Platform, router: ModelRouter[Pool], proxy: Proxy, workers: WorkerPool) -> None:
+    def __init__(
+        self, platform: Platform, router: ModelRouter[Pool], proxy: Proxy, workers: WorkerPool,
+        streams: StreamRegistry | None = None,
+    ) -> None:
         self.platform = platform
         self.router = router
         self.proxy = proxy
         self.workers = workers
+        self.streams = streams if streams is not None else StreamRegistry()  # the resumable streams it relays
 
     # ---- the endpoints ----------------------------------------------------------------------------
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
@@ -103,7 +109,7 @@ class GatewayPlatform:
         await self._screen(lambda: [m["content"] for m in new_messages], model, "messages")
         call = _Call(
             "/v1/chat/completions", "chatcmpl", "content", model, pool, key, payload, body.stream,
-            *_usage_asked(body), choices=body.n, turn=turn, turn_messages=new_messages,
+            *_usage_asked(body), choices=body.n, resumable=_resumable(body), turn=turn, turn_messages=new_messages,
         )
         if self._limits_tokens(key):
             count, max_model_len = await self._count(pool, _tokenize_body(model, payload))
@@ -122,7 +128,7 @@ class GatewayPlatform:
             await self._screen(lambda: texts, model, "prompt")
         call = _Call(
             "/v1/completions", "cmpl", "text", model, pool, key, payload, body.stream, *_usage_asked(body),
-            choices=body.n * len(prompts),
+            choices=body.n * len(prompts), resumable=_resumable(body),
         )
         if self._limits_tokens(key):
             counts, max_model_len = await self._counts(pool, model, prompts)
@@ -257,6 +263,9 @@ class GatewayPlatform:
         except BaseException:
             admission.release()
             raise
+        if relays and call.resumable:
+            owner = call.key.id if call.key is not None else None
+            return resumable_response(self.streams, response_id, owner, response, headers)
         if relays:
             response.headers.update(headers)
             return response
@@ -339,6 +348,10 @@ async def _payload(request: Request, model: str) -> dict[str, Any]:
     for name in CONVERSATION_FIELDS:
         payload.pop(name, None)
     return payload
+
+
+def _resumable(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return body.stream and body.stream_options is not None and body.stream_options.resumable
 
 
 def _usage_asked(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:

@@ -18,7 +18,7 @@ from llmserve.gateway.pool import DNS_SCHEME
 from llmserve.platform.routing import ModelsConfig
 from llmserve.server.cors import parse_origins
 from llmserve.server.graceful import GracefulServer
-from llmserve.server.platform_options import build_platform, configured_aliases
+from llmserve.server.platform_options import build_platform, configured_aliases, resume_limits
 
 
 def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[str]]:
@@ -79,7 +79,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         parse_pools(args.pool, args.config), args.policy, options, platform=build_platform(args, config),
         aliases=configured_aliases(args, config), public_metrics=args.public_metrics,
         public_openapi=args.public_openapi, allowed_origins=parse_origins(args.allowed_origins),
-        max_request_body_bytes=args.max_request_body_bytes,
+        max_request_body_bytes=args.max_request_body_bytes, stream_resume=resume_limits(args),
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_keep_alive=5)

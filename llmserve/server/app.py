@@ -200,6 +200,7 @@ def build_app(
         redoc_url=None,
     )
     app.state.llmserve = state
+    app.state.streams = state.streams  # what /v1/streams/{id} resumes (server/streams.py)
     app.state.platform = platform
     install_error_handlers(app)
     install_openapi(app)

@@ -28,9 +28,8 @@ from llmserve.server.app import ModelSpec, build_app
 from llmserve.server.cors import parse_origins
 from llmserve.server.gateway import Platform
 from llmserve.server.graceful import GracefulServer
-from llmserve.server.platform_options import build_platform, configured_aliases
+from llmserve.server.platform_options import build_platform, configured_aliases, resume_limits
 from llmserve.server.slo import SLO
-from llmserve.server.streaming import ResumeLimits
 
 logger = logging.getLogger(__name__)
 
@@ -141,14 +140,6 @@ def make_app(args: argparse.Namespace, config: ModelsConfig | None, platform: Pl
         max_request_body_bytes=args.max_request_body_bytes,
         stream_resume=resume_limits(args),
     )
-
-
-def resume_limits(args: argparse.Namespace) -> ResumeLimits:
-    """--stream-resume-*: the bounds of resumable streams' buffers (bad values end the command with why)."""
-    try:
-        return ResumeLimits(max_chars=args.stream_resume_max_chars, grace_seconds=args.stream_resume_grace_seconds)
-    except ValueError as exc:
-        raise SystemExit(f"llmserve serve: {exc}") from None
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -56,7 +56,6 @@ ROUTE_ACCESS = {
 NOT_IN_GATEWAY = {
     "/version",  # each replica's llmserve version
     "/admin/reload",  # weights live in the replicas (reloaded on each, behind the gateway)
-    "/v1/streams/{stream_id}",  # resuming is not routed to the replica holding a stream yet
 }
 ORIGIN = "https://chat.example"
 
