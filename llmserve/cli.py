@@ -86,6 +86,10 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     )
     gateway.add_argument("--stream-idle-timeout", type=float, default=60.0, metavar="SECONDS",
                          help="end a stream with an error event when its replica sends nothing for this long")
+    gateway.add_argument(
+        "--shutdown-timeout", type=float, default=30.0,
+        help="seconds the streams it relays get on SIGTERM; then each ends with an error event",
+    )
     gateway.add_argument("--resolve-interval", type=float, default=5.0, metavar="SECONDS",
                          help="how often dns+http://name:port pool entries are resolved again")
     add_platform_args(gateway, "`pools: {name: [url, ...]}`, and aliases, prices, safety rules")

@@ -154,6 +154,7 @@ def build_gateway_app(
     install_cors(app, allowed_origins)
     front = GatewayPlatform(platform or Platform(), state.router, state.proxy, workers, StreamRegistry(stream_resume))
     app.state.streams = front.streams  # resumed by /v1/streams/{id} (gateway/resume.py)
+    app.state.end_streams = front.end_streams  # past the shutdown timeout (gateway/shutdown.py)
 
     async def forward(request: Request, path: str) -> Response:
         body = await request.body()

@@ -38,6 +38,7 @@ from llmserve.gateway.pool import Pool
 from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_key
 from llmserve.gateway.relay import CONTENT_FILTER, RelayMeter, Reply, StreamRelay
 from llmserve.gateway.resume import resumable_response
+from llmserve.gateway.shutdown import GuardedStream, StreamCutoff
 from llmserve.platform.keys import ApiKey
 from llmserve.platform.routing import ModelRouter
 from llmserve.platform.safety import OutputGuard
@@ -88,6 +89,13 @@ class GatewayPlatform:
         self.proxy = proxy
         self.workers = workers
         self.streams = streams if streams is not None else StreamRegistry()  # the resumable streams it relays
+        self.cutoff = StreamCutoff()
+
+    def end_streams(self) -> None:
+        """The shutdown ran out of time: every stream still relayed ends with an error event, metered
+        as aborted by the server."""
+        self.platform.aborting = True
+        self.cutoff.cut_all()
 
     # ---- the endpoints ----------------------------------------------------------------------------
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
@@ -240,14 +248,14 @@ class GatewayPlatform:
         headers = {**admission.headers, **(call.turn.headers() if call.turn is not None else {})}
         relays: list[StreamRelay] = []  # the stream's, once the proxy hands it over
 
-        def relay() -> StreamRelay:
+        def relay() -> GuardedStream:
             meter = self._meter(call, response_id, admission, started)
             made = StreamRelay(
                 meter, self._reply(call), response_id, include_usage=call.include_usage,
                 continuous_usage=call.continuous_usage, on_completed=lambda reply: self._completed(call, meter, reply),
             )
             relays.append(made)
-            return made
+            return GuardedStream(made, self.cutoff)
 
         if call.stream:
             call.payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

@@ -17,7 +17,7 @@ from llmserve.gateway.discovery import entry_host
 from llmserve.gateway.pool import DNS_SCHEME
 from llmserve.platform.routing import ModelsConfig
 from llmserve.server.cors import parse_origins
-from llmserve.server.graceful import GracefulServer
+from llmserve.server.graceful import ABORT_GRACE_S, GracefulServer
 from llmserve.server.platform_options import build_platform, configured_aliases, resume_limits
 
 
@@ -82,8 +82,9 @@ def run_gateway(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes, stream_resume=resume_limits(args),
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            timeout_keep_alive=5)
-    GracefulServer(config, on_signal=lambda: None, on_listening=_announce).run()
+                            timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)
+    GracefulServer(config, on_signal=lambda: None, on_listening=_announce, on_deadline=app.state.end_streams,
+                   shutdown_timeout=args.shutdown_timeout).run()
     return 0
 
 

@@ -27,14 +27,13 @@ from llmserve.platform.routing import ModelsConfig
 from llmserve.server.app import ModelSpec, build_app
 from llmserve.server.cors import parse_origins
 from llmserve.server.gateway import Platform
-from llmserve.server.graceful import GracefulServer
+from llmserve.server.graceful import ABORT_GRACE_S, GracefulServer
 from llmserve.server.platform_options import build_platform, configured_aliases, resume_limits
 from llmserve.server.slo import SLO
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_NAME = "llmserve-default"
-ABORT_GRACE_S = 5.0  # after the shutdown timeout: time for the aborted streams to send their error event
 
 
 def served_name(model_arg: str | None) -> str:

@@ -169,15 +169,18 @@ async def _streams_through_a_timed_out_shutdown(proc: subprocess.Popen, base_url
     return list(await asyncio.gather(*tasks))
 
 
+@pytest.mark.parametrize("mode", MODES)
 def test_a_shutdown_past_its_timeout_ends_streams_with_an_error_and_meters_them(
-    tiny_llama_dir: Path, tmp_path: Path
+    tiny_llama_dir: Path, tmp_path: Path, mode: str
 ) -> None:
-    # `llmserve serve` only: a gateway has no --shutdown-timeout yet (on SIGTERM it waits for every
-    # stream it relays to end; each replica bounds its own drain with its --shutdown-timeout).
+    """SIGTERM to the server, or to the gateway (its replica goes on, and aborts what it ran for it)."""
     database_url = f"sqlite:///{tmp_path / 'usage.db'}"
-    with serve(tiny_llama_dir, database_url, *SERVE_ARGS, "--shutdown-timeout", "0.5") as (proc, base_url):
-        streams = asyncio.run(_streams_through_a_timed_out_shutdown(proc, base_url))
-        assert proc.wait(timeout=60) == 0
+    with replica_for(mode, tiny_llama_dir, *SERVE_ARGS) as replica_url:
+        engine_args = SERVE_ARGS if replica_url is None else ()
+        with serve(tiny_llama_dir, database_url, *engine_args, "--shutdown-timeout", "0.5",
+                   replica_url=replica_url) as (proc, base_url):
+            streams = asyncio.run(_streams_through_a_timed_out_shutdown(proc, base_url))
+            assert proc.wait(timeout=60) == 0
     rows = stored_rows(database_url)
     for lines in streams:
         *chunks, error_line, done = lines
