@@ -34,11 +34,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from llmserve.errors import InvalidRequestError
+from llmserve.gateway.errors import error_body
 from llmserve.gateway.pool import Pool
 from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_key
 from llmserve.gateway.relay import CONTENT_FILTER, RelayMeter, Reply, StreamRelay
 from llmserve.gateway.resume import resumable_response
 from llmserve.gateway.shutdown import GuardedStream, StreamCutoff
+from llmserve.gateway.whole import WholeReply
 from llmserve.platform.keys import ApiKey
 from llmserve.platform.routing import ModelRouter
 from llmserve.platform.safety import OutputGuard
@@ -49,7 +51,7 @@ from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Admission, Platform, request_key
 from llmserve.server.messages import template_messages, uses_tools
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, random_id
-from llmserve.server.streaming import StreamRegistry, until_disconnect
+from llmserve.server.streaming import PROGRESS_HEADER, StreamRegistry, until_disconnect
 from llmserve.server.workers import WorkerPool
 
 # The platform's request fields: the gateway acts on them, the replicas (without a platform) never see them.
@@ -247,8 +249,16 @@ class GatewayPlatform:
         response_id = random_id(call.id_prefix)
         headers = {**admission.headers, **(call.turn.headers() if call.turn is not None else {})}
         relays: list[StreamRelay] = []  # the stream's, once the proxy hands it over
+        wholes: list[WholeReply] = []  # a non-streamed chat's or completion's (whole.py)
+        replica_headers = _replica_headers(request)
+        progressed = not call.stream and call.text_field is not None
+        if progressed:
+            replica_headers[PROGRESS_HEADER] = "1"
 
-        def relay() -> GuardedStream:
+        def relay() -> GuardedStream | WholeReply:
+            if progressed:
+                wholes.append(WholeReply(self._meter(call, response_id, admission, started)))
+                return wholes[-1]
             meter = self._meter(call, response_id, admission, started)
             made = StreamRelay(
                 meter, self._reply(call), response_id, include_usage=call.include_usage,
@@ -257,16 +267,21 @@ class GatewayPlatform:
             relays.append(made)
             return GuardedStream(made, self.cutoff)
 
+        async def forward_whole() -> Response:
+            response = await forwarding
+            if wholes:
+                await wholes[0].read(response)
+            return response
+
         if call.stream:
             call.payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         body = json.dumps(call.payload).encode()
-        forwarding = self.proxy.forward(
-            call.pool, call.path, body, prompt_key(call.payload), _replica_headers(request), relay
-        )
+        forwarding = self.proxy.forward(call.pool, call.path, body, prompt_key(call.payload), replica_headers, relay)
         try:
-            response = await (forwarding if call.stream else until_disconnect(request, forwarding))
-        except ClientDisconnected:  # a non-streamed request the client left: what it used is unknown here
-            self._meter(call, response_id, admission, started).finish(UsageStatus.DISCONNECTED)
+            response = await (forwarding if call.stream else until_disconnect(request, forward_whole()))
+        except ClientDisconnected:  # a non-streamed request the client left: metered with what the replica reported
+            meter = wholes[0].meter if wholes else self._meter(call, response_id, admission, started)
+            meter.finish(UsageStatus.DISCONNECTED)
             raise
         except BaseException:
             admission.release()
@@ -277,20 +292,32 @@ class GatewayPlatform:
         if relays:
             response.headers.update(headers)
             return response
+        if wholes:
+            return await self._reply_progressed(call, wholes[0], response_id, headers)
         if response.status_code != 200:
             _give_back(admission, response.status_code)
             return response
         if call.text_field is None:
             return await self._reply_as_written(call, response, response_id, admission, started, headers)
-        return await self._reply_whole(call, response, response_id, admission, started, headers)
+        meter = self._meter(call, response_id, admission, started)
+        return await self._reply_whole(call, json.loads(bytes(response.body)), meter, response_id, headers)
+
+    async def _reply_progressed(
+        self, call: _Call, whole: WholeReply, response_id: str, headers: dict[str, str]
+    ) -> Response:
+        """A non-streamed reply the replica sent as events; one that broke off mid-way (its last event an
+        error) is a 502, metered with the usage reported last."""
+        data = whole.data
+        if data is None or "error" in data:
+            await whole.meter.finish_durably(UsageStatus.ERROR)
+            return JSONResponse(data or error_body(502, "The replica's reply ended early.", code="replica_failed"),
+                                status_code=502)
+        return await self._reply_whole(call, data, whole.meter, response_id, headers)
 
     async def _reply_whole(
-        self, call: _Call, response: Response, response_id: str, admission: Admission, started: float,
-        headers: dict[str, str],
+        self, call: _Call, data: dict[str, Any], meter: RelayMeter, response_id: str, headers: dict[str, str]
     ) -> Response:
         """A non-streamed reply: its output screened, metered with its usage, stored in the conversation."""
-        data = json.loads(bytes(response.body))
-        meter = self._meter(call, response_id, admission, started)
         meter.observe_usage(data.get("usage") or {})
         data["id"] = response_id
         reply = self._reply(call)

@@ -1,0 +1,51 @@
+"""A non-streamed chat or completion through the gateway's platform: the replica is asked (with
+`PROGRESS_HEADER`) to send it as events, the usage so far every few tokens and then the response
+(what it would have answered) as the last one, so that a request whose client leaves mid-generation
+is metered with the tokens the replica had generated, as `llmserve serve` meters it. Leaving closes
+the replica's response, which aborts the generation there. A replica that answers with plain JSON
+(one that predates the header) is taken as it is."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from llmserve.gateway.relay import EVENT_END, RelayMeter
+
+
+class WholeReply:
+    """The replica's events for one non-streamed request (a `proxy.StreamFilter`, passing them on as
+    they are: the gateway reads them itself with `read`)."""
+
+    def __init__(self, meter: RelayMeter) -> None:
+        self.meter = meter
+        self.data: dict[str, Any] | None = None  # the response, or the error event of a broken one
+
+    def events(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        return events
+
+    def ended(self) -> None:
+        pass
+
+    async def read(self, response: StreamingResponse) -> None:
+        """Read the events to their end: the usage reports go to the meter, the last data is kept."""
+        async for chunk in response.body_iterator:
+            for event in bytes(chunk).split(EVENT_END):
+                payload = _data_of(event)
+                if payload is None or not payload.startswith(b"{"):
+                    continue
+                data = json.loads(payload)
+                if set(data) == {"usage"}:
+                    self.meter.observe_usage(data["usage"])
+                else:
+                    self.data = data
+
+
+def _data_of(event: bytes) -> bytes | None:
+    for line in event.split(b"\n"):
+        if line.startswith(b"data: "):
+            return line[6:]
+    return None
