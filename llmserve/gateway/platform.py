@@ -25,13 +25,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmserve.errors import InvalidRequestError
 from llmserve.gateway.errors import error_body
@@ -257,7 +257,8 @@ class GatewayPlatform:
 
         def relay() -> GuardedStream | WholeReply:
             if progressed:
-                wholes.append(WholeReply(self._meter(call, response_id, admission, started)))
+                meter = wholes[0].meter if wholes else self._meter(call, response_id, admission, started)
+                wholes.append(WholeReply(meter))
                 return wholes[-1]
             meter = self._meter(call, response_id, admission, started)
             made = StreamRelay(
@@ -267,24 +268,33 @@ class GatewayPlatform:
             relays.append(made)
             return GuardedStream(made, self.cutoff)
 
+        def forward() -> Awaitable[Response]:
+            return self.proxy.forward(call.pool, call.path, body, prompt_key(call.payload), replica_headers, relay)
+
         async def forward_whole() -> Response:
-            response = await forwarding
+            response = await forward()
             if wholes:
-                await wholes[0].read(response)
+                await wholes[-1].read(response)
+                if wholes[-1].replica_failed:  # no byte reached the client yet: once more, on another replica
+                    response = await forward()
+                    if len(wholes) == 2:
+                        await wholes[-1].read(response)
             return response
 
         if call.stream:
             call.payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         body = json.dumps(call.payload).encode()
-        forwarding = self.proxy.forward(call.pool, call.path, body, prompt_key(call.payload), replica_headers, relay)
         try:
-            response = await (forwarding if call.stream else until_disconnect(request, forward_whole()))
+            response = await (forward() if call.stream else until_disconnect(request, forward_whole()))
         except ClientDisconnected:  # a non-streamed request the client left: metered with what the replica reported
             meter = wholes[0].meter if wholes else self._meter(call, response_id, admission, started)
             meter.finish(UsageStatus.DISCONNECTED)
             raise
         except BaseException:
-            admission.release()
+            if wholes:
+                wholes[0].meter.finish(UsageStatus.ERROR)
+            else:
+                admission.release()
             raise
         if relays and call.resumable:
             owner = call.key.id if call.key is not None else None
@@ -292,8 +302,11 @@ class GatewayPlatform:
         if relays:
             response.headers.update(headers)
             return response
-        if wholes:
-            return await self._reply_progressed(call, wholes[0], response_id, headers)
+        if wholes and isinstance(response, StreamingResponse):
+            return await self._reply_progressed(call, wholes[-1], response_id, headers)
+        if wholes:  # its retry got no reply to read (no replica took it): metered with what the first one reported
+            await wholes[0].meter.finish_durably(UsageStatus.ERROR)
+            return response
         if response.status_code != 200:
             _give_back(admission, response.status_code)
             return response

@@ -15,6 +15,8 @@ from fastapi.responses import StreamingResponse
 
 from llmserve.gateway.relay import EVENT_END, RelayMeter
 
+REPLICA_FAILED = "replica_failed"  # the code of the error event that ends a stream whose replica broke off
+
 
 class WholeReply:
     """The replica's events for one non-streamed request (a `proxy.StreamFilter`, passing them on as
@@ -23,6 +25,12 @@ class WholeReply:
     def __init__(self, meter: RelayMeter) -> None:
         self.meter = meter
         self.data: dict[str, Any] | None = None  # the response, or the error event of a broken one
+
+    @property
+    def replica_failed(self) -> bool:
+        """The replica broke off (the proxy ended its events with its error) before the response."""
+        error = (self.data or {}).get("error")
+        return isinstance(error, dict) and error.get("code") == REPLICA_FAILED
 
     def events(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         return events
