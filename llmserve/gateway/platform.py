@@ -7,14 +7,17 @@ A chat or completion request goes one way:
   conversation's history put before the new messages (fitted to the context window with
   `truncation: "auto"`) → the safety screen over the new input → the rate limits: a request, and for a
   key with a token limit the prompt plus its completion budget, the prompt counted by a replica's
-  /tokenize (its own tokenizer and chat template) → forwarded to a replica by the proxy → relayed
-  (relay.py: the output screened, the usage counted from the replica's reports) → metered, the
-  reservation settled to the usage the replica reported (a broken stream to what it had sent) → the
-  reply stored in the conversation.
+  /tokenize (its own tokenizer, chat template and the tools) → forwarded to a replica by the proxy →
+  relayed (relay.py: the output screened, the usage counted from the replica's reports; a non-streamed
+  reply comes as usage reports, then the response, whole.py) → metered, the reservation settled to
+  the usage the replica reported (a broken stream, or a request its client left, to what it had
+  reported) → the reply stored in the conversation. A resumable stream is buffered here, and resumed
+  from here (resume.py); past the shutdown timeout every stream ends with an error (shutdown.py).
 
 An embeddings request goes the same way where it applies: the key → the model or alias → the body
-validated → the safety screen over its text inputs → the rate limits (its inputs' tokens, no completion)
-→ forwarded to a replica → its reply passed on as the replica wrote it, metered with its `usage`.
+validated → the safety screen over its text inputs → the rate limits (its inputs' tokens, counted by
+one /tokenize call, no completion) → forwarded to a replica → its reply passed on as the replica wrote
+it, metered with its `usage`.
 
 A request the replica refuses as invalid (a 4xx) is not metered and counts against no limit, as the
 server refuses such a request before admitting it; one no replica could take is not metered and gives
