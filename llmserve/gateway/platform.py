@@ -43,7 +43,7 @@ from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_key
 from llmserve.gateway.relay import CONTENT_FILTER, RelayMeter, Reply, StreamRelay
 from llmserve.gateway.resume import resumable_response
 from llmserve.gateway.shutdown import GuardedStream, StreamCutoff
-from llmserve.gateway.whole import WholeReply
+from llmserve.gateway.whole import WholeForwarding, WholeReply
 from llmserve.platform.keys import ApiKey
 from llmserve.platform.routing import ModelRouter
 from llmserve.platform.safety import OutputGuard
@@ -252,17 +252,15 @@ class GatewayPlatform:
         response_id = random_id(call.id_prefix)
         headers = {**admission.headers, **(call.turn.headers() if call.turn is not None else {})}
         relays: list[StreamRelay] = []  # the stream's, once the proxy hands it over
-        wholes: list[WholeReply] = []  # a non-streamed chat's or completion's (whole.py)
         replica_headers = _replica_headers(request)
-        progressed = not call.stream and call.text_field is not None
-        if progressed:
+        whole = None  # a non-streamed chat or completion: read whole from the replica's events (whole.py)
+        if not call.stream and call.text_field is not None:
+            whole = WholeForwarding(lambda: self._meter(call, response_id, admission, started))
             replica_headers[PROGRESS_HEADER] = "1"
 
         def relay() -> GuardedStream | WholeReply:
-            if progressed:
-                meter = wholes[0].meter if wholes else self._meter(call, response_id, admission, started)
-                wholes.append(WholeReply(meter))
-                return wholes[-1]
+            if whole is not None:
+                return whole.reply()
             meter = self._meter(call, response_id, admission, started)
             made = StreamRelay(
                 meter, self._reply(call), response_id, include_usage=call.include_usage,
@@ -274,28 +272,21 @@ class GatewayPlatform:
         def forward() -> Awaitable[Response]:
             return self.proxy.forward(call.pool, call.path, body, prompt_key(call.payload), replica_headers, relay)
 
-        async def forward_whole() -> Response:
-            response = await forward()
-            if wholes:
-                await wholes[-1].read(response)
-                if wholes[-1].replica_failed:  # no byte reached the client yet: once more, on another replica
-                    response = await forward()
-                    if len(wholes) == 2:
-                        await wholes[-1].read(response)
-            return response
-
         if call.stream:
             call.payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         body = json.dumps(call.payload).encode()
         try:
-            response = await (forward() if call.stream else until_disconnect(request, forward_whole()))
+            if call.stream:
+                response = await forward()
+            else:
+                response = await until_disconnect(request, whole.run(forward) if whole is not None else forward())
         except ClientDisconnected:  # a non-streamed request the client left: metered with what the replica reported
-            meter = wholes[0].meter if wholes else self._meter(call, response_id, admission, started)
-            meter.finish(UsageStatus.DISCONNECTED)
+            meter = whole.meter if whole is not None else None
+            (meter or self._meter(call, response_id, admission, started)).finish(UsageStatus.DISCONNECTED)
             raise
         except BaseException:
-            if wholes:
-                wholes[0].meter.finish(UsageStatus.ERROR)
+            if whole is not None and whole.meter is not None:
+                whole.meter.finish(UsageStatus.ERROR)
             else:
                 admission.release()
             raise
@@ -305,11 +296,8 @@ class GatewayPlatform:
         if relays:
             response.headers.update(headers)
             return response
-        if wholes and isinstance(response, StreamingResponse):
-            return await self._reply_progressed(call, wholes[-1], response_id, headers)
-        if wholes:  # its retry got no reply to read (no replica took it): metered with what the first one reported
-            await wholes[0].meter.finish_durably(UsageStatus.ERROR)
-            return response
+        if whole is not None and whole.meter is not None:
+            return await self._reply_progressed(call, whole, response, response_id, headers)
         if response.status_code != 200:
             _give_back(admission, response.status_code)
             return response
@@ -319,16 +307,22 @@ class GatewayPlatform:
         return await self._reply_whole(call, json.loads(bytes(response.body)), meter, response_id, headers)
 
     async def _reply_progressed(
-        self, call: _Call, whole: WholeReply, response_id: str, headers: dict[str, str]
+        self, call: _Call, whole: WholeForwarding, response: Response, response_id: str, headers: dict[str, str]
     ) -> Response:
-        """A non-streamed reply the replica sent as events; one that broke off mid-way (its last event an
-        error) is a 502, metered with the usage reported last."""
-        data = whole.data
+        """A non-streamed reply the replica sent as events. One that broke off mid-way (its last event an
+        error), or whose retry no replica took (`response`, the proxy's error), is metered with the usage
+        reported last: a 502, or the proxy's error."""
+        meter = whole.meter
+        assert meter is not None
+        if not isinstance(response, StreamingResponse):
+            await meter.finish_durably(UsageStatus.ERROR)
+            return response
+        data = whole.replies[-1].data
         if data is None or "error" in data:
-            await whole.meter.finish_durably(UsageStatus.ERROR)
+            await meter.finish_durably(UsageStatus.ERROR)
             return JSONResponse(data or error_body(502, "The replica's reply ended early.", code="replica_failed"),
                                 status_code=502)
-        return await self._reply_whole(call, data, whole.meter, response_id, headers)
+        return await self._reply_whole(call, data, meter, response_id, headers)
 
     async def _reply_whole(
         self, call: _Call, data: dict[str, Any], meter: RelayMeter, response_id: str, headers: dict[str, str]

@@ -8,10 +8,10 @@ the replica's response, which aborts the generation there. A replica that answer
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from llmserve.gateway.relay import EVENT_END, RelayMeter
 
@@ -50,6 +50,36 @@ class WholeReply:
                     self.meter.observe_usage(data["usage"])
                 else:
                     self.data = data
+
+
+class WholeForwarding:
+    """One non-streamed request's way through the replicas: the reply read whole (the usage reports
+    metered on the way); a reply whose replica broke off (no byte reached the client yet) is asked
+    once more, of another replica (the proxy ejected the broken one). One meter for both tries."""
+
+    def __init__(self, new_meter: Callable[[], RelayMeter]) -> None:
+        self._new_meter = new_meter
+        self.replies: list[WholeReply] = []  # one per try that a replica answered with events
+
+    @property
+    def meter(self) -> RelayMeter | None:
+        """The request's meter, once a replica answered with events (None before)."""
+        return self.replies[0].meter if self.replies else None
+
+    def reply(self) -> WholeReply:
+        """The stream filter of a try (the proxy calls it when a replica's events are handed over)."""
+        self.replies.append(WholeReply(self.meter or self._new_meter()))
+        return self.replies[-1]
+
+    async def run(self, forward: Callable[[], Awaitable[Response]]) -> Response:
+        response = await forward()
+        if self.replies:
+            await self.replies[-1].read(response)
+            if self.replies[-1].replica_failed:
+                response = await forward()
+                if len(self.replies) == 2:
+                    await self.replies[-1].read(response)
+        return response
 
 
 def _data_of(event: bytes) -> bytes | None:
