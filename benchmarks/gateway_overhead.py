@@ -73,6 +73,12 @@ async def fake_backend(scope, receive, send) -> None:
         await send({"type": "http.response.body", "body": b"data: " + CHUNK + b"\n\n", "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         return
+    if any(name == b"x-llmserve-usage-progress" for name, _ in scope["headers"]):
+        # as a replica answers the gateway's platform: the response as the one event (server/pipeline.py)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: " + REPLY + b"\n\ndata: [DONE]\n\n"})
+        return
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": REPLY})
 

@@ -86,6 +86,10 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     )
     gateway.add_argument("--stream-idle-timeout", type=float, default=60.0, metavar="SECONDS",
                          help="end a stream with an error event when its replica sends nothing for this long")
+    gateway.add_argument(
+        "--shutdown-timeout", type=float, default=30.0,
+        help="seconds the streams it relays get on SIGTERM; then each ends with an error event",
+    )
     gateway.add_argument("--resolve-interval", type=float, default=5.0, metavar="SECONDS",
                          help="how often dns+http://name:port pool entries are resolved again")
     add_platform_args(gateway, "`pools: {name: [url, ...]}`, and aliases, prices, safety rules")
@@ -149,7 +153,23 @@ def add_platform_args(parser: argparse.ArgumentParser, config_help: str) -> argp
         "--public-metrics", action="store_true", help="answer /metrics without an API key once keys exist"
     )
     platform.add_argument(
+        "--public-openapi", action="store_true", help="answer /openapi.json without an API key once keys exist"
+    )
+    platform.add_argument(
+        "--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
+        help="let browser pages from these origins call the API (CORS; '*' for any; default: same origin only)",
+    )
+    platform.add_argument(
         "--max-request-body-bytes", type=int, default=8 * 1024 * 1024, help="a larger request body gets a 413"
+    )
+    platform.add_argument(
+        "--stream-resume-grace-seconds", type=float, default=30.0,
+        help="a resumable stream (stream_options.resumable) nobody follows is aborted after this long; a "
+        "finished one is forgotten this long after its end",
+    )
+    platform.add_argument(
+        "--stream-resume-max-chars", type=int, default=1 << 20,
+        help="a resumable stream's buffer keeps at most this many characters of its newest events",
     )
     return platform
 
@@ -173,29 +193,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     serve.add_argument(
-        "--stream-resume-grace-seconds", type=float, default=30.0,
-        help="a resumable stream (stream_options.resumable) nobody follows is aborted after this long; a "
-        "finished one is forgotten this long after its end",
-    )
-    serve.add_argument(
-        "--stream-resume-max-chars", type=int, default=1 << 20,
-        help="a resumable stream's buffer keeps at most this many characters of its newest events",
-    )
-    serve.add_argument(
         "--slo-ttft-ms", type=float, default=None,
         help="time-to-first-token target: requests that cannot meet it at the current load get a 503",
     )
     serve.add_argument(
         "--slo-tpot-ms", type=float, default=None, help="time-per-output-token target (counted in goodput)"
     )
-    platform = add_platform_args(serve, "models, aliases, prices, safety rules")
-    platform.add_argument(
-        "--public-openapi", action="store_true", help="answer /openapi.json without an API key once keys exist"
-    )
-    platform.add_argument(
-        "--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
-        help="let browser pages from these origins call the API (CORS; '*' for any; default: same origin only)",
-    )
+    add_platform_args(serve, "models, aliases, prices, safety rules")
     serve.set_defaults(func=cmd_serve)
 
 

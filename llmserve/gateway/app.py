@@ -32,7 +32,8 @@ from llmserve.gateway.proxy import (
 )
 from llmserve.gateway.routing import policy_by_name
 from llmserve.platform.routing import ModelRouter
-from llmserve.server import conversations, usage
+from llmserve.server import conversations, streams, usage
+from llmserve.server.cors import install_cors
 from llmserve.server.errors import install_error_handlers
 from llmserve.server.gateway import AuthMiddleware, Platform, public_paths, request_key
 from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
@@ -44,6 +45,7 @@ from llmserve.server.protocol import (
     ModelCard,
     ModelList,
 )
+from llmserve.server.streaming import ResumeLimits, StreamRegistry
 from llmserve.server.workers import WorkerPool
 from llmserve.web import install_page, page_paths
 
@@ -107,13 +109,15 @@ class GatewayState:
 def build_gateway_app(
     pools: Mapping[str, Sequence[str]], policy: str = "prefix", options: ReplicaOptions | None = None, *,
     platform: Platform | None = None, aliases: Mapping[str, Sequence[tuple[str, float]]] | None = None,
-    public_metrics: bool = False, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    public_metrics: bool = False, public_openapi: bool = False, allowed_origins: Sequence[str] = (),
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, stream_resume: ResumeLimits | None = None,
 ) -> FastAPI:
     """The gateway over `pools` (model name -> replica base URLs, e.g. http://10.0.0.5:8000, or
     `dns+http://name:port` for every address the name resolves to), answering to `aliases` too
     (alias -> [(pool, weight)], a canary when several). `platform` puts the platform services in front
     (once keys exist, every path but /health needs one, /metrics too unless `public_metrics`); None
-    passes requests through as they are."""
+    passes requests through as they are. `public_openapi`, `allowed_origins` (CORS) and `stream_resume` (the
+    bounds of the resumable streams it relays) as `llmserve serve`'s."""
     if not pools or any(not urls for urls in pools.values()):
         raise ValueError("The gateway needs at least one pool, each with at least one replica URL.")
     state = GatewayState(pools, policy, options or ReplicaOptions(), aliases=aliases or {})
@@ -133,6 +137,7 @@ def build_gateway_app(
         finally:
             for task in background:
                 task.cancel()
+            await front.streams.close()
             if platform is not None:
                 await platform.aclose()
             workers.shutdown()
@@ -144,9 +149,12 @@ def build_gateway_app(
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if platform is not None and platform.keys is not None:
-        public = public_paths(app, public_metrics, public_openapi=False) | page_paths()
+        public = public_paths(app, public_metrics, public_openapi) | page_paths()
         app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=platform.metrics, public_paths=public)
-    front = GatewayPlatform(platform or Platform(), state.router, state.proxy, workers)
+    install_cors(app, allowed_origins)
+    front = GatewayPlatform(platform or Platform(), state.router, state.proxy, workers, StreamRegistry(stream_resume))
+    app.state.streams = front.streams  # resumed by /v1/streams/{id} (gateway/resume.py)
+    app.state.end_streams = front.end_streams  # past the shutdown timeout (gateway/shutdown.py)
 
     async def forward(request: Request, path: str) -> Response:
         body = await request.body()
@@ -163,8 +171,9 @@ def build_gateway_app(
             return errors.model_not_found(model)
         options = payload.get("stream_options")
         if isinstance(options, dict) and options.pop("resumable", None) is not None:
-            # Resuming (GET /v1/streams/{id}) is not routed to the replica that holds a stream, so a
-            # stream stays plain: its generation stops when its client leaves.
+            # Without a platform the gateway relays the replica's events untouched and buffers none
+            # (resume.py buffers the platform's relay), so a stream stays plain: its generation
+            # stops when its client leaves.
             body = json.dumps(payload).encode()
         return await state.proxy.forward(pool, path, body, prompt_key(payload), forwarded_headers(request.headers))
 
@@ -223,7 +232,7 @@ def build_gateway_app(
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(usage.router)
-    app.include_router(conversations.router)
-    install_page(app)  # the chat page (resuming a stream is not routed by the gateway yet)
+    for module in (usage, conversations, streams):
+        app.include_router(module.router)
+    install_page(app)
     return app

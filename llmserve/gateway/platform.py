@@ -7,35 +7,43 @@ A chat or completion request goes one way:
   conversation's history put before the new messages (fitted to the context window with
   `truncation: "auto"`) → the safety screen over the new input → the rate limits: a request, and for a
   key with a token limit the prompt plus its completion budget, the prompt counted by a replica's
-  /tokenize (its own tokenizer and chat template) → forwarded to a replica by the proxy → relayed
-  (relay.py: the output screened, the usage counted from the replica's reports) → metered, the
-  reservation settled to the usage the replica reported (a broken stream to what it had sent) → the
-  reply stored in the conversation.
+  /tokenize (its own tokenizer, chat template and the tools) → forwarded to a replica by the proxy →
+  relayed (relay.py: the output screened, the usage counted from the replica's reports; a non-streamed
+  reply comes as usage reports, then the response, whole.py) → metered, the reservation settled to
+  the usage the replica reported (a broken stream, or a request its client left, to what it had
+  reported) → the reply stored in the conversation. A resumable stream is buffered here, and resumed
+  from here (resume.py); past the shutdown timeout every stream ends with an error (shutdown.py).
 
 An embeddings request goes the same way where it applies: the key → the model or alias → the body
-validated → the safety screen over its text inputs → the rate limits (its inputs' tokens, no completion)
-→ forwarded to a replica → its reply passed on as the replica wrote it, metered with its `usage`.
+validated → the safety screen over its text inputs → the rate limits (its inputs' tokens, counted by
+one /tokenize call, no completion) → forwarded to a replica → its reply passed on as the replica wrote
+it, metered with its `usage`.
 
-A request the replica refuses (a 4xx, or no replica could take it) is not metered and gives its
-reservation back, as a request the server refuses before its engine runs it."""
+A request the replica refuses as invalid (a 4xx) is not metered and counts against no limit, as the
+server refuses such a request before admitting it; one no replica could take is not metered and gives
+its tokens back (its request still counts, as the server's when its engine fails to take it)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmserve.errors import InvalidRequestError
+from llmserve.gateway.errors import error_body
 from llmserve.gateway.pool import Pool
 from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_key
 from llmserve.gateway.relay import CONTENT_FILTER, RelayMeter, Reply, StreamRelay
+from llmserve.gateway.resume import resumable_response
+from llmserve.gateway.shutdown import GuardedStream, StreamCutoff
+from llmserve.gateway.whole import WholeForwarding, WholeReply
 from llmserve.platform.keys import ApiKey
 from llmserve.platform.routing import ModelRouter
 from llmserve.platform.safety import OutputGuard
@@ -46,7 +54,7 @@ from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Admission, Platform, request_key
 from llmserve.server.messages import template_messages, uses_tools
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, random_id
-from llmserve.server.streaming import until_disconnect
+from llmserve.server.streaming import PROGRESS_HEADER, StreamRegistry, until_disconnect
 from llmserve.server.workers import WorkerPool
 
 # The platform's request fields: the gateway acts on them, the replicas (without a platform) never see them.
@@ -69,6 +77,7 @@ class _Call:
     include_usage: bool  # what the client asked for (the replica is always asked for the usage)
     continuous_usage: bool
     choices: int  # n × prompts
+    resumable: bool = False  # streamed into the gateway's buffer, to be resumed from it (resume.py)
     reserve_tokens: int = 0
     prompt_tokens: int = 0  # as far as known before the replica answers
     turn: ConversationTurn | None = None
@@ -76,11 +85,22 @@ class _Call:
 
 
 class GatewayPlatform:
-    def __init__(self, platform: Platform, router: ModelRouter[Pool], proxy: Proxy, workers: WorkerPool) -> None:
+    def __init__(
+        self, platform: Platform, router: ModelRouter[Pool], proxy: Proxy, workers: WorkerPool,
+        streams: StreamRegistry | None = None,
+    ) -> None:
         self.platform = platform
         self.router = router
         self.proxy = proxy
         self.workers = workers
+        self.streams = streams if streams is not None else StreamRegistry()  # the resumable streams it relays
+        self.cutoff = StreamCutoff()
+
+    def end_streams(self) -> None:
+        """The shutdown ran out of time: every stream still relayed ends with an error event, metered
+        as aborted by the server."""
+        self.platform.aborting = True
+        self.cutoff.cut_all()
 
     # ---- the endpoints ----------------------------------------------------------------------------
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
@@ -102,7 +122,7 @@ class GatewayPlatform:
         await self._screen(lambda: [m["content"] for m in new_messages], model, "messages")
         call = _Call(
             "/v1/chat/completions", "chatcmpl", "content", model, pool, key, payload, body.stream,
-            *_usage_asked(body), choices=body.n, turn=turn, turn_messages=new_messages,
+            *_usage_asked(body), choices=body.n, resumable=_resumable(body), turn=turn, turn_messages=new_messages,
         )
         if self._limits_tokens(key):
             count, max_model_len = await self._count(pool, _tokenize_body(model, payload))
@@ -121,13 +141,10 @@ class GatewayPlatform:
             await self._screen(lambda: texts, model, "prompt")
         call = _Call(
             "/v1/completions", "cmpl", "text", model, pool, key, payload, body.stream, *_usage_asked(body),
-            choices=body.n * len(prompts),
+            choices=body.n * len(prompts), resumable=_resumable(body),
         )
         if self._limits_tokens(key):
-            counted = [await self._count(pool, {"model": model, "prompt": p}) if isinstance(p, str) else (len(p), 0)
-                       for p in prompts]
-            counts = [count for count, _ in counted]
-            max_model_len = max(length for _, length in counted) or await self._max_model_len(pool, model)
+            counts, max_model_len = await self._counts(pool, model, prompts)
             call.prompt_tokens = sum(counts)
             call.reserve_tokens = _reservation(counts, body.max_tokens, body.n, max_model_len)
         return await self._run(request, call)
@@ -141,10 +158,10 @@ class GatewayPlatform:
         call = _Call("/v1/embeddings", "embd", None, model, pool, key, payload, stream=False, include_usage=False,
                      continuous_usage=False, choices=0)
         if self._limits_tokens(key):
-            counts = await asyncio.gather(
-                *(self._embedding_tokens(pool, model, item, body.truncate_prompt_tokens) for item in inputs)
+            counts, max_model_len = await self._counts(pool, model, inputs)
+            call.prompt_tokens = call.reserve_tokens = sum(
+                _truncated(count, body.truncate_prompt_tokens, max_model_len) for count in counts
             )
-            call.prompt_tokens = call.reserve_tokens = sum(counts)
         return await self._run(request, call)
 
     async def forward_tokenizer(self, request: Request, path: str) -> Response:
@@ -205,20 +222,15 @@ class GatewayPlatform:
         answer = await self._ask(pool, "/tokenize", body)
         return int(answer["count"]), int(answer["max_model_len"])
 
-    async def _embedding_tokens(self, pool: Pool, model: str, item: str | list[int], truncate: int | None) -> int:
-        """An embeddings input's token count as the replica embeds it, cut to `truncate_prompt_tokens`
-        (-1: to the context window, which may be more than the model embeds: the reservation is settled
-        to the usage the replica reports)."""
-        if not isinstance(item, str):
-            count, max_model_len = len(item), len(item)
-        else:
-            count, max_model_len = await self._count(pool, {"model": model, "prompt": item})
-        if truncate is None:
-            return count
-        return min(count, max_model_len if truncate == -1 else truncate)
-
-    async def _max_model_len(self, pool: Pool, model: str) -> int:
-        return (await self._count(pool, {"model": model, "prompt": ""}))[1]
+    async def _counts(
+        self, pool: Pool, model: str, prompts: Sequence[str | list[int]]
+    ) -> tuple[list[int], int]:
+        """Each prompt's token count (the texts counted by one /tokenize call), and the context window."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        answer = await self._ask(pool, "/tokenize", {"model": model, "prompt": texts})
+        text_counts = iter(answer["counts"])
+        counts = [next(text_counts) if isinstance(p, str) else len(p) for p in prompts]
+        return counts, int(answer["max_model_len"])
 
     async def _detokenize(self, pool: Pool, model: str, tokens: list[int]) -> str:
         return str((await self._ask(pool, "/detokenize", {"model": model, "tokens": tokens}))["prompt"])
@@ -240,47 +252,82 @@ class GatewayPlatform:
         response_id = random_id(call.id_prefix)
         headers = {**admission.headers, **(call.turn.headers() if call.turn is not None else {})}
         relays: list[StreamRelay] = []  # the stream's, once the proxy hands it over
+        replica_headers = _replica_headers(request)
+        whole = None  # a non-streamed chat or completion: read whole from the replica's events (whole.py)
+        if not call.stream and call.text_field is not None:
+            whole = WholeForwarding(lambda: self._meter(call, response_id, admission, started))
+            replica_headers[PROGRESS_HEADER] = "1"
 
-        def relay() -> StreamRelay:
+        def relay() -> GuardedStream | WholeReply:
+            if whole is not None:
+                return whole.reply()
             meter = self._meter(call, response_id, admission, started)
             made = StreamRelay(
                 meter, self._reply(call), response_id, include_usage=call.include_usage,
                 continuous_usage=call.continuous_usage, on_completed=lambda reply: self._completed(call, meter, reply),
             )
             relays.append(made)
-            return made
+            return GuardedStream(made, self.cutoff)
+
+        def forward() -> Awaitable[Response]:
+            return self.proxy.forward(call.pool, call.path, body, prompt_key(call.payload), replica_headers, relay)
 
         if call.stream:
             call.payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         body = json.dumps(call.payload).encode()
-        forwarding = self.proxy.forward(
-            call.pool, call.path, body, prompt_key(call.payload), _replica_headers(request), relay
-        )
         try:
-            response = await (forwarding if call.stream else until_disconnect(request, forwarding))
-        except ClientDisconnected:  # a non-streamed request the client left: what it used is unknown here
-            self._meter(call, response_id, admission, started).finish(UsageStatus.DISCONNECTED)
+            if call.stream:
+                response = await forward()
+            else:
+                response = await until_disconnect(request, whole.run(forward) if whole is not None else forward())
+        except ClientDisconnected:  # a non-streamed request the client left: metered with what the replica reported
+            meter = whole.meter if whole is not None else None
+            (meter or self._meter(call, response_id, admission, started)).finish(UsageStatus.DISCONNECTED)
             raise
         except BaseException:
-            admission.release()
+            if whole is not None and whole.meter is not None:
+                whole.meter.finish(UsageStatus.ERROR)
+            else:
+                admission.release()
             raise
+        if relays and call.resumable:
+            owner = call.key.id if call.key is not None else None
+            return resumable_response(self.streams, response_id, owner, response, headers)
         if relays:
             response.headers.update(headers)
             return response
+        if whole is not None and whole.meter is not None:
+            return await self._reply_progressed(call, whole, response, response_id, headers)
         if response.status_code != 200:
-            admission.release()
+            _give_back(admission, response.status_code)
             return response
         if call.text_field is None:
             return await self._reply_as_written(call, response, response_id, admission, started, headers)
-        return await self._reply_whole(call, response, response_id, admission, started, headers)
+        meter = self._meter(call, response_id, admission, started)
+        return await self._reply_whole(call, json.loads(bytes(response.body)), meter, response_id, headers)
+
+    async def _reply_progressed(
+        self, call: _Call, whole: WholeForwarding, response: Response, response_id: str, headers: dict[str, str]
+    ) -> Response:
+        """A non-streamed reply the replica sent as events. One that broke off mid-way (its last event an
+        error), or whose retry no replica took (`response`, the proxy's error), is metered with the usage
+        reported last: a 502, or the proxy's error."""
+        meter = whole.meter
+        assert meter is not None
+        if not isinstance(response, StreamingResponse):
+            await meter.finish_durably(UsageStatus.ERROR)
+            return response
+        data = whole.replies[-1].data
+        if data is None or "error" in data:
+            await meter.finish_durably(UsageStatus.ERROR)
+            return JSONResponse(data or error_body(502, "The replica's reply ended early.", code="replica_failed"),
+                                status_code=502)
+        return await self._reply_whole(call, data, meter, response_id, headers)
 
     async def _reply_whole(
-        self, call: _Call, response: Response, response_id: str, admission: Admission, started: float,
-        headers: dict[str, str],
+        self, call: _Call, data: dict[str, Any], meter: RelayMeter, response_id: str, headers: dict[str, str]
     ) -> Response:
         """A non-streamed reply: its output screened, metered with its usage, stored in the conversation."""
-        data = json.loads(bytes(response.body))
-        meter = self._meter(call, response_id, admission, started)
         meter.observe_usage(data.get("usage") or {})
         data["id"] = response_id
         reply = self._reply(call)
@@ -348,14 +395,31 @@ async def _payload(request: Request, model: str) -> dict[str, Any]:
     return payload
 
 
+def _resumable(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return body.stream and body.stream_options is not None and body.stream_options.resumable
+
+
 def _usage_asked(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
     options = body.stream_options
     return (options.include_usage, options.continuous_usage_stats) if options is not None else (False, False)
 
 
 def _tokenize_body(model: str, payload: dict[str, Any]) -> dict[str, Any]:
-    return {"model": model, "messages": payload["messages"],
+    """A chat prompt as the replica renders it: the tools' schemas and the template's variables too."""
+    body = {"model": model, "messages": payload["messages"],
             "add_generation_prompt": payload.get("add_generation_prompt", True)}
+    for name in ("tools", "chat_template_kwargs"):
+        if payload.get(name):
+            body[name] = payload[name]
+    return body
+
+
+def _truncated(count: int, truncate: int | None, max_model_len: int) -> int:
+    """An embeddings input's token count cut to `truncate_prompt_tokens` (-1: to the context window,
+    which may be more than the model embeds: the reservation is settled to the usage the replica reports)."""
+    if truncate is None:
+        return count
+    return min(count, max_model_len if truncate == -1 else truncate)
 
 
 def _reservation(prompt_counts: Sequence[int], max_tokens: int | None, n: int, max_model_len: int) -> int:
@@ -363,6 +427,15 @@ def _reservation(prompt_counts: Sequence[int], max_tokens: int | None, n: int, m
     context window leaves)."""
     return sum(count + n * (max_tokens if max_tokens is not None else max(max_model_len - count, 0))
                for count in prompt_counts)
+
+
+def _give_back(admission: Admission, status: int) -> None:
+    """A request the replica refused (a 4xx: invalid, as the server finds before it admits a request)
+    counts against no limit; one that failed (no replica could take it) keeps its request counted."""
+    if 400 <= status < 500:
+        admission.withdraw()
+    else:
+        admission.release()
 
 
 def _replica_headers(request: Request) -> dict[str, str]:

@@ -16,8 +16,9 @@ from llmserve.gateway.app import ReplicaOptions, build_gateway_app
 from llmserve.gateway.discovery import entry_host
 from llmserve.gateway.pool import DNS_SCHEME
 from llmserve.platform.routing import ModelsConfig
-from llmserve.server.graceful import GracefulServer
-from llmserve.server.platform_options import build_platform, configured_aliases
+from llmserve.server.cors import parse_origins
+from llmserve.server.graceful import ABORT_GRACE_S, GracefulServer
+from llmserve.server.platform_options import build_platform, configured_aliases, resume_limits
 
 
 def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[str]]:
@@ -27,7 +28,9 @@ def parse_pools(values: list[str], config_path: str | None) -> dict[str, list[st
     pools: dict[str, list[str]] = {}
     if config_path:
         config = yaml.safe_load(Path(config_path).expanduser().read_text()) or {}
-        entries = config.get("pools") if isinstance(config, dict) else None
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path}: expected a mapping (`pools: {{name: [url, ...]}}`, aliases, ...).")
+        entries = config.get("pools", {})  # the pools may all come from --pool
         if not isinstance(entries, dict):
             raise ValueError(f"{config_path}: expected `pools: {{name: [url, ...]}}`.")
         for name, urls in entries.items():
@@ -75,11 +78,13 @@ def run_gateway(args: argparse.Namespace) -> int:
     app = build_gateway_app(
         parse_pools(args.pool, args.config), args.policy, options, platform=build_platform(args, config),
         aliases=configured_aliases(args, config), public_metrics=args.public_metrics,
-        max_request_body_bytes=args.max_request_body_bytes,
+        public_openapi=args.public_openapi, allowed_origins=parse_origins(args.allowed_origins),
+        max_request_body_bytes=args.max_request_body_bytes, stream_resume=resume_limits(args),
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            timeout_keep_alive=5)
-    GracefulServer(config, on_signal=lambda: None, on_listening=_announce).run()
+                            timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)
+    GracefulServer(config, on_signal=lambda: None, on_listening=_announce, on_deadline=app.state.end_streams,
+                   shutdown_timeout=args.shutdown_timeout).run()
     return 0
 
 

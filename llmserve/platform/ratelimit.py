@@ -254,8 +254,9 @@ class RateLimiter(ABC):
         """Count 1 request and `reserve_tokens` tokens against `key`'s window, both or neither."""
 
     @abstractmethod
-    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
-        """Return the reserved tokens the request did not use (never more than reserved); idempotent."""
+    async def settle(self, reservation: Reservation, used_tokens: int, *, withdrawn: bool = False) -> None:
+        """Return the reserved tokens the request did not use (never more than reserved); idempotent.
+        `withdrawn`: the request was refused as invalid before it ran, so it no longer counts either."""
 
     async def check(self) -> None:  # noqa: B027 - a no-op is the right default for local backends
         """Raise `RateLimiterUnavailable` if the backend cannot be reached (for a startup check)."""
@@ -303,13 +304,17 @@ class _Window:
         self.tokens += tokens
         return slot
 
-    def refund(self, index: int, tokens: int) -> None:
-        """Give back tokens counted in slot `index`; an expired slot no longer counts: nothing to do."""
+    def refund(self, index: int, tokens: int, requests: int = 0) -> None:
+        """Give back tokens (and requests) counted in slot `index`; an expired slot no longer counts:
+        nothing to do."""
         slot = self.by_index.get(index)
         if slot is not None:
             tokens = min(tokens, slot.tokens)
             slot.tokens -= tokens
             self.tokens -= tokens
+            requests = min(requests, slot.requests)
+            slot.requests -= requests
+            self.requests -= requests
 
     def state(self, limits: Limits, reserve_tokens: int, now: float, denied: bool) -> WindowState:
         reset_s = time_until_expired(self.slots[-1].last_admitted, now) if self.slots else 0.0
@@ -359,7 +364,7 @@ class InProcessRateLimiter(RateLimiter):
             result.reservation = Reservation(key=key, tokens=reserve_tokens, tpm=limits.tpm, slot=slot.index)
         return result
 
-    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
+    async def settle(self, reservation: Reservation, used_tokens: int, *, withdrawn: bool = False) -> None:
         validate_used_tokens(used_tokens)
         with self._lock:
             if reservation.settled:
@@ -367,7 +372,8 @@ class InProcessRateLimiter(RateLimiter):
             reservation.settled = True
             window = self._windows.get(reservation.key)
             if window is not None and reservation.slot is not None:
-                window.refund(reservation.slot, reservation.tokens - min(used_tokens, reservation.tokens))
+                unused = reservation.tokens - min(used_tokens, reservation.tokens)
+                window.refund(reservation.slot, unused, requests=1 if withdrawn else 0)
 
     def _forget_idle_windows(self, now: float) -> None:
         """Drop windows whose every admission has expired; runs at most once per window length."""

@@ -123,14 +123,19 @@ end
 return {allowed and 1 or 0, requests, tokens, id, reset, requests_wait, tokens_wait}
 """
 
-# KEYS[1]: the window's hash. ARGV: slot, tokens to give back. A slot that expired no longer counts, so
-# there is nothing to give back to.
+# KEYS[1]: the window's hash. ARGV: slot, tokens to give back, requests to give back. A slot that
+# expired no longer counts, so there is nothing to give back to.
 _SETTLE_LUA = """
 local held = tonumber(redis.call('HGET', KEYS[1], 't' .. ARGV[1]))
 if held == nil then return 0 end
 local refund = math.min(held, tonumber(ARGV[2]))
 redis.call('HINCRBY', KEYS[1], 't' .. ARGV[1], -refund)
 redis.call('HINCRBY', KEYS[1], 't', -refund)
+local requests = math.min(tonumber(redis.call('HGET', KEYS[1], 'r' .. ARGV[1])) or 0, tonumber(ARGV[3]))
+if requests > 0 then
+  redis.call('HINCRBY', KEYS[1], 'r' .. ARGV[1], -requests)
+  redis.call('HINCRBY', KEYS[1], 'r', -requests)
+end
 return 1
 """
 
@@ -262,7 +267,7 @@ class RedisRateLimiter(RateLimiter):
             result.reservation = Reservation(key=key, tokens=reserve_tokens, tpm=limits.tpm, slot=int(slot))
         return result
 
-    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
+    async def settle(self, reservation: Reservation, used_tokens: int, *, withdrawn: bool = False) -> None:
         validate_used_tokens(used_tokens)
         if reservation.settled:
             return
@@ -270,9 +275,10 @@ class RedisRateLimiter(RateLimiter):
         # is lost, which only makes the limit stricter for at most a minute.
         reservation.settled = True
         refund = reservation.tokens - min(used_tokens, reservation.tokens)
-        if refund == 0 or reservation.tpm is None or reservation.slot is None:
+        if reservation.slot is None or (not withdrawn and (refund == 0 or reservation.tpm is None)):
             return
-        await self._call(self._settle_script, [self.bucket_key(reservation.key)], [reservation.slot, refund])
+        await self._call(self._settle_script, [self.bucket_key(reservation.key)],
+                         [reservation.slot, refund, 1 if withdrawn else 0])
 
     async def check(self) -> None:
         try:

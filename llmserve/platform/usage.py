@@ -46,7 +46,9 @@ class Journal(Protocol):
 
     def recover(self) -> list[UsageRecord]: ...
     def start(self, request_id: str, key_id: str | None, model: str, prompt_tokens: int, at: datetime) -> None: ...
-    def tokens(self, request_id: str, completion_tokens: int, cached_tokens: int) -> None: ...
+    def tokens(
+        self, request_id: str, completion_tokens: int, cached_tokens: int, prompt_tokens: int | None = None
+    ) -> None: ...
     def end(self, record: UsageRecord) -> Future[None] | None: ...
     def settled(self, request_ids: list[str]) -> None: ...
     def close(self) -> None: ...
@@ -155,10 +157,13 @@ class UsageRecorder:
         if self.journal is not None:
             self.journal.start(request_id, key_id, model, prompt_tokens, at)
 
-    def progress(self, request_id: str, completion_tokens: int, cached_tokens: int) -> None:
-        """Journal a running request's token counts so far."""
+    def progress(
+        self, request_id: str, completion_tokens: int, cached_tokens: int, prompt_tokens: int | None = None
+    ) -> None:
+        """Journal a running request's token counts so far (its prompt's too, when it was not known at
+        its start: a gateway learns it from the replica's first usage)."""
         if self.journal is not None:
-            self.journal.tokens(request_id, completion_tokens, cached_tokens)
+            self.journal.tokens(request_id, completion_tokens, cached_tokens, prompt_tokens)
 
     def journal_end(self, record: UsageRecord) -> Future[None] | None:
         """Journal `record` ahead of `record()`; the future resolves once it is on disk (None: no journal,

@@ -4,7 +4,8 @@ Each server instance appends JSON lines to its own segment files in the journal 
 (`<instance>-<seq>.jsonl`), holding a lock on `<instance>.lock` while it runs:
 
     {"e": "start", "id", "key", "model", "prompt", "at"}    when the request is admitted
-    {"e": "tokens", "id", "completion", "cached"}           every few generated tokens
+    {"e": "tokens", "id", "completion", "cached"[, "prompt"]} every few generated tokens (the prompt's
+                                                            count when it was not known at the start)
     {"e": "end", "record": {UsageRecord fields}}            when the request ends
 
 A writer thread writes whatever was appended since its last write in one go and, when an `end` in
@@ -99,14 +100,18 @@ class UsageJournal:
             self._running[request_id] = entry
             self._append(entry, None)
 
-    def tokens(self, request_id: str, completion_tokens: int, cached_tokens: int) -> None:
+    def tokens(
+        self, request_id: str, completion_tokens: int, cached_tokens: int, prompt_tokens: int | None = None
+    ) -> None:
         with self._lock:
             running = self._running.get(request_id)
             if running is None:
                 return
             running["completion"], running["cached"] = completion_tokens, cached_tokens
-            self._append({"e": "tokens", "id": request_id, "completion": completion_tokens,
-                          "cached": cached_tokens}, None)
+            entry = {"e": "tokens", "id": request_id, "completion": completion_tokens, "cached": cached_tokens}
+            if prompt_tokens is not None and prompt_tokens != running["prompt"]:
+                running["prompt"] = entry["prompt"] = prompt_tokens
+            self._append(entry, None)
 
     def end(self, record: UsageRecord) -> Future[None] | None:
         """Journal `record`; the future resolves once it is on disk (None: it already was journaled)."""
@@ -347,6 +352,8 @@ def _apply(entry: dict[str, Any], started: dict[str, dict[str, Any]], ended: dic
         started.setdefault(request_id, {}).update(entry)
     elif kind == "tokens" and request_id in started:
         started[request_id].update(completion=entry["completion"], cached=entry["cached"])
+        if "prompt" in entry:
+            started[request_id]["prompt"] = entry["prompt"]
 
 
 def _interrupted(entry: dict[str, Any]) -> UsageRecord:

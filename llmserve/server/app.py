@@ -10,7 +10,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI
-from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llmserve
@@ -29,6 +28,7 @@ from llmserve.server import (
     usage,
 )
 from llmserve.server import models as models_api
+from llmserve.server.cors import install_cors
 from llmserve.server.errors import install_error_handlers, shutting_down
 from llmserve.server.gateway import AuthMiddleware, Platform, public_paths
 from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
@@ -45,13 +45,6 @@ TELEMETRY_DRAIN_SECONDS = 1.0
 
 # Paths still answered while draining (monitoring keeps working until the process exits).
 _ALWAYS_SERVED = ("/metrics",)
-
-# Response headers a cross-origin page may read (beyond the CORS-safelisted ones).
-_EXPOSED_HEADERS = [
-    "retry-after", "retry-after-ms", "x-conversation-id", "x-stream-id",
-    *(f"x-ratelimit-{part}-{limit}" for part in ("limit", "remaining", "reset") for limit in ("requests", "tokens")),
-]
-
 
 class DrainMiddleware:
     """Once the server is draining (SIGTERM), every new HTTP request gets a 503 with Retry-After."""
@@ -207,6 +200,7 @@ def build_app(
         redoc_url=None,
     )
     app.state.llmserve = state
+    app.state.streams = state.streams  # what /v1/streams/{id} resumes (server/streams.py)
     app.state.platform = platform
     install_error_handlers(app)
     install_openapi(app)
@@ -215,13 +209,7 @@ def build_app(
         public = public_paths(app, public_metrics, public_openapi) | page_paths()
         app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=state.metrics.platform, public_paths=public)
     app.add_middleware(DrainMiddleware, state=state)
-    if allowed_origins:
-        # Added last, so outermost: preflights are answered before auth, and 401s, 429s and 503s carry
-        # the CORS headers a browser needs to show them. Keys travel in a header, not cookies.
-        app.add_middleware(
-            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"],
-            expose_headers=_EXPOSED_HEADERS,
-        )
+    install_cors(app, allowed_origins)
     for module in (
         chat, completions, embeddings, streams, models_api, tokens, health, metrics, usage, conversations, admin,
     ):

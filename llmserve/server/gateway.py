@@ -151,17 +151,22 @@ class Platform:
         raise APIError(503, "Rate limiting is unavailable; retry later.", code="rate_limiter_unavailable",
                        headers={"Retry-After": str(retry_after)})
 
-    def settle_later(self, reservation: Reservation, used_tokens: int, then: Callable[[], None] | None = None) -> None:
-        """Return a reservation's unused tokens, then run `then`, without making the caller wait (it
-        may be unwinding from a cancellation)."""
-        task = asyncio.ensure_future(self._settle(reservation, used_tokens, then))
+    def settle_later(
+        self, reservation: Reservation, used_tokens: int, then: Callable[[], None] | None = None, *,
+        withdrawn: bool = False,
+    ) -> None:
+        """Return a reservation's unused tokens (and its request, `withdrawn`), then run `then`, without
+        making the caller wait (it may be unwinding from a cancellation)."""
+        task = asyncio.ensure_future(self._settle(reservation, used_tokens, then, withdrawn))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
-    async def _settle(self, reservation: Reservation, used_tokens: int, then: Callable[[], None] | None) -> None:
+    async def _settle(
+        self, reservation: Reservation, used_tokens: int, then: Callable[[], None] | None, withdrawn: bool
+    ) -> None:
         try:
             if self.limiter is not None:
-                await self.limiter.settle(reservation, used_tokens)
+                await self.limiter.settle(reservation, used_tokens, withdrawn=withdrawn)
         except RateLimiterUnavailable:  # logged by the limiter once per outage; the reservation expires
             pass
         except Exception as exc:  # the reservation then simply expires with the window
@@ -180,9 +185,16 @@ class Admission:
     headers: dict[str, str]
 
     def release(self) -> None:
-        """The request never reached the engine: give everything back."""
+        """The request never reached the engine: give its tokens back (the request still counts)."""
         if self.reservation is not None:
             self.platform.settle_later(self.reservation, 0)
+            self.reservation = None
+
+    def withdraw(self) -> None:
+        """The request was refused as invalid (a replica's 4xx behind the gateway; the server refuses
+        such a request before admitting it): it counts against no limit, neither tokens nor request."""
+        if self.reservation is not None:
+            self.platform.settle_later(self.reservation, 0, withdrawn=True)
             self.reservation = None
 
 
@@ -240,7 +252,7 @@ class Meter:
             tokens = self.completion_tokens
             if tokens - self._journaled_tokens >= PROGRESS_EVERY_TOKENS:
                 self._journaled_tokens = tokens
-                usage.progress(self.request_id, tokens, self.cached_tokens)
+                usage.progress(self.request_id, tokens, self.cached_tokens, self.prompt_tokens)
 
     @property
     def completion_tokens(self) -> int:

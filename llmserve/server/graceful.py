@@ -14,6 +14,7 @@ from types import FrameType
 import uvicorn
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+ABORT_GRACE_S = 5.0  # after the shutdown timeout: time for the aborted streams to send their error event
 
 
 class GracefulServer(uvicorn.Server):

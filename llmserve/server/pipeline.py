@@ -11,6 +11,8 @@ response's last byte, error events, aborts and `data: [DONE]`.
 
 from __future__ import annotations
 
+import asyncio
+import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,10 +26,11 @@ from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.keys import ApiKey
 from llmserve.sampling.params import SamplingParams
 from llmserve.server import errors
-from llmserve.server.gateway import Meter
+from llmserve.server.gateway import PROGRESS_EVERY_TOKENS, Meter
 from llmserve.server.protocol import Usage, now
 from llmserve.server.state import ModelEndpoint, ServerState
 from llmserve.server.streaming import (
+    PROGRESS_HEADER,
     SSE_DONE,
     STREAM_ID_HEADER,
     ChunkEnvelope,
@@ -146,6 +149,8 @@ async def respond(request: Request, prepared: PreparedRequest, shape: ResponseSh
         return event_stream(stream.follow(), {**headers, STREAM_ID_HEADER: started.response_id})
     if prepared.stream:
         return event_stream(run.events(), headers)
+    if request.headers.get(PROGRESS_HEADER):
+        return event_stream(run.whole_with_progress(), headers)
     return JSONResponse(await run.to_end(request), headers=headers)
 
 
@@ -177,6 +182,48 @@ class _Run:
         """Run to the end (aborted on a disconnect); the response's JSON-ready dict, metered."""
         started = self.started
         outputs = await started.run_to_end(request, final_outputs(started.streams, started.meter.observe))
+        return await self._whole(outputs)
+
+    async def whole_with_progress(self) -> AsyncIterator[str]:
+        """A non-streamed request asked for with `PROGRESS_HEADER` (by a gateway, which meters a request
+        whose client left by what it learnt): an event with the usage so far every
+        PROGRESS_EVERY_TOKENS tokens, then the response (what `to_end` answers) as the last event."""
+        started = self.started
+        meter = started.meter
+        reported = 0
+        progressed = asyncio.Event()
+
+        def observe(position: int, output: RequestOutput) -> None:
+            meter.observe(position, output)
+            if meter.completion_tokens - reported >= PROGRESS_EVERY_TOKENS:
+                progressed.set()
+
+        work = asyncio.ensure_future(final_outputs(started.streams, observe))
+        try:
+            while not work.done():
+                woken = asyncio.ensure_future(progressed.wait())
+                try:
+                    await asyncio.wait((work, woken), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    woken.cancel()
+                if progressed.is_set() and not work.done():
+                    progressed.clear()
+                    reported = meter.completion_tokens
+                    yield sse(json.dumps({"usage": usage_of(meter).model_dump()}))
+            outputs = work.result()
+        except (asyncio.CancelledError, GeneratorExit):  # the client left
+            started.abort("disconnected")
+            raise
+        except BaseException:
+            started.abort("error")
+            raise
+        finally:
+            work.cancel()
+        yield sse(json.dumps(await self._whole(outputs), ensure_ascii=False, separators=(",", ":")))
+        yield SSE_DONE
+
+    async def _whole(self, outputs: Sequence[RequestOutput]) -> dict:
+        started = self.started
         status = "error"
         try:
             if self.prepared.params.prompt_logprobs is None:

@@ -13,10 +13,19 @@ from llmserve.platform.conversations import ConversationLimits
 from llmserve.platform.ratelimit import InProcessRateLimiter, RateLimiter
 from llmserve.platform.routing import ModelsConfig
 from llmserve.server.gateway import Platform
+from llmserve.server.streaming import ResumeLimits
 
 if TYPE_CHECKING:
     from llmserve.platform.usage import UsageRecorder
     from llmserve.store.db import Database
+
+
+def resume_limits(args: argparse.Namespace) -> ResumeLimits:
+    """--stream-resume-*: the bounds of resumable streams' buffers (bad values end the command with why)."""
+    try:
+        return ResumeLimits(max_chars=args.stream_resume_max_chars, grace_seconds=args.stream_resume_grace_seconds)
+    except ValueError as exc:
+        raise SystemExit(f"llmserve {args.command}: {exc}") from None
 
 
 def make_rate_limiter(redis_url: str | None, redis_timeout_ms: float = 100.0) -> RateLimiter:

@@ -41,6 +41,13 @@ RESERVED_TEMPLATE_VARIABLES = frozenset(
 )
 
 
+def _check_template_variables(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)} cannot be set here: the request's own fields set them")
+    return value
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -409,10 +416,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _validate_chat_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_VARIABLES)
-        if reserved:
-            raise ValueError(f"{', '.join(reserved)} cannot be set here: the request's own fields set them")
-        return value
+        return _check_template_variables(value)
 
     def unsupported_params(self) -> list[tuple[str, str]]:
         found = self.common_unsupported()
@@ -653,21 +657,33 @@ class ModelList(_Response):
 
 class TokenizeRequest(_Request):
     model: str | None = None
-    prompt: str | None = None
+    # One prompt, or several (counted in one call: the gateway reserves an embeddings batch's tokens so).
+    prompt: str | list[str] | None = Field(None, max_length=MAX_PROMPTS)
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    # As a chat request's: the tools' schemas and the template's variables are part of its prompt.
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _validate_prompt(cls, value: str | None) -> str | None:
+    def _validate_prompt(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list):
+            return [_check_unicode(text) for text in value]
         return value if value is None else _check_unicode(value)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _validate_chat_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _check_template_variables(value)
 
 
 class TokenizeResponse(_Response):
-    count: int
+    count: int  # over every prompt
     max_model_len: int
-    tokens: list[int]
+    tokens: list[int] | list[list[int]]  # a list per prompt when `prompt` was a list
+    counts: list[int] | None = None  # per prompt, when `prompt` was a list
 
 
 class DetokenizeRequest(_Request):

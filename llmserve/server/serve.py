@@ -25,16 +25,15 @@ from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.keys import KeyStore
 from llmserve.platform.routing import ModelsConfig
 from llmserve.server.app import ModelSpec, build_app
+from llmserve.server.cors import parse_origins
 from llmserve.server.gateway import Platform
-from llmserve.server.graceful import GracefulServer
-from llmserve.server.platform_options import build_platform, configured_aliases
+from llmserve.server.graceful import ABORT_GRACE_S, GracefulServer
+from llmserve.server.platform_options import build_platform, configured_aliases, resume_limits
 from llmserve.server.slo import SLO
-from llmserve.server.streaming import ResumeLimits
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_NAME = "llmserve-default"
-ABORT_GRACE_S = 5.0  # after the shutdown timeout: time for the aborted streams to send their error event
 
 
 def served_name(model_arg: str | None) -> str:
@@ -140,19 +139,6 @@ def make_app(args: argparse.Namespace, config: ModelsConfig | None, platform: Pl
         max_request_body_bytes=args.max_request_body_bytes,
         stream_resume=resume_limits(args),
     )
-
-
-def resume_limits(args: argparse.Namespace) -> ResumeLimits:
-    """--stream-resume-*: the bounds of resumable streams' buffers (bad values end the command with why)."""
-    try:
-        return ResumeLimits(max_chars=args.stream_resume_max_chars, grace_seconds=args.stream_resume_grace_seconds)
-    except ValueError as exc:
-        raise SystemExit(f"llmserve serve: {exc}") from None
-
-
-def parse_origins(values: list[str]) -> list[str]:
-    """--allowed-origins, repeated and/or comma-separated."""
-    return [origin.strip() for value in values for origin in value.split(",") if origin.strip()]
 
 
 def run_server(args: argparse.Namespace) -> int:

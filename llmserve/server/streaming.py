@@ -33,6 +33,9 @@ CONTENT_FILTER = "content_filter"
 SSE_DONE = "data: [DONE]\n\n"
 
 STREAM_ID_HEADER = "x-stream-id"  # a resumable stream's id (its response id)
+# Asks for a non-streamed response as usage progress events, then the response as one event (a gateway
+# meters a request whose client left with the usage the replica reported last, server/pipeline.py).
+PROGRESS_HEADER = "x-llmserve-usage-progress"
 
 
 def sse(payload: BaseModel | str) -> str:

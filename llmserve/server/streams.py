@@ -21,10 +21,20 @@ from pydantic import BaseModel, ConfigDict
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import request_key
 from llmserve.server.openapi import documented
-from llmserve.server.state import get_state
-from llmserve.server.streaming import STREAM_ID_HEADER, EventsDropped, dropped_events, event_stream
+from llmserve.server.streaming import (
+    STREAM_ID_HEADER,
+    EventsDropped,
+    StreamRegistry,
+    dropped_events,
+    event_stream,
+)
 
 router = APIRouter()
+
+
+def registry_of(request: Request) -> StreamRegistry:
+    """The app's resumable streams (`llmserve serve`'s, or a gateway's: it buffers what it relays)."""
+    return request.app.state.streams
 
 
 def _last_event(header: str | None) -> int:
@@ -59,7 +69,7 @@ async def resume_stream(
 ) -> Response:
     """Resume a stream started with `stream_options.resumable`: the events after `Last-Event-ID` (all
     of them without it), then the live rest."""
-    streams = get_state(request).streams
+    streams = registry_of(request)
     key = request_key(request.state)
     stream = streams.get(stream_id, key.id if key is not None else None)
     last_event = _last_event(last_event_id)
@@ -74,7 +84,7 @@ async def resume_stream(
 async def cancel_stream(stream_id: str, request: Request) -> JSONResponse:
     """Stop a resumable stream's generation now (its KV is freed) and forget it."""
     key = request_key(request.state)
-    stream = get_state(request).streams.get(stream_id, key.id if key is not None else None)
+    stream = registry_of(request).get(stream_id, key.id if key is not None else None)
     stream.cancel()
     await stream.wait_finished()
     return JSONResponse({"id": stream_id, "object": "stream.deleted", "deleted": True})

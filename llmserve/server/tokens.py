@@ -29,13 +29,26 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 def _tokenize(endpoint: ModelEndpoint, body: TokenizeRequest) -> Response:
     """On a worker thread: the tokens, and their JSON (a long prompt's is long to write too)."""
     tokenizer = endpoint.engine.tokenizer
+    max_model_len = endpoint.engine.max_model_len
+    if isinstance(body.prompt, list):
+        batch = [tokenizer.encode(text, add_special_tokens=body.add_special_tokens) for text in body.prompt]
+        counts = ",".join(str(len(ids)) for ids in batch)
+        tokens = ",".join(f"[{_joined(ids)}]" for ids in batch)
+        return Response(
+            f'{{"count":{sum(map(len, batch))},"max_model_len":{max_model_len},"tokens":[{tokens}],'
+            f'"counts":[{counts}]}}',
+            media_type="application/json",
+        )
     if body.messages is not None:
-        messages = template_messages(body.messages)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        ids = tokenizer.apply_chat_template(
+            template_messages(body.messages), add_generation_prompt=body.add_generation_prompt, tools=tools,
+            tokenize=True, **(body.chat_template_kwargs or {}),
+        )
     else:
         assert body.prompt is not None
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    head = f'{{"count":{len(ids)},"max_model_len":{endpoint.engine.max_model_len},"tokens":['
+    head = f'{{"count":{len(ids)},"max_model_len":{max_model_len},"tokens":['
     return Response(head + _joined(ids) + "]}", media_type="application/json")
 
 

@@ -233,7 +233,7 @@ def test_termination_grace_covers_the_pre_stop_and_the_servers_shutdown() -> Non
         flag_value(container["args"], "--shutdown-timeout")
         or source_default(ROOT / "llmserve" / "cli.py", "--shutdown-timeout")
     )
-    abort_grace_s = source_constant(ROOT / "llmserve" / "server" / "serve.py", SERVER_ABORT_GRACE_S_NAME)
+    abort_grace_s = source_constant(ROOT / "llmserve" / "server" / "graceful.py", SERVER_ABORT_GRACE_S_NAME)
     grace_s = replica()["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace_s > 30
     assert grace_s > pre_stop_s + shutdown_s + abort_grace_s

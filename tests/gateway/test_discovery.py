@@ -24,3 +24,9 @@ def test_parse_pools_takes_dns_entries_and_refuses_what_cannot_resolve() -> None
         parse_pools(["m=dns+ftp://replicas:8000"], None)
     with pytest.raises(ValueError, match="needs a host name"):
         parse_pools(["m=dns+http://:8000"], None)
+
+
+def test_parse_pools_takes_the_pools_from_flags_when_the_config_has_none(tmp_path) -> None:
+    config = tmp_path / "gateway.yaml"
+    config.write_text("prices: {m: {input: 1.0, output: 2.0}}\n")
+    assert parse_pools(["m=http://10.0.0.9:8000"], str(config)) == {"m": ["http://10.0.0.9:8000"]}

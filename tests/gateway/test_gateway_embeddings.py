@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
@@ -153,6 +154,23 @@ def test_a_token_limit_reserves_the_inputs_tokens_as_they_are_embedded(server: P
     assert int(ids.headers["x-ratelimit-remaining-tokens"]) == 1000 - used - 13 - len(tokens)
     too_large = embed(server.base_url, {"input": ["word " * 200] * 5}, secret)  # 5 × 202 tokens
     assert too_large.status_code == 429 and error_of(too_large)["type"] == "tokens"
+
+
+def test_the_gateway_counts_a_batchs_inputs_in_one_call_to_the_replica(
+    minilm_engine: AsyncLLM, tmp_path: Path
+) -> None:
+    for server in serve_platform(minilm_engine, tmp_path, models=[ModelSpec(MODEL, engine=minilm_engine)],
+                                 mode="gateway"):
+        _, secret = server.new_key("tpm", tpm=100_000)
+        response = embed(server.base_url, {"input": [*TEXTS, *TEXTS]}, secret)
+        assert response.status_code == 200
+        sent = sum(
+            sample.value for family in text_string_to_metric_families(
+                httpx.get(f"{server.base_url}/metrics", headers={"Authorization": f"Bearer {secret}"}).text)
+            for sample in family.samples if sample.name == "llmserve:gateway_requests_total"
+        )
+    assert sent == 2  # one /tokenize for the six texts, then the request itself
+    assert 100_000 - int(response.headers["x-ratelimit-remaining-tokens"]) == response.json()["usage"]["prompt_tokens"]
 
 
 def test_a_blocked_input_is_a_400_before_any_replica_work(server: PlatformServer) -> None:

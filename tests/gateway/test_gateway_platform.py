@@ -10,23 +10,30 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from sqlalchemy import select
 
+from llmserve.engine.async_llm import AsyncLLM
 from llmserve.gateway.app import build_gateway_app
 from llmserve.platform.conversations import ConversationStore
 from llmserve.platform.keys import KeyCache, KeyStore
 from llmserve.platform.ratelimit import InProcessRateLimiter
 from llmserve.platform.usage import UsageRecorder
+from llmserve.server.app import build_app
 from llmserve.server.gateway import Platform
+from llmserve.server.streaming import PROGRESS_HEADER
 from llmserve.store.db import open_database
 from llmserve.store.schema import UsageRecordRow
 from tests.gateway.test_gateway import MODEL, STARTUP_TIMEOUT_S, Process, _start, _stop
 from tests.server.conftest import start_server
+from tests.server.platform_fixtures import tiny_engine  # noqa: F401 - a fixture
 from tests.store.fixtures import postgres_schema, postgres_url
 
 REDIS_URL = os.environ.get("LLMSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -141,3 +148,59 @@ def test_the_gateway_with_its_platform_loads_without_torch() -> None:
     """A gateway process holds no engine: it stays small and starts fast."""
     code = "import sys, llmserve.gateway.serve, llmserve.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def _breaking_replica(hits: list[str]) -> FastAPI:
+    """A replica that reports some usage for a non-streamed request, then dies mid-reply."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse("")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> StreamingResponse:
+        hits.append(request.headers.get(PROGRESS_HEADER, ""))
+
+        async def events():
+            yield 'data: {"usage": {"prompt_tokens": 9, "completion_tokens": 16, "total_tokens": 25}}\n\n'
+            raise RuntimeError("the replica died")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_a_non_streamed_request_whose_replica_dies_mid_reply_is_retried_on_another(
+    tiny_engine: AsyncLLM, tmp_path: Path  # noqa: F811
+) -> None:
+    hits: list[str] = []
+    database = open_database(f"sqlite:///{tmp_path / 'platform.db'}")
+    platform = Platform(keys=KeyCache(KeyStore(database)), usage=UsageRecorder(database, flush_interval=0.2),
+                        database=database)
+    with ExitStack() as servers:
+        urls = [servers.enter_context(_serving(app)) for app in (_breaking_replica(hits), build_app(tiny_engine, MODEL))]
+        base_url = servers.enter_context(_serving(build_gateway_app({MODEL: urls}, "round_robin", platform=platform)))
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "ignore_eos": True}
+        answers = [httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60) for _ in range(2)]
+        platform.usage.flush()
+        with database.session() as session:
+            rows = list(session.scalars(select(UsageRecordRow)))
+    assert hits == ["1"]  # asked for progress events; round robin sent it one of the two
+    assert [a.status_code for a in answers] == [200, 200]
+    assert [a.json()["usage"]["completion_tokens"] for a in answers] == [5, 5]
+    assert sorted((r.status, r.completion_tokens) for r in rows) == [("completed", 5)] * 2
+
+
+@contextmanager
+def _serving(app: FastAPI) -> Iterator[str]:
+    server, thread, base_url, _ = start_server(app)
+    try:
+        yield base_url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

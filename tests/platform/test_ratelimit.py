@@ -348,6 +348,24 @@ def test_settle_refunds_unused_tokens_once(backend: Backend) -> None:
     assert (second.allowed, second.remaining_tokens, after.remaining_tokens) == (True, 100, 100)
 
 
+@pytest.mark.parametrize("tpm", [1000, None])
+def test_a_withdrawn_request_gives_back_its_request_and_all_its_tokens(backend: Backend, tpm: int | None) -> None:
+    limits = Limits(rpm=2, tpm=tpm)
+
+    async def scenario(limiter: RateLimiter):
+        kept = await limiter.acquire(KEY, limits, 300)
+        withdrawn = await limiter.acquire(KEY, limits, 500)
+        await limiter.settle(withdrawn.reservation, 0, withdrawn=True)
+        await limiter.settle(withdrawn.reservation, 0, withdrawn=True)  # a second settle gives nothing
+        return kept, await limiter.acquire(KEY, limits, 100), await limiter.acquire(KEY, limits, 0)
+
+    kept, second, third = backend.run(scenario)
+    assert kept.allowed and second.allowed and not third.allowed  # the withdrawn request left no trace
+    assert second.remaining_requests == 0
+    if tpm is not None:
+        assert second.remaining_tokens == tpm - 300 - 100
+
+
 def test_settling_after_the_reservation_left_the_window_gives_nothing_back(backend: Backend) -> None:
     limits = Limits(tpm=1000)
 

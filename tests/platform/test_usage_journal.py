@@ -61,6 +61,23 @@ def test_a_previous_runs_records_reach_the_database_and_unended_requests_are_int
     assert journal_files(tmp_path) == []  # everything is in the database
 
 
+def test_a_prompt_count_learned_while_running_is_the_interrupted_records(db: Database, tmp_path: Path) -> None:
+    """A gateway starts a request before it knows the prompt's tokens (the replica reports them)."""
+    first = UsageJournal(tmp_path)
+    first.start("relayed", "key-1", "m", 0, T0)
+    first.tokens("relayed", 16, 0, 11)
+    first.tokens("relayed", 32, 0, 11)  # the same count again: not journaled again
+    first.close()
+    assert sum(line.count('"prompt": 11') + line.count('"prompt":11')
+               for path in tmp_path.glob("*.jsonl") for line in path.read_text().splitlines()) == 1
+
+    recorder = UsageRecorder(db, flush_interval=3600, journal=UsageJournal(tmp_path))
+    assert recorder.flush() == 1
+    row = stored(db)["relayed"]
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == (UsageStatus.INTERRUPTED, 11, 32)
+    recorder.close()
+
+
 def test_replaying_records_already_in_the_database_stores_each_once(db: Database, tmp_path: Path) -> None:
     without_journal = UsageRecorder(db, flush_interval=3600)
     without_journal.record(usage("a", completion_tokens=1))

@@ -57,7 +57,7 @@ class PlatformServer:
     clock: FrozenClock
     server: object = field(repr=False, default=None)
     app: FastAPI | None = field(repr=False, default=None)
-    loop: asyncio.AbstractEventLoop | None = field(repr=False, default=None)  # the server's (and engine client's)
+    loop: asyncio.AbstractEventLoop | None = field(repr=False, default=None)  # the engine client's (the replica's)
 
     def idle_stats(self) -> EngineStats:
         """Wait (without sleeping) until the engine has nothing left to run; its fresh stats."""
@@ -151,14 +151,14 @@ def _behind_gateway(
 ) -> Iterator[PlatformServer]:
     """The replica: the models without a platform; the gateway: a pool per model, the aliases, the platform."""
     replica = build_app(engine, MODEL) if models is None else build_app(models=models)
-    replica_server, replica_thread, replica_url, _ = start_server(replica)
+    replica_server, replica_thread, replica_url, replica_loop = start_server(replica)
     names = [MODEL] if models is None else [spec.name for spec in models]
     gateway = build_gateway_app(
         {name: [replica_url] for name in names}, platform=platform, aliases=aliases, **gateway_options
     )
     server, thread, base_url, _ = start_server(gateway)
     try:
-        yield PlatformServer(base_url, engine, platform, database, keys, clock, server, gateway)
+        yield PlatformServer(base_url, engine, platform, database, keys, clock, server, gateway, replica_loop)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -17,9 +17,11 @@ from starlette.routing import Mount
 from llmserve.cli import build_parser
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.server.app import ModelSpec
-from llmserve.server.serve import make_app, parse_origins
+from llmserve.server.cors import parse_origins
+from llmserve.server.serve import make_app
 from tests.server.conftest import one_thread_engine_cores, start_server
 from tests.server.platform_fixtures import (
+    MODES,
     PlatformServer,
     chat_body,
     serve_platform,
@@ -50,12 +52,23 @@ ROUTE_ACCESS = {
     "/": PUBLIC,  # the chat page: it asks for a key itself
     "/web": PUBLIC,  # the page's assets (a mount: one of its files is requested)
 }
+# The routes a gateway does not have: they are about a replica's own process, not the platform.
+NOT_IN_GATEWAY = {
+    "/version",  # each replica's llmserve version
+    "/admin/reload",  # weights live in the replicas (reloaded on each, behind the gateway)
+}
 ORIGIN = "https://chat.example"
 
 
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    """The platform in `llmserve serve` or in `llmserve gateway`."""
+    return request.param
+
+
 @pytest.fixture
-def server(tiny_engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:  # noqa: F811
-    yield from serve_platform(tiny_engine, tmp_path)
+def server(tiny_engine: AsyncLLM, tmp_path: Path, mode: str) -> Iterator[PlatformServer]:  # noqa: F811
+    yield from serve_platform(tiny_engine, tmp_path, mode=mode)
 
 
 def _with_keys(server: PlatformServer) -> str:
@@ -64,12 +77,14 @@ def _with_keys(server: PlatformServer) -> str:
     return secret
 
 
-def _requests(server: PlatformServer) -> list[tuple[str, str, str]]:
+def _requests(server: PlatformServer, mode: str) -> list[tuple[str, str, str]]:
     """(method, a concrete path, the route's path) for every method of every route the app has."""
     assert server.app is not None
     routes = list(iter_route_contexts(server.app.routes))  # the app's routes, included routers flattened
     undecided = sorted({r.path for r in routes} - set(ROUTE_ACCESS))
     assert not undecided, f"decide who may call {undecided} (add them to ROUTE_ACCESS)"
+    expected = set(ROUTE_ACCESS) - (NOT_IN_GATEWAY if mode == "gateway" else set())
+    assert {r.path for r in routes} == expected
     return [
         (method, f"{route.path}/app.js" if isinstance(route.route, Mount) else re.sub(r"\{[^}]+\}", "unknown-id", route.path),
          route.path)
@@ -78,10 +93,9 @@ def _requests(server: PlatformServer) -> list[tuple[str, str, str]]:
     ]
 
 
-def test_once_keys_exist_every_route_but_health_needs_one(server: PlatformServer) -> None:
+def test_once_keys_exist_every_route_but_health_needs_one(server: PlatformServer, mode: str) -> None:
     secret = _with_keys(server)
-    requests = _requests(server)
-    assert len(requests) >= len(ROUTE_ACCESS)
+    requests = _requests(server, mode)
     with server.client() as anonymous, server.client(secret) as client:
         for method, path, route in requests:
             body = {} if method == "POST" else None
@@ -96,9 +110,9 @@ def test_once_keys_exist_every_route_but_health_needs_one(server: PlatformServer
     assert "access-control-allow-origin" not in preflight.headers
 
 
-def test_tokenize_and_detokenize_follow_the_keys_models(tiny_engine: AsyncLLM, tmp_path: Path) -> None:  # noqa: F811
+def test_tokenize_and_detokenize_follow_the_keys_models(tiny_engine: AsyncLLM, tmp_path: Path, mode: str) -> None:  # noqa: F811
     models = [ModelSpec("small", tiny_engine), ModelSpec("large", tiny_engine)]
-    for server in serve_platform(tiny_engine, tmp_path, models=models):
+    for server in serve_platform(tiny_engine, tmp_path, models=models, mode=mode):
         _, secret = server.new_key("bob", models=["small"])
         with server.client(secret) as client:
             allowed = client.post("/tokenize", json={"model": "small", "prompt": "Hello"})
@@ -115,16 +129,19 @@ def test_tokenize_and_detokenize_follow_the_keys_models(tiny_engine: AsyncLLM, t
             assert response.json()["error"]["code"] == "model_not_found"
 
 
-def test_metrics_and_openapi_are_public_only_by_flag(tiny_engine: AsyncLLM, tmp_path: Path) -> None:  # noqa: F811
-    for server in serve_platform(tiny_engine, tmp_path, public_metrics=True, public_openapi=True):
+def test_metrics_and_openapi_are_public_only_by_flag(tiny_engine: AsyncLLM, tmp_path: Path, mode: str) -> None:  # noqa: F811
+    for server in serve_platform(tiny_engine, tmp_path, public_metrics=True, public_openapi=True, mode=mode):
         _with_keys(server)
         with server.client() as anonymous:
             metrics = anonymous.get("/metrics")
             openapi = anonymous.get("/openapi.json")
             version = anonymous.get("/version")
             tokenize = anonymous.post("/tokenize", json={"prompt": "Hello"})
-        assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
-        assert openapi.status_code == 200 and openapi.json()["info"]["title"] == "llmserve"
+        # The engine's metrics in a server; the replicas' health in a gateway (each replica has its engine's).
+        metric = "vllm:num_requests_running" if mode == "direct" else "llmserve:gateway_replica_healthy"
+        assert metrics.status_code == 200 and metric in metrics.text
+        title = "llmserve" if mode == "direct" else "llmserve gateway"
+        assert openapi.status_code == 200 and openapi.json()["info"]["title"] == title
         assert (version.status_code, tokenize.status_code) == (401, 401)
 
 
@@ -136,8 +153,8 @@ def _preflight_headers(origin: str) -> dict[str, str]:
     }
 
 
-def test_cors_answers_preflights_without_a_key_and_marks_errors(tiny_engine: AsyncLLM, tmp_path: Path) -> None:  # noqa: F811
-    for server in serve_platform(tiny_engine, tmp_path, allowed_origins=[ORIGIN]):
+def test_cors_answers_preflights_without_a_key_and_marks_errors(tiny_engine: AsyncLLM, tmp_path: Path, mode: str) -> None:  # noqa: F811
+    for server in serve_platform(tiny_engine, tmp_path, allowed_origins=[ORIGIN], mode=mode):
         _, secret = server.new_key("carol", rpm=1)
         server.clock.advance(3)
         with server.client() as anonymous:
@@ -164,6 +181,7 @@ def test_cors_answers_preflights_without_a_key_and_marks_errors(tiny_engine: Asy
 
 
 def test_a_model_served_from_a_directory_is_listed_by_name_not_path(tiny_llama_dir: Path) -> None:
+    # `llmserve serve` only: a gateway's models are its pools, named by --pool NAME=..., never by a path.
     args = build_parser().parse_args([
         "serve", "--model", str(tiny_llama_dir), "--no-platform", "--dtype", "float32",
         "--num-kv-blocks", "64", "--max-model-len", "256",

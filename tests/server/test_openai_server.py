@@ -21,6 +21,7 @@ import pytest
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.server.app import build_app
+from llmserve.server.streaming import PROGRESS_HEADER
 from tests import faulty_model
 from tests.server.conftest import MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MODEL_NAME, LiveServer, idle_stats
 
@@ -109,6 +110,36 @@ def test_tokenize_and_detokenize_round_trip(server, http):
     assert text == server.engine.tokenizer.decode(tokens["tokens"])
     chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
     assert chat["tokens"] == server.engine.tokenizer.apply_chat_template(MESSAGES, tokenize=True)
+
+
+def test_a_non_streamed_reply_with_usage_progress_events_then_the_response(http):
+    messages = [{"role": "user", "content": "A reply counted as it goes"}]  # (MESSAGES stay out of the cache)
+    body = {"messages": messages, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    plain = http.post("/v1/chat/completions", json=body).json()
+    with http.stream("POST", "/v1/chat/completions", json=body, headers={PROGRESS_HEADER: "1"}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        data = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    *progress, whole = data
+    counts = [event["usage"]["completion_tokens"] for event in progress]
+    assert counts and counts[0] >= 16 and counts[-1] < 40  # every 16 tokens or more, before the end
+    assert all(later - earlier >= 16 for earlier, later in zip(counts, counts[1:], strict=False))
+    assert all(set(event) == {"usage"} for event in progress)
+    assert whole["choices"] == plain["choices"]
+    counted = ("prompt_tokens", "completion_tokens")  # (the second one's prompt hit the prefix cache)
+    assert [whole["usage"][name] for name in counted] == [plain["usage"][name] for name in counted]
+
+
+def test_tokenize_counts_several_prompts_at_once_and_a_chats_tools(server, http):
+    texts = ["Hello world", "", "Good morning"]
+    batch = http.post("/tokenize", json={"prompt": texts}).json()
+    expected = [server.engine.tokenizer.encode(text) for text in texts]
+    assert batch == {"count": sum(map(len, expected)), "max_model_len": MAX_MODEL_LEN, "tokens": expected,
+                     "counts": [len(ids) for ids in expected]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with_tools = http.post("/tokenize", json={"messages": MESSAGES, "tools": tools}).json()
+    assert with_tools["tokens"] == server.engine.tokenizer.apply_chat_template(MESSAGES, tokenize=True, tools=tools)
+    assert with_tools["count"] > http.post("/tokenize", json={"messages": MESSAGES}).json()["count"]
 
 
 # ---- chat completions -----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.safety import RuleSetFilter
 from llmserve.platform.usage import Price, PriceTable
 from llmserve.server.app import ModelSpec
+from llmserve.server.gateway import PROGRESS_EVERY_TOKENS
 from tests.server.platform_fixtures import (
     MODEL,
     MODES,
@@ -169,6 +170,37 @@ def test_tpm_reserves_prompt_plus_max_tokens_and_settles_to_what_was_used(server
     assert int(fourth.headers["x-ratelimit-remaining-tokens"]) == 600 - used - (prompt_tokens + 5)
 
 
+def test_a_request_refused_as_invalid_counts_against_no_limit_and_is_not_metered(server: PlatformServer) -> None:
+    _, secret = server.new_key("strict", rpm=2, tpm=100_000)
+    with server.client(secret) as client:
+        max_model_len = client.post("/tokenize", json={"model": MODEL, "prompt": ""}).json()["max_model_len"]
+        too_long = client.post("/v1/chat/completions", json=chat_body("hello " * max_model_len))
+        answers = [client.post("/v1/chat/completions", json=chat_body()) for _ in range(3)]
+        prompt = client.post("/tokenize", json={"model": MODEL, "messages": chat_body()["messages"]}).json()["count"]
+    assert too_long.status_code == 400 and error_of(too_long)["type"] == "invalid_request_error"
+    assert "x-ratelimit-remaining-requests" not in too_long.headers
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    assert answers[0].headers["x-ratelimit-remaining-requests"] == "1"
+    assert int(answers[0].headers["x-ratelimit-remaining-tokens"]) == 100_000 - (prompt + 4)
+    assert len(server.wait_for_usage_rows(2)) == 2
+
+
+def test_tpm_reserves_a_chats_tools_as_part_of_its_prompt(server: PlatformServer) -> None:
+    _, secret = server.new_key("tools", tpm=100_000)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    body = chat_body(max_tokens=3, tools=tools, tool_choice="none")
+    with server.client(secret) as client:
+        prompt = client.post("/tokenize", json={"model": MODEL, "messages": body["messages"], "tools": tools})
+        without_tools = client.post("/tokenize", json={"model": MODEL, "messages": body["messages"]})
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    assert prompt.json()["count"] > without_tools.json()["count"]
+    assert response.json()["usage"]["prompt_tokens"] == prompt.json()["count"]
+    assert int(response.headers["x-ratelimit-remaining-tokens"]) == 100_000 - (prompt.json()["count"] + 3)
+
+
 def test_a_request_larger_than_the_token_limit_is_refused_outright(server: PlatformServer) -> None:
     _, secret = server.new_key("small-tpm", tpm=50)
     with server.client(secret) as client:
@@ -236,6 +268,34 @@ def test_usage_records_equal_the_responses_usage_under_concurrent_load_with_disc
     # than it asked for (the abort came within a step or two of the hang-up).
     assert all(3 <= r.completion_tokens < 200 for r in disconnected)
     assert all(r.ttft_ms is not None and r.latency_ms >= r.ttft_ms for r in rows)
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_metered_with_what_was_generated(
+    server: PlatformServer,
+) -> None:
+    assert server.loop is not None
+
+    def steps() -> int:
+        return asyncio.run_coroutine_threadsafe(server.engine.stats(), server.loop).result(timeout=30).num_steps
+
+    async def leave_mid_generation(generated: int) -> None:
+        started_at = await asyncio.to_thread(steps)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            body = chat_body("Tell me a long story", max_tokens=400, ignore_eos=True)
+            request = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+            while await asyncio.to_thread(steps) < started_at + generated:  # polls the engine's progress
+                assert not request.done()
+            request.cancel()  # the client hangs up mid-generation
+
+    generated = 3 * PROGRESS_EVERY_TOKENS
+    asyncio.run(leave_mid_generation(generated))
+    [row] = server.wait_for_usage_rows(1)
+    prompt_tokens = server.client().post("/tokenize", json={"model": MODEL, "messages": chat_body(
+        "Tell me a long story")["messages"]}).json()["count"]
+    assert (row.status, row.prompt_tokens) == ("disconnected", prompt_tokens)
+    # A gateway knows what its replica reported last: every PROGRESS_EVERY_TOKENS tokens.
+    assert generated - PROGRESS_EVERY_TOKENS <= row.completion_tokens < 400
+    assert server.idle_stats().num_used_blocks == 0  # the generation was aborted
 
 
 def test_usage_endpoint_groups_totals_and_prices_them_and_keys_see_only_their_own(server: PlatformServer) -> None:

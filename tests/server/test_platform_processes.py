@@ -1,5 +1,6 @@
-"""The platform across real server processes: two replicas sharing Redis enforce one token limit, and
-a SIGTERM in the middle of load loses no usage record."""
+"""The platform across real server processes, in `llmserve serve` and in `llmserve gateway` (in front of
+`llmserve serve --no-platform` replicas) alike: two of them sharing Redis enforce one token limit, a
+SIGTERM in the middle of load loses no usage record, and named models, aliases and a config file."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -36,25 +37,64 @@ def _redis_or_skip() -> redis.Redis:
     return client
 
 
+MODES = ("direct", "gateway")
+MODEL = "tiny"  # the gateway's pool, and its replica's --served-model-name
+ENGINE_ARGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "512")
+
+
 @contextmanager
-def serve(model_dir: Path, database_url: str, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    command = [
-        sys.executable, "-m", "llmserve.cli", "serve", "--model", str(model_dir), "--port", "0",
-        "--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "512",
-        "--database-url", database_url, *extra,
-    ]
+def _running(command: list[str], pattern: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A process and the URL its output announces (matched by `pattern`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        output = _Lines(proc)
-        yield proc, output.wait_for(r"serving \S+ at (http://\S+)/v1").group(1)
+        yield proc, _Lines(proc).wait_for(pattern).group(1)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-def test_two_replicas_sharing_redis_admit_no_more_tokens_than_one_limit(tiny_llama_dir: Path) -> None:
+@contextmanager
+def replica(model_dir: Path, *engine_args: str) -> Iterator[str]:
+    """`llmserve serve --no-platform`: what a gateway sends its requests to."""
+    command = [sys.executable, "-m", "llmserve.cli", "serve", "--model", str(model_dir), "--served-model-name",
+               MODEL, "--no-platform", "--port", "0", *ENGINE_ARGS, *engine_args]
+    with _running(command, r"serving \S+ at (http://\S+)/v1") as (_, url):
+        yield url
+
+
+@contextmanager
+def serve(
+    model_dir: Path, database_url: str, *extra: str, replica_url: str | None = None
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """The platform over HTTP: `llmserve serve` (`extra`: its flags), or with `replica_url`, `llmserve
+    gateway` in front of that replica (`extra`: platform flags only)."""
+    if replica_url is None:
+        command = [sys.executable, "-m", "llmserve.cli", "serve", "--model", str(model_dir), "--port", "0",
+                   *ENGINE_ARGS, "--database-url", database_url, *extra]
+        pattern = r"serving \S+ at (http://\S+)/v1"
+    else:
+        command = [sys.executable, "-m", "llmserve.cli", "gateway", "--pool", f"{MODEL}={replica_url}", "--port",
+                   "0", "--database-url", database_url, *extra]
+        pattern = r"llmserve: gateway at (http://\S+)/v1"
+    with _running(command, pattern) as running:
+        yield running
+
+
+@contextmanager
+def replica_for(mode: str, model_dir: Path, *engine_args: str) -> Iterator[str | None]:
+    """The replica a gateway stands in front of ("gateway"), or none ("direct": the server runs its engine)."""
+    if mode == "direct":
+        yield None
+        return
+    with replica(model_dir, *engine_args) as url:
+        yield url
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_replicas_sharing_redis_admit_no_more_tokens_than_one_limit(tiny_llama_dir: Path, mode: str) -> None:
+    """Two servers, or two gateways in front of one replica, sharing Redis."""
     redis_client = _redis_or_skip()
     tpm, max_tokens, burst = 800, 40, 24
     with postgres_schema() as schema:
@@ -62,8 +102,9 @@ def test_two_replicas_sharing_redis_admit_no_more_tokens_than_one_limit(tiny_lla
         database = open_database(database_url)
         key, secret = KeyStore(database).create("shared", tpm=tpm)
         try:
-            with serve(tiny_llama_dir, database_url, "--redis-url", REDIS_URL) as (_, first), \
-                    serve(tiny_llama_dir, database_url, "--redis-url", REDIS_URL) as (_, second):
+            with replica_for(mode, tiny_llama_dir) as replica_url, \
+                    serve(tiny_llama_dir, database_url, "--redis-url", REDIS_URL, replica_url=replica_url) as (_, first), \
+                    serve(tiny_llama_dir, database_url, "--redis-url", REDIS_URL, replica_url=replica_url) as (_, second):
                 body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
                         "ignore_eos": True}
                 headers = {"Authorization": f"Bearer {secret}"}
@@ -90,10 +131,14 @@ def test_two_replicas_sharing_redis_admit_no_more_tokens_than_one_limit(tiny_lla
     assert admitted >= tpm // reserve  # the limit, not something else, decided
 
 
-def test_sigterm_under_load_loses_no_usage_record(tiny_llama_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_sigterm_under_load_loses_no_usage_record(tiny_llama_dir: Path, tmp_path: Path, mode: str) -> None:
+    """SIGTERM to the server, or to the gateway (its replica goes on): what runs finishes and is metered."""
     database_url = f"sqlite:///{tmp_path / 'usage.db'}"
     count = 24
-    with serve(tiny_llama_dir, database_url, "--shutdown-timeout", "60") as (proc, base_url):
+    shutdown = ("--shutdown-timeout", "60") if mode == "direct" else ()  # a gateway waits for what it relays
+    with replica_for(mode, tiny_llama_dir) as replica_url, \
+            serve(tiny_llama_dir, database_url, *shutdown, replica_url=replica_url) as (proc, base_url):
 
         async def load() -> tuple[list[str], list[int]]:
             ids: list[str] = []
@@ -138,7 +183,9 @@ def test_sigterm_under_load_loses_no_usage_record(tiny_llama_dir: Path, tmp_path
     assert all(r.status == "completed" and r.completion_tokens == 60 for r in rows)
 
 
-def test_serve_takes_named_models_aliases_and_a_config_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_serve_takes_named_models_aliases_and_a_config_file(tiny_llama_dir: Path, tmp_path: Path, mode: str) -> None:
+    """`llmserve serve` with two models; or a gateway with a pool for each, in front of a replica serving both."""
     config = tmp_path / "platform.yaml"
     config.write_text(
         "prices: {small: {input: 1.0, output: 2.0}}\n"
@@ -146,8 +193,16 @@ def test_serve_takes_named_models_aliases_and_a_config_file(tiny_llama_dir: Path
     )
     database_url = f"sqlite:///{tmp_path / 'cli.db'}"
     command_models = ["--model", f"small={tiny_llama_dir}", "--model", f"large={tiny_llama_dir}"]
-    with serve_models(command_models, database_url, "--config", str(config),
-                      "--alias", "chat=small:50,large:50") as base_url:
+    platform_args = ("--config", str(config), "--alias", "chat=small:50,large:50")
+    with ExitStack() as running:
+        if mode == "direct":
+            base_url = running.enter_context(serve_models(command_models, database_url, *platform_args))
+        else:
+            replica_url = running.enter_context(serve_models(command_models, None, "--no-platform"))
+            pools = ["--pool", f"small={replica_url}", "--pool", f"large={replica_url}"]
+            _, base_url = running.enter_context(
+                _running([sys.executable, "-m", "llmserve.cli", "gateway", *pools, "--port", "0", "--database-url",
+                          database_url, *platform_args], r"llmserve: gateway at (http://\S+)/v1"))
         with httpx.Client(base_url=base_url, timeout=60) as client:
             listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
             chat = client.post("/v1/chat/completions", json={
@@ -168,10 +223,11 @@ def test_serve_takes_named_models_aliases_and_a_config_file(tiny_llama_dir: Path
 
 
 @contextmanager
-def serve_models(model_args: list[str], database_url: str, *extra: str) -> Iterator[str]:
+def serve_models(model_args: list[str], database_url: str | None, *extra: str) -> Iterator[str]:
+    database = ["--database-url", database_url] if database_url is not None else []
     command = [
         sys.executable, "-m", "llmserve.cli", "serve", *model_args, "--port", "0", "--dtype", "float32",
-        "--num-kv-blocks", "128", "--max-model-len", "512", "--database-url", database_url, *extra,
+        "--num-kv-blocks", "128", "--max-model-len", "512", *database, *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

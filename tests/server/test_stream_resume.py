@@ -1,6 +1,7 @@
 """Resumable streams over HTTP: numbered events, a reconnect with Last-Event-ID that misses and repeats
 nothing, generation that outlives a dropped client for the grace period (and no longer), DELETE as the
-stop button, the buffer's bounds, and that only the key that started a stream may follow it."""
+stop button, the buffer's bounds, and that only the key that started a stream may follow it; from
+`llmserve serve`, and through `llmserve gateway` alike."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import pytest
 
 from llmserve.cli import build_parser
 from llmserve.engine.async_llm import AsyncLLM
-from llmserve.server.serve import resume_limits
+from llmserve.server.platform_options import resume_limits
 from llmserve.server.streaming import ResumeLimits
 from tests.server.platform_fixtures import (
+    MODES,
     PlatformServer,
     chat_body,
     serve_platform,
@@ -30,15 +32,22 @@ MAX_BUFFER_CHARS = 4096
 CHAT = "/v1/chat/completions"
 
 
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    """Streams resumed from `llmserve serve`, or from a gateway (which buffers what it relays)."""
+    return request.param
+
+
 @pytest.fixture
-def server(tiny_engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:  # noqa: F811
+def server(tiny_engine: AsyncLLM, tmp_path: Path, mode: str) -> Iterator[PlatformServer]:  # noqa: F811
     limits = ResumeLimits(max_chars=MAX_BUFFER_CHARS, grace_seconds=GRACE_SECONDS)
-    yield from serve_platform(tiny_engine, tmp_path, stream_resume=limits)
+    yield from serve_platform(tiny_engine, tmp_path, stream_resume=limits, mode=mode)
 
 
 @pytest.fixture
-def impatient_server(tiny_engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:  # noqa: F811
-    yield from serve_platform(tiny_engine, tmp_path, stream_resume=ResumeLimits(grace_seconds=SHORT_GRACE_SECONDS))
+def impatient_server(tiny_engine: AsyncLLM, tmp_path: Path, mode: str) -> Iterator[PlatformServer]:  # noqa: F811
+    limits = ResumeLimits(grace_seconds=SHORT_GRACE_SECONDS)
+    yield from serve_platform(tiny_engine, tmp_path, stream_resume=limits, mode=mode)
 
 
 @pytest.fixture
@@ -123,6 +132,9 @@ def test_a_reconnect_gets_the_missed_events_then_the_rest_with_none_repeated(ser
     assert {json.loads(data)["id"] for _, data in joined[:-1]} == {stream_id}
     assert server.idle_stats().num_used_blocks == 0
     assert server.engine.num_aborted == aborted_before, "the dropped stream ran to its end"
+    rows = server.wait_for_usage_rows(2)  # metered at its end, as the stream that nobody dropped
+    assert [(row.status, row.completion_tokens) for row in rows] == [("completed", 12)] * 2
+    assert rows[1].request_id == stream_id
 
 
 def test_a_stream_can_be_followed_from_its_start_and_by_two_clients(server: PlatformServer, key: str):
@@ -184,13 +196,14 @@ def test_streams_without_the_option_are_numbered_but_not_kept(server: PlatformSe
         assert resume(http, stream_id, None).status_code == 404
 
 
-def test_serve_flags_set_the_resume_limits():
+@pytest.mark.parametrize("command", [["serve"], ["gateway", "--pool", "m=http://127.0.0.1:8000"]])
+def test_serve_flags_set_the_resume_limits(command: list[str]):
     parser = build_parser()
-    assert resume_limits(parser.parse_args(["serve"])) == ResumeLimits()
-    args = parser.parse_args(["serve", "--stream-resume-grace-seconds", "5", "--stream-resume-max-chars", "4096"])
+    assert resume_limits(parser.parse_args(command)) == ResumeLimits()
+    args = parser.parse_args([*command, "--stream-resume-grace-seconds", "5", "--stream-resume-max-chars", "4096"])
     assert resume_limits(args) == ResumeLimits(max_chars=4096, grace_seconds=5.0)
     with pytest.raises(SystemExit, match="grace_seconds positive"):
-        resume_limits(parser.parse_args(["serve", "--stream-resume-grace-seconds", "0"]))
+        resume_limits(parser.parse_args([*command, "--stream-resume-grace-seconds", "0"]))
 
 
 # ---- stopping and the grace period ----------------------------------------------------------------
@@ -232,7 +245,7 @@ def test_a_dropped_stream_nobody_resumes_is_aborted_after_the_grace_period(impat
 
 
 def test_a_finished_stream_is_forgotten_after_the_grace_period(server: PlatformServer, key: str):
-    streams = server.app.state.llmserve.streams
+    streams = server.app.state.streams
     with server.client(key) as http:
         with http.stream("POST", CHAT, json=resumable(max_tokens=3)) as response:
             stream_id = stream_id_of(response)
@@ -251,7 +264,7 @@ def test_the_buffer_keeps_only_the_newest_events_within_its_size(server: Platfor
         with http.stream("POST", CHAT, json=resumable(max_tokens=60)) as response:
             stream_id = stream_id_of(response)
             events = read_events(response)
-        stream = server.app.state.llmserve.streams.get(stream_id, server.keys.lookup(key).id)
+        stream = server.app.state.streams.get(stream_id, server.keys.lookup(key).id)
         assert 0 < stream.chars <= MAX_BUFFER_CHARS and stream.first_kept > 0
         gone = resume(http, stream_id, 0)
         assert gone.status_code == 410 and gone.json()["error"]["code"] == "stream_events_dropped"

@@ -1,6 +1,7 @@
 """Usage metering through a crash and past the shutdown timeout, with real server processes: after a
-`kill -9` under load, every response a client received in full is in the usage table and the
-requests that were running are recorded as interrupted; a shutdown that runs out of time ends each
+`kill -9` under load (of `llmserve serve`, or of `llmserve gateway` in front of a replica), every
+response a client received in full is in the usage table and the requests that were running are
+recorded as interrupted; a shutdown that runs out of time ends each
 open stream with an error event and records it as aborted by the server."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from sqlalchemy import select
 from llmserve.server.gateway import PROGRESS_EVERY_TOKENS
 from llmserve.store.db import open_database
 from llmserve.store.schema import UsageRecordRow
-from tests.server.test_platform_processes import serve
+from tests.server.test_platform_processes import MODES, replica_for, serve
 from tests.store.fixtures import postgres_schema, postgres_unreachable_reason, postgres_url
 
 LONG_STREAMS = 4  # running at the kill
@@ -104,12 +105,16 @@ async def _load_then_kill(proc: subprocess.Popen, base_url: str) -> Load:
     return load
 
 
-def _killed_under_load_then_restarted(model_dir: Path, database_url: str, journal: Path) -> None:
-    with serve(model_dir, database_url, *SERVE_ARGS, "--usage-journal", str(journal)) as (proc, base_url):
-        load = asyncio.run(_load_then_kill(proc, base_url))
-        proc.wait(timeout=30)
-    with serve(model_dir, database_url, *SERVE_ARGS, "--usage-journal", str(journal)):
-        rows = stored_rows(database_url)  # the restart wrote the journal to the database before listening
+def _killed_under_load_then_restarted(model_dir: Path, database_url: str, journal: Path, mode: str) -> None:
+    """`kill -9` of the server, or of the gateway (its replica goes on, and aborts what it ran for it)."""
+    with replica_for(mode, model_dir, *SERVE_ARGS) as replica_url:
+        platform_args = (*SERVE_ARGS, "--usage-journal", str(journal)) if replica_url is None else (
+            "--usage-journal", str(journal))
+        with serve(model_dir, database_url, *platform_args, replica_url=replica_url) as (proc, base_url):
+            load = asyncio.run(_load_then_kill(proc, base_url))
+            proc.wait(timeout=30)
+        with serve(model_dir, database_url, *platform_args, replica_url=replica_url):
+            rows = stored_rows(database_url)  # the restart wrote the journal to the database before listening
 
     assert len(load.completed) >= COMPLETED_BEFORE_KILL
     for request_id, completion_tokens in load.completed.items():
@@ -123,16 +128,20 @@ def _killed_under_load_then_restarted(model_dir: Path, database_url: str, journa
     assert {row.status for row in rows.values()} <= {"completed", "interrupted"}
 
 
-def test_kill_9_under_load_loses_no_usage_on_sqlite(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    _killed_under_load_then_restarted(tiny_llama_dir, f"sqlite:///{tmp_path / 'usage.db'}", tmp_path / "journal")
+@pytest.mark.parametrize("mode", MODES)
+def test_kill_9_under_load_loses_no_usage_on_sqlite(tiny_llama_dir: Path, tmp_path: Path, mode: str) -> None:
+    _killed_under_load_then_restarted(
+        tiny_llama_dir, f"sqlite:///{tmp_path / 'usage.db'}", tmp_path / "journal", mode
+    )
 
 
-def test_kill_9_under_load_loses_no_usage_on_postgresql(tiny_llama_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_kill_9_under_load_loses_no_usage_on_postgresql(tiny_llama_dir: Path, tmp_path: Path, mode: str) -> None:
     reason = postgres_unreachable_reason()
     if reason:
         pytest.skip(reason)
     with postgres_schema() as schema:
-        _killed_under_load_then_restarted(tiny_llama_dir, postgres_url(schema), tmp_path / "journal")
+        _killed_under_load_then_restarted(tiny_llama_dir, postgres_url(schema), tmp_path / "journal", mode)
 
 
 async def _streams_through_a_timed_out_shutdown(proc: subprocess.Popen, base_url: str) -> list[list[str]]:
@@ -160,13 +169,18 @@ async def _streams_through_a_timed_out_shutdown(proc: subprocess.Popen, base_url
     return list(await asyncio.gather(*tasks))
 
 
+@pytest.mark.parametrize("mode", MODES)
 def test_a_shutdown_past_its_timeout_ends_streams_with_an_error_and_meters_them(
-    tiny_llama_dir: Path, tmp_path: Path
+    tiny_llama_dir: Path, tmp_path: Path, mode: str
 ) -> None:
+    """SIGTERM to the server, or to the gateway (its replica goes on, and aborts what it ran for it)."""
     database_url = f"sqlite:///{tmp_path / 'usage.db'}"
-    with serve(tiny_llama_dir, database_url, *SERVE_ARGS, "--shutdown-timeout", "0.5") as (proc, base_url):
-        streams = asyncio.run(_streams_through_a_timed_out_shutdown(proc, base_url))
-        assert proc.wait(timeout=60) == 0
+    with replica_for(mode, tiny_llama_dir, *SERVE_ARGS) as replica_url:
+        engine_args = SERVE_ARGS if replica_url is None else ()
+        with serve(tiny_llama_dir, database_url, *engine_args, "--shutdown-timeout", "0.5",
+                   replica_url=replica_url) as (proc, base_url):
+            streams = asyncio.run(_streams_through_a_timed_out_shutdown(proc, base_url))
+            assert proc.wait(timeout=60) == 0
     rows = stored_rows(database_url)
     for lines in streams:
         *chunks, error_line, done = lines
