@@ -658,7 +658,7 @@ class ModelList(_Response):
 class TokenizeRequest(_Request):
     model: str | None = None
     # One prompt, or several (counted in one call: the gateway reserves an embeddings batch's tokens so).
-    prompt: str | list[str] | None = Field(None, max_length=MAX_PROMPTS)
+    prompt: str | list[str] | None = None
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
@@ -670,6 +670,8 @@ class TokenizeRequest(_Request):
     @classmethod
     def _validate_prompt(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request")
             return [_check_unicode(text) for text in value]
         return value if value is None else _check_unicode(value)
 

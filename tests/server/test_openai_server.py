@@ -142,6 +142,13 @@ def test_tokenize_counts_several_prompts_at_once_and_a_chats_tools(server, http)
     assert with_tools["count"] > http.post("/tokenize", json={"messages": MESSAGES}).json()["count"]
 
 
+def test_tokenize_bounds_the_number_of_prompts_not_a_prompts_length(http):
+    long_prompt = "word " * 3000  # longer, in characters, than the bound on the number of prompts
+    assert http.post("/tokenize", json={"prompt": long_prompt}).status_code == 200
+    too_many = http.post("/tokenize", json={"prompt": ["hi"] * 2049})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
+
+
 # ---- chat completions -----------------------------------------------------------------------------
 
 
