@@ -131,6 +131,22 @@ def test_two_replicas_sharing_redis_admit_no_more_tokens_than_one_limit(tiny_lla
     assert admitted >= tpm // reserve  # the limit, not something else, decided
 
 
+async def _until_draining(base_url: str, timeout_s: float = 30.0) -> None:
+    """Until the signalled process has seen its signal: /health answers 503 or nothing (the signal is
+    delivered asynchronously, so a request sent right after it may still find the process serving).
+    Its own client: the load's connections are all busy streaming."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s) as client:
+        while time.monotonic() < deadline:
+            try:
+                if (await client.get("/health")).status_code != 200:
+                    return
+            except httpx.TransportError:
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError("the process did not start draining")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_sigterm_under_load_loses_no_usage_record(tiny_llama_dir: Path, tmp_path: Path, mode: str) -> None:
     """SIGTERM to the server, or to the gateway (its replica goes on): what runs finishes and is metered."""
@@ -162,6 +178,7 @@ def test_sigterm_under_load_loses_no_usage_record(tiny_llama_dir: Path, tmp_path
                 for _ in range(count):  # every request is in flight before the signal
                     await first_chunk.acquire()
                 proc.send_signal(signal.SIGTERM)
+                await _until_draining(base_url)
                 late = []
                 for _ in range(3):  # draining: refused, and not metered
                     try:
