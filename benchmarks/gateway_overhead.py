@@ -153,7 +153,9 @@ async def measure(direct: str, gateway: str, gateway_pid: int, args: argparse.Na
     results: dict[str, list[float]] = {"direct": [], "gateway": []}
     gateway_cpu_s = 0.0
     rounds = []
-    connector = aiohttp.TCPConnector(limit=0)
+    # Idle connections are dropped before the servers' keep-alive (5 s) ends: a block as long as that would
+    # otherwise reuse connections at the moment the server closes them.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as client:
         for base in (direct, gateway):  # warm-up: connections, caches
             await block(client, f"{base}/v1/chat/completions", args.rate, 1.0, args.stream, rng)

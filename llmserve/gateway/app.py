@@ -10,26 +10,21 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.gateway import errors
+from llmserve.gateway.client import ReplicaClient
 from llmserve.gateway.discovery import Discovery, Resolver, resolve_host
+from llmserve.gateway.lane import LaneApp, ProxyLane
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.platform import GatewayPlatform
 from llmserve.gateway.pool import HealthChecker, Pool
-from llmserve.gateway.proxy import (
-    FIRST_BYTE_TIMEOUT_S,
-    STREAM_IDLE_TIMEOUT_S,
-    Proxy,
-    forwarded_headers,
-    prompt_key,
-)
+from llmserve.gateway.proxy import FIRST_BYTE_TIMEOUT_S, HOP_HEADERS, STREAM_IDLE_TIMEOUT_S, Proxy, prompt_key
 from llmserve.gateway.routing import policy_by_name
 from llmserve.platform.routing import ModelRouter
 from llmserve.server import conversations, streams, usage
@@ -49,8 +44,7 @@ from llmserve.server.streaming import ResumeLimits, StreamRegistry
 from llmserve.server.workers import WorkerPool
 from llmserve.web import install_page, page_paths
 
-# Connecting is quick or the replica is gone; generating may take minutes.
-REPLICA_TIMEOUT = httpx.Timeout(connect=2.0, read=600.0, write=30.0, pool=None)
+PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 @dataclass(frozen=True)
@@ -77,9 +71,7 @@ class GatewayState:
         for alias, targets in aliases.items():
             self.router.add_alias(alias, list(targets))
         self.metrics = GatewayMetrics(self.pools.values())
-        self.client = httpx.AsyncClient(
-            timeout=REPLICA_TIMEOUT, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        )
+        self.client = ReplicaClient()
         self.proxy = Proxy(self.client, self.metrics, first_byte_timeout_s=options.first_byte_timeout_s,
                            stream_idle_timeout_s=options.stream_idle_timeout_s)
         self.health = HealthChecker(
@@ -95,6 +87,7 @@ class GatewayState:
 
     async def start(self) -> None:
         """Resolve the pools' dns+ entries and check every replica once, then keep doing both."""
+        await self.client.start()
         await self.discovery.resolve_all()
         await self.health.check_all()
         self.health.start()
@@ -143,7 +136,7 @@ def build_gateway_app(
             workers.shutdown()
             await state.stop()
 
-    app = FastAPI(title="llmserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = LaneApp(title="llmserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
     app.state.platform = platform
     install_error_handlers(app)
@@ -156,39 +149,31 @@ def build_gateway_app(
     app.state.streams = front.streams  # resumed by /v1/streams/{id} (gateway/resume.py)
     app.state.end_streams = front.end_streams  # past the shutdown timeout (gateway/shutdown.py)
 
-    async def forward(request: Request, path: str) -> Response:
-        body = await request.body()
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            return errors.error_response(400, "The request body is not valid JSON.", code="invalid_json")
-        model = payload.get("model") if isinstance(payload, dict) else None
-        if not isinstance(model, str):
-            return errors.error_response(400, "`model` is required (a string).", param="model",
-                                         code="missing_model")
-        pool = state.pools.get(model)
-        if pool is None:
-            return errors.model_not_found(model)
-        options = payload.get("stream_options")
-        if isinstance(options, dict) and options.pop("resumable", None) is not None:
-            # Without a platform the gateway relays the replica's events untouched and buffers none
-            # (resume.py buffers the platform's relay), so a stream stays plain: its generation
-            # stops when its client leaves.
-            body = json.dumps(payload).encode()
-        return await state.proxy.forward(pool, path, body, prompt_key(payload), forwarded_headers(request.headers))
+    def forwarder(path: str) -> Callable[[bytes, dict[str, str]], Awaitable[Response]]:
+        async def forward(body: bytes, headers: dict[str, str]) -> Response:
+            try:
+                payload = json.loads(body)
+            except ValueError:
+                return errors.error_response(400, "The request body is not valid JSON.", code="invalid_json")
+            model = payload.get("model") if isinstance(payload, dict) else None
+            if not isinstance(model, str):
+                return errors.error_response(400, "`model` is required (a string).", param="model",
+                                             code="missing_model")
+            pool = state.pools.get(model)
+            if pool is None:
+                return errors.model_not_found(model)
+            options = payload.get("stream_options")
+            if isinstance(options, dict) and options.pop("resumable", None) is not None:
+                # Without a platform the gateway relays the replica's events untouched and buffers none
+                # (resume.py buffers the platform's relay), so a stream stays plain: its generation
+                # stops when its client leaves.
+                body = json.dumps(payload).encode()
+            return await state.proxy.forward(pool, path, body, prompt_key(payload), headers)
 
-    if platform is None:
-        @app.post("/v1/chat/completions")
-        async def chat_completions(request: Request) -> Response:
-            return await forward(request, "/v1/chat/completions")
+        return forward
 
-        @app.post("/v1/completions")
-        async def completions(request: Request) -> Response:
-            return await forward(request, "/v1/completions")
-
-        @app.post("/v1/embeddings")
-        async def embeddings(request: Request) -> Response:
-            return await forward(request, "/v1/embeddings")
+    if platform is None:  # the bodies are passed on as they are: they take the lane, past FastAPI
+        app.lane = ProxyLane({path: forwarder(path) for path in PROXIED_PATHS}, max_request_body_bytes, HOP_HEADERS)
     else:
         @app.post("/v1/chat/completions", response_model=None)
         async def chat_completions_with_platform(body: ChatCompletionRequest, request: Request) -> Response:

@@ -378,7 +378,7 @@ _USAGE = msgspec.json.Decoder(_ReportedUsage)
 
 async def _json(request: Request) -> dict[str, Any]:
     try:
-        payload = json.loads(await request.body())
+        payload = await request.json()  # parsed once: a validated body was read through this request already
     except ValueError:
         raise APIError(400, "The request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(payload, dict):

@@ -27,19 +27,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmserve.gateway.client import REPLICA_ERRORS, ReplicaClient
 from llmserve.gateway.prefix_index import PromptKey
 from llmserve.gateway.replica import Replica, ReplicaState
 from llmserve.gateway.routing import RoutingPolicy
 
 logger = logging.getLogger(__name__)
-
-# A replica that dies mid-request shows up as httpx's TransportError, and sometimes as an error of the
-# transport underneath it (httpcore can fail with AttributeError or OSError when the peer vanishes while a
-# connection is being set up): all of them are that replica's failure.
-REPLICA_ERRORS = (httpx.TransportError, OSError, AttributeError)
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -150,7 +146,7 @@ class HealthChecker:
     replicas that joined and stops polling those that left."""
 
     def __init__(
-        self, pools: Sequence[Pool], client: httpx.AsyncClient, *, interval_s: float = 0.5,
+        self, pools: Sequence[Pool], client: ReplicaClient, *, interval_s: float = 0.5,
         timeout_s: float = 0.5, timeouts_to_eject: int = 2,
     ) -> None:
         self.pools = list(pools)
@@ -203,8 +199,8 @@ class HealthChecker:
 
     async def check(self, pool: Pool, replica: Replica) -> None:
         try:
-            health = await self.client.get(f"{replica.url}/health", timeout=self.timeout_s)
-        except httpx.TimeoutException:
+            status, body = await self._get(f"{replica.url}/health")
+        except TimeoutError:
             self._timeouts[replica] = self._timeouts.get(replica, 0) + 1
             if self._timeouts[replica] >= self.timeouts_to_eject:
                 pool.eject(replica, f"/health timed out {self._timeouts[replica]} times in a row")
@@ -213,20 +209,26 @@ class HealthChecker:
             pool.eject(replica, f"/health: {type(exc).__name__}: {exc}")
             return
         self._timeouts[replica] = 0
-        if is_draining_answer(health.status_code, health.content):
+        if is_draining_answer(status, body):
             pool.drain(replica)
             return
-        if health.status_code != 200:
-            pool.eject(replica, f"/health answered {health.status_code}")
+        if status != 200:
+            pool.eject(replica, f"/health answered {status}")
             return
         pool.readmit(replica)
         await self._read_load(replica)
 
     async def _read_load(self, replica: Replica) -> None:
         try:
-            metrics = await self.client.get(f"{replica.url}/metrics", timeout=self.timeout_s)
-        except REPLICA_ERRORS:
+            status, body = await self._get(f"{replica.url}/metrics")
+        except (TimeoutError, *REPLICA_ERRORS):
             return  # healthy but slow to report: keep the last figures
-        if metrics.status_code == 200:
-            running, waiting, usage = parse_load(metrics.text)
+        if status == 200:
+            running, waiting, usage = parse_load(body.decode(errors="replace"))
             replica.report_load(running=running, waiting=waiting, kv_cache_usage=usage)
+
+    async def _get(self, url: str) -> tuple[int, bytes]:
+        """A GET's status and body, the whole exchange bounded by the check's timeout (TimeoutError)."""
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with self.client.session.get(url, timeout=timeout) as response:
+            return response.status, await response.read()

@@ -25,12 +25,13 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Protocol
 
-import httpx
+import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
 from llmserve.gateway import errors
+from llmserve.gateway.client import REPLICA_ERRORS, ReplicaClient
 from llmserve.gateway.metrics import GatewayMetrics
-from llmserve.gateway.pool import REPLICA_ERRORS, Pool, is_draining_answer
+from llmserve.gateway.pool import Pool, is_draining_answer
 from llmserve.gateway.prefix_index import PromptKey
 from llmserve.gateway.replica import Replica, ReplicaState
 from llmserve.gateway.routing import NoReplicaAvailable
@@ -40,14 +41,14 @@ FIRST_BYTE_TIMEOUT_S = 600.0  # a non-streamed reply comes whole: this bounds a 
 STREAM_IDLE_TIMEOUT_S = 60.0
 EVENT_END = b"\n\n"
 # Not forwarded: they describe one hop's connection, or are set again by the next hop's server.
-_HOP_HEADERS = frozenset({
+HOP_HEADERS = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "transfer-encoding", "upgrade", "host", "content-length", "date", "server",
 })
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {name: value for name, value in headers.items() if name.lower() not in _HOP_HEADERS}
+    return {name: value for name, value in headers.items() if name.lower() not in HOP_HEADERS}
 
 
 def prompt_key(payload: dict) -> PromptKey:
@@ -97,7 +98,7 @@ class _Draining(Exception):
 
 class Proxy:
     def __init__(
-        self, client: httpx.AsyncClient, metrics: GatewayMetrics, *,
+        self, client: ReplicaClient, metrics: GatewayMetrics, *,
         first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S, stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
     ) -> None:
         self.client = client
@@ -137,21 +138,19 @@ class Proxy:
     ) -> Response:
         pool.policy.on_start(replica)
         self.metrics.requests.labels(pool.name, replica.url).inc()
-        response: httpx.Response | None = None
+        response: aiohttp.ClientResponse | None = None
         handed_over = False  # once the relay owns the response, it closes it and finishes the request
         try:
-            request = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
             try:
                 async with replica.waiting_for_answer(self.first_byte_timeout_s):
-                    response = await self.client.send(request, stream=True)
-                    if response.status_code == 503:
+                    response = await self.client.session.post(replica.url + path, data=body, headers=headers)
+                    if response.status == 503:
                         await self._refuse(pool, replica, response)
                     reply_headers = forwarded_headers(response.headers)
-                    chunks = response.aiter_raw()
                     if not response.headers.get("content-type", "").startswith("text/event-stream"):
-                        content = await self._read_all(pool, replica, chunks)
-                        return Response(content, status_code=response.status_code, headers=reply_headers)
-                    first, rest = await self._first_events(pool, replica, chunks)
+                        content = await self._read_all(pool, replica, response)
+                        return Response(content, status_code=response.status, headers=reply_headers)
+                    first, rest = await self._first_events(pool, replica, response.content)
             except TimeoutError as exc:  # before REPLICA_ERRORS, which holds OSError, its base
                 lost = "was ejected" if replica.state is ReplicaState.EJECTED else "did not answer in time"
                 raise self._fail(pool, replica, f"{lost} (waited for its first byte)") from exc
@@ -160,20 +159,20 @@ class Proxy:
             handed_over = True
             rewrite = stream_filter() if stream_filter is not None else None
             finish = _Finish(pool, replica, response, rewrite.ended if rewrite is not None else None)
-            events = self._relay(pool, replica, chunks, first, rest, finish)
+            events = self._relay(pool, replica, response.content, first, rest, finish)
             return _RelayResponse(
                 rewrite.events(events) if rewrite is not None else events, finish,
-                status_code=response.status_code, headers=reply_headers,
+                status_code=response.status, headers=reply_headers,
             )
         finally:
             if not handed_over:
                 if response is not None:
-                    await response.aclose()
+                    response.release()
                 pool.policy.on_finish(replica)
 
-    async def _refuse(self, pool: Pool, replica: Replica, response: httpx.Response) -> None:
+    async def _refuse(self, pool: Pool, replica: Replica, response: aiohttp.ClientResponse) -> None:
         """A 503: the replica is draining (another one takes the request), or failing (ejected)."""
-        if is_draining_answer(503, await response.aread()):
+        if is_draining_answer(503, await response.read()):
             pool.drain(replica)
             raise _Draining(replica.url)
         raise self._fail(pool, replica, "the replica answered 503")
@@ -182,19 +181,19 @@ class Proxy:
         pool.eject(replica, reason)
         return _Failed(f"{replica.url}: {reason}")
 
-    async def _read_all(self, pool: Pool, replica: Replica, chunks: AsyncIterator[bytes]) -> bytes:
+    async def _read_all(self, pool: Pool, replica: Replica, response: aiohttp.ClientResponse) -> bytes:
         try:
-            return b"".join([chunk async for chunk in chunks])
+            return await response.read()
         except REPLICA_ERRORS as exc:
             raise self._fail(pool, replica, f"broke off mid-response: {type(exc).__name__}") from exc
 
     async def _first_events(
-        self, pool: Pool, replica: Replica, chunks: AsyncIterator[bytes]
+        self, pool: Pool, replica: Replica, content: aiohttp.StreamReader
     ) -> tuple[bytes, bytes]:
         """The stream's first whole events, and what came after them."""
         buffer = b""
         try:
-            async for chunk in chunks:
+            while chunk := await content.readany():
                 buffer += chunk
                 cut = buffer.rfind(EVENT_END)
                 if cut >= 0:
@@ -204,17 +203,16 @@ class Proxy:
         return buffer, b""  # the stream ended without a whole event: pass it on as it is
 
     async def _relay(
-        self, pool: Pool, replica: Replica, chunks: AsyncIterator[bytes], first: bytes, pending: bytes,
+        self, pool: Pool, replica: Replica, content: aiohttp.StreamReader, first: bytes, pending: bytes,
         finish: _Finish,
     ) -> AsyncIterator[bytes]:
         try:
             yield first
             try:
                 while True:
-                    try:
-                        async with asyncio.timeout(self.stream_idle_timeout_s):  # around the read only
-                            chunk = await anext(chunks)
-                    except StopAsyncIteration:
+                    async with asyncio.timeout(self.stream_idle_timeout_s):  # around the read only
+                        chunk = await content.readany()
+                    if not chunk:
                         break
                     pending += chunk
                     cut = pending.rfind(EVENT_END)
@@ -241,7 +239,8 @@ class _Finish:
     """Closes a relayed stream's replica response and ends the request's in-flight count, once."""
 
     def __init__(
-        self, pool: Pool, replica: Replica, response: httpx.Response, then: Callable[[], None] | None = None
+        self, pool: Pool, replica: Replica, response: aiohttp.ClientResponse,
+        then: Callable[[], None] | None = None,
     ) -> None:
         self._pool, self._replica, self._response = pool, replica, response
         self._then = then
@@ -252,7 +251,7 @@ class _Finish:
             return
         self._done = True
         try:
-            await self._response.aclose()
+            self._response.release()  # its connection is closed unless the body was read to its end
         finally:
             self._pool.policy.on_finish(self._replica)
             if self._then is not None:

@@ -12,6 +12,7 @@ is closed, which aborts the generation there."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -212,6 +213,10 @@ class StreamRelay:
 
     async def _end(self) -> bytes:
         """Meter the request (before the client sees the end), then hand the reply over; `[DONE]`."""
+        # One turn of the event loop first: the replica's last events may have come in one read, sent on
+        # without a pause, and a client that hung up meanwhile must cancel this stream (metered
+        # disconnected) rather than see it metered completed.
+        await asyncio.sleep(0)
         if self.failed:
             await self.meter.finish_durably(UsageStatus.ERROR)
             return SSE_DONE

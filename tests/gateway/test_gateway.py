@@ -23,6 +23,7 @@ import uvicorn
 
 from llmserve.gateway.app import build_gateway_app
 from llmserve.gateway.replica import ReplicaState
+from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 MODEL = "tiny"
 STARTUP_TIMEOUT_S = 120.0
@@ -221,6 +222,23 @@ def test_errors_models_and_health(gateway: Gateway, replicas: list[Process]) -> 
     assert httpx.get(f"{gateway.url}/health").json() == {"status": "ok"}
     text = httpx.get(f"{gateway.url}/metrics").text
     assert _metric(text, "llmserve:gateway_replica_healthy", pool=MODEL) == 3
+
+
+def test_the_proxied_paths_keep_the_body_bound_and_their_errors(gateway: Gateway) -> None:
+    """The proxied POSTs skip FastAPI (gateway/lane.py): what its stack did for them still holds."""
+    url = f"{gateway.url}/v1/chat/completions"
+    over = DEFAULT_MAX_REQUEST_BODY_BYTES + 1
+    declared = httpx.post(url, content=b" " * over, headers={"content-type": "application/json"}, timeout=30)
+    chunked = httpx.post(url, content=iter([b" " * (over // 2), b" " * (over // 2 + 1)]), timeout=30)
+    for response in (declared, chunked):
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    not_an_object = httpx.post(url, json=["model"])
+    assert not_an_object.status_code == 400 and not_an_object.json()["error"]["code"] == "missing_model"
+    assert httpx.get(url).status_code == 405
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3,
+                                                                       "stream": True}, timeout=30) as stream:
+        assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
+        assert _events(stream.read().decode())[-1] == "[DONE]"
 
 
 def test_cli_gateway_with_pools_from_flags_and_config(replicas: list[Process], tmp_path: Path) -> None:
