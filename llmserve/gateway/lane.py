@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from llmserve.server.errors import CLIENT_CLOSED_REQUEST, APIError, body_too_large, from_exception
+from llmserve.server.limits import content_length
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class ProxyLane:
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         """The whole body; over the bound: at once from its Content-Length, else once the bytes pass it."""
-        declared = _content_length(scope)
+        declared = content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
             raise _TooLarge()
         chunks = []
@@ -86,16 +87,6 @@ class ProxyLane:
             if name not in self.skipped_headers:
                 headers[name] = raw_value.decode("latin-1")
         return headers
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
 
 
 class LaneApp(FastAPI):

@@ -29,7 +29,7 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
+        declared = content_length(scope)
         if declared is not None and declared > self.max_bytes:
             await body_too_large(self.max_bytes).response()(scope, receive, send)
             return
@@ -47,7 +47,7 @@ class BodySizeLimitMiddleware:
         await self.app(scope, counting_receive, send)
 
 
-def _content_length(scope: Scope) -> int | None:
+def content_length(scope: Scope) -> int | None:
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
             try:
