@@ -5,17 +5,15 @@ and two `llmserve gateway` processes side by side enforcing one RPM limit throug
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
-import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from sqlalchemy import select
@@ -32,11 +30,9 @@ from llmserve.server.streaming import PROGRESS_HEADER
 from llmserve.store.db import open_database
 from llmserve.store.schema import UsageRecordRow
 from tests.gateway.test_gateway import MODEL, STARTUP_TIMEOUT_S, Process, _start, _stop
-from tests.server.conftest import start_server
-from tests.server.platform_fixtures import tiny_engine  # noqa: F401 - a fixture
+from tests.server.conftest import app_serving, start_server
+from tests.server.platform_fixtures import REDIS_URL, redis_or_skip, tiny_engine  # noqa: F401 - a fixture
 from tests.store.fixtures import postgres_schema, postgres_url
-
-REDIS_URL = os.environ.get("LLMSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @pytest.fixture
@@ -99,17 +95,8 @@ def test_a_replica_killed_mid_stream_ends_it_with_an_error_event_metered_with_wh
     assert (row.prompt_tokens, row.completion_tokens) == (last_usage["prompt_tokens"], last_usage["completion_tokens"])
 
 
-def _redis_or_skip() -> redis.Redis:
-    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"Redis at {REDIS_URL} is unreachable: {exc}")
-    return client
-
-
 def test_two_gateways_sharing_redis_and_postgresql_enforce_one_rpm_limit(replica: Process) -> None:
-    redis_client = _redis_or_skip()
+    redis_client = redis_or_skip()
     with postgres_schema() as schema:
         database_url = postgres_url(schema)
         database = open_database(database_url)
@@ -183,8 +170,8 @@ def test_a_non_streamed_request_whose_replica_dies_mid_reply_is_retried_on_anoth
     platform = Platform(keys=KeyCache(KeyStore(database)), usage=UsageRecorder(database, flush_interval=0.2),
                         database=database)
     with ExitStack() as servers:
-        urls = [servers.enter_context(_serving(app)) for app in (_breaking_replica(hits), build_app(tiny_engine, MODEL))]
-        base_url = servers.enter_context(_serving(build_gateway_app({MODEL: urls}, "round_robin", platform=platform)))
+        urls = [servers.enter_context(app_serving(app)) for app in (_breaking_replica(hits), build_app(tiny_engine, MODEL))]
+        base_url = servers.enter_context(app_serving(build_gateway_app({MODEL: urls}, "round_robin", platform=platform)))
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "ignore_eos": True}
         answers = [httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60) for _ in range(2)]
         platform.usage.flush()
@@ -194,13 +181,3 @@ def test_a_non_streamed_request_whose_replica_dies_mid_reply_is_retried_on_anoth
     assert [a.status_code for a in answers] == [200, 200]
     assert [a.json()["usage"]["completion_tokens"] for a in answers] == [5, 5]
     assert sorted((r.status, r.completion_tokens) for r in rows) == [("completed", 5)] * 2
-
-
-@contextmanager
-def _serving(app: FastAPI) -> Iterator[str]:
-    server, thread, base_url, _ = start_server(app)
-    try:
-        yield base_url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)

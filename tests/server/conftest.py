@@ -84,6 +84,17 @@ def start_server(app: FastAPI) -> tuple[GracefulServer, threading.Thread, str, a
 
 
 @contextmanager
+def app_serving(app: FastAPI) -> Iterator[str]:
+    """`app` served on a free port in a thread of this process, for the block; its base URL."""
+    server, thread, base_url, _ = start_server(app)
+    try:
+        yield base_url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@contextmanager
 def tiny_engine_running(
     model_dir, num_kv_blocks: int, max_num_batched_tokens: int, max_model_len: int = MAX_MODEL_LEN
 ) -> Iterator[AsyncLLM]:

@@ -7,6 +7,7 @@ a replica app without a platform over the same engine ("gateway"): the same test
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from fastapi import FastAPI
 from sqlalchemy import func, select
 
@@ -32,6 +34,17 @@ from tests.server.conftest import idle_stats, start_server, tiny_engine_running
 
 MODEL = "tiny-llama"
 MODES = ("direct", "gateway")
+REDIS_URL = os.environ.get("LLMSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def redis_or_skip() -> redis.Redis:
+    """A client of the test Redis, or the test skipped when it is unreachable."""
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"Redis at {REDIS_URL} is unreachable: {exc}")
+    return client
 
 
 class FrozenClock:

@@ -16,28 +16,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 from sqlalchemy import select
 
 from llmserve.platform.keys import KeyStore
 from llmserve.store.db import open_database
 from llmserve.store.schema import UsageRecordRow
+from tests.server.platform_fixtures import MODES, REDIS_URL, redis_or_skip
 from tests.server.test_serve_cli import _Lines
 from tests.store.fixtures import postgres_schema, postgres_url
 
-REDIS_URL = os.environ.get("LLMSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-def _redis_or_skip() -> redis.Redis:
-    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"Redis at {REDIS_URL} is unreachable: {exc}")
-    return client
-
-
-MODES = ("direct", "gateway")
 MODEL = "tiny"  # the gateway's pool, and its replica's --served-model-name
 ENGINE_ARGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "512")
 
@@ -95,7 +82,7 @@ def replica_for(mode: str, model_dir: Path, *engine_args: str) -> Iterator[str |
 @pytest.mark.parametrize("mode", MODES)
 def test_two_replicas_sharing_redis_admit_no_more_tokens_than_one_limit(tiny_llama_dir: Path, mode: str) -> None:
     """Two servers, or two gateways in front of one replica, sharing Redis."""
-    redis_client = _redis_or_skip()
+    redis_client = redis_or_skip()
     tpm, max_tokens, burst = 800, 40, 24
     with postgres_schema() as schema:
         database_url = postgres_url(schema)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.cli import build_parser
@@ -23,7 +22,7 @@ from llmserve.server.app import build_app
 from llmserve.server.gateway import Platform
 from llmserve.server.platform_options import build_platform
 from llmserve.store.db import open_database
-from tests.server.conftest import start_server
+from tests.server.conftest import app_serving
 from tests.server.platform_fixtures import MODEL, MODES, chat_body, tiny_engine  # noqa: F401 - a fixture
 
 
@@ -49,19 +48,9 @@ def platform_app(engine: AsyncLLM, platform: Platform, mode: str) -> Iterator[st
         if mode == "direct":
             app = build_app(engine, MODEL, platform=platform)
         else:
-            app = build_gateway_app({MODEL: [servers.enter_context(running(build_app(engine, MODEL)))]},
+            app = build_gateway_app({MODEL: [servers.enter_context(app_serving(build_app(engine, MODEL)))]},
                                     platform=platform)
-        yield servers.enter_context(running(app))
-
-
-@contextmanager
-def running(app: FastAPI) -> Iterator[str]:
-    server, thread, base_url, _ = start_server(app)
-    try:
-        yield base_url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        yield servers.enter_context(app_serving(app))
 
 
 @pytest.mark.parametrize("mode", MODES)
