@@ -6,7 +6,8 @@ matrices of the built-in `medium` Llama (24 layers x qkv 2048x1024, o 1024x1024,
     up to `cpu_linear.MAX_ROWS` rows; int8_portable: its plain-C implementation (--portable);
   - int8pack_mm: `torch._weight_int8pack_mm` (the int8 path before the kernel, scales in bf16);
   - convert: int8 weights converted to bf16, `F.linear`, scales on the output (int8 above MAX_ROWS rows);
-  - bf16: `cpu_linear.linear` on the bf16 weights (the bf16 kernel up to MAX_ROWS rows, `F.linear` above).
+  - bf16: `cpu_linear.linear` on the bf16 weights (the bf16 kernel up to MAX_ROWS rows, `F.linear` above);
+    bf16_onednn: `F.linear` on them at every M (oneDNN), which the bf16 kernel replaces up to MAX_ROWS.
 
 Each pass runs all 96 matrices (more than the caches hold, so weights come from memory, as in a decode
 step); the methods alternate, ROUNDS times, and the fastest pass of each is reported as process CPU time
@@ -42,9 +43,10 @@ def methods(portable: bool) -> dict[str, Callable]:
         "int8pack_mm": lambda x, w, q, s, s16: torch._weight_int8pack_mm(x, q, s16),
         "convert": lambda x, w, q, s, s16: F.linear(x, q.to(torch.bfloat16)) * s16,
         "bf16": lambda x, w, q, s, s16: cpu_linear.linear(x, w),
+        "bf16_onednn": lambda x, w, q, s, s16: F.linear(x, w),
     }
     if portable:
-        found["int8_portable"] = lambda x, w, q, s, s16: cpu_linear.int8_linear(x, q, s, portable=True)
+        found["int8_portable"] = lambda x, w, q, s, s16: cpu_linear.int8_linear(x, q, s, path="portable")
     return found
 
 
@@ -78,6 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     assert cpu_linear.load_int8() is not None, "the int8 kernel could not be built"
+    print(f"fast paths built: bf16 kernel {cpu_linear.fast_paths()}, int8 kernel {cpu_linear.int8_fast_paths()}")
 
     gen = torch.Generator().manual_seed(0)
     matrices = []

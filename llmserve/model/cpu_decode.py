@@ -10,9 +10,9 @@ pointers, scratch rows) are built once per model; a step fills in its token arra
 The runner takes it for steps of at most `MAX_TOKENS` tokens (decodes, or a short prefill chunk: each
 token then attends to its sequence's cache up to its own position, as a decode does) on a bf16 model on
 CPU with the torch attention backend and bf16 weights, or int8 ones (`--quantization int8`: the decoder's
-linear layers run `linear_int8_cpu.c`'s kernel), where `cpu_linear`'s kernels run (built with AVX512-BF16,
-or the portable build on request). Otherwise, and with `use_fast_path(False)`,
-LLMSERVE_CPU_KERNELS=0 or LLMSERVE_FUSED_KERNELS=0, the per-module path runs.
+linear layers run `linear_int8_cpu.c`'s kernel), where `cpu_linear`'s kernels run (built with AVX512-BF16 or
+AVX2, or another path asked for with `cpu_linear.use_path`, whose choice the step follows). Otherwise, and
+with `use_fast_path(False)`, LLMSERVE_CPU_KERNELS=0 or LLMSERVE_FUSED_KERNELS=0, the per-module path runs.
 
 Projections are described to the C code by `LinearWeights` (a format, the weights, optional per-channel
 scales and bias), so other weight formats can bring their own kernel for a range of output channels.
@@ -41,7 +41,6 @@ WEIGHTS_BF16 = 0
 WEIGHTS_INT8 = 1  # int8 [n, k] with float32 per-channel scales (`--quantization int8`)
 
 _enabled = True
-_portable_only = native.portable_from_env()
 
 _ptr = ctypes.c_void_p
 _i32 = ctypes.c_int32
@@ -51,12 +50,6 @@ def use_fast_path(enabled: bool) -> None:
     """Run later small CPU bf16 steps through the one-call decoder (True) or the per-module path (False)."""
     global _enabled
     _enabled = enabled
-
-
-def use_portable(portable: bool) -> None:
-    """Keep later calls on the plain-C linear and attention code (True) or the best built (False)."""
-    global _portable_only
-    _portable_only = portable
 
 
 class LinearWeights(ctypes.Structure):
@@ -83,7 +76,7 @@ class Decoder(ctypes.Structure):
 
 class DecodeStep(ctypes.Structure):
     _fields_ = [
-        ("tokens", _i32), ("max_blocks", _i32), ("threads", _i32), ("portable", _i32),
+        ("tokens", _i32), ("max_blocks", _i32), ("threads", _i32), ("path", _i32),
         ("input_ids", _ptr), ("positions", _ptr), ("slots", _ptr), ("tables", _ptr), ("lens", _ptr), ("out", _ptr),
     ]
 
@@ -103,8 +96,7 @@ def _kernel_path_active() -> bool:
     """Whether the per-module path would run its small bf16 steps through the C kernels too (not when the
     fused kernels are off, nor when the Triton ones are forced)."""
     return (
-        _enabled and cpu_linear.kernel_enabled() and layers.use_fused_kernels is None
-        and (cpu_linear.has_fast_path() or _portable_only)
+        _enabled and layers.use_fused_kernels is None and cpu_linear.bf16_kernel_runs()
     )
 
 
@@ -170,7 +162,7 @@ class CpuDecoder:
     def fits(self, num_tokens: int) -> bool:
         return (
             0 < num_tokens <= MAX_TOKENS and _kernel_path_active()
-            and (not self._int8 or (cpu_linear.int8_kernel_enabled() and (cpu_linear.int8_has_fast_path() or _portable_only)))
+            and (not self._int8 or cpu_linear.int8_kernel_runs())
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -186,7 +178,7 @@ class CpuDecoder:
         out = torch.empty(tokens, self.hidden_size, dtype=torch.bfloat16)
         step = self._step
         step.tokens, step.max_blocks = tokens, tables.shape[1]
-        step.threads, step.portable = torch.get_num_threads(), _portable_only
+        step.threads, step.path = torch.get_num_threads(), cpu_linear.PATHS[cpu_linear.current_path()]
         step.input_ids, step.positions = input_ids.data_ptr(), positions.data_ptr()
         step.slots, step.tables, step.lens = meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr()
         step.out = out.data_ptr()

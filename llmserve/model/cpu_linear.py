@@ -4,16 +4,19 @@ per-channel scales (csrc/linear_int8_cpu.c, `--quantization int8`).
 A decode step multiplies a few rows of activations by every weight matrix, so its time is the time to
 stream the weights from memory. oneDNN's bf16 GEMM (what `F.linear` runs) reaches a fraction of the
 machine's read bandwidth at such shapes; the kernel reads each weight row once, front to back, and dots it
-with every row of x while it is in cache. It runs where it was built with AVX512-BF16; on other CPUs its
-plain-C implementation is slower than oneDNN and runs only when asked for (LLMSERVE_CPU_KERNELS=portable,
-for tests and comparisons). Calls with more rows than `MAX_ROWS` (prefill, large batches) stay with
-`F.linear`, which is faster there. The int8 kernel converts each int8 weight to bf16 on the fly (exactly)
+with every row of x while it is in cache. It runs where it was built with AVX512-BF16, or with AVX2 and FMA
+(most x86 CPUs without AVX-512); elsewhere its plain-C implementation is slower than oneDNN and runs only
+when asked for (LLMSERVE_CPU_KERNELS=portable, for tests and comparisons). Calls with more rows than
+`MAX_ROWS` (prefill, large batches) stay with `F.linear`, which is faster there, except on CPUs where torch
+has no native bf16 GEMM (oneDNN's needs AVX-512): there they run `float32_gemm`, float32 GEMM on weights
+converted a block at a time, 3.6-7x faster than torch's generic bf16 loop. The int8 kernel converts each int8 weight to bf16 on the fly (exactly)
 and runs the same dot products, so it computes weight-only quantization's result while reading half the
 bytes; `quantization.int8` calls it for up to `MAX_ROWS` rows.
 
 LLMSERVE_CPU_KERNELS (see `llmserve.model.native`) turns the kernels off or keeps them on their portable
-path; `use_kernel` (both kernels), `use_int8_kernel` and `use_portable` do the same at run time, for
-comparisons in one process.
+path; `use_kernel` (both kernels), `use_int8_kernel` and `use_path` do the same at run time, for
+comparisons in one process (`use_path` can also name one of several fast paths built, as "avx2" on an
+AVX512-BF16 machine, so tests cover each).
 """
 
 from __future__ import annotations
@@ -32,10 +35,14 @@ INT8_SOURCE = Path(__file__).with_name("csrc") / "linear_int8_cpu.c"
 # Above this oneDNN's blocked GEMM is as fast or faster, for bf16 weights and for int8 ones converted to bf16
 # (see BENCHMARKS.md, issue 18).
 MAX_ROWS = 8
+FLOAT32_BLOCK = 256  # weight rows per float32 block in `float32_gemm` (64-1024 measured: 256 best or within 3%)
 
 _enabled = True
 _int8_enabled = True
-_portable_only = native.portable_from_env()
+# The kernels' implementations (PATH_* in csrc/bf16.h): "best" is the fastest compiled in.
+PATHS = {"best": 0, "portable": 1, "avx2": 2, "avx512_bf16": 3}
+FAST_PATHS = ("avx512_bf16", "avx2")  # fastest first
+_path = "portable" if native.portable_from_env() else "best"
 
 
 def use_kernel(enabled: bool) -> None:
@@ -56,10 +63,17 @@ def int8_kernel_enabled() -> bool:
     return _enabled and _int8_enabled
 
 
-def use_portable(portable: bool) -> None:
-    """Send later kernel calls to the portable C implementation (True) or to the best one built (False)."""
-    global _portable_only
-    _portable_only = portable
+def use_path(path: str) -> None:
+    """Send later kernel calls to the implementation `path` names (a key of PATHS; one not built is refused
+    by each call)."""
+    global _path
+    if path not in PATHS:
+        raise ValueError(f"unknown kernel path {path!r}: one of {sorted(PATHS)}")
+    _path = path
+
+
+def current_path() -> str:
+    return _path
 
 
 def kernel_enabled() -> bool:
@@ -73,25 +87,92 @@ def load() -> ctypes.CDLL | None:
     lib = native.load_library(SOURCE)
     if lib is None:
         return None
-    for fn in (lib.llmserve_linear_bf16, lib.llmserve_linear_bf16_portable):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
-    lib.llmserve_linear_bf16_has_avx512bf16.restype = ctypes.c_int
+    lib.llmserve_linear_bf16.restype = ctypes.c_int
+    lib.llmserve_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
+    lib.llmserve_linear_bf16_paths.restype = ctypes.c_int
     return lib
 
 
+def _fast_paths_built(lib: ctypes.CDLL | None, paths_fn: str) -> tuple[str, ...]:
+    if lib is None:
+        return ()
+    built = getattr(lib, paths_fn)()
+    return tuple(name for name in FAST_PATHS if built >> PATHS[name] & 1)
+
+
 @functools.cache
+def fast_paths() -> tuple[str, ...]:
+    """The bf16 kernel's fast implementations compiled in, fastest first: "avx512_bf16" where the machine has
+    AVX512-BF16, "avx2" where it has AVX2 and FMA."""
+    return _fast_paths_built(load(), "llmserve_linear_bf16_paths")
+
+
 def has_fast_path() -> bool:
-    """Whether the AVX512-BF16 implementation was compiled in (the machine has the instructions)."""
-    lib = load()
-    return lib is not None and bool(lib.llmserve_linear_bf16_has_avx512bf16())
+    """Whether a fast implementation of the bf16 kernel was compiled in."""
+    return bool(fast_paths())
+
+
+def _runs(fast: tuple[str, ...], lib: ctypes.CDLL | None) -> bool:
+    """Whether calls should go to a kernel with these fast paths: one is built, or another path was asked for."""
+    return lib is not None and (bool(fast) if _path == "best" else _path == "portable" or _path in fast)
+
+
+def bf16_kernel_runs() -> bool:
+    """Whether small bf16 linears go to the bf16 kernel (on the path `use_path` chose)."""
+    return _enabled and _runs(fast_paths(), load())
+
+
+def int8_kernel_runs() -> bool:
+    """Whether small int8 linears go to the int8 kernel (on the path `use_path` chose)."""
+    return int8_kernel_enabled() and _runs(int8_fast_paths(), load_int8())
+
+
+def _path_code(path: str) -> int:
+    return PATHS[_path if path == "best" else path]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the kernel when x is a few bf16 rows on the CPU."""
-    if _enabled and _fits(x, weight) and (has_fast_path() or (_portable_only and load() is not None)):
+    """F.linear(x, weight, bias), through the kernel when x is a few bf16 rows on the CPU, and in float32 blocks
+    for more bf16 rows on a CPU without native bf16 GEMM (`float32_gemm_pays`)."""
+    if _fits(x, weight) and bf16_kernel_runs():
         return bf16_linear(x, weight, bias)
+    if weight.dtype == torch.bfloat16 and float32_gemm_pays(x):
+        return float32_gemm(x, weight, bias=bias)
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def native_bf16_gemm() -> bool:
+    """Whether torch's CPU bf16 GEMM runs on bf16 instructions (oneDNN's, which need AVX-512). Without them it
+    runs a generic loop at ~10 GFLOP/s a core, where float32 GEMM on converted weights reaches 35-75."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def float32_gemm_pays(x: torch.Tensor) -> bool:
+    """Whether a bf16 product with x should run as `float32_gemm`: bf16 x on a CPU without native bf16 GEMM,
+    kernels on (`use_kernel(False)` keeps torch's own path, for comparisons)."""
+    return _enabled and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bf16_gemm()
+
+
+def float32_gemm(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] @ (weight [N, K] * scale [N])^T (+ bias [N]) in float32, rounded to x's dtype once: the weights
+    (bf16 or int8, both exact in float32) are converted FLOAT32_BLOCK rows at a time, so the converted block
+    stays in cache and the GEMM is float32's (BENCHMARKS.md, issue 18: 3.6-7x torch's bf16 GEMM at 16-512
+    rows on an AVX2 CPU)."""
+    x32 = x.reshape(-1, x.shape[-1]).float()
+    n = weight.shape[0]
+    out = torch.empty(x32.shape[0], n, dtype=x.dtype)
+    for first in range(0, n, FLOAT32_BLOCK):
+        rows = slice(first, min(first + FLOAT32_BLOCK, n))
+        block = F.linear(x32, weight[rows].float())
+        if scale is not None:
+            block.mul_(scale[rows].float())
+        if bias is not None:
+            block.add_(bias[rows].float())
+        out[:, rows] = block
+    return out.reshape(*x.shape[:-1], n)
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -102,10 +183,10 @@ def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def bf16_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, portable: bool = False
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, path: str = "best"
 ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias [N]) by the kernel, bf16 in and out; `portable` forces the plain-C
-    implementation (for tests)."""
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) by the kernel, bf16 in and out; `path` (a key of PATHS) names
+    the implementation, for tests and comparisons."""
     lib = load()
     assert lib is not None, "call load() first"
     if x.stride(1) != 1:
@@ -115,9 +196,9 @@ def bf16_linear(
     out = torch.empty((rows, n), dtype=torch.bfloat16)
     if bias is not None:
         bias = bias.contiguous()
-    fn = lib.llmserve_linear_bf16_portable if portable or _portable_only else lib.llmserve_linear_bf16
-    status = fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                rows, n, k, max(x.stride(0), k), torch.get_num_threads())
+    status = lib.llmserve_linear_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                      out.data_ptr(), rows, n, k, max(x.stride(0), k), torch.get_num_threads(),
+                                      _path_code(path))
     if status != 0:
         raise RuntimeError("linear_bf16 kernel rejected its arguments")
     return out
@@ -130,36 +211,38 @@ def load_int8() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for fn in (lib.llmserve_linear_int8, lib.llmserve_linear_int8_portable):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
-    lib.llmserve_linear_int8_has_avx512bf16.restype = ctypes.c_int
+    lib.llmserve_linear_int8.restype = ctypes.c_int
+    lib.llmserve_linear_int8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
+    lib.llmserve_linear_int8_paths.restype = ctypes.c_int
     return lib
 
 
 @functools.cache
+def int8_fast_paths() -> tuple[str, ...]:
+    """The int8 kernel's fast implementations compiled in, fastest first (as `fast_paths`)."""
+    return _fast_paths_built(load_int8(), "llmserve_linear_int8_paths")
+
+
 def int8_has_fast_path() -> bool:
-    """Whether the int8 kernel's AVX512-BF16 implementation was compiled in."""
-    lib = load_int8()
-    return lib is not None and bool(lib.llmserve_linear_int8_has_avx512bf16())
+    """Whether a fast implementation of the int8 kernel was compiled in."""
+    return bool(int8_fast_paths())
 
 
 def int8_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `int8_linear` should run x [M, K] against int8 `weight` [N, K]: few bf16 rows on the CPU, and
-    the kernel built on its fast path (or the portable one asked for)."""
+    the kernel built on a fast path (or another path asked for)."""
     return (
-        _enabled and _int8_enabled and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS and weight.dtype == torch.int8 and weight.is_contiguous()
-        and (int8_has_fast_path() or (_portable_only and load_int8() is not None))
+        x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+        and weight.dtype == torch.int8 and weight.is_contiguous() and int8_kernel_runs()
     )
 
 
 def int8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-    portable: bool = False,
+    path: str = "best",
 ) -> torch.Tensor:
     """x [M, K] bf16 @ (weight [N, K] int8 * scale [N] float32)^T (+ bias [N] bf16) by the int8 kernel, bf16
-    out; `portable` forces the plain-C implementation (for tests)."""
+    out; `path` (a key of PATHS) names the implementation, for tests and comparisons."""
     lib = load_int8()
     assert lib is not None, "call load_int8() first"
     if x.stride(1) != 1:
@@ -170,9 +253,9 @@ def int8_linear(
     scale = scale.float().contiguous()
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
-    fn = lib.llmserve_linear_int8_portable if portable or _portable_only else lib.llmserve_linear_int8
-    status = fn(x.data_ptr(), rows, k, max(x.stride(0), k), weight.data_ptr(), scale.data_ptr(),
-                None if bias is None else bias.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
+    status = lib.llmserve_linear_int8(x.data_ptr(), rows, k, max(x.stride(0), k), weight.data_ptr(), scale.data_ptr(),
+                                      None if bias is None else bias.data_ptr(), n, out.data_ptr(),
+                                      torch.get_num_threads(), _path_code(path))
     if status != 0:
         raise RuntimeError("linear_int8 kernel rejected its arguments")
     return out

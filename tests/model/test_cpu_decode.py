@@ -1,7 +1,7 @@
 """The one-call CPU decoder (`cpu_decode`) against the per-module forward pass on the kernel path.
 
 Both run the same kernels in the same order, so for decode steps the hidden states and the KV caches must
-be the same bits, on the best build and on the portable one; a short prefill chunk, which the per-module
+be the same bits, on each implementation of the kernels built here; a short prefill chunk, which the per-module
 path attends with SDPA, agrees within bf16 rounding.
 """
 
@@ -24,16 +24,15 @@ pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="the CPU decod
 BLOCK_SIZE = 16
 
 
-@pytest.fixture(params=[False, True], ids=["best", "portable"])
-def portable(request):
-    """Every kernel on the chosen build, for both paths; the per-module path needs its linear kernel."""
-    if not request.param and not cpu_linear.has_fast_path():
-        pytest.skip("no AVX512-BF16 build on this machine")
-    for module in (cpu_decode, cpu_linear, cpu_kernels):
-        module.use_portable(request.param)
+@pytest.fixture(params=[*cpu_linear.fast_paths(), "portable"])
+def path(request):
+    """The linear kernels on each implementation built here, and the attention kernel on the path the step
+    takes with it (AVX-512 beside AVX512-BF16 linears, plain C otherwise)."""
+    cpu_linear.use_path(request.param)
+    cpu_kernels.use_portable(request.param != "avx512_bf16")
     yield request.param
-    for module in (cpu_decode, cpu_linear, cpu_kernels):
-        module.use_portable(False)
+    cpu_linear.use_path("best")
+    cpu_kernels.use_portable(False)
 
 
 def _model(arch: str, head_dim: int = 32, seed: int = 0) -> LlamaForCausalLM:
@@ -110,7 +109,7 @@ def _both_paths(model, backend, caches, input_ids, positions, meta):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("arch", "head_dim"), [("llama", 32), ("llama", 64), ("qwen2", 32), ("qwen3", 64)])
-def test_decode_steps_are_bit_equal_to_the_per_module_path(portable, arch, head_dim, threads):
+def test_decode_steps_are_bit_equal_to_the_per_module_path(path, arch, head_dim, threads):
     torch.set_num_threads(threads)
     model = _model(arch, head_dim)
     cfg = model.config
@@ -147,7 +146,7 @@ def _quantize_int8(model: LlamaForCausalLM) -> None:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_int8_decode_steps_are_bit_equal_to_the_per_module_path(portable, arch, threads):
+def test_int8_decode_steps_are_bit_equal_to_the_per_module_path(path, arch, threads):
     torch.set_num_threads(threads)
     model = _model(arch)
     _quantize_int8(model)
@@ -166,7 +165,7 @@ def test_int8_decode_steps_are_bit_equal_to_the_per_module_path(portable, arch, 
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def test_a_short_prefill_chunk_matches_within_bf16_rounding(portable):
+def test_a_short_prefill_chunk_matches_within_bf16_rounding(path):
     # a decode, then 3 tokens of one prompt after 14 cached ones (across a block boundary), then a 4-token prompt
     model = _model("llama")
     cfg = model.config
@@ -198,7 +197,7 @@ def test_models_and_steps_it_does_not_take(monkeypatch):
         monkeypatch.setattr(layers, "use_fused_kernels", forced)
         assert not decoder.fits(1)
     monkeypatch.setattr(layers, "use_fused_kernels", None)
-    assert decoder.fits(1)
+    assert decoder.fits(1) == cpu_linear.has_fast_path()  # the portable build runs only when asked for
     monkeypatch.setattr(model.layers[1].mlp.down_proj, "quant_method", object())  # a quantized layer
     assert cpu_decode.CpuDecoder.build(model, caches, backend) is None
     monkeypatch.undo()

@@ -1,5 +1,5 @@
-"""The int8-weight linear kernel for CPUs against dequantize-then-matmul in float64, on both of its
-implementations, and `--quantization int8` routing decode-sized bf16 batches to it."""
+"""The int8-weight linear kernel for CPUs against dequantize-then-matmul in float64, on each of its
+implementations built here, and `--quantization int8` routing decode-sized bf16 batches to it."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from llmserve.model.quantization.int8 import INT8_KERNEL_MAX_ROWS, Int8LinearMet
 pytestmark = pytest.mark.skipif(cpu_linear.load_int8() is None, reason="the CPU kernel could not be built here")
 
 CPUINFO = Path("/proc/cpuinfo")
-PATHS = [False, True]
-PATH_IDS = ["best", "portable"]
+PATHS = [*cpu_linear.int8_fast_paths(), "portable"]  # every implementation built here
 ROWS = [1, 2, 3, 4, 5, 8]
 
 
@@ -51,67 +50,80 @@ MODEL_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("portable", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("size", list(MODEL_SHAPES))
-def test_model_shapes(portable, size):
+def test_model_shapes(path, size):
     gen = torch.Generator().manual_seed(len(size))
     for n, k in MODEL_SHAPES[size]:
         q, scale = _quantized((n, k), gen)
         for rows in ROWS:
             x = _x((rows, k), gen)
-            _assert_close(cpu_linear.int8_linear(x, q, scale, portable=portable), x, q, scale)
+            _assert_close(cpu_linear.int8_linear(x, q, scale, path=path), x, q, scale)
 
 
-@pytest.mark.parametrize("portable", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows", [*ROWS, 17])
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 17), (5, 31), (7, 33), (13, 100), (37, 1000), (129, 2817)])
-def test_odd_shapes_with_bias(portable, rows, n, k):
+def test_odd_shapes_with_bias(path, rows, n, k):
     # k not a multiple of 32 (or below 16) takes the masked tail; 17 rows: the kernel takes any count
     gen = torch.Generator().manual_seed(rows * 7919 + n * 31 + k)
     (q, scale), x, bias = _quantized((n, k), gen), _x((rows, k), gen), _x((n,), gen)
-    _assert_close(cpu_linear.int8_linear(x, q, scale, bias, portable=portable), x, q, scale, bias)
+    _assert_close(cpu_linear.int8_linear(x, q, scale, bias, path=path), x, q, scale, bias)
 
 
-@pytest.mark.parametrize("portable", PATHS, ids=PATH_IDS)
-def test_extreme_weights_and_zero_rows(portable):
+@pytest.mark.parametrize("path", PATHS)
+def test_extreme_weights_and_zero_rows(path):
     # every weight at +-127 (the widest int8 -> bf16 conversion) and an all-zero row (scale 1)
     gen = torch.Generator().manual_seed(2)
     q = torch.where(torch.rand(40, 96, generator=gen) < 0.5, -127, 127).to(torch.int8)
     q[7] = 0
     scale = torch.rand(40, generator=gen) + 0.5
     x = _x((3, 96), gen)
-    got = cpu_linear.int8_linear(x, q, scale, portable=portable)
+    got = cpu_linear.int8_linear(x, q, scale, path=path)
     _assert_close(got, x, q, scale)
     assert bool((got[:, 7] == 0).all())
 
 
-@pytest.mark.parametrize("portable", PATHS, ids=PATH_IDS)
-def test_strided_inputs(portable):
+@pytest.mark.parametrize("path", PATHS)
+def test_strided_inputs(path):
     gen = torch.Generator().manual_seed(3)
     wide = _x((5, 3 * 96), gen)
     q, scale = _quantized((40, 96), gen)
     row_view = wide[:, 96:192]  # rows 288 elements apart, as the q part of a fused qkv output
-    _assert_close(cpu_linear.int8_linear(row_view, q, scale, portable=portable), row_view, q, scale)
+    _assert_close(cpu_linear.int8_linear(row_view, q, scale, path=path), row_view, q, scale)
     transposed = _x((96, 5), gen).T  # columns not contiguous: copied first
-    _assert_close(cpu_linear.int8_linear(transposed, q, scale, portable=portable), transposed, q, scale)
+    _assert_close(cpu_linear.int8_linear(transposed, q, scale, path=path), transposed, q, scale)
 
 
 @pytest.mark.skipif(not CPUINFO.exists(), reason="needs /proc/cpuinfo")
-def test_fast_path_is_built_where_the_cpu_has_avx512_bf16():
-    # otherwise the "best" tests would silently test the portable path twice
-    assert cpu_linear.int8_has_fast_path() == ("avx512_bf16" in CPUINFO.read_text().split())
+def test_the_fast_paths_built_are_those_the_cpu_has():
+    # otherwise the parametrized tests would silently leave a path the product runs untested
+    flags = set(CPUINFO.read_text().split())
+    expected = [path for path, needs in (("avx512_bf16", {"avx512_bf16"}), ("avx2", {"avx2", "fma"})) if needs <= flags]
+    assert list(cpu_linear.int8_fast_paths()) == expected
+
+
+@pytest.mark.parametrize("path", cpu_linear.FAST_PATHS)
+def test_a_path_not_built_is_refused(path):
+    if path in cpu_linear.int8_fast_paths():
+        pytest.skip("built on this machine")
+    gen = torch.Generator().manual_seed(9)
+    q, scale = _quantized((64, 256), gen)
+    x = _x((3, 256), gen)
+    with pytest.raises(RuntimeError, match="rejected its arguments"):
+        cpu_linear.int8_linear(x, q, scale, path=path)
 
 
 def test_env_portable_switch_matches_the_portable_path():
     gen = torch.Generator().manual_seed(4)
     q, scale = _quantized((64, 256), gen)
     x = _x((3, 256), gen)
-    portable = cpu_linear.int8_linear(x, q, scale, portable=True)
+    portable = cpu_linear.int8_linear(x, q, scale, path="portable")
     try:
-        cpu_linear.use_portable(True)
+        cpu_linear.use_path("portable")
         assert torch.equal(cpu_linear.int8_linear(x, q, scale), portable)
     finally:
-        cpu_linear.use_portable(False)
+        cpu_linear.use_path("best")
 
 
 def _int8_layer(n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> Linear:
@@ -129,6 +141,8 @@ def _old_path(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     """What the layer computed before the kernel: torch's int8 kernel or converted weights, then the bias."""
     if x.shape[0] <= INT8_KERNEL_MAX_ROWS and x.shape[1] % 16 == 0:
         out = torch._weight_int8pack_mm(x, layer.weight, layer.kernel_scale)
+    elif cpu_linear.float32_gemm_pays(x):  # a CPU without native bf16 GEMM
+        return cpu_linear.float32_gemm(x, layer.weight, layer.weight_scale, layer.bias)
     else:
         out = torch.nn.functional.linear(x, layer.weight.to(x.dtype)) * layer.kernel_scale
     return out + layer.bias
@@ -146,16 +160,16 @@ def test_int8_layers_route_decode_sized_bf16_batches_to_the_kernel():
         assert torch.equal(layer(small), _old_path(layer, small))
     assert torch.equal(layer(large), _old_path(layer, large))
     try:
-        cpu_linear.use_portable(True)
+        cpu_linear.use_path("portable")
         assert torch.equal(layer(small), cpu_linear.int8_linear(small, layer.weight, layer.weight_scale, layer.bias,
-                                                                portable=True))
+                                                                path="portable"))
         cpu_linear.use_int8_kernel(False)
         assert torch.equal(layer(small), _old_path(layer, small))
         cpu_linear.use_int8_kernel(True)
         cpu_linear.use_kernel(False)
         assert torch.equal(layer(small), _old_path(layer, small))
     finally:
-        cpu_linear.use_portable(False)
+        cpu_linear.use_path("best")
         cpu_linear.use_int8_kernel(True)
         cpu_linear.use_kernel(True)
 

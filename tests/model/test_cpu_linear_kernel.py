@@ -1,4 +1,4 @@
-"""The bf16 linear kernel for CPUs against a float32 reference, on both of its implementations."""
+"""The bf16 linear kernel for CPUs against a float32 reference, on each of its implementations built here."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from llmserve.model import cpu_linear
 pytestmark = pytest.mark.skipif(cpu_linear.load() is None, reason="the CPU kernel could not be built here")
 
 CPUINFO = Path("/proc/cpuinfo")
-PATHS = [False, True]
-PATH_IDS = ["best", "portable"]
+PATHS = [*cpu_linear.fast_paths(), "portable"]  # every implementation built here
 
 
 def _assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -47,53 +46,65 @@ MODEL_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("portable", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("size", list(MODEL_SHAPES))
-def test_model_shapes(portable, size):
+def test_model_shapes(path, size):
     gen = torch.Generator().manual_seed(len(size))
     for n, k in MODEL_SHAPES[size]:
         w = _random((n, k), gen)
         w64 = w.double()
         for rows in (1, 3, 4, 8, 16):
             x = _random((rows, k), gen)
-            _assert_close_to(cpu_linear.bf16_linear(x, w, portable=portable), x, w64, None)
+            _assert_close_to(cpu_linear.bf16_linear(x, w, path=path), x, w64, None)
 
 
-@pytest.mark.parametrize("portable", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows", [1, 7, 17, 33, 64])
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 17), (5, 31), (7, 33), (13, 100), (37, 1000), (129, 2817)])
-def test_odd_shapes_with_bias(portable, rows, n, k):
+def test_odd_shapes_with_bias(path, rows, n, k):
     # k not a multiple of 32 takes the masked tail; n not a multiple of 4 a partial block of weight rows
     gen = torch.Generator().manual_seed(rows * 7919 + n * 31 + k)
     x, w, bias = _random((rows, k), gen), _random((n, k), gen), _random((n,), gen)
-    _assert_close(cpu_linear.bf16_linear(x, w, bias, portable=portable), x, w, bias)
+    _assert_close(cpu_linear.bf16_linear(x, w, bias, path=path), x, w, bias)
 
 
-@pytest.mark.parametrize("portable", PATHS, ids=PATH_IDS)
-def test_strided_inputs(portable):
+@pytest.mark.parametrize("path", PATHS)
+def test_strided_inputs(path):
     gen = torch.Generator().manual_seed(3)
     wide, w = _random((5, 3 * 96), gen), _random((40, 96), gen)
     row_view = wide[:, 96:192]  # rows 288 elements apart, as the q part of a fused qkv output
-    _assert_close(cpu_linear.bf16_linear(row_view, w, portable=portable), row_view, w, None)
+    _assert_close(cpu_linear.bf16_linear(row_view, w, path=path), row_view, w, None)
     transposed = _random((96, 5), gen).T  # columns not contiguous: copied first
-    _assert_close(cpu_linear.bf16_linear(transposed, w, portable=portable), transposed, w, None)
+    _assert_close(cpu_linear.bf16_linear(transposed, w, path=path), transposed, w, None)
 
 
 @pytest.mark.skipif(not CPUINFO.exists(), reason="needs /proc/cpuinfo")
-def test_fast_path_is_built_where_the_cpu_has_avx512_bf16():
-    # otherwise the "best" tests would silently test the portable path twice
-    assert cpu_linear.has_fast_path() == ("avx512_bf16" in CPUINFO.read_text().split())
+def test_the_fast_paths_built_are_those_the_cpu_has():
+    # otherwise the parametrized tests would silently leave a path the product runs untested
+    flags = set(CPUINFO.read_text().split())
+    expected = [path for path, needs in (("avx512_bf16", {"avx512_bf16"}), ("avx2", {"avx2", "fma"})) if needs <= flags]
+    assert list(cpu_linear.fast_paths()) == expected
+
+
+@pytest.mark.parametrize("path", cpu_linear.FAST_PATHS)
+def test_a_path_not_built_is_refused(path):
+    if path in cpu_linear.fast_paths():
+        pytest.skip("built on this machine")
+    gen = torch.Generator().manual_seed(9)
+    x, w = _random((3, 256), gen), _random((64, 256), gen)
+    with pytest.raises(RuntimeError, match="rejected its arguments"):
+        cpu_linear.bf16_linear(x, w, path=path)
 
 
 def test_env_portable_switch_matches_the_portable_path():
     gen = torch.Generator().manual_seed(4)
     x, w = _random((3, 256), gen), _random((64, 256), gen)
-    portable = cpu_linear.bf16_linear(x, w, portable=True)
+    portable = cpu_linear.bf16_linear(x, w, path="portable")
     try:
-        cpu_linear.use_portable(True)
+        cpu_linear.use_path("portable")
         assert torch.equal(cpu_linear.bf16_linear(x, w), portable)
     finally:
-        cpu_linear.use_portable(False)
+        cpu_linear.use_path("best")
 
 
 def test_linear_routes_small_bf16_batches_to_the_kernel():
@@ -104,14 +115,43 @@ def test_linear_routes_small_bf16_batches_to_the_kernel():
         assert torch.equal(cpu_linear.linear(small, w), cpu_linear.bf16_linear(small, w))
     else:  # the plain-C path is slower than oneDNN: it runs only when asked for
         assert torch.equal(cpu_linear.linear(small, w), F.linear(small, w))
-    assert torch.equal(cpu_linear.linear(large, w), F.linear(large, w))
+    if cpu_linear.native_bf16_gemm():
+        assert torch.equal(cpu_linear.linear(large, w), F.linear(large, w))
+    else:  # torch's bf16 GEMM is a slow generic loop there
+        assert torch.equal(cpu_linear.linear(large, w), cpu_linear.float32_gemm(large, w))
     x32, w32 = small.float(), w.float()
     assert torch.equal(cpu_linear.linear(x32, w32), F.linear(x32, w32))
     try:
-        cpu_linear.use_portable(True)
-        assert torch.equal(cpu_linear.linear(small, w), cpu_linear.bf16_linear(small, w, portable=True))
+        cpu_linear.use_path("portable")
+        assert torch.equal(cpu_linear.linear(small, w), cpu_linear.bf16_linear(small, w, path="portable"))
         cpu_linear.use_kernel(False)
         assert torch.equal(cpu_linear.linear(small, w), F.linear(small, w))
     finally:
-        cpu_linear.use_portable(False)
+        cpu_linear.use_path("best")
         cpu_linear.use_kernel(True)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 64])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8])
+def test_float32_gemm_against_float64(rows, weight_dtype):
+    # N = 600 spans three blocks, the last one partial; x has a leading batch dimension
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 2 * cpu_linear.FLOAT32_BLOCK + 88, 96
+    x = _random((2, rows, k), gen)
+    if weight_dtype == torch.int8:
+        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, generator=gen) / 127
+    else:
+        w, scale = _random((n, k), gen), None
+    bias = _random((n,), gen)
+    got = cpu_linear.float32_gemm(x, w, scale, bias)
+    assert got.shape == (2, rows, n)
+    w64 = w.double() * (1 if scale is None else scale.double()[:, None])
+    _assert_close_to(got.reshape(-1, n), x.reshape(-1, k), w64, bias.double())
+
+
+def test_native_bf16_gemm_is_detected_as_onednn_does():
+    flags = set(CPUINFO.read_text().split()) if CPUINFO.exists() else set()
+    if not flags:
+        pytest.skip("needs /proc/cpuinfo")
+    assert cpu_linear.native_bf16_gemm() == ({"avx512bw", "avx512vl", "avx512dq"} <= flags)

@@ -20,4 +20,45 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* Which implementation a CPU kernel call runs: the best compiled in, the plain-C one, or a named one (for
+   tests and comparisons on machines that have more than one; a call naming one not compiled in is refused). */
+enum { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512_BF16 = 3 };
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+#if defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16 1
+#else
+#define HAVE_AVX512_BF16 0
+#endif
+
+/* The paths compiled in, as the bits 1 << PATH_*. */
+static inline int paths_built(void) {
+    return (1 << PATH_PORTABLE) | (HAVE_AVX2 << PATH_AVX2) | (HAVE_AVX512_BF16 << PATH_AVX512_BF16);
+}
+
+/* Whether `path` names an implementation compiled in. */
+static inline int path_built(int path) { return path == PATH_BEST || (path >= 0 && path <= 3 && (paths_built() >> path) & 1); }
+
+#if HAVE_AVX2
+#include <immintrin.h>
+
+/* The even and odd elements of 16 bf16 values (one 256-bit load) as two vectors of 8 float32, exactly: bf16
+   is float32's top half, so a shift or a mask converts without shuffles. Split two operands alike and
+   their products pair up. */
+static inline __m256 bf16_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+static inline __m256 bf16_odd(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+static inline float hsum256(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
 #endif

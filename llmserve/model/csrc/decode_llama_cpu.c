@@ -57,7 +57,7 @@ typedef struct {
 } decoder;
 
 typedef struct {
-    int32_t tokens, max_blocks, threads, portable;
+    int32_t tokens, max_blocks, threads, path; /* path: a PATH_* of bf16.h */
     const int64_t *input_ids, *positions, *slots; /* [tokens] */
     const int32_t *tables; /* [tokens, max_blocks]: the block table of each token's sequence */
     const int32_t *lens; /* [tokens]: each token's context, its position + 1 */
@@ -66,32 +66,32 @@ typedef struct {
 
 /* This thread's share of y = x W^T (+ bias): output columns [first, last) for all m rows of x ([m, k]). */
 static void linear_columns(const linear_weights *lw, const uint16_t *x, uint16_t *y, int m, int first, int last,
-                           int portable) {
+                           int path) {
     switch (lw->format) {
     case WEIGHTS_BF16:
-        linear_rows_bf16(x, lw->weight, lw->bias, y, m, lw->n, lw->k, lw->k, first, last, portable);
+        linear_rows_bf16(x, lw->weight, lw->bias, y, m, lw->n, lw->k, lw->k, first, last, path);
         break;
     case WEIGHTS_INT8:
-        linear_rows_int8(x, m, lw->k, lw->k, lw->weight, lw->scale, lw->bias, lw->n, y, first, last, portable);
+        linear_rows_int8(x, m, lw->k, lw->k, lw->weight, lw->scale, lw->bias, lw->n, y, first, last, path);
         break;
     default: break; /* rejected by llmserve_decode_step */
     }
 }
 
-static void linear_team(const linear_weights *lw, const uint16_t *x, uint16_t *y, int m, int portable) {
+static void linear_team(const linear_weights *lw, const uint16_t *x, uint16_t *y, int m, int path) {
     int first, last;
     thread_share(lw->n, &first, &last);
-    linear_columns(lw, x, y, m, first, last, portable);
+    linear_columns(lw, x, y, m, first, last, path);
 }
 
 /* act = SiLU(gate) * up: each thread computes the same range of gate and up columns, so it can multiply
    them without waiting for the others. */
-static void gate_up_team(const decoder *d, const linear_weights *lw, const uint16_t *normed, int m, int portable) {
+static void gate_up_team(const decoder *d, const linear_weights *lw, const uint16_t *normed, int m, int path) {
     const int inter = d->intermediate;
     int first, last;
     thread_share(inter, &first, &last);
-    linear_columns(lw, normed, d->gate_up, m, first, last, portable);
-    linear_columns(lw, normed, d->gate_up, m, inter + first, inter + last, portable);
+    linear_columns(lw, normed, d->gate_up, m, first, last, path);
+    linear_columns(lw, normed, d->gate_up, m, inter + first, inter + last, path);
     for (int t = 0; t < m; t++) {
         const uint16_t *row = d->gate_up + (size_t)t * 2 * inter;
         silu_mul_span(row + first, row + inter + first, d->act + (size_t)t * inter + first, last - first);
@@ -115,7 +115,7 @@ static void qkv_team(const decoder *d, const layer_weights *lw, const decode_ste
 #if defined(_OPENMP)
     thread_rows(width, dim, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
 #endif
-    linear_columns(&lw->qkv, normed, d->qkv, s->tokens, first, last, s->portable);
+    linear_columns(&lw->qkv, normed, d->qkv, s->tokens, first, last, s->path);
     for (int t = 0; t < s->tokens; t++) {
         uint16_t *row = d->qkv + (size_t)t * width;
         const float *cos_row = d->cos_cache + (size_t)s->positions[t] * (dim / 2);
@@ -159,7 +159,9 @@ static int known_format(const linear_weights *lw) {
 }
 
 static int supported(const decoder *d, const decode_step *s, decode_fn attend) {
-    if (attend == NULL || s->tokens < 1 || s->tokens > MAX_TOKENS || s->threads < 1 || d->num_layers < 1) return 0;
+    if (attend == NULL || s->tokens < 1 || s->tokens > MAX_TOKENS || s->threads < 1 || d->num_layers < 1
+        || !path_built(s->path))
+        return 0;
     if (d->hidden > MAX_N || d->head_dim > MAX_N || d->head_dim % 2 != 0) return 0;
     for (int l = 0; l < d->num_layers; l++) {
         const layer_weights *lw = &d->layers[l];
@@ -173,12 +175,14 @@ static int supported(const decoder *d, const decode_step *s, decode_fn attend) {
 
 /* Returns 0, or -1 for a step or a model it cannot take (nothing is computed then). */
 int llmserve_decode_step(const decoder *d, const decode_step *s) {
-    const decode_fn attend = choose_decode(1, !s->portable, d->heads, d->kv_heads, d->head_dim, d->block_size);
+    /* The attention kernel's AVX-512 path (AVX512F) goes with the linears' best or AVX512-BF16 path. */
+    const int attention_avx512 = s->path == PATH_BEST || s->path == PATH_AVX512_BF16;
+    const decode_fn attend = choose_decode(1, attention_avx512, d->heads, d->kv_heads, d->head_dim, d->block_size);
     if (!supported(d, s, attend)) return -1;
     const size_t rows = (size_t)MAX_TOKENS * d->hidden;
     uint16_t *copies = malloc(sizeof(uint16_t) * 2 * rows * (size_t)s->threads);
     if (copies == NULL) return -1;
-    const int m = s->tokens, portable = s->portable;
+    const int m = s->tokens, path = s->path;
     /* Four barriers a layer: before attention, at its end, after the o projection, after gate_up. */
 #pragma omp parallel num_threads(s->threads)
     {
@@ -190,13 +194,13 @@ int llmserve_decode_step(const decoder *d, const decode_step *s) {
 #pragma omp barrier
             attend(d->query, lw->k_cache, lw->v_cache, s->tables, s->lens, d->attn, m, d->heads, d->kv_heads,
                    d->head_dim, d->block_size, s->max_blocks, d->scale);
-            linear_team(&lw->o, d->attn, d->proj, m, portable);
+            linear_team(&lw->o, d->attn, d->proj, m, path);
 #pragma omp barrier
             llmserve_add_rms_norm_bf16(d->proj, own.residual, lw->post_attention_norm, own.normed, own.residual, m,
                                        d->hidden, d->eps);
-            gate_up_team(d, &lw->gate_up, own.normed, m, portable);
+            gate_up_team(d, &lw->gate_up, own.normed, m, path);
 #pragma omp barrier
-            linear_team(&lw->down, d->act, d->proj, m, portable);
+            linear_team(&lw->down, d->act, d->proj, m, path);
 #pragma omp barrier
             if (l + 1 < d->num_layers)
                 llmserve_add_rms_norm_bf16(d->proj, own.residual, d->layers[l + 1].input_norm, own.normed,

@@ -6,11 +6,15 @@
  * y [m, n] contiguous. Products are summed in float32 and rounded to bf16 once, as torch's bf16 linear does;
  * only the summation order differs.
  *
- * Two implementations:
- *  - AVX512-BF16 (compiled where the build machine has it): each weight row against tiles of up to 4 rows
- *    of x, 32 bf16 products per `vdpbf16ps` summed into float32 accumulators held in registers; masked
- *    loads for a k that is not a multiple of 32. Threads split the weight rows into contiguous ranges, so
- *    each thread reads one stretch of memory front to back (separate streams per row measured slower).
+ * Three implementations, each compiled where the build machine has its instructions; a call runs the best
+ * one unless it names another (PATH_* in bf16.h):
+ *  - AVX512-BF16: each weight row against tiles of up to 4 rows of x, 32 bf16 products per `vdpbf16ps`
+ *    summed into float32 accumulators held in registers; masked loads for a k that is not a multiple of 32.
+ *    Threads split the weight rows into contiguous ranges, so each thread reads one stretch of memory front
+ *    to back (separate streams per row measured slower).
+ *  - AVX2 + FMA (CPUs without AVX-512, e.g. AMD Zen 2/3, most Intel client parts): 16 bf16 weights per load,
+ *    made float32 exactly by a shift (even elements) and a mask (odd ones), and the same done to x, so no
+ *    shuffles are needed; FMA into float32 accumulators, the last k % 16 columns in scalar code.
  *  - Portable C for any machine, the same split over threads.
  *
  * Built on first use by llmserve/model/cpu_linear.py and called through ctypes with raw pointers.
@@ -20,11 +24,10 @@
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
-#if defined(__AVX512BF16__)
+#include "bf16.h"
+#if HAVE_AVX512_BF16
 #include <immintrin.h>
 #endif
-
-#include "bf16.h"
 
 /* Weight rows [first, last) of thread `t` of `threads`, in blocks of `align` rows. */
 static void thread_rows(int n, int align, int t, int threads, int *first, int *last) {
@@ -51,8 +54,9 @@ static void linear_rows_portable(const uint16_t *x, const uint16_t *w, const uin
     }
 }
 
-#if defined(__AVX512BF16__)
 #define MR 4 /* rows of x per tile: at most MR x UNROLL_MAX float32 accumulators in registers */
+
+#if HAVE_AVX512_BF16
 #define UNROLL_MAX 2
 
 static inline __m512bh load_pairs(const uint16_t *p, __mmask32 mask) {
@@ -62,7 +66,7 @@ static inline __m512bh load_pairs(const uint16_t *p, __mmask32 mask) {
 /* Weight row j against rows [i0, i0 + mr) of x, with `unroll` accumulators per row of x. The weight row is
    read front to back, so a thread's range of rows is one sequential stream; rows of x come from cache.
    Always inlined with constant mr and unroll, so the loops unroll and the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void row_tile(const uint16_t *x, const uint16_t *w,
+static inline __attribute__((always_inline)) void row_tile_avx512(const uint16_t *x, const uint16_t *w,
                                                            const uint16_t *bias, uint16_t *y, int i0, int mr,
                                                            int unroll, int j, int n, int k, int ldx) {
     __m512 acc[MR][UNROLL_MAX];
@@ -97,31 +101,95 @@ static void linear_rows_avx512bf16(const uint16_t *x, const uint16_t *w, const u
                                    int m, int n, int k, int ldx, int first, int last) {
     for (int j = first; j < last; j++) {
         int i0 = 0;
-        for (; i0 + MR <= m; i0 += MR) row_tile(x, w, bias, y, i0, MR, 2, j, n, k, ldx);
+        for (; i0 + MR <= m; i0 += MR) row_tile_avx512(x, w, bias, y, i0, MR, 2, j, n, k, ldx);
         /* A single row keeps one accumulator: measured faster than two when only the weights stream. */
         switch (m - i0) {
-        case 3: row_tile(x, w, bias, y, i0, 3, 2, j, n, k, ldx); break;
-        case 2: row_tile(x, w, bias, y, i0, 2, 2, j, n, k, ldx); break;
-        case 1: row_tile(x, w, bias, y, i0, 1, 1, j, n, k, ldx); break;
+        case 3: row_tile_avx512(x, w, bias, y, i0, 3, 2, j, n, k, ldx); break;
+        case 2: row_tile_avx512(x, w, bias, y, i0, 2, 2, j, n, k, ldx); break;
+        case 1: row_tile_avx512(x, w, bias, y, i0, 1, 1, j, n, k, ldx); break;
         default: break;
         }
     }
 }
 #endif
 
-/* Output columns [first, last) by the best implementation compiled in, or the portable one. Callable by each
-   thread of a team (decode_llama_cpu.c runs whole layers in one parallel region). Products of a column are
-   summed in the same order whatever the split, so results do not depend on the number of threads. */
+#if HAVE_AVX2
+
+#define UNROLL_AVX2 4
+
+/* The even and odd products of 16 columns from c, weights and rows [i0, i0 + mr) of x, into accumulators u. */
+static inline __attribute__((always_inline)) void bf16_columns_avx2(const uint16_t *x, const uint16_t *wj,
+                                                                    __m256 even[][UNROLL_AVX2],
+                                                                    __m256 odd[][UNROLL_AVX2], int i0, int mr,
+                                                                    int u, int c, int ldx) {
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)(wj + c));
+    const __m256 we = bf16_even(wv), wo = bf16_odd(wv);
+    for (int i = 0; i < mr; i++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (size_t)(i0 + i) * ldx + c));
+        even[i][u] = _mm256_fmadd_ps(bf16_even(xv), we, even[i][u]);
+        odd[i][u] = _mm256_fmadd_ps(bf16_odd(xv), wo, odd[i][u]);
+    }
+}
+
+/* Weight row j against rows [i0, i0 + mr) of x, read front to back, with `unroll` pairs of accumulators per
+   row of x: FMA's latency, not memory, bounds one pair (measured on AMD Zen 3). Always inlined with constant
+   mr and unroll, so the loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void row_tile_avx2(const uint16_t *x, const uint16_t *w,
+                                                                const uint16_t *bias, uint16_t *y, int i0, int mr,
+                                                                int unroll, int j, int n, int k, int ldx) {
+    __m256 even[MR][UNROLL_AVX2], odd[MR][UNROLL_AVX2];
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < unroll; u++) even[i][u] = odd[i][u] = _mm256_setzero_ps();
+    const uint16_t *wj = w + (size_t)j * k;
+    int c = 0;
+    for (; c + 16 * unroll <= k; c += 16 * unroll)
+        for (int u = 0; u < unroll; u++) bf16_columns_avx2(x, wj, even, odd, i0, mr, u, c + 16 * u, ldx);
+    for (; c + 16 <= k; c += 16) bf16_columns_avx2(x, wj, even, odd, i0, mr, 0, c, ldx);
+    const float b = bias ? bf16_to_float(bias[j]) : 0.0f;
+    for (int i = 0; i < mr; i++) {
+        __m256 total = _mm256_add_ps(even[i][0], odd[i][0]);
+        for (int u = 1; u < unroll; u++) total = _mm256_add_ps(total, _mm256_add_ps(even[i][u], odd[i][u]));
+        const uint16_t *xi = x + (size_t)(i0 + i) * ldx;
+        float sum = hsum256(total);
+        for (int t = c; t < k; t++) sum += bf16_to_float(xi[t]) * bf16_to_float(wj[t]);
+        y[(size_t)(i0 + i) * n + j] = float_to_bf16(sum + b);
+    }
+}
+
+static void linear_rows_avx2(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m, int n,
+                             int k, int ldx, int first, int last) {
+    for (int j = first; j < last; j++) {
+        int i0 = 0;
+        for (; i0 + MR <= m; i0 += MR) row_tile_avx2(x, w, bias, y, i0, MR, 1, j, n, k, ldx);
+        switch (m - i0) {
+        case 3: row_tile_avx2(x, w, bias, y, i0, 3, 1, j, n, k, ldx); break;
+        case 2: row_tile_avx2(x, w, bias, y, i0, 2, 2, j, n, k, ldx); break;
+        case 1: row_tile_avx2(x, w, bias, y, i0, 1, UNROLL_AVX2, j, n, k, ldx); break;
+        default: break;
+        }
+    }
+}
+#endif
+
+/* Output columns [first, last) by the implementation `path` asks for (one compiled in: see path_built).
+   Callable by each thread of a team (decode_llama_cpu.c runs whole layers in one parallel region). Products
+   of a column are summed in the same order whatever the split, so results do not depend on the number of
+   threads. */
 static void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m, int n,
-                             int k, int ldx, int first, int last, int portable) {
-#if defined(__AVX512BF16__)
-    if (!portable) {
+                             int k, int ldx, int first, int last, int path) {
+#if HAVE_AVX512_BF16
+    if (path == PATH_BEST || path == PATH_AVX512_BF16) {
         linear_rows_avx512bf16(x, w, bias, y, m, n, k, ldx, first, last);
         return;
     }
-#else
-    (void)portable;
 #endif
+#if HAVE_AVX2
+    if (path == PATH_BEST || path == PATH_AVX2) {
+        linear_rows_avx2(x, w, bias, y, m, n, k, ldx, first, last);
+        return;
+    }
+#endif
+    (void)path;
     linear_rows_portable(x, w, bias, y, m, n, k, ldx, first, last);
 }
 
@@ -134,34 +202,18 @@ static void thread_share(int n, int *first, int *last) {
 #endif
 }
 
-static int linear_parallel(const void *x, const void *w, const void *bias, void *y, int m, int n, int k, int ldx,
-                           int threads, int portable) {
-    if (m < 0 || n < 0 || k <= 0 || ldx < k || threads < 1) return -1;
+/* Returns 0, or -1 for arguments it cannot take (an implementation not compiled in among them). */
+int llmserve_linear_bf16(const void *x, const void *w, const void *bias, void *y, int m, int n, int k, int ldx,
+                         int threads, int path) {
+    if (m < 0 || n < 0 || k <= 0 || ldx < k || threads < 1 || !path_built(path)) return -1;
 #pragma omp parallel num_threads(threads)
     {
         int first, last;
         thread_share(n, &first, &last);
-        linear_rows_bf16(x, w, bias, y, m, n, k, ldx, first, last, portable);
+        linear_rows_bf16(x, w, bias, y, m, n, k, ldx, first, last, path);
     }
     return 0;
 }
 
-/* Returns 0, or -1 for arguments it cannot take. */
-int llmserve_linear_bf16(const void *x, const void *w, const void *bias, void *y, int m, int n, int k, int ldx,
-                         int threads) {
-    return linear_parallel(x, w, bias, y, m, n, k, ldx, threads, 0);
-}
-
-int llmserve_linear_bf16_portable(const void *x, const void *w, const void *bias, void *y, int m, int n, int k,
-                                  int ldx, int threads) {
-    return linear_parallel(x, w, bias, y, m, n, k, ldx, threads, 1);
-}
-
-/* 1 when the fast path above was compiled in. */
-int llmserve_linear_bf16_has_avx512bf16(void) {
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* The implementations compiled in, as the bits 1 << PATH_*. */
+int llmserve_linear_bf16_paths(void) { return paths_built(); }

@@ -6,14 +6,15 @@
  * Entry points, for Python (ctypes, llmserve/model/cpu_linear.py) and for other C code:
  *
  *   int llmserve_linear_int8(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
- *                            const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int threads);
+ *                            const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int threads,
+ *                            int path);
  *
  *   x [m, k] bf16 with row stride ldx (>= k); w [n, k] int8 row-major, as quantized at load (no repacking);
  *   scale [n] float32; bias [n] bf16 or NULL; y [m, n] bf16, contiguous; `threads` OpenMP threads split the
- *   weight rows into contiguous ranges. Any m works; the kernel is meant for m <= 8 (beyond, a GEMM on
+ *   weight rows into contiguous ranges; `path` is a PATH_* of bf16.h. Any m works; the kernel is meant for m <= 8 (beyond, a GEMM on
  *   converted weights wins). Returns 0, or -1 for arguments it cannot take.
  *
- *   static void linear_rows_int8(x, m, k, ldx, w, scale, bias, n, y, first, last, portable);
+ *   static void linear_rows_int8(x, m, k, ldx, w, scale, bias, n, y, first, last, path);
  *
  *   the same for output columns [first, last) only, on the calling thread: for C code that #includes this
  *   file and splits the columns over its own OpenMP team (every other name here starts with int8_, so it
@@ -24,10 +25,14 @@
  * (|q| <= 127 fits bf16's 8 significant bits), products with x are exact in float32 and summed in float32,
  * and the sum is scaled once: y = bf16(sum_k x[k] q[k] * scale + bias). Activations are not quantized.
  *
- * Two implementations:
- *  - AVX512-BF16 (compiled where the build machine has it): 32 weights per step widened to int32, converted
- *    to float32 and packed to bf16 pairs, then one `vdpbf16ps` per row of x (tiles of up to 4 rows) into
- *    float32 accumulators held in registers; masked loads for a k that is not a multiple of 32.
+ * Three implementations, each compiled where the build machine has its instructions; a call runs the best
+ * one unless it names another (PATH_* in bf16.h):
+ *  - AVX512-BF16: 32 weights per step widened to int32, converted to float32 and packed to bf16 pairs, then
+ *    one `vdpbf16ps` per row of x (tiles of up to 4 rows) into float32 accumulators held in registers;
+ *    masked loads for a k that is not a multiple of 32.
+ *  - AVX2 + FMA: 16 weights per step widened to int16 pairs, their even and odd elements sign-extended to
+ *    int32 by shifts and converted to float32, x split alike (bf16_even / bf16_odd), FMA into float32
+ *    accumulators; the last k % 16 columns in scalar code.
  *  - Portable C for any machine, the same split over threads.
  * AVX512-VNNI with x quantized to int8 (what llama.cpp's Q8_0 does) was measured too: as fast at 1-4 rows,
  * twice as fast at 8, but it quantizes the activations (BENCHMARKS.md, issue 18), so it is not used.
@@ -36,11 +41,10 @@
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
-#if defined(__AVX512BF16__)
+#include "bf16.h"
+#if HAVE_AVX512_BF16
 #include <immintrin.h>
 #endif
-
-#include "bf16.h"
 
 static inline uint16_t int8_finish(float sum, const float *scale, const uint16_t *bias, int64_t j) {
     return float_to_bf16(sum * scale[j] + (bias ? bf16_to_float(bias[j]) : 0.0f));
@@ -60,8 +64,9 @@ static void int8_rows_portable(const uint16_t *x, int64_t m, int64_t k, int64_t 
     }
 }
 
-#if defined(__AVX512BF16__)
 #define INT8_MR 4 /* rows of x per tile: at most INT8_MR x INT8_UNROLL_MAX float32 accumulators in registers */
+
+#if HAVE_AVX512_BF16
 #define INT8_UNROLL_MAX 4
 
 /* 32 int8 weights (the first `count` of them, the rest read as 0) as bf16 pairs, exactly. */
@@ -82,7 +87,7 @@ static inline __m512bh int8_widen32(const int8_t *p) {
 /* Weight row j against rows [i0, i0 + mr) of x with `unroll` accumulators per row of x; the weight row is
    read front to back, so a thread's range of rows is one sequential stream. Always inlined with constant
    mr and unroll, so the loops unroll and the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void int8_row_tile(const uint16_t *x, int64_t k, int64_t ldx,
+static inline __attribute__((always_inline)) void int8_row_tile_avx512(const uint16_t *x, int64_t k, int64_t ldx,
                                                                 const int8_t *w, const float *scale,
                                                                 const uint16_t *bias, int64_t n, uint16_t *y,
                                                                 int64_t i0, int mr, int unroll, int64_t j) {
@@ -120,12 +125,70 @@ static void int8_rows_avx512bf16(const uint16_t *x, int64_t m, int64_t k, int64_
                                  int64_t last) {
     for (int64_t j = first; j < last; j++) {
         int64_t i0 = 0;
-        for (; i0 + INT8_MR <= m; i0 += INT8_MR) int8_row_tile(x, k, ldx, w, scale, bias, n, y, i0, INT8_MR, 2, j);
+        for (; i0 + INT8_MR <= m; i0 += INT8_MR) int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, INT8_MR, 2, j);
         /* Fewer rows of x leave registers for more accumulators, which hide vdpbf16ps's latency. */
         switch (m - i0) {
-        case 3: int8_row_tile(x, k, ldx, w, scale, bias, n, y, i0, 3, 2, j); break;
-        case 2: int8_row_tile(x, k, ldx, w, scale, bias, n, y, i0, 2, 2, j); break;
-        case 1: int8_row_tile(x, k, ldx, w, scale, bias, n, y, i0, 1, 4, j); break;
+        case 3: int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, 3, 2, j); break;
+        case 2: int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, 2, 2, j); break;
+        case 1: int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, 1, 4, j); break;
+        default: break;
+        }
+    }
+}
+#endif
+
+#if HAVE_AVX2
+#define INT8_UNROLL_AVX2 4
+
+/* The even and odd products of 16 columns from c, weights and rows [i0, i0 + mr) of x, into accumulators u. */
+static inline __attribute__((always_inline)) void int8_columns_avx2(const uint16_t *x, const int8_t *wj,
+                                                                    __m256 even[][INT8_UNROLL_AVX2],
+                                                                    __m256 odd[][INT8_UNROLL_AVX2], int64_t i0,
+                                                                    int mr, int u, int64_t c, int64_t ldx) {
+    const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wj + c)));
+    const __m256 we = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16));
+    const __m256 wo = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 16));
+    for (int i = 0; i < mr; i++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (i0 + i) * ldx + c));
+        even[i][u] = _mm256_fmadd_ps(bf16_even(xv), we, even[i][u]);
+        odd[i][u] = _mm256_fmadd_ps(bf16_odd(xv), wo, odd[i][u]);
+    }
+}
+
+/* Weight row j against rows [i0, i0 + mr) of x, read front to back, with `unroll` pairs of accumulators per
+   row of x (FMA's latency bounds one pair); always inlined with constant mr and unroll. */
+static inline __attribute__((always_inline)) void int8_row_tile_avx2(const uint16_t *x, int64_t k, int64_t ldx,
+                                                                     const int8_t *w, const float *scale,
+                                                                     const uint16_t *bias, int64_t n, uint16_t *y,
+                                                                     int64_t i0, int mr, int unroll, int64_t j) {
+    __m256 even[INT8_MR][INT8_UNROLL_AVX2], odd[INT8_MR][INT8_UNROLL_AVX2];
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < unroll; u++) even[i][u] = odd[i][u] = _mm256_setzero_ps();
+    const int8_t *wj = w + j * k;
+    int64_t c = 0;
+    for (; c + 16 * unroll <= k; c += 16 * unroll)
+        for (int u = 0; u < unroll; u++) int8_columns_avx2(x, wj, even, odd, i0, mr, u, c + 16 * u, ldx);
+    for (; c + 16 <= k; c += 16) int8_columns_avx2(x, wj, even, odd, i0, mr, 0, c, ldx);
+    for (int i = 0; i < mr; i++) {
+        __m256 total = _mm256_add_ps(even[i][0], odd[i][0]);
+        for (int u = 1; u < unroll; u++) total = _mm256_add_ps(total, _mm256_add_ps(even[i][u], odd[i][u]));
+        const uint16_t *xi = x + (i0 + i) * ldx;
+        float sum = hsum256(total);
+        for (int64_t t = c; t < k; t++) sum += bf16_to_float(xi[t]) * (float)wj[t];
+        y[(i0 + i) * n + j] = int8_finish(sum, scale, bias, j);
+    }
+}
+
+static void int8_rows_avx2(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w, const float *scale,
+                           const uint16_t *bias, int64_t n, uint16_t *y, int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; j++) {
+        int64_t i0 = 0;
+        for (; i0 + INT8_MR <= m; i0 += INT8_MR)
+            int8_row_tile_avx2(x, k, ldx, w, scale, bias, n, y, i0, INT8_MR, 1, j);
+        switch (m - i0) {
+        case 3: int8_row_tile_avx2(x, k, ldx, w, scale, bias, n, y, i0, 3, 1, j); break;
+        case 2: int8_row_tile_avx2(x, k, ldx, w, scale, bias, n, y, i0, 2, 2, j); break;
+        case 1: int8_row_tile_avx2(x, k, ldx, w, scale, bias, n, y, i0, 1, INT8_UNROLL_AVX2, j); break;
         default: break;
         }
     }
@@ -134,15 +197,20 @@ static void int8_rows_avx512bf16(const uint16_t *x, int64_t m, int64_t k, int64_
 
 static void linear_rows_int8(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
                              const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int64_t first,
-                             int64_t last, int portable) {
-#if defined(__AVX512BF16__)
-    if (!portable) {
+                             int64_t last, int path) {
+#if HAVE_AVX512_BF16
+    if (path == PATH_BEST || path == PATH_AVX512_BF16) {
         int8_rows_avx512bf16(x, m, k, ldx, w, scale, bias, n, y, first, last);
         return;
     }
-#else
-    (void)portable;
 #endif
+#if HAVE_AVX2
+    if (path == PATH_BEST || path == PATH_AVX2) {
+        int8_rows_avx2(x, m, k, ldx, w, scale, bias, n, y, first, last);
+        return;
+    }
+#endif
+    (void)path;
     int8_rows_portable(x, m, k, ldx, w, scale, bias, n, y, first, last);
 }
 
@@ -154,36 +222,20 @@ static void int8_thread_columns(int64_t n, int t, int threads, int64_t *first, i
     *last = *first + per + (t < extra ? 1 : 0);
 }
 
-static int int8_linear_parallel(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
-                                const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int threads,
-                                int portable) {
-    if (m < 0 || n < 0 || k <= 0 || ldx < k || threads < 1) return -1;
+/* Returns 0, or -1 for arguments it cannot take (an implementation not compiled in among them). */
+int llmserve_linear_int8(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w, const float *scale,
+                         const uint16_t *bias, int64_t n, uint16_t *y, int threads, int path) {
+    if (m < 0 || n < 0 || k <= 0 || ldx < k || threads < 1 || !path_built(path)) return -1;
 #pragma omp parallel num_threads(threads)
     {
         int64_t first = 0, last = n;
 #if defined(_OPENMP)
         int8_thread_columns(n, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
 #endif
-        linear_rows_int8(x, m, k, ldx, w, scale, bias, n, y, first, last, portable);
+        linear_rows_int8(x, m, k, ldx, w, scale, bias, n, y, first, last, path);
     }
     return 0;
 }
 
-int llmserve_linear_int8(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w, const float *scale,
-                         const uint16_t *bias, int64_t n, uint16_t *y, int threads) {
-    return int8_linear_parallel(x, m, k, ldx, w, scale, bias, n, y, threads, 0);
-}
-
-int llmserve_linear_int8_portable(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
-                                  const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int threads) {
-    return int8_linear_parallel(x, m, k, ldx, w, scale, bias, n, y, threads, 1);
-}
-
-/* 1 when the fast path above was compiled in. */
-int llmserve_linear_int8_has_avx512bf16(void) {
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* The implementations compiled in, as the bits 1 << PATH_*. */
+int llmserve_linear_int8_paths(void) { return paths_built(); }

@@ -9,7 +9,8 @@ the weights and run the dtype's GEMM instead: at 256 rows of the medium model's 
 `_weight_int8pack_mm` took 40 ms, the conversion and GEMM 16 ms (BENCHMARKS.md, issue 18). On CUDA,
 with bf16/fp16 activations, a Triton kernel (`triton_int8`) reads int8 weights at any size. The
 conversion path (int8 -> bf16 is exact, the scales applied to the output) is correct everywhere but
-saves memory, not time.
+saves memory, not time. On CPUs without native bf16 GEMM (no AVX-512), bf16 inputs above the kernel's rows
+take `cpu_linear.float32_gemm` instead, as bf16 layers do there.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class Int8LinearMethod:
             return layer.triton_int8.w8a16_matmul(x2, layer.weight, layer.kernel_scale, layer.bias).reshape(
                 *shape[:-1], layer.weight.shape[0]
             )
+        elif cpu_linear.float32_gemm_pays(x2):
+            out = cpu_linear.float32_gemm(x2, layer.weight, layer.weight_scale, layer.bias)
+            return out.reshape(*shape[:-1], out.shape[-1])
         else:
             out = nn.functional.linear(x2, layer.weight.to(x2.dtype)) * layer.kernel_scale
         if layer.bias is not None:
