@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.model import huge_pages
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, get_backend
 from llmserve.model.config import ModelConfig, parse_dtype
 from llmserve.model.cpu_decode import CpuDecoder
@@ -248,6 +249,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.quantization = resolve_quantization(config.quantization, model_config.raw, config.load_format == "dummy")
         self.model = self._load_model(model_dir, max_model_len)
+        # on CPU, the weights on 2 MiB pages where the kernel has them (None elsewhere): see huge_pages
+        self.weight_arena = huge_pages.move_parameters(self.model) if self.device.type == "cpu" else None
         self.is_encoder = getattr(self.model, "is_encoder", False)  # no KV cache, no sampling
         self.attn_backend = choose_attention_backend(config.attention_backend, self.device)(
             model_config.num_attention_heads, model_config.num_key_value_heads, model_config.head_dim, self.block_size,

@@ -45,6 +45,7 @@ static inline int path_built(int path) { return path == PATH_BEST || (path >= 0 
 
 #if HAVE_AVX2
 #include <immintrin.h>
+#include <stdlib.h>
 
 /* The even and odd elements of 16 bf16 values (one 256-bit load) as two vectors of 8 float32, exactly: bf16
    is float32's top half, so a shift or a mask converts without shuffles. Split two operands alike and
@@ -52,6 +53,31 @@ static inline int path_built(int path) { return path == PATH_BEST || (path >= 0 
 static inline __m256 bf16_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 static inline __m256 bf16_odd(__m256i v) {
     return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* Rows [0, m) of x (bf16, row stride ldx) as float32 for the AVX2 kernels, each group of 16 columns stored as
+   its 8 even elements then its 8 odd ones (the order bf16_even / bf16_odd give the weights), row after row
+   with stride k / 16 * 16 (the last k % 16 columns are left to scalar code). Converted once per call rather
+   than once per weight row; the buffer is the calling thread's, reused by its later calls. NULL when out of
+   memory. */
+static inline const float *split_rows_avx2(const uint16_t *x, int64_t m, int64_t k, int64_t ldx) {
+    static _Thread_local float *buffer = NULL;
+    static _Thread_local size_t capacity = 0;
+    const int64_t k16 = k / 16 * 16;
+    const size_t need = (size_t)(m * k16 > 0 ? m * k16 : 1);
+    if (need > capacity) {
+        float *grown = (float *)realloc(buffer, need * sizeof(float));
+        if (grown == NULL) return NULL;
+        buffer = grown;
+        capacity = need;
+    }
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t c = 0; c < k16; c += 16) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(x + i * ldx + c));
+            _mm256_storeu_ps(buffer + i * k16 + c, bf16_even(v));
+            _mm256_storeu_ps(buffer + i * k16 + c + 8, bf16_odd(v));
+        }
+    return buffer;
 }
 
 static inline float hsum256(__m256 v) {

@@ -118,33 +118,34 @@ static void linear_rows_avx512bf16(const uint16_t *x, const uint16_t *w, const u
 #define UNROLL_AVX2 4
 
 /* The even and odd products of 16 columns from c, weights and rows [i0, i0 + mr) of x, into accumulators u. */
-static inline __attribute__((always_inline)) void bf16_columns_avx2(const uint16_t *x, const uint16_t *wj,
+static inline __attribute__((always_inline)) void bf16_columns_avx2(const float *xs, const uint16_t *wj,
                                                                     __m256 even[][UNROLL_AVX2],
                                                                     __m256 odd[][UNROLL_AVX2], int i0, int mr,
-                                                                    int u, int c, int ldx) {
+                                                                    int u, int c, int k16) {
     const __m256i wv = _mm256_loadu_si256((const __m256i *)(wj + c));
     const __m256 we = bf16_even(wv), wo = bf16_odd(wv);
     for (int i = 0; i < mr; i++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (size_t)(i0 + i) * ldx + c));
-        even[i][u] = _mm256_fmadd_ps(bf16_even(xv), we, even[i][u]);
-        odd[i][u] = _mm256_fmadd_ps(bf16_odd(xv), wo, odd[i][u]);
+        const float *xi = xs + (size_t)(i0 + i) * k16 + c;
+        even[i][u] = _mm256_fmadd_ps(_mm256_loadu_ps(xi), we, even[i][u]);
+        odd[i][u] = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8), wo, odd[i][u]);
     }
 }
 
-/* Weight row j against rows [i0, i0 + mr) of x, read front to back, with `unroll` pairs of accumulators per
-   row of x: FMA's latency, not memory, bounds one pair (measured on AMD Zen 3). Always inlined with constant
+/* Weight row j against rows [i0, i0 + mr) of x (xs: split_rows_avx2's copy), read front to back, with `unroll`
+   pairs of accumulators per row of x, so FMA's latency does not bound one pair. Always inlined with constant
    mr and unroll, so the loops unroll and the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void row_tile_avx2(const uint16_t *x, const uint16_t *w,
+static inline __attribute__((always_inline)) void row_tile_avx2(const uint16_t *x, const float *xs, const uint16_t *w,
                                                                 const uint16_t *bias, uint16_t *y, int i0, int mr,
                                                                 int unroll, int j, int n, int k, int ldx) {
     __m256 even[MR][UNROLL_AVX2], odd[MR][UNROLL_AVX2];
     for (int i = 0; i < mr; i++)
         for (int u = 0; u < unroll; u++) even[i][u] = odd[i][u] = _mm256_setzero_ps();
     const uint16_t *wj = w + (size_t)j * k;
+    const int k16 = k / 16 * 16;
     int c = 0;
-    for (; c + 16 * unroll <= k; c += 16 * unroll)
-        for (int u = 0; u < unroll; u++) bf16_columns_avx2(x, wj, even, odd, i0, mr, u, c + 16 * u, ldx);
-    for (; c + 16 <= k; c += 16) bf16_columns_avx2(x, wj, even, odd, i0, mr, 0, c, ldx);
+    for (; c + 16 * unroll <= k16; c += 16 * unroll)
+        for (int u = 0; u < unroll; u++) bf16_columns_avx2(xs, wj, even, odd, i0, mr, u, c + 16 * u, k16);
+    for (; c < k16; c += 16) bf16_columns_avx2(xs, wj, even, odd, i0, mr, 0, c, k16);
     const float b = bias ? bf16_to_float(bias[j]) : 0.0f;
     for (int i = 0; i < mr; i++) {
         __m256 total = _mm256_add_ps(even[i][0], odd[i][0]);
@@ -156,18 +157,22 @@ static inline __attribute__((always_inline)) void row_tile_avx2(const uint16_t *
     }
 }
 
-static void linear_rows_avx2(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m, int n,
-                             int k, int ldx, int first, int last) {
+/* Returns 0, or -1 when out of memory for x's float32 copy (nothing computed then). */
+static int linear_rows_avx2(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m, int n,
+                            int k, int ldx, int first, int last) {
+    const float *xs = split_rows_avx2(x, m, k, ldx);
+    if (xs == NULL) return -1;
     for (int j = first; j < last; j++) {
         int i0 = 0;
-        for (; i0 + MR <= m; i0 += MR) row_tile_avx2(x, w, bias, y, i0, MR, 1, j, n, k, ldx);
+        for (; i0 + MR <= m; i0 += MR) row_tile_avx2(x, xs, w, bias, y, i0, MR, 1, j, n, k, ldx);
         switch (m - i0) {
-        case 3: row_tile_avx2(x, w, bias, y, i0, 3, 1, j, n, k, ldx); break;
-        case 2: row_tile_avx2(x, w, bias, y, i0, 2, 2, j, n, k, ldx); break;
-        case 1: row_tile_avx2(x, w, bias, y, i0, 1, UNROLL_AVX2, j, n, k, ldx); break;
+        case 3: row_tile_avx2(x, xs, w, bias, y, i0, 3, 1, j, n, k, ldx); break;
+        case 2: row_tile_avx2(x, xs, w, bias, y, i0, 2, 2, j, n, k, ldx); break;
+        case 1: row_tile_avx2(x, xs, w, bias, y, i0, 1, UNROLL_AVX2, j, n, k, ldx); break;
         default: break;
         }
     }
+    return 0;
 }
 #endif
 
@@ -184,10 +189,8 @@ static void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_
     }
 #endif
 #if HAVE_AVX2
-    if (path == PATH_BEST || path == PATH_AVX2) {
-        linear_rows_avx2(x, w, bias, y, m, n, k, ldx, first, last);
+    if ((path == PATH_BEST || path == PATH_AVX2) && linear_rows_avx2(x, w, bias, y, m, n, k, ldx, first, last) == 0)
         return;
-    }
 #endif
     (void)path;
     linear_rows_portable(x, w, bias, y, m, n, k, ldx, first, last);

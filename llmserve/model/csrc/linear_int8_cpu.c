@@ -141,34 +141,36 @@ static void int8_rows_avx512bf16(const uint16_t *x, int64_t m, int64_t k, int64_
 #define INT8_UNROLL_AVX2 4
 
 /* The even and odd products of 16 columns from c, weights and rows [i0, i0 + mr) of x, into accumulators u. */
-static inline __attribute__((always_inline)) void int8_columns_avx2(const uint16_t *x, const int8_t *wj,
+static inline __attribute__((always_inline)) void int8_columns_avx2(const float *xs, const int8_t *wj,
                                                                     __m256 even[][INT8_UNROLL_AVX2],
                                                                     __m256 odd[][INT8_UNROLL_AVX2], int64_t i0,
-                                                                    int mr, int u, int64_t c, int64_t ldx) {
+                                                                    int mr, int u, int64_t c, int64_t k16) {
     const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wj + c)));
     const __m256 we = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16));
     const __m256 wo = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 16));
     for (int i = 0; i < mr; i++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (i0 + i) * ldx + c));
-        even[i][u] = _mm256_fmadd_ps(bf16_even(xv), we, even[i][u]);
-        odd[i][u] = _mm256_fmadd_ps(bf16_odd(xv), wo, odd[i][u]);
+        const float *xi = xs + (i0 + i) * k16 + c;
+        even[i][u] = _mm256_fmadd_ps(_mm256_loadu_ps(xi), we, even[i][u]);
+        odd[i][u] = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8), wo, odd[i][u]);
     }
 }
 
-/* Weight row j against rows [i0, i0 + mr) of x, read front to back, with `unroll` pairs of accumulators per
-   row of x (FMA's latency bounds one pair); always inlined with constant mr and unroll. */
-static inline __attribute__((always_inline)) void int8_row_tile_avx2(const uint16_t *x, int64_t k, int64_t ldx,
-                                                                     const int8_t *w, const float *scale,
+/* Weight row j against rows [i0, i0 + mr) of x (xs: split_rows_avx2's copy), read front to back, with `unroll`
+   pairs of accumulators per row of x (FMA's latency bounds one pair); always inlined with constant mr and
+   unroll. */
+static inline __attribute__((always_inline)) void int8_row_tile_avx2(const uint16_t *x, const float *xs, int64_t k,
+                                                                     int64_t ldx, const int8_t *w, const float *scale,
                                                                      const uint16_t *bias, int64_t n, uint16_t *y,
                                                                      int64_t i0, int mr, int unroll, int64_t j) {
     __m256 even[INT8_MR][INT8_UNROLL_AVX2], odd[INT8_MR][INT8_UNROLL_AVX2];
     for (int i = 0; i < mr; i++)
         for (int u = 0; u < unroll; u++) even[i][u] = odd[i][u] = _mm256_setzero_ps();
     const int8_t *wj = w + j * k;
+    const int64_t k16 = k / 16 * 16;
     int64_t c = 0;
-    for (; c + 16 * unroll <= k; c += 16 * unroll)
-        for (int u = 0; u < unroll; u++) int8_columns_avx2(x, wj, even, odd, i0, mr, u, c + 16 * u, ldx);
-    for (; c + 16 <= k; c += 16) int8_columns_avx2(x, wj, even, odd, i0, mr, 0, c, ldx);
+    for (; c + 16 * unroll <= k16; c += 16 * unroll)
+        for (int u = 0; u < unroll; u++) int8_columns_avx2(xs, wj, even, odd, i0, mr, u, c + 16 * u, k16);
+    for (; c < k16; c += 16) int8_columns_avx2(xs, wj, even, odd, i0, mr, 0, c, k16);
     for (int i = 0; i < mr; i++) {
         __m256 total = _mm256_add_ps(even[i][0], odd[i][0]);
         for (int u = 1; u < unroll; u++) total = _mm256_add_ps(total, _mm256_add_ps(even[i][u], odd[i][u]));
@@ -179,19 +181,23 @@ static inline __attribute__((always_inline)) void int8_row_tile_avx2(const uint1
     }
 }
 
-static void int8_rows_avx2(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w, const float *scale,
-                           const uint16_t *bias, int64_t n, uint16_t *y, int64_t first, int64_t last) {
+/* Returns 0, or -1 when out of memory for x's float32 copy (nothing computed then). */
+static int int8_rows_avx2(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w, const float *scale,
+                          const uint16_t *bias, int64_t n, uint16_t *y, int64_t first, int64_t last) {
+    const float *xs = split_rows_avx2(x, m, k, ldx);
+    if (xs == NULL) return -1;
     for (int64_t j = first; j < last; j++) {
         int64_t i0 = 0;
         for (; i0 + INT8_MR <= m; i0 += INT8_MR)
-            int8_row_tile_avx2(x, k, ldx, w, scale, bias, n, y, i0, INT8_MR, 1, j);
+            int8_row_tile_avx2(x, xs, k, ldx, w, scale, bias, n, y, i0, INT8_MR, 1, j);
         switch (m - i0) {
-        case 3: int8_row_tile_avx2(x, k, ldx, w, scale, bias, n, y, i0, 3, 1, j); break;
-        case 2: int8_row_tile_avx2(x, k, ldx, w, scale, bias, n, y, i0, 2, 2, j); break;
-        case 1: int8_row_tile_avx2(x, k, ldx, w, scale, bias, n, y, i0, 1, INT8_UNROLL_AVX2, j); break;
+        case 3: int8_row_tile_avx2(x, xs, k, ldx, w, scale, bias, n, y, i0, 3, 1, j); break;
+        case 2: int8_row_tile_avx2(x, xs, k, ldx, w, scale, bias, n, y, i0, 2, 2, j); break;
+        case 1: int8_row_tile_avx2(x, xs, k, ldx, w, scale, bias, n, y, i0, 1, INT8_UNROLL_AVX2, j); break;
         default: break;
         }
     }
+    return 0;
 }
 #endif
 
@@ -205,10 +211,8 @@ static void linear_rows_int8(const uint16_t *x, int64_t m, int64_t k, int64_t ld
     }
 #endif
 #if HAVE_AVX2
-    if (path == PATH_BEST || path == PATH_AVX2) {
-        int8_rows_avx2(x, m, k, ldx, w, scale, bias, n, y, first, last);
+    if ((path == PATH_BEST || path == PATH_AVX2) && int8_rows_avx2(x, m, k, ldx, w, scale, bias, n, y, first, last) == 0)
         return;
-    }
 #endif
     (void)path;
     int8_rows_portable(x, m, k, ldx, w, scale, bias, n, y, first, last);
