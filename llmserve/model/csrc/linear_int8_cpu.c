@@ -139,6 +139,9 @@ static void int8_rows_avx512bf16(const uint16_t *x, int64_t m, int64_t k, int64_
 
 #if HAVE_AVX2
 #define INT8_UNROLL_AVX2 4
+/* Bytes ahead of the weights being read to prefetch: the hardware prefetcher alone left the int8 stream at
+   75-80% of a plain read on Zen 3 (2 KiB ahead: +15-20%; the bf16 kernel gained nothing from it). */
+#define INT8_PREFETCH_AVX2 2048
 
 /* The even and odd products of 16 columns from c, weights and rows [i0, i0 + mr) of x, into accumulators u. */
 static inline __attribute__((always_inline)) void int8_columns_avx2(const float *xs, const int8_t *wj,
@@ -168,8 +171,10 @@ static inline __attribute__((always_inline)) void int8_row_tile_avx2(const uint1
     const int8_t *wj = w + j * k;
     const int64_t k16 = k / 16 * 16;
     int64_t c = 0;
-    for (; c + 16 * unroll <= k16; c += 16 * unroll)
+    for (; c + 16 * unroll <= k16; c += 16 * unroll) {
+        if ((c & 63) == 0) _mm_prefetch((const char *)(wj + c + INT8_PREFETCH_AVX2), _MM_HINT_T0);
         for (int u = 0; u < unroll; u++) int8_columns_avx2(xs, wj, even, odd, i0, mr, u, c + 16 * u, k16);
+    }
     for (; c < k16; c += 16) int8_columns_avx2(xs, wj, even, odd, i0, mr, 0, c, k16);
     for (int i = 0; i < mr; i++) {
         __m256 total = _mm256_add_ps(even[i][0], odd[i][0]);
