@@ -3,8 +3,6 @@ implementations built here, and `--quantization int8` routing decode-sized bf16 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,7 +12,6 @@ from llmserve.model.quantization.int8 import INT8_KERNEL_MAX_ROWS, Int8LinearMet
 
 pytestmark = pytest.mark.skipif(cpu_linear.load_int8() is None, reason="the CPU kernel could not be built here")
 
-CPUINFO = Path("/proc/cpuinfo")
 PATHS = [*cpu_linear.int8_fast_paths(), "portable"]  # every implementation built here
 ROWS = [1, 2, 3, 4, 5, 8]
 
@@ -93,14 +90,6 @@ def test_strided_inputs(path):
     _assert_close(cpu_linear.int8_linear(row_view, q, scale, path=path), row_view, q, scale)
     transposed = _x((96, 5), gen).T  # columns not contiguous: copied first
     _assert_close(cpu_linear.int8_linear(transposed, q, scale, path=path), transposed, q, scale)
-
-
-@pytest.mark.skipif(not CPUINFO.exists(), reason="needs /proc/cpuinfo")
-def test_the_fast_paths_built_are_those_the_cpu_has():
-    # otherwise the parametrized tests would silently leave a path the product runs untested
-    flags = set(CPUINFO.read_text().split())
-    expected = [path for path, needs in (("avx512_bf16", {"avx512_bf16"}), ("avx2", {"avx2", "fma"})) if needs <= flags]
-    assert list(cpu_linear.int8_fast_paths()) == expected
 
 
 @pytest.mark.parametrize("path", cpu_linear.FAST_PATHS)

@@ -84,6 +84,7 @@ def test_the_fast_paths_built_are_those_the_cpu_has():
     flags = set(CPUINFO.read_text().split())
     expected = [path for path, needs in (("avx512_bf16", {"avx512_bf16"}), ("avx2", {"avx2", "fma"})) if needs <= flags]
     assert list(cpu_linear.fast_paths()) == expected
+    assert list(cpu_linear.int8_fast_paths()) == expected  # the int8 kernel's, built the same way
 
 
 @pytest.mark.parametrize("path", cpu_linear.FAST_PATHS)
