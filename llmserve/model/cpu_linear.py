@@ -58,11 +58,6 @@ def use_int8_kernel(enabled: bool) -> None:
     _int8_enabled = enabled
 
 
-def int8_kernel_enabled() -> bool:
-    """False after `use_kernel(False)` or `use_int8_kernel(False)`."""
-    return _enabled and _int8_enabled
-
-
 def use_path(path: str) -> None:
     """Send later kernel calls to the implementation `path` names (a key of PATHS; one not built is refused
     by each call)."""
@@ -74,11 +69,6 @@ def use_path(path: str) -> None:
 
 def current_path() -> str:
     return _path
-
-
-def kernel_enabled() -> bool:
-    """False after `use_kernel(False)`."""
-    return _enabled
 
 
 @functools.cache
@@ -107,11 +97,6 @@ def fast_paths() -> tuple[str, ...]:
     return _fast_paths_built(load(), "llmserve_linear_bf16_paths")
 
 
-def has_fast_path() -> bool:
-    """Whether a fast implementation of the bf16 kernel was compiled in."""
-    return bool(fast_paths())
-
-
 def _runs(fast: tuple[str, ...], lib: ctypes.CDLL | None) -> bool:
     """Whether calls should go to a kernel with these fast paths: one is built, or another path was asked for."""
     return lib is not None and (bool(fast) if _path == "best" else _path == "portable" or _path in fast)
@@ -124,7 +109,7 @@ def bf16_kernel_runs() -> bool:
 
 def int8_kernel_runs() -> bool:
     """Whether small int8 linears go to the int8 kernel (on the path `use_path` chose)."""
-    return int8_kernel_enabled() and _runs(int8_fast_paths(), load_int8())
+    return _enabled and _int8_enabled and _runs(int8_fast_paths(), load_int8())
 
 
 def _path_code(path: str) -> int:
@@ -221,11 +206,6 @@ def load_int8() -> ctypes.CDLL | None:
 def int8_fast_paths() -> tuple[str, ...]:
     """The int8 kernel's fast implementations compiled in, fastest first (as `fast_paths`)."""
     return _fast_paths_built(load_int8(), "llmserve_linear_int8_paths")
-
-
-def int8_has_fast_path() -> bool:
-    """Whether a fast implementation of the int8 kernel was compiled in."""
-    return bool(int8_fast_paths())
 
 
 def int8_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

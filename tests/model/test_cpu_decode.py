@@ -197,7 +197,7 @@ def test_models_and_steps_it_does_not_take(monkeypatch):
         monkeypatch.setattr(layers, "use_fused_kernels", forced)
         assert not decoder.fits(1)
     monkeypatch.setattr(layers, "use_fused_kernels", None)
-    assert decoder.fits(1) == cpu_linear.has_fast_path()  # the portable build runs only when asked for
+    assert decoder.fits(1) == bool(cpu_linear.fast_paths())  # the portable build runs only when asked for
     monkeypatch.setattr(model.layers[1].mlp.down_proj, "quant_method", object())  # a quantized layer
     assert cpu_decode.CpuDecoder.build(model, caches, backend) is None
     monkeypatch.undo()

@@ -142,7 +142,7 @@ def test_int8_layers_route_decode_sized_bf16_batches_to_the_kernel():
     layer = _int8_layer(64, 256, torch.bfloat16, gen)
     small, large = _x((cpu_linear.MAX_ROWS, 256), gen), _x((cpu_linear.MAX_ROWS + 1, 256), gen)
     kernel = cpu_linear.int8_linear(small, layer.weight, layer.weight_scale, layer.bias)
-    if cpu_linear.int8_has_fast_path():
+    if cpu_linear.int8_fast_paths():
         assert torch.equal(layer(small), kernel)
         assert torch.equal(layer(small.reshape(2, 4, 256)), kernel.reshape(2, 4, 64))
     else:  # the plain-C path runs only when asked for
