@@ -6,10 +6,14 @@
 #   OUT_DIR=/tmp/gpu STEPS="gpu-tests parity" bash benchmarks/gpu.sh
 #
 # Steps, in order (STEPS picks a subset):
-#   gpu-tests     pytest -m gpu (the CUDA-only tests of the whole suite)
-#   triton-tests  tests/model/test_triton_attention.py, natively on the GPU
+#   gpu-tests     pytest -m gpu (the CUDA-only tests of $GPU_TESTS, default the whole suite)
+#   triton-tests  the Triton kernels' tests (attention, fused, int8, triton_linear, quantization), natively
 #   parity        float32 greedy outputs: torch backend = triton backend = triton + CUDA graphs
-#   decode        batch-1 decode on the Llama-3.1-8B shape, bf16: tok/s and % of copy bandwidth (goal >= 80%)
+#   decode        batch-1 decode on the Llama-3.1-8B shape: tok/s and % of copy bandwidth (goal, bf16: >= 85%)
+#                 for each of $DECODE_VARIANTS (bf16, fp8 and int8 weights, fp8 KV, ...), with each
+#                 step's kernel times by kind
+#   linear        the 8B shape's linear layers at 1-16 rows, every kernel and a sweep of triton_linear's tiles
+#   quality       int8 / fp8 logits against bf16 on the medium model (KL, top-1 agreement)
 #   throughput    1,000 requests (in/out 100-1,024 tokens) against transformers static batches (goal >= 10x)
 #   overhead      host time not hidden behind the device at batch 256, overlap on and off (goal < 10%)
 #   serving       `llmserve serve` against `LLM.generate` on the 8B shape, 1,000 requests, in/out 100-1,024,
@@ -24,10 +28,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 OUT_DIR=${OUT_DIR:-bench_out/gpu}
-STEPS=${STEPS:-gpu-tests triton-tests parity decode throughput overhead serving}
+STEPS=${STEPS:-gpu-tests triton-tests parity decode linear quality throughput overhead serving}
 MODEL_8B=${MODEL_8B:-$OUT_DIR/llama-3.1-8b}
 NUM_PROMPTS=${NUM_PROMPTS:-1000}
 HF_SAMPLE_BATCHES=${HF_SAMPLE_BATCHES:-2}  # transformers static batches of 128 actually timed
+GPU_TESTS=${GPU_TESTS:-tests}
+DECODE_VARIANTS=${DECODE_VARIANTS:-bf16,bf16-cublas,fp8,fp8-scaled-mm,int8,bf16-fp8kv}
+DECODE_MODES=${DECODE_MODES:-graphs}
+LINEAR_CONFIGS=${LINEAR_CONFIGS:-}  # gpu_linear.py's JSON: decode with the tiles its sweep found best
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR"
 # steps.tsv keeps each step's latest status, so a run split over several calls sums up as one.
@@ -56,13 +64,16 @@ run_step() {  # name command...: run it, keep its output in OUT_DIR/name.log, re
 }
 
 if wanted gpu-tests; then
-  run_step gpu-tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rs tests
+  # shellcheck disable=SC2086
+  run_step gpu-tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rs $GPU_TESTS
 fi
 if wanted triton-tests; then
-  if [ -f tests/model/test_triton_attention.py ]; then
-    run_step triton-tests "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/model/test_triton_attention.py
+  TRITON_TESTS=(tests/model/test_triton_attention.py tests/model/test_fused_kernels.py tests/model/test_triton_int8.py
+                tests/model/test_triton_linear.py tests/model/test_quantization.py)
+  if [ -f "${TRITON_TESTS[0]}" ]; then
+    run_step triton-tests "$PYTHON" -m pytest -q -p no:cacheprovider -rs "${TRITON_TESTS[@]}"
   else
-    echo "triton-tests: tests/model/test_triton_attention.py is missing" >&2
+    echo "triton-tests: ${TRITON_TESTS[0]} is missing" >&2
     printf 'triton-tests\tmissing\t0\n' >> "$OUT_DIR/steps.tsv"
     FAILED=1
   fi
@@ -74,7 +85,14 @@ if wanted decode || wanted throughput || wanted overhead || wanted serving; then
   [ -f "$MODEL_8B/config.json" ] || "$PYTHON" -m llmserve.cli make-model "$MODEL_8B" --size 8b
 fi
 if wanted decode; then
-  run_step decode "$PYTHON" benchmarks/gpu_decode.py --model "$MODEL_8B" --json "$OUT_DIR/decode.json"
+  run_step decode "$PYTHON" benchmarks/gpu_decode.py --model "$MODEL_8B" --variants "$DECODE_VARIANTS" \
+    --modes "$DECODE_MODES" --profile ${LINEAR_CONFIGS:+--linear-configs "$LINEAR_CONFIGS"} --json "$OUT_DIR/decode.json"
+fi
+if wanted linear; then
+  run_step linear "$PYTHON" benchmarks/gpu_linear.py --json "$OUT_DIR/linear.json"
+fi
+if wanted quality; then
+  run_step quality "$PYTHON" benchmarks/quantization_quality.py --json "$OUT_DIR/quality.json"
 fi
 if wanted throughput; then
   run_step throughput "$PYTHON" benchmarks/gpu_throughput.py --model "$MODEL_8B" --num-prompts "$NUM_PROMPTS" \

@@ -100,14 +100,6 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def weight_bytes_per_step(model_config, dtype: torch.dtype) -> int:
-    """Bytes of weights a decode step streams: every parameter but the embedding table, whose rows
-    are gathered, not read whole (unless it is tied to the lm_head, which is read whole)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    embedding = 0 if model_config.tie_word_embeddings else model_config.vocab_size * model_config.hidden_size
-    return (model_config.num_parameters() - embedding) * element
-
-
 def print_table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
     print(f"\n{title}\n")
     print("| " + " | ".join(headers) + " |")

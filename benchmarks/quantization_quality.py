@@ -6,8 +6,9 @@ compared with the bf16 model's: per-token KL(bf16 || variant) and top-1 agreemen
 error of the final hidden state (||h - h_bf16|| / ||h_bf16|| over all positions). Variants:
   - int8: per-channel int8 weights (`--quantization int8`, the CPU int8 kernel),
   - fp8: per-channel e4m3 weights (`--quantization fp8`); on CPU this runs as the product's weight-only
-    emulation (weights converted per call), which is what fp8 weights compute on GPUs too, minus the
-    per-token e4m3 activations of the scaled_mm path,
+    emulation (weights converted per call), which is what decode-sized batches compute on GPUs too
+    (`triton_linear`); on a GPU with fp8 tensor cores these prefill-sized steps take the W8A8 path
+    (per-token e4m3 activations, `_scaled_mm`),
   - float32: the same checkpoint in float32, for scale: what bf16 itself costs against float32.
 The medium model has random weights (see llmserve.model.builtin), so these figures measure numerical
 damage to a fixed function, not language-model quality.
@@ -97,7 +98,9 @@ def main() -> None:
     start = time.perf_counter()
     reference = all_outputs(build_runner(model_dir, "bfloat16", None, args.seq_len), sequences)
     results = {}
-    for name, dtype, quantization in (("int8", "bfloat16", "int8"), ("fp8 (CPU emulation)", "bfloat16", "fp8"),
+    on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    fp8_name = "fp8 (W8A8: e4m3 activations, _scaled_mm)" if on_hopper else "fp8 (weight-only emulation)"
+    for name, dtype, quantization in (("int8", "bfloat16", "int8"), (fp8_name, "bfloat16", "fp8"),
                                       ("float32", "float32", None)):
         variant = all_outputs(build_runner(model_dir, dtype, quantization, args.seq_len), sequences)
         results[name] = compare(reference, variant)
@@ -105,11 +108,14 @@ def main() -> None:
         print(f"{name:>20} vs bf16: KL mean {r['kl_mean']:.5f}  p99 {r['kl_p99']:.5f}  max {r['kl_max']:.4f}  "
               f"top-1 agreement {100 * r['top1_agreement']:.2f}%  final hidden rel. error {r['hidden_rel_err']:.3f}")
     print(f"({time.perf_counter() - start:.0f} s)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "model": "medium (llama, random weights)", "positions": positions, "seq_len": args.seq_len,
-            "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "results": results,
+            "machine": platform.processor() or platform.machine(), "device": device,
+            "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "torch": torch.__version__,
+            "results": results,
         }, indent=2))
 
 

@@ -77,6 +77,46 @@ def _import_fused_kernels() -> ModuleType | None:
     return _fused_module
 
 
+# Decode-sized linears on CUDA: "auto" (the default) runs those that `triton_linear` streams faster than the
+# library kernels through it, "triton" sends every one that fits there, "torch" none (F.linear, and for
+# quantized weights their library paths). Read once at import; benchmarks set it directly.
+CUDA_LINEAR_ENV = "LLMSERVE_CUDA_LINEAR"
+CUDA_LINEAR_CHOICES = ("auto", "triton", "torch")
+cuda_linear_path: str = os.environ.get(CUDA_LINEAR_ENV, "auto").strip().lower() or "auto"
+if cuda_linear_path not in CUDA_LINEAR_CHOICES:
+    raise ValueError(f"{CUDA_LINEAR_ENV} must be one of {', '.join(CUDA_LINEAR_CHOICES)} (got {cuda_linear_path!r})")
+_triton_linear: ModuleType | None = None
+_triton_linear_failed = False
+
+
+def triton_linear_for(x: torch.Tensor, weight: torch.Tensor, quantized: bool) -> ModuleType | None:
+    """The `triton_linear` module when x [M, K] on CUDA should run through it, else None. "auto" takes it
+    for quantized weights (the library has no weight-only int8/fp8 product) and for single rows."""
+    global _triton_linear, _triton_linear_failed
+    if not x.is_cuda or cuda_linear_path == "torch" or _triton_linear_failed:
+        return None
+    if cuda_linear_path == "auto" and not quantized and x.shape[0] != 1:
+        return None
+    if _triton_linear is None:
+        try:
+            from llmserve.model import triton_linear
+        except ImportError as exc:
+            _triton_linear_failed = True
+            logger.warning("triton_linear is off: %s; CUDA linears run the library kernels", exc)
+            return None
+        _triton_linear = triton_linear
+    return _triton_linear if _triton_linear.fits(x, weight) else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) over [..., K] inputs, through the fastest kernel this device has for it."""
+    x2 = x.reshape(-1, x.shape[-1])
+    kernels = triton_linear_for(x2, weight, quantized=False)
+    if kernels is None:
+        return cpu_linear.linear(x, weight, bias)
+    return kernels.linear(x2, weight, None, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
 class Linear(nn.Module):
     """A linear layer whose weights come from a checkpoint, so nothing is initialised at construction.
     Decode-sized bf16 batches on CPU run through `cpu_linear`'s kernel. A quantized layer
@@ -92,7 +132,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
-        return cpu_linear.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

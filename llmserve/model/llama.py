@@ -13,10 +13,9 @@ import torch
 from torch import nn
 
 from llmserve.errors import ModelLoadError
-from llmserve.model import cpu_linear
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
 from llmserve.model.config import ModelConfig
-from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, linear, silu_and_mul
 
 
 class Attention(nn.Module):
@@ -120,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return cpu_linear.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     # ---- weight loading -------------------------------------------------------------------------
     def shard_sizes(self, fused: str) -> list[int]:

@@ -34,9 +34,10 @@ def test_smoke_runs_print_tables_and_feed_the_summary(
 
     decode = bench("gpu_decode").main([*model, "--json", str(tmp_path / "decode.json")])
     printed = capsys.readouterr().out
-    assert "| mode | CUDA graphs | attention | ms/step |" in printed and "goal >= 80% of copy bandwidth" in printed
+    assert "| variant | mode | CUDA graphs | attention | KV dtype | KV pool tokens | ms/step |" in printed and "goal >= 85% of copy bandwidth (bf16)" in printed
     run = decode["runs"][0]
-    assert (run["mode"], run["cuda_graphs"], run["steps"]) == ("eager", False, 6)
+    assert (run["variant"], run["mode"], run["cuda_graphs"], run["steps"]) == ("bf16", "eager", False, 6)
+    assert run["kv_pool_tokens"] == 256 * 16 and run["kv_cache_dtype"] == "float32"
     assert run["kv_bytes_per_step"] == (17 + 2 + 2.5) * 2 * 2 * 2 * 16 * 4  # mean context * layers * K,V * heads * dim * 4 B
 
     throughput = bench("gpu_throughput").main([*model, "--json", str(tmp_path / "throughput.json")])

@@ -1,7 +1,9 @@
 """fp8 (e4m3) linear layers: symmetric weights with one scale per output channel.
 
-On CUDA GPUs with fp8 tensor cores (compute capability 8.9+: Ada, Hopper) activations are quantized to
-e4m3 per token at run time and the product runs `torch._scaled_mm` with row-wise scales (W8A8). Elsewhere
+On CUDA GPUs with fp8 tensor cores (compute capability 8.9+: Ada, Hopper), decode-sized inputs (up to 16
+rows) run `triton_linear`'s weight-streaming kernel (W8A16: the e4m3 weights converted in registers, half
+the bytes of bf16 read, no activation quantization); larger ones quantize the activations to e4m3 per
+token at run time and run `torch._scaled_mm` with row-wise scales (W8A8). Elsewhere
 (older GPUs, CPU) the weights are converted to the activation dtype per call and the scales applied to
 the output: a weight-only emulation that is exact in its arithmetic (e4m3 -> bf16 is exact) but slow, so
 it logs a warning; it exists so fp8 checkpoints still run there.
@@ -13,6 +15,8 @@ import logging
 
 import torch
 from torch import nn
+
+from llmserve.model.layers import triton_linear_for
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +69,10 @@ class Fp8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if layer.use_scaled_mm:
+        kernels = triton_linear_for(x2, layer.weight, quantized=True) if layer.use_scaled_mm else None
+        if kernels is not None:
+            out = kernels.linear(x2, layer.weight, layer.kernel_scale.view(-1), layer.bias)
+        elif layer.use_scaled_mm:
             out = _scaled_mm(x2, layer.weight, layer.kernel_scale, layer.bias)
         else:
             out = nn.functional.linear(x2, layer.weight.to(x2.dtype)) * layer.kernel_scale

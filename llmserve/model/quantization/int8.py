@@ -7,7 +7,8 @@ up to INT8_KERNEL_MAX_ROWS rows, input size a multiple of 16) run `torch._weight
 AVX-512 kernel for the same product, which costs about one GEMV per row. Larger inputs (prefill) convert
 the weights and run the dtype's GEMM instead: at 256 rows of the medium model's gate_up_proj
 `_weight_int8pack_mm` took 40 ms, the conversion and GEMM 16 ms (BENCHMARKS.md, issue 18). On CUDA,
-with bf16/fp16 activations, a Triton kernel (`triton_int8`) reads int8 weights at any size. The
+with bf16/fp16 activations, decode-sized inputs (up to 16 rows) run `triton_linear`'s weight-streaming
+kernel and larger ones a Triton matmul (`triton_int8`); both read the int8 weights once. The
 conversion path (int8 -> bf16 is exact, the scales applied to the output) is correct everywhere but
 saves memory, not time. On CPUs without native bf16 GEMM (no AVX-512), bf16 inputs above the kernel's rows
 take `cpu_linear.float32_gemm` instead, as bf16 layers do there.
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from llmserve.model import cpu_linear
+from llmserve.model.layers import triton_linear_for
 
 INT8_MAX = 127
 INT8_KERNEL_MAX_ROWS = 8  # past this the CPU kernel is slower than converting the weights (16 rows: 2.75 vs 2.61 ms)
@@ -56,6 +58,9 @@ class Int8LinearMethod:
         if cpu_linear.int8_kernel_fits(x2, layer.weight):
             out = cpu_linear.int8_linear(x2, layer.weight, layer.weight_scale, layer.bias)
             return out.reshape(*shape[:-1], out.shape[-1])
+        kernels = triton_linear_for(x2, layer.weight, quantized=True) if layer.triton_int8 is not None else None
+        if kernels is not None:
+            return kernels.linear(x2, layer.weight, layer.kernel_scale, layer.bias).reshape(*shape[:-1], -1)
         if layer.use_int8_kernel and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch._weight_int8pack_mm(x2, layer.weight, layer.kernel_scale)
         elif layer.triton_int8 is not None:

@@ -1,0 +1,233 @@
+"""The linear layers of a batch-1 (to 16-row) decode step on the Llama-3.1-8B shape: each kernel's time
+and the weight bytes it streams per second, against the device's copy bandwidth measured in the same run.
+
+Kernels, for M = 1, 2, 4, 8, 16 rows of bf16 activations:
+  - bf16 weights: `F.linear` (cuBLAS) and `triton_linear` (its default tiles, then a sweep of tiles);
+  - int8 weights (per-channel scales): the Triton matmul `triton_int8.w8a16_matmul` and `triton_linear`;
+  - fp8 e4m3 weights (per-channel scales): `_scaled_mm` with per-token e4m3 activations (the W8A8 path,
+    its quantization included) and `triton_linear` (weight-only).
+Each time is one call's share of a CUDA graph of REPS calls that rotate over enough copies of the weight
+that they never sit in L2 (the median of several replays), so launch gaps and cache hits stay out of it.
+The sweep's best tiles per (weight width, one row or more) are picked by the time of a whole decode
+step's linears (32 x (qkv + o + gate_up + down) + lm_head) and printed as `triton_linear._CONFIGS` rows.
+
+    python benchmarks/gpu_linear.py --json bench_out/gpu/linear.json
+    python benchmarks/gpu_linear.py --smoke     # CPU interpreter, tiny shapes: checks the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+SHAPES_8B = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
+             "down_proj": (4096, 14336), "lm_head": (128256, 4096)}
+PER_STEP = {"qkv_proj": 32, "o_proj": 32, "gate_up_proj": 32, "down_proj": 32, "lm_head": 1}
+SMOKE_SHAPES = {"qkv_proj": (96, 64), "o_proj": (64, 64), "gate_up_proj": (256, 64), "down_proj": (64, 128),
+                "lm_head": (500, 64)}
+
+ONE_ROW_SWEEP = [(4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (16, 256, 4),
+                 (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 256, 4), (32, 512, 8)]  # (block_n, block_k, warps)
+MANY_ROW_SWEEP = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 256, 4, 2), (32, 64, 4, 3), (32, 128, 4, 4)]  # + stages
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--reps", type=int, default=20, help="calls per captured graph")
+    ap.add_argument("--no-sweep", action="store_true", help="only the default tiles")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, os.path.dirname(__file__))
+    from gpu_common import GB, bench_device, copy_bandwidth_gbs, machine_info, print_table, write_json
+
+    from llmserve.model import triton_linear
+    from llmserve.model.quantization import fp8, int8, triton_int8
+
+    device = bench_device(args.smoke)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES_8B
+    rows_list = [int(r) for r in args.rows.split(",")]
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    copy_gbs = copy_bandwidth_gbs(device, 1 << (26 if args.smoke else 32))
+    print(f"device copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
+    timer = GraphTimer(device, 2 if args.smoke else args.reps)
+    one_sweep = [] if args.no_sweep else ONE_ROW_SWEEP[:2] if args.smoke else ONE_ROW_SWEEP
+    many_sweep = [] if args.no_sweep else MANY_ROW_SWEEP[:2] if args.smoke else MANY_ROW_SWEEP
+    results: list[dict[str, Any]] = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, (n, k) in shapes.items():
+        full = torch.randn(n, k, device=device, generator=gen, dtype=torch.float32).mul_(0.02)
+        weights = {"bf16": (full.to(dtype), None), "int8": int8.quantize_int8(full),
+                   "fp8": fp8.quantize_fp8(full)}
+        del full
+        for wname, (w, scale) in weights.items():
+            copies = max(2, math.ceil((256 << 20) / (w.numel() * w.element_size())))
+            ws = [w] + [w.clone() for _ in range(copies - 1)]
+            for m in rows_list:
+                x = torch.randn(m, k, device=device, generator=gen).to(dtype)
+                reference = (x.double() @ (w.double() * (1 if scale is None else scale.double()[:, None])).T)
+                kernels = library_kernels(wname, ws, scale, x, args.smoke, fp8, triton_int8)
+                sweep = one_sweep if m == 1 else many_sweep
+                configs = [None] + [triton_linear.TileConfig(*c) for c in sweep]
+                for config in configs:
+                    label = "triton_linear" if config is None else f"triton_linear {config_label(config)}"
+                    kernels[label] = rotating(ws, lambda w_, c=config, x=x, s=scale: triton_linear.linear(x, w_, s, None, c))
+                for label, fn in kernels.items():
+                    err = (fn(0).double() - reference).norm().item() / reference.norm().item()
+                    if not err < 2e-2:
+                        print(f"  WRONG: {name} {wname} M={m} {label}: relative error {err:.3g}", flush=True)
+                    us = timer.time_us(fn, len(ws))
+                    nbytes = w.numel() * w.element_size()
+                    results.append({"layer": name, "n": n, "k": k, "weights": wname, "rows": m, "kernel": label,
+                                    "us": us, "gbs": nbytes / us / 1e3, "pct_copy": 100 * nbytes / us / 1e3 / copy_gbs,
+                                    "rel_err": err})
+                best = min((r for r in results if r["layer"] == name and r["weights"] == wname and r["rows"] == m),
+                           key=lambda r: r["us"])
+                print(f"{name:>13} {wname:>5} M={m:<2}: best {best['kernel']} {best['us']:.1f} us "
+                      f"({best['pct_copy']:.0f}% of copy)", flush=True)
+            del ws
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    summary = summarize(results, rows_list)
+    best = best_configs(summary, triton_linear)
+    out = {"machine": machine_info(device), "copy_gbs": copy_gbs, "reps": timer.reps, "results": results,
+           "summary": summary, "best_configs": best}
+    print_summary(summary, copy_gbs, print_table, GB)
+    print("\nbest tiles by a decode step's linears (weight bytes per element, one row):")
+    for key, config in best.items():
+        print(f"  {key}: TileConfig{tuple(config)}")
+    write_json(args.json, out)
+    return out
+
+
+def config_label(c) -> str:
+    return f"n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
+
+
+def rotating(ws: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], torch.Tensor]:
+    return lambda i: fn(ws[i % len(ws)])
+
+
+def library_kernels(wname, ws, scale, x, smoke, fp8, triton_int8) -> dict[str, Callable[[int], torch.Tensor]]:
+    if wname == "bf16":
+        return {"F.linear": rotating(ws, lambda w: torch.nn.functional.linear(x, w))}
+    if wname == "int8":
+        return {"w8a16_matmul": rotating(ws, lambda w: triton_int8.w8a16_matmul(x, w, scale, None))}
+    if smoke or not fp8.scaled_mm_supported(x.device):
+        return {}
+    row_scale = scale.reshape(1, -1).float()
+    return {"_scaled_mm (W8A8)": rotating(ws, lambda w: fp8._scaled_mm(x, w, row_scale, None))}
+
+
+class GraphTimer:
+    """One call's time: a CUDA graph of `reps` calls (rotating over weight copies), replayed; on CPU a loop."""
+
+    def __init__(self, device: torch.device, reps: int) -> None:
+        self.device, self.reps = device, reps
+
+    def time_us(self, fn: Callable[[int], torch.Tensor], copies: int) -> float:
+        calls = [lambda i=i: fn(i % copies) for i in range(self.reps)]
+        if self.device.type != "cuda":
+            import time
+
+            start = time.perf_counter()
+            for call in calls:
+                call()
+            return (time.perf_counter() - start) / self.reps * 1e6
+        for call in calls[:copies]:
+            call()  # compile and warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        graph.replay()
+        times = []
+        for _ in range(7):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / self.reps)
+        del graph
+        return statistics.median(times)
+
+
+def summarize(results: list[dict[str, Any]], rows_list: list[int]) -> dict[str, Any]:
+    """Per (weights, rows): each kernel's decode-step total (PER_STEP-weighted), the best kernel per layer,
+    and the best sweep tile by that total."""
+    summary: dict[str, Any] = {}
+    for wname in ("bf16", "int8", "fp8"):
+        for m in rows_list:
+            rs = [r for r in results if r["weights"] == wname and r["rows"] == m]
+            if not rs:
+                continue
+            totals: dict[str, float] = {}
+            for kernel in {r["kernel"] for r in rs}:
+                mine = {r["layer"]: r["us"] for r in rs if r["kernel"] == kernel}
+                if set(mine) == set(PER_STEP):
+                    totals[kernel] = sum(PER_STEP[layer] * us for layer, us in mine.items())
+            nbytes = sum(PER_STEP[r["layer"]] * r["n"] * r["k"] for r in rs if r["kernel"] == rs[0]["kernel"])
+            nbytes *= 2 if wname == "bf16" else 1
+            summary[f"{wname} M={m}"] = {
+                "step_us": dict(sorted(totals.items(), key=lambda kv: kv[1])),
+                "step_bytes": nbytes,
+                "best_per_layer": {layer: min((r for r in rs if r["layer"] == layer), key=lambda r: r["us"])["kernel"]
+                                   for layer in PER_STEP if any(r["layer"] == layer for r in rs)},
+            }
+    return summary
+
+
+def best_configs(summary: dict[str, Any], triton_linear) -> dict[str, list[int]]:
+    """For each `triton_linear._CONFIGS` key (as "width,one_row"): the tiles with the least decode-step time,
+    summed over the weight kinds of that width and, for the many-row kernel, over every M > 1 measured."""
+    best: dict[str, list[int]] = {}
+    for (width, one_row), default in triton_linear._CONFIGS.items():
+        kinds = ("bf16",) if width == 2 else ("int8", "fp8")
+        totals: dict[tuple[int, ...], float] = {}
+        for key, s in summary.items():
+            wname, m = key.split(" M=")
+            if wname not in kinds or (int(m) == 1) != one_row:
+                continue
+            for kernel, us in s["step_us"].items():
+                if kernel.startswith("triton_linear"):
+                    config = parse_config(kernel, default)
+                    totals[config] = totals.get(config, 0.0) + us
+        if totals:
+            best[f"{width},{int(one_row)}"] = list(min(totals, key=totals.__getitem__))
+    return best
+
+
+def parse_config(label: str, default) -> tuple[int, ...]:
+    """"triton_linear n8 k512 w4 s1" -> (8, 512, 4, 1); the bare label is the default tiles."""
+    if label == "triton_linear":
+        return (default.block_n, default.block_k, default.num_warps, default.num_stages)
+    return tuple(int(part[1:]) for part in label.split()[1:])
+
+
+def print_summary(summary: dict[str, Any], copy_gbs: float, print_table, GB: float) -> None:
+    rows = []
+    for key, s in summary.items():
+        ranked = list(s["step_us"].items())
+        for kernel, us in ranked[:3] + [kv for kv in ranked[3:] if not kv[0].startswith("triton_linear n")]:
+            rows.append([key, kernel, f"{us / 1e3:.3f}", f"{s['step_bytes'] / us / 1e3:.0f}",
+                         f"{100 * s['step_bytes'] / us / 1e3 / copy_gbs:.1f}%"])
+    print_table("The linears of one decode step (32 layers + lm_head), by kernel: ms, GB/s of weights, % of copy",
+                ["weights, rows", "kernel", "ms", "GB/s", "% of copy"], rows)
+    print("\nbest per layer:")
+    for key, s in summary.items():
+        print(f"  {key}: {s['best_per_layer']}")
+
+
+if __name__ == "__main__":
+    main()

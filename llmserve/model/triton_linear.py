@@ -1,0 +1,133 @@
+"""Decode-sized linear layers on CUDA, in Triton: out[M, N] = (x[M, K] @ w[N, K]^T) * scale[N] + bias[N]
+for M up to MAX_ROWS, with bf16/fp16, int8 or fp8 (e4m3) weights, written to stream the weights once at
+the device's read bandwidth.
+
+A batch-1 decode step does two flops per weight it reads, so its linear layers are a matter of moving
+bytes. Each program owns BLOCK_N weight rows (output columns) and walks K in BLOCK_K slices, loading
+each weight tile with 16-byte accesses along its contiguous rows and converting it to float32 in
+registers (bf16, fp16, int8 and e4m3 all convert exactly). One row of x is multiplied in on the CUDA
+cores and the products summed along K once, after the loop; two to MAX_ROWS rows go through `tl.dot`
+with x padded to 16 rows. There is no split-K: BLOCK_N is small enough that even N = 4096 gives several
+programs per multiprocessor, which keeps enough loads in flight. int8 and e4m3 weights read half the
+bytes of bf16 ones: weight-only quantization (W8A16) is what pays at batch 1, where quantizing the
+activations too (fp8 `_scaled_mm`) adds kernels and saves nothing.
+
+The tile shapes per weight width were chosen on an H200 (`benchmarks/gpu_linear.py`, BENCHMARKS.md);
+`config_for` is the one place that picks them. Launch grids depend on shapes alone (CUDA graphs).
+Runs on CPU tensors in Triton's interpreter when TRITON_INTERPRET=1 is set before import (tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # past this the layers are compute-heavy enough for the library GEMMs
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_wn,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One row of x (contiguous) against BLOCK_N weight rows; out is one contiguous row."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k_mask = start + ks < K
+        w = tl.load(w_ptrs + start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + start + ks, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        out = out * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def small_m_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Up to 16 rows of x against BLOCK_N weight rows, through tl.dot (x padded to 16 rows)."""
+    rows = tl.arange(0, 16)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k_mask = start + ks < K
+        x = tl.load(x_ptrs + start, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+# (weight bytes per element, one row or more) -> tiles; see the module docstring.
+_CONFIGS: dict[tuple[int, bool], TileConfig] = {
+    (2, True): TileConfig(block_n=8, block_k=512, num_warps=4),
+    (1, True): TileConfig(block_n=8, block_k=1024, num_warps=4),
+    (2, False): TileConfig(block_n=16, block_k=128, num_warps=4, num_stages=3),
+    (1, False): TileConfig(block_n=16, block_k=128, num_warps=4, num_stages=3),
+}
+
+
+def config_for(weight: torch.Tensor, rows: int) -> TileConfig:
+    return _CONFIGS[(min(weight.element_size(), 2), rows == 1)]  # float32 weights: tests in the interpreter
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` takes x [M, K]: few enough rows, a 16-bit activation dtype, contiguous weight rows."""
+    return (
+        x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.stride(1) == 1 and x.device == weight.device
+    )
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] times `weight` [N, K] (x's dtype, int8 or float8_e4m3fn), times the float32 per-row
+    `scale` [N] when given, plus `bias` [N]; x's dtype out. `config` overrides the tiles (benchmarks)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    config = config or config_for(weight, m)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, config.block_n),)
+    scale_arg = scale if scale is not None else out
+    bias_arg = bias if bias is not None else out
+    common = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK_N=config.block_n,
+                  BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    if m == 1:
+        gemv_kernel[grid](x, weight, scale_arg, bias_arg, out, n, k, weight.stride(0), **common)
+    else:
+        small_m_kernel[grid](x, weight, scale_arg, bias_arg, out, m, n, k, x.stride(0), weight.stride(0),
+                             out.stride(0), **common)
+    return out

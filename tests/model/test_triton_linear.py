@@ -1,0 +1,124 @@
+"""`triton_linear` (decode-sized linears on CUDA: bf16, int8 and e4m3 weights) against the float64 product of
+the weights it was given: in Triton's interpreter on CPU without CUDA (float32), natively in bfloat16 with it;
+compiled for an sm_90 GPU without one; and which layers take it on a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel's module imports triton
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from llmserve.model import layers  # noqa: E402
+from llmserve.model.quantization.fp8 import quantize_fp8  # noqa: E402
+from llmserve.model.quantization.int8 import quantize_int8  # noqa: E402
+from llmserve.model.triton_linear import MAX_ROWS, TileConfig, linear  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+
+
+def _weights(kind: str, out_features: int, in_features: int, gen: torch.Generator):
+    """(weight as the kernel takes it, float32 scale or None, the float64 matrix it stands for)."""
+    full = torch.randn(out_features, in_features, generator=gen) * 0.05
+    if kind == "full":
+        w = full.to(DTYPE)
+        return w, None, w.double()
+    q, scale = quantize_int8(full) if kind == "int8" else quantize_fp8(full)
+    return q, scale, q.double() * scale.double()[:, None]
+
+
+@pytest.mark.parametrize("kind", ["full", "int8", "fp8"])
+@pytest.mark.parametrize(("out_features", "in_features"), [(256, 128), (130, 200), (7, 1040)])
+@pytest.mark.parametrize("rows", [1, 2, 5, MAX_ROWS])
+def test_linear_matches_the_product_of_its_weights(kind, out_features, in_features, rows):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + len(kind))
+    w, scale, matrix = _weights(kind, out_features, in_features, gen)
+    bias = torch.randn(out_features, generator=gen) if rows % 2 else None
+    x = torch.randn(rows, in_features, generator=gen)
+    expected = x.to(DTYPE).double() @ matrix.T + (0 if bias is None else bias.to(DTYPE).double())
+    out = linear(x.to(DEVICE, DTYPE), w.to(DEVICE), None if scale is None else scale.to(DEVICE),
+                 None if bias is None else bias.to(DEVICE, DTYPE))
+    assert out.dtype == DTYPE and out.shape == (rows, out_features)
+    tol = (1e-2 if CUDA else 1e-5) * expected.abs().max().item()
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("config", [TileConfig(4, 256, 4), TileConfig(32, 64, 8, 3)])
+def test_every_tile_shape_computes_the_same_product(config):
+    """Tiles that do not divide N or K (and the benchmark's sweep overrides) give the same result."""
+    gen = torch.Generator().manual_seed(7)
+    w, scale, matrix = _weights("int8", 100, 300, gen)
+    for rows in (1, 3):
+        x = torch.randn(rows, 300, generator=gen)
+        expected = x.to(DTYPE).double() @ matrix.T
+        out = linear(x.to(DEVICE, DTYPE), w.to(DEVICE), scale.to(DEVICE), None, config)
+        torch.testing.assert_close(out.double().cpu(), expected, rtol=0,
+                                   atol=(1e-2 if CUDA else 1e-5) * expected.abs().max().item())
+
+
+def test_a_strided_row_is_read_as_contiguous():
+    gen = torch.Generator().manual_seed(3)
+    w, _, matrix = _weights("full", 64, 96, gen)
+    x = torch.randn(2, 192, generator=gen)[:, ::2]
+    out = linear(x.to(DEVICE, DTYPE), w.to(DEVICE))
+    expected = x.to(DTYPE).double() @ matrix.T
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=0, atol=(1e-2 if CUDA else 1e-5) * expected.abs().max().item())
+
+
+_AOT = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from llmserve.model.triton_linear import _CONFIGS, gemv_kernel, small_m_kernel
+
+    for (width, one_row), config in _CONFIGS.items():
+        fn = gemv_kernel if one_row else small_m_kernel
+        for weight in (("bf16", "fp16") if width == 2 else ("i8", "fp8e4nv")):
+            act = "fp16" if weight == "fp16" else "bf16"
+            ptrs = {"x_ptr": "*" + act, "w_ptr": "*" + weight, "scale_ptr": "*fp32", "bias_ptr": "*" + act,
+                    "out_ptr": "*" + act}
+            consts = dict(HAS_SCALE=width == 1, HAS_BIAS=True, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+            sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
+            triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    print("compiled")
+""")
+
+
+def test_kernels_compile_for_a_cuda_gpu():
+    import importlib.util
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_cpu_tensors_never_take_it():
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    assert layers.triton_linear_for(x, torch.randn(32, 64, dtype=torch.bfloat16), quantized=True) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize(("path", "rows", "quantized", "taken"), [
+    ("auto", 1, False, True), ("auto", 2, False, False), ("auto", 8, True, True), ("auto", MAX_ROWS + 1, True, False),
+    ("triton", 2, False, True), ("torch", 1, True, False),
+])
+def test_which_cuda_linears_take_it(monkeypatch, path, rows, quantized, taken):
+    monkeypatch.setattr(layers, "cuda_linear_path", path)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16, device="cuda")
+    assert (layers.triton_linear_for(x, torch.randn(32, 64, device="cuda").bfloat16(), quantized) is not None) is taken
