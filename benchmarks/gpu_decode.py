@@ -106,8 +106,8 @@ def use_linear_configs(path: str) -> dict[str, list[int]]:
 
     best = json.loads(Path(path).read_text())["best_configs"]
     for key, config in best.items():
-        width, one_row = key.split(",")
-        triton_linear._CONFIGS[(int(width), one_row == "1")] = triton_linear.TileConfig(*config)
+        kind, one_row = key.split(",")
+        triton_linear._CONFIGS[(kind, one_row == "1")] = triton_linear.TileConfig(*config)
     print(f"triton_linear tiles from {path}: {best}", flush=True)
     return best
 

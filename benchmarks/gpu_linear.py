@@ -33,9 +33,17 @@ PER_STEP = {"qkv_proj": 32, "o_proj": 32, "gate_up_proj": 32, "down_proj": 32, "
 SMOKE_SHAPES = {"qkv_proj": (96, 64), "o_proj": (64, 64), "gate_up_proj": (256, 64), "down_proj": (64, 128),
                 "lm_head": (500, 64)}
 
-ONE_ROW_SWEEP = [(4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (16, 256, 4),
-                 (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 256, 4), (32, 512, 8)]  # (block_n, block_k, warps)
-MANY_ROW_SWEEP = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 256, 4, 2), (32, 64, 4, 3), (32, 128, 4, 4)]  # + stages
+# (block_n, block_k, warps[, stages]) per weight width; the defaults in triton_linear._CONFIGS are always timed too
+ONE_ROW_SWEEP = {
+    2: [(4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (16, 256, 4),
+        (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 256, 4), (32, 512, 8)],
+    1: [(4, 1024, 4), (4, 2048, 4), (4, 4096, 4), (8, 1024, 4), (8, 2048, 4), (16, 1024, 4), (16, 512, 8),
+        (16, 256, 4)],
+}
+MANY_ROW_SWEEP = {
+    2: [(16, 64, 4, 3), (16, 128, 4, 3), (16, 256, 4, 2), (32, 64, 4, 3), (32, 128, 4, 4)],
+    1: [(32, 128, 4, 4), (16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (32, 128, 4, 6), (16, 512, 4, 3)],
+}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -43,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--reps", type=int, default=20, help="calls per captured graph")
     ap.add_argument("--no-sweep", action="store_true", help="only the default tiles")
+    ap.add_argument("--weights", default="bf16,int8,fp8", help="which weight kinds to time")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -61,14 +70,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     copy_gbs = copy_bandwidth_gbs(device, 1 << (26 if args.smoke else 32))
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
     timer = GraphTimer(device, 2 if args.smoke else args.reps)
-    one_sweep = [] if args.no_sweep else ONE_ROW_SWEEP[:2] if args.smoke else ONE_ROW_SWEEP
-    many_sweep = [] if args.no_sweep else MANY_ROW_SWEEP[:2] if args.smoke else MANY_ROW_SWEEP
+    wanted = args.weights.split(",")
     results: list[dict[str, Any]] = []
     gen = torch.Generator(device=device).manual_seed(0)
     for name, (n, k) in shapes.items():
         full = torch.randn(n, k, device=device, generator=gen, dtype=torch.float32).mul_(0.02)
         weights = {"bf16": (full.to(dtype), None), "int8": int8.quantize_int8(full),
                    "fp8": fp8.quantize_fp8(full)}
+        weights = {kind: weights[kind] for kind in wanted}
         del full
         for wname, (w, scale) in weights.items():
             copies = max(2, math.ceil((256 << 20) / (w.numel() * w.element_size())))
@@ -77,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 x = torch.randn(m, k, device=device, generator=gen).to(dtype)
                 reference = (x.double() @ (w.double() * (1 if scale is None else scale.double()[:, None])).T)
                 kernels = library_kernels(wname, ws, scale, x, args.smoke, fp8, triton_int8)
-                sweep = one_sweep if m == 1 else many_sweep
+                sweep = [] if args.no_sweep else (ONE_ROW_SWEEP if m == 1 else MANY_ROW_SWEEP)[min(w.element_size(), 2)]
+                sweep = sweep[:2] if args.smoke else sweep
                 configs = [None] + [triton_linear.TileConfig(*c) for c in sweep]
                 for config in configs:
                     label = "triton_linear" if config is None else f"triton_linear {config_label(config)}"
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = {"machine": machine_info(device), "copy_gbs": copy_gbs, "reps": timer.reps, "results": results,
            "summary": summary, "best_configs": best}
     print_summary(summary, copy_gbs, print_table, GB)
-    print("\nbest tiles by a decode step's linears (weight bytes per element, one row):")
+    print("\nbest tiles by a decode step's linears (weight kind, one row):")
     for key, config in best.items():
         print(f"  {key}: TileConfig{tuple(config)}")
     write_json(args.json, out)
@@ -189,22 +199,21 @@ def summarize(results: list[dict[str, Any]], rows_list: list[int]) -> dict[str, 
 
 
 def best_configs(summary: dict[str, Any], triton_linear) -> dict[str, list[int]]:
-    """For each `triton_linear._CONFIGS` key (as "width,one_row"): the tiles with the least decode-step time,
-    summed over the weight kinds of that width and, for the many-row kernel, over every M > 1 measured."""
+    """For each `triton_linear._CONFIGS` key measured (as "kind,one_row"): the tiles with the least
+    decode-step time, summed for the many-row kernel over every M > 1 measured."""
     best: dict[str, list[int]] = {}
-    for (width, one_row), default in triton_linear._CONFIGS.items():
-        kinds = ("bf16",) if width == 2 else ("int8", "fp8")
+    for (kind, one_row), default in triton_linear._CONFIGS.items():
         totals: dict[tuple[int, ...], float] = {}
         for key, s in summary.items():
             wname, m = key.split(" M=")
-            if wname not in kinds or (int(m) == 1) != one_row:
+            if {"bf16": "16-bit"}.get(wname, wname) != kind or (int(m) == 1) != one_row:
                 continue
             for kernel, us in s["step_us"].items():
                 if kernel.startswith("triton_linear"):
                     config = parse_config(kernel, default)
                     totals[config] = totals.get(config, 0.0) + us
         if totals:
-            best[f"{width},{int(one_row)}"] = list(min(totals, key=totals.__getitem__))
+            best[f"{kind},{int(one_row)}"] = list(min(totals, key=totals.__getitem__))
     return best
 
 

@@ -258,6 +258,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.memory_profile: MemoryProfile | None = None
+        self.cpu_decoder: CpuDecoder | None = None  # built once the KV cache exists; the profiling step runs without
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = [] if self.is_encoder else self._allocate_kv_cache(self.num_blocks)
         # small bf16 steps on CPU: the whole forward pass in one C call (None where it does not apply)

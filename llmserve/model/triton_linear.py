@@ -12,7 +12,7 @@ programs per multiprocessor, which keeps enough loads in flight. int8 and e4m3 w
 bytes of bf16 ones: weight-only quantization (W8A16) is what pays at batch 1, where quantizing the
 activations too (fp8 `_scaled_mm`) adds kernels and saves nothing.
 
-The tile shapes per weight width were chosen on an H200 (`benchmarks/gpu_linear.py`, BENCHMARKS.md);
+The tile shapes per weight kind were chosen on an H200 (`benchmarks/gpu_linear.py`, BENCHMARKS.md);
 `config_for` is the one place that picks them. Launch grids depend on shapes alone (CUDA graphs).
 Runs on CPU tensors in Triton's interpreter when TRITON_INTERPRET=1 is set before import (tests).
 """
@@ -87,17 +87,28 @@ def small_m_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-# (weight bytes per element, one row or more) -> tiles; see the module docstring.
-_CONFIGS: dict[tuple[int, bool], TileConfig] = {
-    (2, True): TileConfig(block_n=8, block_k=512, num_warps=4),
-    (1, True): TileConfig(block_n=8, block_k=1024, num_warps=4),
-    (2, False): TileConfig(block_n=16, block_k=128, num_warps=4, num_stages=3),
-    (1, False): TileConfig(block_n=16, block_k=128, num_warps=4, num_stages=3),
+# (weight kind, one row or more) -> tiles, from the sweep of benchmarks/gpu_linear.py on an H200 (BENCHMARKS.md,
+# issue 18). bf16 at one row: 4 rows x 2,048 columns a program (16 KB of weights a pass, 128 B a thread in
+# flight) read the 8B shape's decode linears at 95% of copy bandwidth, cuBLAS at 89%; at 2-16 rows cuBLAS
+# wins and "auto" leaves bf16 to it.
+_CONFIGS: dict[tuple[str, bool], TileConfig] = {
+    ("16-bit", True): TileConfig(block_n=4, block_k=2048, num_warps=4),
+    ("int8", True): TileConfig(block_n=4, block_k=1024, num_warps=4),
+    ("fp8", True): TileConfig(block_n=8, block_k=1024, num_warps=4),
+    ("16-bit", False): TileConfig(block_n=32, block_k=128, num_warps=4, num_stages=4),
+    ("int8", False): TileConfig(block_n=32, block_k=128, num_warps=4, num_stages=4),
+    ("fp8", False): TileConfig(block_n=32, block_k=128, num_warps=4, num_stages=4),
 }
 
 
+def weight_kind(weight: torch.Tensor) -> str:
+    if weight.dtype == torch.int8:
+        return "int8"
+    return "fp8" if weight.element_size() == 1 else "16-bit"  # float32 weights: tests in the interpreter
+
+
 def config_for(weight: torch.Tensor, rows: int) -> TileConfig:
-    return _CONFIGS[(min(weight.element_size(), 2), rows == 1)]  # float32 weights: tests in the interpreter
+    return _CONFIGS[(weight_kind(weight), rows == 1)]
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

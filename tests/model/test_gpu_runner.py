@@ -190,6 +190,16 @@ def test_profile_step_runs_on_a_scratch_cache(tiny_llama_dir: Path) -> None:
     assert all(not k.any() and not v.any() for k, v in runner.kv_caches)  # the engine's pool is untouched
 
 
+def test_profile_step_runs_while_the_runner_is_built(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the pool is sized by a profiling step taken during construction, before the KV cache (and
+    what is built on it) exists; here the CPU runner is made to size its pool the same way."""
+    monkeypatch.setattr(ModelRunner, "_decide_num_blocks", lambda self: (self.run_profile_step(), 8)[1])
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16", device="cpu", max_num_batched_tokens=100,
+                          max_num_seqs=5)
+    runner = ModelRunner(config, ModelConfig.from_pretrained(tiny_llama_dir), tiny_llama_dir, max_model_len=64)
+    assert runner.num_blocks == 8 and len(runner.kv_caches) == 2
+
+
 # ---- dtype and backend defaults -------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("requested", "checkpoint", "device", "expected"),

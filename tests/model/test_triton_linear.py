@@ -82,13 +82,13 @@ _AOT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from llmserve.model.triton_linear import _CONFIGS, gemv_kernel, small_m_kernel
 
-    for (width, one_row), config in _CONFIGS.items():
+    for (kind, one_row), config in _CONFIGS.items():
         fn = gemv_kernel if one_row else small_m_kernel
-        for weight in (("bf16", "fp16") if width == 2 else ("i8", "fp8e4nv")):
+        for weight in {"16-bit": ("bf16", "fp16"), "int8": ("i8",), "fp8": ("fp8e4nv",)}[kind]:
             act = "fp16" if weight == "fp16" else "bf16"
             ptrs = {"x_ptr": "*" + act, "w_ptr": "*" + weight, "scale_ptr": "*fp32", "bias_ptr": "*" + act,
                     "out_ptr": "*" + act}
-            consts = dict(HAS_SCALE=width == 1, HAS_BIAS=True, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+            consts = dict(HAS_SCALE=kind != "16-bit", HAS_BIAS=True, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
             sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
             triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
