@@ -117,8 +117,7 @@ SHAPES = [(2, 2, 64, 16), (4, 1, 128, 32), (8, 1, 64, 16), (8, 2, 128, 16)]  # G
 @pytest.mark.parametrize("many_splits", [False, True])
 def test_decode_matches_the_reference(heads, kv_heads, head_dim, block_size, many_splits):
     step = _compare(heads, kv_heads, head_dim, block_size, DECODES, [], many_splits=many_splits)
-    splits, _ = step.backend_data["triton_splits"]
-    assert (splits > 1) == many_splits
+    assert (step.backend_data["triton_splits"] > 1) == many_splits
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
@@ -139,7 +138,7 @@ def test_long_query_chunk_spans_several_query_tiles():
 def test_decode_grid_sized_for_a_longer_bound_gives_the_same_result():
     # what a CUDA graph captured at max_model_len sees: most splits lie past every sequence's end
     step = _compare(4, 2, 64, 16, [5, 33, 60], [], many_splits=True, seed=4, max_seq_len=400)
-    assert step.backend_data["triton_splits"][0] >= 20
+    assert step.backend_data["triton_splits"] >= 20
 
 
 def test_non_power_of_two_head_dim():
@@ -278,7 +277,7 @@ class TestNativeBfloat16:
     def test_long_context_split_decode(self):
         # one long sequence, small batch: the case splits are for (default split policy)
         step = _compare(32, 8, 128, 16, [30000, 17], [], torch.bfloat16, self.TOL, seed=3)
-        assert step.backend_data["triton_splits"][0] > 1
+        assert step.backend_data["triton_splits"] > 1
 
     def test_decode_in_a_cuda_graph(self):
         heads, kv_heads, head_dim, block_size = 8, 2, 128, 16
@@ -355,7 +354,8 @@ def test_fp8_kv_cache_matches_the_reference_on_its_dequantized_values(heads, kv_
 
 
 def test_fp8_kv_cache_doubles_the_tokens_of_a_bfloat16_cache(tiny_llama_dir):
-    """The pool is sized by bytes per element: 1 for e4m3, 2 for bfloat16 (and 4 for float32)."""
+    """The pool is sized by bytes per element: 1 for e4m3, 2 for bfloat16 (and 4 for float32); on CPU from
+    kv_cache_memory, on a GPU from the memory left after a profiled step."""
     from llmserve.config import EngineConfig
     from llmserve.model.config import ModelConfig
     from llmserve.model.runner import ModelRunner
@@ -367,8 +367,12 @@ def test_fp8_kv_cache_doubles_the_tokens_of_a_bfloat16_cache(tiny_llama_dir):
         assert runner.kv_caches[0][0].dtype == (FP8 if kv_cache_dtype == "fp8" else runner.dtype)
         return runner.num_blocks
 
-    assert blocks("bfloat16", "fp8") == 2 * blocks("bfloat16", "auto")
-    assert blocks("float32", "fp8") == 4 * blocks("float32", "auto")
+    for dtype, ratio in (("bfloat16", 2), ("float32", 4)):
+        fp8, full = blocks(dtype, "fp8"), blocks(dtype, "auto")
+        if CUDA:  # the pool is what a profiled budget holds, and two profiles differ by a few MiB
+            assert abs(fp8 / full - ratio) < 0.01 * ratio
+        else:
+            assert fp8 == ratio * full
 
 
 def test_tiny_model_serves_with_an_fp8_kv_cache_without_leaking_blocks(tiny_llama_dir):

@@ -81,19 +81,20 @@ def write_kv_kernel(
 def decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, v_scale, tokens_per_split,
+    qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ch, stride_ct, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid (decodes, kv_heads, splits). The program for split s attends the GROUP query heads of KV
-    head h over context positions [s * tokens_per_split, (s + 1) * tokens_per_split) of its sequence.
-    With one split it writes the normalised output; otherwise it writes its unnormalised accumulator
-    and softmax statistics (running max m, sum l_sum) for `merge_splits_kernel`. A split that starts past
-    the sequence's length runs no iteration and leaves the neutral partial (m = NEG_INIT, l_sum = 0,
-    acc = 0), so the launch grid can be sized from an upper bound on the lengths."""
+    """Grid (decodes, kv_heads, splits). Each sequence's context is cut into NUM_SPLITS equal runs of
+    whole tiles, sized from its own length (so a grid sized for an upper bound, as a CUDA graph's is,
+    still spreads a short context over several programs instead of leaving it to the first); the
+    program for split s attends the GROUP query heads of KV head h over run s. With one split it writes
+    the normalised output; otherwise it writes its unnormalised accumulator and softmax statistics
+    (running max m, sum l_sum) for `merge_splits_kernel`. A split that starts past the sequence's
+    length runs no iteration and leaves the neutral partial (m = NEG_INIT, l_sum = 0, acc = 0)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -113,6 +114,7 @@ def decode_kernel(
     l_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
 
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
     split_start = split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, seq_len)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
