@@ -1,5 +1,9 @@
 """Building blocks shared by the decoder architectures: norms, rotary embeddings, linear layers.
 
+Linear layers on CUDA run a single row (batch-1 decode; every quantized layer up to 16 rows) through
+`triton_linear`, which streams the weights faster than cuBLAS there, and everything else through
+F.linear (`LLMSERVE_CUDA_LINEAR` = auto | triton | torch); on CPU through `cpu_linear`.
+
 On CUDA the norms (with the residual add), rotary embedding and SiLU-and-multiply run as fused Triton
 kernels (`fused_kernels`) when triton is installed; on CPU, for decode-sized bf16 batches, as C kernels
 (`cpu_fused`); elsewhere, and when LLMSERVE_FUSED_KERNELS=0, they run as the plain torch code below, whose
@@ -110,11 +114,12 @@ def triton_linear_for(x: torch.Tensor, weight: torch.Tensor, quantized: bool) ->
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) over [..., K] inputs, through the fastest kernel this device has for it."""
-    x2 = x.reshape(-1, x.shape[-1])
-    kernels = triton_linear_for(x2, weight, quantized=False)
-    if kernels is None:
-        return cpu_linear.linear(x, weight, bias)
-    return kernels.linear(x2, weight, None, bias).reshape(*x.shape[:-1], weight.shape[0])
+    if x.is_cuda:
+        x2 = x.reshape(-1, x.shape[-1])
+        kernels = triton_linear_for(x2, weight, quantized=False)
+        if kernels is not None:
+            return kernels.linear(x2, weight, None, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return cpu_linear.linear(x, weight, bias)
 
 
 class Linear(nn.Module):

@@ -107,6 +107,17 @@ def test_kernels_compile_for_a_cuda_gpu():
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.parametrize(("value", "expected"), [("", "auto"), ("TORCH", "torch"), ("triton", "triton"), ("cublas", None)])
+def test_the_environment_variable_sets_the_path(value, expected):
+    code = "from llmserve.model import layers; print(layers.cuda_linear_path)"
+    env = {**os.environ, layers.CUDA_LINEAR_ENV: value}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if expected is None:
+        assert done.returncode != 0 and "LLMSERVE_CUDA_LINEAR must be one of auto, triton, torch" in done.stderr
+    else:
+        assert done.returncode == 0 and done.stdout.split() == [expected], done.stderr[-2000:]
+
+
 def test_cpu_tensors_never_take_it():
     x = torch.randn(1, 64, dtype=torch.bfloat16)
     assert layers.triton_linear_for(x, torch.randn(32, 64, dtype=torch.bfloat16), quantized=True) is None
