@@ -9,8 +9,6 @@ fusion) containing no 16-bit multiply-add that would skip one of those roundings
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from types import SimpleNamespace
 
@@ -28,6 +26,7 @@ from llmserve.model import fused_kernels, layers  # noqa: E402
 from llmserve.model.config import RopeConfig  # noqa: E402
 from llmserve.model.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 from llmserve.model.runner import StepBatch  # noqa: E402
+from tests.model.triton_aot import assert_compiles_for_sm90  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -470,13 +469,7 @@ def test_every_launch_turns_fp_fusion_off(monkeypatch):
 
 
 def test_kernels_compile_for_a_cuda_gpu():
-    import importlib.util
-
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("this triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles_for_sm90(_AOT)
 
 
 # ---- natively on a GPU --------------------------------------------------------------------------

@@ -6,8 +6,6 @@ CPU in float32; with CUDA the `gpu` class runs them natively in bfloat16."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import torch
@@ -22,6 +20,7 @@ pytest.importorskip("triton")
 from llmserve.model.attention.base import AttentionMetadata  # noqa: E402
 from llmserve.model.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from llmserve.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from tests.model.triton_aot import assert_compiles_for_sm90  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -229,14 +228,7 @@ _AOT = textwrap.dedent("""
 
 
 def test_kernels_compile_for_a_cuda_gpu():
-    import importlib.util
-
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("this triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles_for_sm90(_AOT)
 
 
 def test_backend_is_registered():

@@ -5,8 +5,6 @@ sm_90 GPU without one."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import torch
@@ -20,6 +18,7 @@ pytest.importorskip("triton")
 
 from llmserve.model.quantization.int8 import quantize_int8  # noqa: E402
 from llmserve.model.quantization.triton_int8 import w8a16_matmul  # noqa: E402
+from tests.model.triton_aot import assert_compiles_for_sm90  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -60,10 +59,4 @@ _AOT = textwrap.dedent("""
 
 
 def test_kernel_compiles_for_a_cuda_gpu():
-    import importlib.util
-
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("this triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles_for_sm90(_AOT)

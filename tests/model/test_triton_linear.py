@@ -22,6 +22,7 @@ from llmserve.model import layers  # noqa: E402
 from llmserve.model.quantization.fp8 import quantize_fp8  # noqa: E402
 from llmserve.model.quantization.int8 import quantize_int8  # noqa: E402
 from llmserve.model.triton_linear import MAX_ROWS, TileConfig, linear  # noqa: E402
+from tests.model.triton_aot import assert_compiles_for_sm90  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -98,13 +99,7 @@ _AOT = textwrap.dedent("""
 
 
 def test_kernels_compile_for_a_cuda_gpu():
-    import importlib.util
-
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("this triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles_for_sm90(_AOT)
 
 
 @pytest.mark.parametrize(("value", "expected"), [("", "auto"), ("TORCH", "torch"), ("triton", "triton"), ("cublas", None)])
