@@ -142,8 +142,11 @@ def test_tokenizing_a_5mb_prompt_stalls_neither_health_nor_a_running_stream(live
             assert end - start > 0.2, "the prompt was tokenized too fast to show anything"
             during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if start <= b <= end]
             assert len(during) >= 3, "the stream ended before tokenization did: give it more tokens"
-            assert max(during) < 0.1, max(during)
-            assert len(latencies) >= 3 and max(latencies) < 0.1, latencies
+            # A loop held by the tokenizer would show a gap as long as the tokenizing (6.8 s for these 5 MB on a
+            # Zen 3 VM); a busy 2-core machine shows up to ~0.11 s without one.
+            bound = min(0.3, (end - start) / 4)
+            assert max(during) < bound, (max(during), end - start)
+            assert len(latencies) >= 3 and max(latencies) < bound, (max(latencies), end - start)
 
     asyncio.run(run())
 
