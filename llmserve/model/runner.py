@@ -46,7 +46,7 @@ from llmserve.model.pooling import PoolerConfig, pool, truncate_embedding
 from llmserve.model.quantization import QuantizedLoader, resolve_quantization
 from llmserve.model.registry import model_class
 from llmserve.sampling.params import SamplingParams
-from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
+from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -553,10 +553,7 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """Host array -> device tensor; on CUDA through pinned memory, asynchronously (no stream sync)."""
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return to_device(torch.from_numpy(array), self.device)
 
 
 def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:

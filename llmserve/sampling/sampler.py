@@ -221,9 +221,10 @@ def _k_of(params: SamplingParams, vocab_size: int) -> int:
     return params.top_k if 0 < params.top_k < vocab_size else 0
 
 
-def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on `device`; to CUDA through pinned memory, asynchronously: a copy from pageable
-    memory would wait for the step still running on the device and undo the overlap."""
+    memory would wait for the step still running on the device and undo the overlap. The one way every
+    step input reaches the device (the runner's too)."""
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -257,16 +258,16 @@ def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int,
     if rep_rows:
         seen = [(i, tokens) for i, r in rep_rows for tokens in (r.prompt_token_ids, r.output_token_ids)]
         index = torch.unique(_flat_token_index(seen, vocab_size))
-        meta.seen_index = _to_device(index, device)
-        meta.repetition = _to_device(_per_entry([r.params.repetition_penalty for r in rows], index, vocab_size), device)
+        meta.seen_index = to_device(index, device)
+        meta.repetition = to_device(_per_entry([r.params.repetition_penalty for r in rows], index, vocab_size), device)
     if out_rows:
         index, counts = torch.unique(
             _flat_token_index([(i, r.output_token_ids) for i, r in out_rows], vocab_size), return_counts=True
         )
-        meta.output_index = _to_device(index, device)
-        meta.output_counts = _to_device(counts.to(torch.float32), device)
-        meta.frequency = _to_device(_per_entry([r.params.frequency_penalty for r in rows], index, vocab_size), device)
-        meta.presence = _to_device(_per_entry([r.params.presence_penalty for r in rows], index, vocab_size), device)
+        meta.output_index = to_device(index, device)
+        meta.output_counts = to_device(counts.to(torch.float32), device)
+        meta.frequency = to_device(_per_entry([r.params.frequency_penalty for r in rows], index, vocab_size), device)
+        meta.presence = to_device(_per_entry([r.params.presence_penalty for r in rows], index, vocab_size), device)
     return meta
 
 
@@ -288,7 +289,7 @@ def _build_random(rows: Sequence[SamplingRow], positions: list[int], batch_size:
     params = [rows[i].params for i in positions]
 
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return _to_device(torch.tensor(values, dtype=dtype), device).unsqueeze(1)
+        return to_device(torch.tensor(values, dtype=dtype), device).unsqueeze(1)
 
     ks = [_k_of(p, vocab_size) for p in params]
     kp = [j for j, p in enumerate(params) if ks[j] > 0 or p.top_p < 1.0]
@@ -296,14 +297,14 @@ def _build_random(rows: Sequence[SamplingRow], positions: list[int], batch_size:
     kp_ps = [params[j].top_p for j in kp]
     min_ps = [p.min_p for p in params]
     return _RandomMetadata(
-        rows=None if len(positions) == batch_size else _to_device(torch.tensor(positions, dtype=torch.int64), device),
+        rows=None if len(positions) == batch_size else to_device(torch.tensor(positions, dtype=torch.int64), device),
         temperature=column([p.temperature for p in params], torch.float32),
-        keys=_to_device(torch.from_numpy(
+        keys=to_device(torch.from_numpy(
             rng_keys([rows[i].seed for i in positions], [rows[i].sample_index for i in positions])
         ), device).unsqueeze(1),
         log_min_p=column([math.log(m) if m > 0 else -math.inf for m in min_ps], torch.float32)
         if any(m > 0 for m in min_ps) else None,
-        kp_rows=None if len(kp) == len(params) else _to_device(torch.tensor(kp, dtype=torch.int64), device),
+        kp_rows=None if len(kp) == len(params) else to_device(torch.tensor(kp, dtype=torch.int64), device),
         top_k=column(kp_ks, torch.int64) if any(kp_ks) else None,
         top_p=column(kp_ps, torch.float32) if any(p < 1.0 for p in kp_ps) else None,
         num_candidates=_initial_candidates(kp_ks, kp_ps, vocab_size),
@@ -348,13 +349,13 @@ class SamplingMetadata:
         return cls(
             batch_size=len(rows),
             vocab_size=vocab_size,
-            greedy_rows=_to_device(torch.tensor(greedy, dtype=torch.int64), device) if greedy and random else None,
+            greedy_rows=to_device(torch.tensor(greedy, dtype=torch.int64), device) if greedy and random else None,
             random=_build_random(rows, random, len(rows), vocab_size, device) if random else None,
-            banned_index=_to_device(_flat_token_index(banned, vocab_size), device) if banned else None,
+            banned_index=to_device(_flat_token_index(banned, vocab_size), device) if banned else None,
             penalties=_build_penalties(rows, vocab_size, device),
             max_num_logprobs=_max_logprobs(rows),
-            mask_rows=None if mask_rows is None else _to_device(torch.from_numpy(mask_rows), device),
-            token_bitmask=None if token_bitmask is None else _to_device(torch.from_numpy(token_bitmask), device),
+            mask_rows=None if mask_rows is None else to_device(torch.from_numpy(mask_rows), device),
+            token_bitmask=None if token_bitmask is None else to_device(torch.from_numpy(token_bitmask), device),
         )
 
 
