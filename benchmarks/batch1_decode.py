@@ -52,6 +52,14 @@ def read_bandwidth_gbs() -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def anon_huge_page_mb() -> float:
+    """MB of this process's memory on transparent huge pages (the weights are meant to be: model/huge_pages.py)."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -217,7 +225,7 @@ def main() -> None:
     llm.generate([prompt[:16]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     rounds = []
     for r in range(args.rounds):
-        row: dict[str, float] = {"read_gbs": read_bandwidth_gbs()}
+        row: dict[str, float] = {"read_gbs": read_bandwidth_gbs(), "huge_page_mb": anon_huge_page_mb()}
         for mode in modes:
             use_mode(mode)
             decode, cpu_ms, best = llmserve_decode(llm, prompt, args.new_tokens, args.best_window)

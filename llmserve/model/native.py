@@ -52,9 +52,10 @@ def _compiler() -> str | None:
     return None
 
 
-def load_library(source: Path, included: Sequence[Path] = ()) -> ctypes.CDLL | None:
+def load_library(source: Path, included: Sequence[Path] = (), defines: Sequence[str] = ()) -> ctypes.CDLL | None:
     """`source` built (or found in the cache) and loaded; None when kernels are off or it cannot be built.
-    `included`: the other C files that `source` #includes, so that editing them rebuilds it."""
+    `included`: the other C files that `source` #includes, so that editing them rebuilds it; `defines`:
+    NAME=VALUE macros for the build (benchmarks build variants of a tuning constant side by side)."""
     if not kernels_enabled():
         return None
     compiler = _compiler()
@@ -62,22 +63,23 @@ def load_library(source: Path, included: Sequence[Path] = ()) -> ctypes.CDLL | N
         logger.info("no C compiler found: %s is not used, the PyTorch path runs instead", source.name)
         return None
     headers = b"".join(path.read_bytes() for path in [*sorted(INCLUDE_DIR.glob("*.h")), *included])
+    flags = [*FLAGS, *(f"-D{define}" for define in defines)]
     key = hashlib.sha256(
-        source.read_bytes() + headers + " ".join([compiler, *FLAGS, platform.node(), platform.machine()]).encode()
+        source.read_bytes() + headers + " ".join([compiler, *flags, platform.node(), platform.machine()]).encode()
     )
     target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
-            _build(compiler, source, target)
+            _build(compiler, flags, source, target)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as exc:
         logger.warning("building %s failed (%s); the PyTorch path runs instead", source.name, exc)
         return None
 
 
-def _build(compiler: str, source: Path, target: Path) -> None:
+def _build(compiler: str, flags: Sequence[str], source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, f"-I{INCLUDE_DIR}", str(source), "-o", str(built), "-lm"], check=True, capture_output=True)
+        subprocess.run([compiler, *flags, f"-I{INCLUDE_DIR}", str(source), "-o", str(built), "-lm"], check=True, capture_output=True)
         os.replace(built, target)  # atomic: a concurrent process sees the whole file or none

@@ -13,7 +13,7 @@ from llmserve.model.quantization.int8 import INT8_KERNEL_MAX_ROWS, Int8LinearMet
 pytestmark = pytest.mark.skipif(cpu_linear.load_int8() is None, reason="the CPU kernel could not be built here")
 
 PATHS = [*cpu_linear.int8_fast_paths(), "portable"]  # every implementation built here
-ROWS = [1, 2, 3, 4, 5, 8]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13]  # every tile shape of both fast paths, and tiles after a full one
 
 
 def _quantized(shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import cpu_linear
+from llmserve.model import cpu_linear, native
 
 pytestmark = pytest.mark.skipif(cpu_linear.load() is None, reason="the CPU kernel could not be built here")
 
@@ -156,3 +157,24 @@ def test_native_bf16_gemm_is_detected_as_onednn_does():
     if not flags:
         pytest.skip("needs /proc/cpuinfo")
     assert cpu_linear.native_bf16_gemm() == ({"avx512bw", "avx512vl", "avx512dq"} <= flags)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_weight_prefetch_changes_no_result(path):
+    """The prefetch distance (csrc/bf16.h, swept by benchmarks/cpu_weight_prefetch.py) moves only timing: a build
+    without it gives the same bits on every implementation, for both kernels."""
+    gen = torch.Generator().manual_seed(5)
+    n, k, rows = 300, 1000, 3
+    x, w = _random((rows, k), gen), _random((n, k), gen)
+    q, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen)
+    code = cpu_linear.PATHS[path]
+    bf16_lib = native.load_library(cpu_linear.SOURCE, defines=["WEIGHT_PREFETCH_BYTES=0"])
+    int8_lib = native.load_library(cpu_linear.INT8_SOURCE, defines=["WEIGHT_PREFETCH_BYTES=0"])
+    plain_bf16, plain_int8 = torch.empty(rows, n, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    assert bf16_lib.llmserve_linear_bf16(ptr(x.data_ptr()), ptr(w.data_ptr()), None, ptr(plain_bf16.data_ptr()),
+                                         rows, n, k, k, 2, code) == 0
+    assert int8_lib.llmserve_linear_int8(ptr(x.data_ptr()), i64(rows), i64(k), i64(k), ptr(q.data_ptr()),
+                                         ptr(scale.data_ptr()), None, i64(n), ptr(plain_int8.data_ptr()), 2, code) == 0
+    assert torch.equal(cpu_linear.bf16_linear(x, w, path=path), plain_bf16)
+    assert torch.equal(cpu_linear.int8_linear(x, q, scale, path=path), plain_int8)

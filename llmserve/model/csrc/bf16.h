@@ -43,6 +43,21 @@ static inline int paths_built(void) {
 /* Whether `path` names an implementation compiled in. */
 static inline int path_built(int path) { return path == PATH_BEST || (path >= 0 && path <= 3 && (paths_built() >> path) & 1); }
 
+/* How far ahead of the weights being read the linear kernels prefetch them. Intel's L2 streamer stops at every
+   4 KiB page, so a weight stream left to it stalls at each page boundary; one page ahead keeps the next page
+   coming. On the 2-core AVX-512 Xeon VM, one-row linears over two threads went from 18.0 to 22.3 GB/s (bf16)
+   and from 12.3 to 22.3 GB/s (int8); 4-8 rows gained 30-50% (bf16) and 10-30% (int8). AMD's prefetchers
+   need it less: int8 on Zen 3 gained 15-20% from 2 KiB ahead, bf16 on Zen 3 and Zen 4 nothing (BENCHMARKS.md,
+   issue 18; benchmarks/cpu_weight_prefetch.py sweeps the distance). 0 turns it off. */
+#ifndef WEIGHT_PREFETCH_BYTES
+#define WEIGHT_PREFETCH_BYTES 4096
+#endif
+
+/* Prefetches the cache line WEIGHT_PREFETCH_BYTES past p; called once per 64 bytes of a weight stream. */
+static inline void prefetch_weights(const void *p) {
+    if (WEIGHT_PREFETCH_BYTES) __builtin_prefetch((const char *)p + WEIGHT_PREFETCH_BYTES, 0, 3);
+}
+
 #if HAVE_AVX2
 #include <immintrin.h>
 #include <stdlib.h>

@@ -28,12 +28,14 @@
  * Three implementations, each compiled where the build machine has its instructions; a call runs the best
  * one unless it names another (PATH_* in bf16.h):
  *  - AVX512-BF16: 32 weights per step widened to int32, converted to float32 and packed to bf16 pairs, then
- *    one `vdpbf16ps` per row of x (tiles of up to 4 rows) into float32 accumulators held in registers;
+ *    one `vdpbf16ps` per row of x (tiles of up to 8 rows) into float32 accumulators held in registers;
  *    masked loads for a k that is not a multiple of 32.
  *  - AVX2 + FMA: 16 weights per step widened to int16 pairs, their even and odd elements sign-extended to
  *    int32 by shifts and converted to float32, x split alike (bf16_even / bf16_odd), FMA into float32
  *    accumulators; the last k % 16 columns in scalar code.
  *  - Portable C for any machine, the same split over threads.
+ * Both fast paths prefetch the weight stream WEIGHT_PREFETCH_BYTES ahead (bf16.h): without it the AVX-512
+ * path was compute-starved at 65% of the bf16 kernel's stream rate on an Intel VM.
  * AVX512-VNNI with x quantized to int8 (what llama.cpp's Q8_0 does) was measured too: as fast at 1-4 rows,
  * twice as fast at 8, but it quantizes the activations (BENCHMARKS.md, issue 18), so it is not used.
  */
@@ -64,10 +66,13 @@ static void int8_rows_portable(const uint16_t *x, int64_t m, int64_t k, int64_t 
     }
 }
 
-#define INT8_MR 4 /* rows of x per tile: at most INT8_MR x INT8_UNROLL_MAX float32 accumulators in registers */
+#define INT8_MR 4 /* rows of x per tile on AVX2: at most INT8_MR x 2 x INT8_UNROLL_AVX2 accumulators in its 16 registers */
 
 #if HAVE_AVX512_BF16
 #define INT8_UNROLL_MAX 4
+/* Rows of x per tile on AVX-512: 8 x 2 accumulators fit its 32 registers, and each weight, converted once, serves
+   every row of an 8-row step (tiles of 4 converted it twice and ran 1.3x slower than the bf16 kernel there). */
+#define INT8_MR_AVX512 8
 
 /* 32 int8 weights (the first `count` of them, the rest read as 0) as bf16 pairs, exactly. */
 static inline __m512bh int8_widen(const int8_t *p, int count) {
@@ -91,13 +96,14 @@ static inline __attribute__((always_inline)) void int8_row_tile_avx512(const uin
                                                                 const int8_t *w, const float *scale,
                                                                 const uint16_t *bias, int64_t n, uint16_t *y,
                                                                 int64_t i0, int mr, int unroll, int64_t j) {
-    __m512 acc[INT8_MR][INT8_UNROLL_MAX];
+    __m512 acc[INT8_MR_AVX512][INT8_UNROLL_MAX];
     for (int i = 0; i < mr; i++)
         for (int u = 0; u < unroll; u++) acc[i][u] = _mm512_setzero_ps();
     const int8_t *wj = w + j * k;
     int64_t c = 0;
     for (; c + 32 * unroll <= k; c += 32 * unroll) {
         __m512bh wv[INT8_UNROLL_MAX];
+        for (int u = 0; u < unroll; u += 2) prefetch_weights(wj + c + 32 * u);
         for (int u = 0; u < unroll; u++) wv[u] = int8_widen32(wj + c + 32 * u);
         for (int i = 0; i < mr; i++) {
             const uint16_t *xi = x + (i0 + i) * ldx + c;
@@ -125,9 +131,14 @@ static void int8_rows_avx512bf16(const uint16_t *x, int64_t m, int64_t k, int64_
                                  int64_t last) {
     for (int64_t j = first; j < last; j++) {
         int64_t i0 = 0;
-        for (; i0 + INT8_MR <= m; i0 += INT8_MR) int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, INT8_MR, 2, j);
+        for (; i0 + INT8_MR_AVX512 <= m; i0 += INT8_MR_AVX512)
+            int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, INT8_MR_AVX512, 2, j);
         /* Fewer rows of x leave registers for more accumulators, which hide vdpbf16ps's latency. */
         switch (m - i0) {
+        case 7: int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, 7, 2, j); break;
+        case 6: int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, 6, 2, j); break;
+        case 5: int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, 5, 2, j); break;
+        case 4: int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, 4, 2, j); break;
         case 3: int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, 3, 2, j); break;
         case 2: int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, 2, 2, j); break;
         case 1: int8_row_tile_avx512(x, k, ldx, w, scale, bias, n, y, i0, 1, 4, j); break;
@@ -139,9 +150,6 @@ static void int8_rows_avx512bf16(const uint16_t *x, int64_t m, int64_t k, int64_
 
 #if HAVE_AVX2
 #define INT8_UNROLL_AVX2 4
-/* Bytes ahead of the weights being read to prefetch: the hardware prefetcher alone left the int8 stream at
-   75-80% of a plain read on Zen 3 (2 KiB ahead: +15-20%; the bf16 kernel gained nothing from it). */
-#define INT8_PREFETCH_AVX2 2048
 
 /* The even and odd products of 16 columns from c, weights and rows [i0, i0 + mr) of x, into accumulators u. */
 static inline __attribute__((always_inline)) void int8_columns_avx2(const float *xs, const int8_t *wj,
@@ -172,7 +180,7 @@ static inline __attribute__((always_inline)) void int8_row_tile_avx2(const uint1
     const int64_t k16 = k / 16 * 16;
     int64_t c = 0;
     for (; c + 16 * unroll <= k16; c += 16 * unroll) {
-        if ((c & 63) == 0) _mm_prefetch((const char *)(wj + c + INT8_PREFETCH_AVX2), _MM_HINT_T0);
+        if ((c & 63) == 0) prefetch_weights(wj + c);
         for (int u = 0; u < unroll; u++) int8_columns_avx2(xs, wj, even, odd, i0, mr, u, c + 16 * u, k16);
     }
     for (; c < k16; c += 16) int8_columns_avx2(xs, wj, even, odd, i0, mr, 0, c, k16);
