@@ -204,7 +204,8 @@ def test_model_output_is_rendered_inert(page, server: PlatformServer):
         status=200, headers={"content-type": "text/event-stream", "x-stream-id": "chatcmpl-x"}, body=events,
     ))
     open_page(page)
-    assert page.is_visible("#store-note")
+    # the model list arrives before the conversation store's 404 does: wait for the note, not just the models
+    page.wait_for_selector("#store-note", state="visible")
     send(page, "again")
     assert_inert(page, page.query_selector(".msg.assistant .body"))
 
