@@ -2,7 +2,9 @@
 
 1. The kernel alone, on paged bf16 caches in the medium model's shape (16 heads / 8 KV heads, head
    dim 64, block size 16, blocks shuffled): ms per call and the KV bytes read per second.
-2. The engine saturated offline (the serving benchmark's workload shape: random prompts of 32-256
+2. One decode step's attention: the kernel over 24 layers' caches in turn (more than the caches hold, as in a
+   step), built with its KV prefetch (KV_PREFETCH_BLOCKS) and without it, alternating: ms per step.
+3. The engine saturated offline (the serving benchmark's workload shape: random prompts of 32-256
    tokens, 16-128 output tokens, all at once), once per implementation, alternating, in one process:
    output tokens/s, and the time spent in decode attention.
 
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import random
 import statistics
@@ -20,6 +23,7 @@ import time
 import torch
 
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.model import native
 from llmserve.model.attention import cpu_kernels, torch_ref
 from llmserve.model.builtin import ensure_default_model
 from llmserve.sampling.params import SamplingParams
@@ -27,6 +31,8 @@ from llmserve.sampling.params import SamplingParams
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 SHAPES = [(1, 4000), (8, 1024), (32, 512), (128, 200), (256, 300)]  # (batch, context)
 IMPLEMENTATIONS = {"portable": True, "avx512": False}
+STEP_SHAPES = [(1, 4000), (1, 1000), (8, 1024), (64, 256)]  # (batch, context) for part 2
+LAYERS = 24
 
 
 def kernel_case(batch: int, context: int, gen: torch.Generator) -> dict[str, float]:
@@ -55,6 +61,46 @@ def kernel_case(batch: int, context: int, gen: torch.Generator) -> dict[str, flo
         row[f"{name}_gb_s"] = kv_bytes / seconds / 1e9
     row["speedup"] = row["portable_ms"] / row["avx512_ms"]
     return row
+
+
+def step_case(batch: int, context: int, libs: dict[str, ctypes.CDLL], rounds: int, gen: torch.Generator) -> dict:
+    """Part 2: ms of one pass of the kernel over LAYERS layers' caches, per library and implementation."""
+    per_seq = -(-context // BLOCK)
+    shape = (batch * per_seq, KV_HEADS, BLOCK, HEAD_DIM)
+    caches = [(torch.randn(shape, generator=gen).to(torch.bfloat16), torch.randn(shape, generator=gen).to(torch.bfloat16))
+              for _ in range(LAYERS)]
+    tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    query = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(query)
+    kv_bytes = LAYERS * 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for lib_name, lib in libs.items():
+            for impl, portable in IMPLEMENTATIONS.items():
+                fn = lib.llmserve_paged_decode_portable if portable else lib.llmserve_paged_decode
+                start = time.perf_counter()
+                for k_cache, v_cache in caches:
+                    fn(1, query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                       out.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK, per_seq, HEAD_DIM**-0.5,
+                       torch.get_num_threads())
+                key = f"{impl}_{lib_name}"
+                best[key] = min(best.get(key, float("inf")), time.perf_counter() - start)
+    row: dict = {"batch": batch, "context": context}
+    for key, seconds in best.items():
+        row[f"{key}_ms"] = seconds * 1e3
+        row[f"{key}_gb_s"] = kv_bytes / seconds / 1e9
+    return row
+
+
+def prefetch_variants() -> dict[str, ctypes.CDLL]:
+    """The kernel as built for the engine, and the same built without its KV prefetch."""
+    without = native.load_library(cpu_kernels.SOURCE, defines=["KV_PREFETCH_BLOCKS=0"])
+    assert without is not None
+    for fn in (without.llmserve_paged_decode, without.llmserve_paged_decode_portable):
+        fn.restype = ctypes.c_int
+        fn.argtypes = cpu_kernels.load().llmserve_paged_decode.argtypes
+    return {"prefetch": cpu_kernels.load(), "no_prefetch": without}
 
 
 class DecodeTimer:
@@ -101,6 +147,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="checkpoint dir (default: built-in llama medium)")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1, help="engine runs per implementation")
+    ap.add_argument("--step-rounds", type=int, default=7, help="alternations in part 2 (the fastest is kept)")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -114,6 +161,14 @@ def main() -> int:
         print(f"  batch {row['batch']:4d} x {row['context']:5d} tokens: portable {row['portable_ms']:7.3f} ms "
               f"({row['portable_gb_s']:5.1f} GB/s)  avx512 {row['avx512_ms']:7.3f} ms ({row['avx512_gb_s']:5.1f} GB/s)"
               f"  {row['speedup']:.2f}x")
+
+    libs = prefetch_variants()
+    step_rows = [step_case(batch, context, libs, args.step_rounds, gen) for batch, context in STEP_SHAPES]
+    print(f"one decode step's attention ({LAYERS} layers' caches in turn), with and without the KV prefetch:")
+    for row in step_rows:
+        print(f"  batch {row['batch']:4d} x {row['context']:5d} tokens: " + "  ".join(
+            f"{impl} {row[f'{impl}_prefetch_ms']:7.2f} ms against {row[f'{impl}_no_prefetch_ms']:7.2f} "
+            f"({row[f'{impl}_no_prefetch_ms'] / row[f'{impl}_prefetch_ms']:.2f}x)" for impl in IMPLEMENTATIONS))
 
     engine_rows: dict[str, list[dict[str, float]]] = {name: [] for name in IMPLEMENTATIONS}
     if not args.skip_engine:
@@ -134,7 +189,7 @@ def main() -> int:
         print(f"engine throughput, avx512 / portable: {statistics.median(ratios):.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"kernel": kernel_rows, "engine": engine_rows}, f, indent=2)
+            json.dump({"kernel": kernel_rows, "step": step_rows, "engine": engine_rows}, f, indent=2)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmserve.model import native
 from llmserve.model.attention import cpu_kernels
 from llmserve.model.attention.base import AttentionMetadata
 from llmserve.model.attention.torch_ref import TorchAttentionBackend
@@ -86,3 +87,25 @@ def test_use_portable_switches_every_later_call():
     finally:
         cpu_kernels.use_portable(False)
     assert torch.equal(cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125), best)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
+def test_kv_prefetch_changes_no_result(portable):
+    """The KV prefetch (KV_PREFETCH_BLOCKS, measured by benchmarks/cpu_attention.py) moves only timing: the kernel
+    built without it returns the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    lens, block_size, heads, kv_heads, dim = [1, 16, 17, 300], 16, 16, 8, 64
+    max_blocks = -(-max(lens) // block_size)
+    shape = (len(lens) * max_blocks, kv_heads, block_size, dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    tables = torch.randperm(shape[0], generator=gen).view(len(lens), max_blocks).to(torch.int32)
+    query = torch.randn(len(lens), heads, dim, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    expected = cpu_kernels.paged_decode(query, k_cache, v_cache, tables, seq_lens, dim**-0.5, portable=portable)
+    without = native.load_library(cpu_kernels.SOURCE, defines=["KV_PREFETCH_BLOCKS=0"])
+    fn = without.llmserve_paged_decode_portable if portable else without.llmserve_paged_decode
+    fn.argtypes = cpu_kernels.load().llmserve_paged_decode.argtypes
+    out = torch.empty_like(query)
+    assert fn(0, query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
+              out.data_ptr(), len(lens), heads, kv_heads, dim, block_size, max_blocks, dim**-0.5, 2) == 0
+    assert torch.equal(out, expected)

@@ -37,6 +37,32 @@ static inline void bf16_store(uint16_t *p, float v) { *p = float_to_bf16(v); }
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
+#ifndef KV_PREFETCH_BLOCKS
+#define KV_PREFETCH_BLOCKS 2
+#endif
+
+/* Asks for `bytes` from p a cache line at a time. Always inlined: GCC takes a function that only prefetches
+   for one without side effects and drops its calls. */
+static inline __attribute__((always_inline)) void prefetch_range(const void *p, size_t bytes) {
+    for (size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch((const char *)p + offset, 0, 3);
+}
+
+/* A task reads its heads' part of each block, a few KiB, then jumps to the next block wherever the block
+   table puts it, so the hardware prefetcher never gets going. While the task reads the block holding
+   position `first` of its sequence (`table`: its block table), this prefetches heads [h0, h0 + nh) of
+   `cache` (elements of `elem` bytes) in the block KV_PREFETCH_BLOCKS ahead, and at the first block in every
+   block up to it. */
+static inline __attribute__((always_inline)) void prefetch_blocks_ahead(const void *cache, const int32_t *table,
+                                                                        int first, int len, int block_size,
+                                                                        size_t kv_heads, size_t h0, size_t nh,
+                                                                        size_t dim, size_t elem) {
+    const int index = first / block_size;
+    for (int ahead = first == 0 ? 1 : KV_PREFETCH_BLOCKS; ahead <= KV_PREFETCH_BLOCKS; ahead++) {
+        if (first + ahead * block_size >= len) return;
+        const size_t at = ((size_t)table[index + ahead] * kv_heads + h0) * (size_t)block_size * dim * elem;
+        prefetch_range((const char *)cache + at, nh * (size_t)block_size * dim * elem);
+    }
+}
 
 /* Threads of the enclosing team (1 outside a parallel region): the functions below split their tasks over
    it with an orphaned `omp for`, so they run inside one region opened by their caller. */
@@ -67,6 +93,8 @@ static inline int team_size(void) {
                 const T *kblock = k_cache + ((size_t)tables[(size_t)b * max_blocks + first / block_size] * kv_heads + h) \
                                   * block_size * dim;                                                     \
                 const int rows = len - first < block_size ? len - first : block_size;                     \
+                prefetch_blocks_ahead(k_cache, tables + (size_t)b * max_blocks, first, len, block_size,   \
+                                      (size_t)kv_heads, (size_t)h, 1, (size_t)dim, sizeof(T));           \
                 for (int r = 0; r < rows; r++) {                                                          \
                     _Pragma("omp simd")                                                                   \
                     for (int d = 0; d < dim; d++) row[d] = LOAD(kblock + (size_t)r * dim + d);            \
@@ -95,6 +123,8 @@ static inline int team_size(void) {
                 const T *vblock = v_cache + ((size_t)tables[(size_t)b * max_blocks + first / block_size] * kv_heads + h) \
                                   * block_size * dim;                                                     \
                 const int rows = len - first < block_size ? len - first : block_size;                     \
+                prefetch_blocks_ahead(v_cache, tables + (size_t)b * max_blocks, first, len, block_size,   \
+                                      (size_t)kv_heads, (size_t)h, 1, (size_t)dim, sizeof(T));           \
                 for (int r = 0; r < rows; r++) {                                                          \
                     _Pragma("omp simd")                                                                   \
                     for (int d = 0; d < dim; d++) row[d] = LOAD(vblock + (size_t)r * dim + d);            \
@@ -261,6 +291,10 @@ static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *
         for (int first = 0; first < len; first += block_size) {                                         \
             const size_t block = (size_t)tables[(size_t)b * max_blocks + first / block_size];           \
             const int rows = len - first < block_size ? len - first : block_size;                       \
+            prefetch_blocks_ahead(k_cache, tables + (size_t)b * max_blocks, first, len, block_size,     \
+                                  (size_t)kv_heads, (size_t)h0, (size_t)per_task, (size_t)dim, sizeof(T)); \
+            prefetch_blocks_ahead(v_cache, tables + (size_t)b * max_blocks, first, len, block_size,     \
+                                  (size_t)kv_heads, (size_t)h0, (size_t)per_task, (size_t)dim, sizeof(T)); \
             for (int hh = 0; hh < per_task; hh++) {                                                     \
                 const T *kb = k_cache + ((block * kv_heads + h0 + hh) * block_size) * dim;              \
                 if (FAST_QK(qraw + (size_t)hh * group * dim, kb, rows, s + hh * group * MAX_BLOCK)) continue; \
