@@ -13,7 +13,8 @@ Rounds alternate the systems, so a noisy neighbour slows them alike; each round 
   - transformers generate, bf16 (--skip-hf to leave it out).
 Workloads: batch-1 decode of 128 tokens after a 128-token prompt (tok/s of the 127 tokens after the first;
 --best-window: also of the fastest W consecutive steps, for machines shared with other jobs),
-prefill of 512 tokens (tok/s), and --batch64: 64 sequences of 128 in + 128 out (output tok/s).
+prefill of 512 tokens (tok/s), --batch-sizes: N sequences decoding together (output tok/s of the decode steps,
+against llama.cpp's llama-batched-bench), and --batch64: 64 sequences of 128 in + 128 out (output tok/s).
 The machine's read bandwidth (float32 sum of 1 GiB over torch's threads) is measured in each round, and
 decode is reported as weight bytes per second and % of it.
 
@@ -105,6 +106,22 @@ def llmserve_decode(llm: LLM, prompt: list[int], new_tokens: int, window: int) -
     return (new_tokens - 1) / (time.perf_counter() - t), cpu_ms, window / best if window else 0.0
 
 
+def llmserve_batch_decode(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
+    """Output tok/s of the decode steps of len(prompts) sequences decoding together, once every prompt is
+    prefilled (the steps that prefill are not timed)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"batch-{len(prompts)}-{i}", prompt, params)
+    started: set[str] = set()
+    while len(started) < len(prompts):  # every sequence's first token comes with its prefill
+        started |= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return len(prompts) * (new_tokens - 1) / (time.perf_counter() - start)
+
+
 def llmserve_prefill(llm: LLM, prompt: list[int]) -> float:
     """tok/s of a prompt's prefill (a prompt not seen before: prefix caching would skip it)."""
     t = time.perf_counter()
@@ -132,10 +149,10 @@ def hf_decode(model, prompt: list[int], new_tokens: int) -> float:
 
 
 # ---- llama.cpp ------------------------------------------------------------------------------------
-def llama_bench_binary() -> Path | None:
-    for candidate in BENCH_CACHE.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-bench"):
+def llama_bench_binary(name: str = "llama-bench") -> Path | None:
+    for candidate in BENCH_CACHE.glob(f"llama_cpp_python-*/vendor/llama.cpp/build/bin/{name}"):
         return candidate
-    found = shutil.which("llama-bench")
+    found = shutil.which(name)
     return Path(found) if found else None
 
 
@@ -160,6 +177,19 @@ def llama_bench_best_window(binary: Path, gguf: Path, threads: int, window: int,
            "-r", str(reps), "-o", "json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return window / (min(json.loads(out)[0]["samples_ns"]) / 1e9)
+
+
+def llama_batched_bench(binary: Path, gguf: Path, threads: int, batch_sizes: list[int], prompt: int,
+                        generate: int) -> dict[int, float]:
+    """Output tok/s of llama.cpp's decode steps (`llama-batched-bench` S_TG) for each number of sequences
+    decoding together, after a prompt of `prompt` tokens each."""
+    context = max(batch_sizes) * (prompt + generate) + 64
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-c", str(context), "-b", "2048", "-ub", "512",
+           "-npp", str(prompt), "-ntg", str(generate), "-npl", ",".join(map(str, batch_sizes)),
+           "--output-format", "jsonl"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {row["pl"]: row["speed_tg"] for row in rows}
 
 
 def llama_bench_decode(binary: Path, gguf: Path, threads: int, generate: int, depth: int) -> tuple[float, float]:
@@ -188,8 +218,12 @@ def main() -> None:
                     "--new-tokens / W runs of W tokens): what each reaches when the neighbours leave it the cores")
     ap.add_argument("--quantization", choices=["int8"], default=None,
                     help="llmserve's weights quantized at load (compare with llama.cpp Q8_0)")
+    ap.add_argument("--batch-sizes", default="", metavar="N,N,...",
+                    help="also N sequences decoding together (e.g. 2,4,8): output tok/s of the decode steps, against "
+                    "llama.cpp's llama-batched-bench (built by benchmarks/llama_cpp.sh)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    batch_sizes = [int(n) for n in args.batch_sizes.split(",") if n]
     modes = args.modes.split(",")
     if not modes or set(modes) - set(MODES):
         ap.error(f"--modes: choose from {', '.join(MODES)}")
@@ -209,6 +243,9 @@ def main() -> None:
         return [rng.randrange(10, vocab - 10) for _ in range(length)]
 
     binary = llama_bench_binary()
+    batched_binary = llama_bench_binary("llama-batched-bench")
+    if batch_sizes and batched_binary is None:
+        print("llama.cpp: llama-batched-bench not found; build it with `bash benchmarks/llama_cpp.sh` (skipped)")
     ggufs = {name: Path(args.gguf_dir) / f"{Path(model_dir).name}-{name}.gguf" for name in ("bf16", "q8_0")}
     if binary is None:
         print("llama.cpp: llama-bench not found; build it with `bash benchmarks/llama_cpp.sh` (skipped)")
@@ -232,6 +269,10 @@ def main() -> None:
             row[f"llmserve_{mode}_decode"], row[f"llmserve_{mode}_cpu_ms_per_step"] = decode, cpu_ms
             if args.best_window:
                 row[f"llmserve_{mode}_best_window_decode"] = best
+            for n in batch_sizes:
+                row[f"llmserve_{mode}_batch{n}_decode"] = llmserve_batch_decode(
+                    llm, [fresh(args.prompt_len) for _ in range(n)], args.new_tokens
+                )
             if mode in (modes[0], modes[-1]):  # prefill and batch 64 never take the one-call step
                 row[f"llmserve_{mode}_prefill"] = llmserve_prefill(llm, fresh(args.prefill_len))
                 if args.batch64:
@@ -246,6 +287,15 @@ def main() -> None:
                 row[f"llama_cpp_{name}_best_window_decode"] = llama_bench_best_window(
                     binary, path, threads, args.best_window, args.prompt_len, max(1, args.new_tokens // args.best_window)
                 )
+        reference = "q8_0" if args.quantization == "int8" else "bf16"
+        if batch_sizes and batched_binary is not None and reference in ggufs:
+            speeds = llama_batched_bench(batched_binary, ggufs[reference], threads, batch_sizes, args.prompt_len,
+                                         args.new_tokens)
+            for n in batch_sizes:
+                row[f"llama_cpp_{reference}_batch{n}_decode"] = speeds[n]
+                row[f"llmserve_vs_llama_cpp_{reference}_batch{n}"] = (
+                    row[f"llmserve_{modes[0]}_batch{n}_decode"] / speeds[n]
+                )
         if hf is not None:
             row["hf_decode"] = hf_decode(hf, prompt, args.new_tokens)
         decode = row[f"llmserve_{modes[0]}_decode"]
@@ -253,7 +303,6 @@ def main() -> None:
         row["pct_read_bw"] = 100 * row["llmserve_weight_gbs"] / row["read_gbs"]
         for other in modes[1:]:
             row[f"{modes[0]}_vs_{other}_decode"] = decode / row[f"llmserve_{other}_decode"]
-        reference = "q8_0" if args.quantization == "int8" else "bf16"
         if f"llama_cpp_{reference}_decode" in row:
             row[f"llmserve_vs_llama_cpp_{reference}_decode"] = decode / row[f"llama_cpp_{reference}_decode"]
             # by CPU time per token: what each costs, whatever the neighbours take
