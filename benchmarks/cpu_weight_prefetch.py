@@ -31,24 +31,25 @@ def build(source: Path, distance: int) -> ctypes.CDLL:
     return lib
 
 
-def bf16_pass(lib: ctypes.CDLL, xs: dict[int, torch.Tensor], weights: list[torch.Tensor], threads: int) -> None:
+def bf16_pass(lib: ctypes.CDLL, xs: dict[int, torch.Tensor], weights: list[torch.Tensor], threads: int,
+              path: int) -> None:
     for w in weights:
         n, k = w.shape
         x = xs[k]
         y = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
         lib.llmserve_linear_bf16(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(w.data_ptr()), None,
-                                 ctypes.c_void_p(y.data_ptr()), x.shape[0], n, k, k, threads, 0)
+                                 ctypes.c_void_p(y.data_ptr()), x.shape[0], n, k, k, threads, path)
 
 
 def int8_pass(lib: ctypes.CDLL, xs: dict[int, torch.Tensor], weights: list[tuple[torch.Tensor, torch.Tensor]],
-              threads: int) -> None:
+              threads: int, path: int) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for q, scale in weights:
         n, k = q.shape
         x = xs[k]
         y = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
         lib.llmserve_linear_int8(ptr(x.data_ptr()), i64(x.shape[0]), i64(k), i64(k), ptr(q.data_ptr()),
-                                 ptr(scale.data_ptr()), None, i64(n), ptr(y.data_ptr()), threads, 0)
+                                 ptr(scale.data_ptr()), None, i64(n), ptr(y.data_ptr()), threads, path)
 
 
 def main() -> None:
@@ -57,6 +58,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--distances", default="0,1024,2048,4096", help="prefetch distances in bytes (0: none)")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--path", choices=sorted(cpu_linear.PATHS), default="best",
+                    help="the kernels' implementation (e.g. avx2 on an AVX-512 machine)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     threads = args.threads or torch.get_num_threads()
@@ -80,9 +83,9 @@ def main() -> None:
             for (kind, d), lib in libs.items():
                 start = time.perf_counter()
                 if kind == "bf16":
-                    bf16_pass(lib, xs, bf16_weights, threads)
+                    bf16_pass(lib, xs, bf16_weights, threads, cpu_linear.PATHS[args.path])
                 else:
-                    int8_pass(lib, xs, int8_weights, threads)
+                    int8_pass(lib, xs, int8_weights, threads, cpu_linear.PATHS[args.path])
                 best[(kind, d)] = min(best[(kind, d)], time.perf_counter() - start)
         for (kind, d), seconds in best.items():
             gbs = bytes_per_pass[kind] / seconds / 1e9
@@ -90,7 +93,7 @@ def main() -> None:
             print(f"{kind} M={rows} prefetch {d:>5} B: {seconds * 1e3:6.1f} ms  {gbs:5.1f} GB/s", flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"threads": threads, "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"threads": threads, "path": args.path, "results": results}, indent=2))
 
 
 if __name__ == "__main__":
