@@ -3,7 +3,8 @@
 1. The kernel alone, on paged bf16 caches in the medium model's shape (16 heads / 8 KV heads, head
    dim 64, block size 16, blocks shuffled): ms per call and the KV bytes read per second.
 2. One decode step's attention: the kernel over 24 layers' caches in turn (more than the caches hold, as in a
-   step), built with its KV prefetch (KV_PREFETCH_BLOCKS) and without it, alternating: ms per step.
+   step), built with its KV prefetch (KV_PREFETCH_BLOCKS, --kv-prefetch-blocks) and without it, alternating:
+   ms per step.
 3. The engine saturated offline (the serving benchmark's workload shape: random prompts of 32-256
    tokens, 16-128 output tokens, all at once), once per implementation, alternating, in one process:
    output tokens/s, and the time spent in decode attention.
@@ -17,6 +18,7 @@ import argparse
 import ctypes
 import json
 import random
+import re
 import statistics
 import time
 
@@ -32,6 +34,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 SHAPES = [(1, 4000), (8, 1024), (32, 512), (128, 200), (256, 300)]  # (batch, context)
 IMPLEMENTATIONS = {"portable": True, "avx512": False}
 STEP_SHAPES = [(1, 4000), (1, 1000), (8, 1024), (64, 256)]  # (batch, context) for part 2
+DEFAULT_KV_PREFETCH_BLOCKS = int(re.search(r"#define KV_PREFETCH_BLOCKS (\d+)", cpu_kernels.SOURCE.read_text())[1])
 LAYERS = 24
 
 
@@ -93,14 +96,17 @@ def step_case(batch: int, context: int, libs: dict[str, ctypes.CDLL], rounds: in
     return row
 
 
-def prefetch_variants() -> dict[str, ctypes.CDLL]:
-    """The kernel as built for the engine, and the same built without its KV prefetch."""
-    without = native.load_library(cpu_kernels.SOURCE, defines=["KV_PREFETCH_BLOCKS=0"])
-    assert without is not None
-    for fn in (without.llmserve_paged_decode, without.llmserve_paged_decode_portable):
-        fn.restype = ctypes.c_int
-        fn.argtypes = cpu_kernels.load().llmserve_paged_decode.argtypes
-    return {"prefetch": cpu_kernels.load(), "no_prefetch": without}
+def prefetch_variants(distances: list[int]) -> dict[str, ctypes.CDLL]:
+    """The kernel built with each KV_PREFETCH_BLOCKS in `distances` (0: no prefetch), keyed "prefetch<N>"."""
+    libs = {}
+    for blocks in distances:
+        lib = native.load_library(cpu_kernels.SOURCE, defines=[f"KV_PREFETCH_BLOCKS={blocks}"])
+        assert lib is not None
+        for fn in (lib.llmserve_paged_decode, lib.llmserve_paged_decode_portable):
+            fn.restype = ctypes.c_int
+            fn.argtypes = cpu_kernels.load().llmserve_paged_decode.argtypes
+        libs[f"prefetch{blocks}"] = lib
+    return libs
 
 
 class DecodeTimer:
@@ -148,6 +154,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1, help="engine runs per implementation")
     ap.add_argument("--step-rounds", type=int, default=7, help="alternations in part 2 (the fastest is kept)")
+    ap.add_argument("--kv-prefetch-blocks", default=f"0,{DEFAULT_KV_PREFETCH_BLOCKS}",
+                    help="part 2's builds: KV_PREFETCH_BLOCKS values, comma-separated (0: none)")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -162,13 +170,15 @@ def main() -> int:
               f"({row['portable_gb_s']:5.1f} GB/s)  avx512 {row['avx512_ms']:7.3f} ms ({row['avx512_gb_s']:5.1f} GB/s)"
               f"  {row['speedup']:.2f}x")
 
-    libs = prefetch_variants()
+    distances = [int(d) for d in args.kv_prefetch_blocks.split(",")]
+    libs = prefetch_variants(distances)
     step_rows = [step_case(batch, context, libs, args.step_rounds, gen) for batch, context in STEP_SHAPES]
-    print(f"one decode step's attention ({LAYERS} layers' caches in turn), with and without the KV prefetch:")
+    print(f"one decode step's attention ({LAYERS} layers' caches in turn), ms, by KV_PREFETCH_BLOCKS "
+          f"({', '.join(map(str, distances))}; the build default is {DEFAULT_KV_PREFETCH_BLOCKS}):")
     for row in step_rows:
         print(f"  batch {row['batch']:4d} x {row['context']:5d} tokens: " + "  ".join(
-            f"{impl} {row[f'{impl}_prefetch_ms']:7.2f} ms against {row[f'{impl}_no_prefetch_ms']:7.2f} "
-            f"({row[f'{impl}_no_prefetch_ms'] / row[f'{impl}_prefetch_ms']:.2f}x)" for impl in IMPLEMENTATIONS))
+            f"{impl} " + " / ".join(f"{row[f'{impl}_prefetch{d}_ms']:.2f}" for d in distances)
+            for impl in IMPLEMENTATIONS))
 
     engine_rows: dict[str, list[dict[str, float]]] = {name: [] for name in IMPLEMENTATIONS}
     if not args.skip_engine:
