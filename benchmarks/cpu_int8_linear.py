@@ -3,11 +3,12 @@ matrices of the built-in `medium` Llama (24 layers x qkv 2048x1024, o 1024x1024,
 1024x2816; random weights, 283 MB in int8), for M rows of bf16 activations:
 
   - int8_kernel: `cpu_linear.int8_linear` (csrc/linear_int8_cpu.c), what `--quantization int8` runs for
-    up to `cpu_linear.MAX_ROWS` rows; int8_portable: its plain-C implementation (--portable);
+    up to `cpu_linear.INT8_MAX_ROWS` rows; int8_portable: its plain-C implementation (--portable);
   - int8pack_mm: `torch._weight_int8pack_mm` (the int8 path before the kernel, scales in bf16);
-  - convert: int8 weights converted to bf16, `F.linear`, scales on the output (int8 above MAX_ROWS rows);
+  - convert: int8 weights converted to bf16, `F.linear`, scales on the output (int8 above INT8_MAX_ROWS rows);
   - bf16: `cpu_linear.linear` on the bf16 weights (the bf16 kernel up to MAX_ROWS rows, `F.linear` above);
-    bf16_onednn: `F.linear` on them at every M (oneDNN), which the bf16 kernel replaces up to MAX_ROWS.
+    bf16_onednn: `F.linear` on them at every M (oneDNN), which the bf16 kernel replaces up to MAX_ROWS;
+    bf16_onednn_packed (--packed): oneDNN on a copy of them pre-packed for each M.
 
 Each pass runs all 96 matrices (more than the caches hold, so weights come from memory, as in a decode
 step); the methods alternate, ROUNDS times, and the fastest pass of each is reported as process CPU time
@@ -37,7 +38,10 @@ SHAPES = [(2048, 1024), (1024, 1024), (5632, 1024), (1024, 2816)]  # (N, K) of m
 LAYERS = 24
 
 
-def methods(portable: bool) -> dict[str, Callable]:
+PACKED: dict[int, torch.Tensor] = {}  # id(bf16 weight) -> oneDNN's pre-packed copy for the current M (--packed)
+
+
+def methods(portable: bool, packed: bool = False) -> dict[str, Callable]:
     found = {
         "int8_kernel": lambda x, w, q, s, s16: cpu_linear.int8_linear(x, q, s),
         "int8pack_mm": lambda x, w, q, s, s16: torch._weight_int8pack_mm(x, q, s16),
@@ -45,6 +49,10 @@ def methods(portable: bool) -> dict[str, Callable]:
         "bf16": lambda x, w, q, s, s16: cpu_linear.linear(x, w),
         "bf16_onednn": lambda x, w, q, s, s16: F.linear(x, w),
     }
+    if packed:
+        found["bf16_onednn_packed"] = lambda x, w, q, s, s16: torch.ops.mkldnn._linear_pointwise(
+            x, PACKED[id(w)], None, "none", [], ""
+        )
     if portable:
         found["int8_portable"] = lambda x, w, q, s, s16: cpu_linear.int8_linear(x, q, s, path="portable")
     return found
@@ -76,6 +84,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,64", help="comma-separated M values")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--portable", action="store_true", help="also the kernel's plain-C implementation")
+    ap.add_argument("--packed", action="store_true",
+                    help="also F.linear's oneDNN on bf16 weights pre-packed for each M (mkldnn._reorder_linear_weight)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -93,9 +103,12 @@ def main() -> None:
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in SHAPES}}
+        if args.packed:
+            PACKED.clear()
+            PACKED.update({id(w): torch.ops.mkldnn._reorder_linear_weight(w, rows) for w, _, _, _ in matrices})
         best: dict[str, float] = {}
         for _ in range(args.rounds):
-            for name, fn in methods(args.portable).items():
+            for name, fn in methods(args.portable, args.packed).items():
                 start = time.process_time()
                 for w, q, scale, scale16 in matrices:
                     fn(xs[q.shape[1]], w, q, scale, scale16)

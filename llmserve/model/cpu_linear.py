@@ -11,7 +11,7 @@ when asked for (LLMSERVE_CPU_KERNELS=portable, for tests and comparisons). Calls
 has no native bf16 GEMM (oneDNN's needs AVX-512): there they run `float32_gemm`, float32 GEMM on weights
 converted a block at a time, 3.6-7x faster than torch's generic bf16 loop. The int8 kernel converts each int8 weight to bf16 on the fly (exactly)
 and runs the same dot products, so it computes weight-only quantization's result while reading half the
-bytes; `quantization.int8` calls it for up to `MAX_ROWS` rows.
+bytes; `quantization.int8` calls it for up to `INT8_MAX_ROWS` rows.
 
 LLMSERVE_CPU_KERNELS (see `llmserve.model.native`) turns the kernels off or keeps them on their portable
 path; `use_kernel` (both kernels), `use_int8_kernel` and `use_path` do the same at run time, for
@@ -35,6 +35,10 @@ INT8_SOURCE = Path(__file__).with_name("csrc") / "linear_int8_cpu.c"
 # Above this oneDNN's blocked GEMM is as fast or faster, for bf16 weights and for int8 ones converted to bf16
 # (see BENCHMARKS.md, issue 18).
 MAX_ROWS = 8
+# The int8 kernel stays ahead of converting the weights for oneDNN up to 16 rows: 1.4-1.7x at 12-16 rows on the
+# AVX-512 Xeon (1.2x at 24, even at 32), and even with float32_gemm at 16 rows on Zen 3's AVX2 path (BENCHMARKS.md,
+# issue 18).
+INT8_MAX_ROWS = 16
 FLOAT32_BLOCK = 256  # weight rows per float32 block in `float32_gemm` (64-1024 measured: 256 best or within 3%)
 
 _enabled = True
@@ -212,7 +216,7 @@ def int8_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `int8_linear` should run x [M, K] against int8 `weight` [N, K]: few bf16 rows on the CPU, and
     the kernel built on a fast path (or another path asked for)."""
     return (
-        x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+        x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= INT8_MAX_ROWS
         and weight.dtype == torch.int8 and weight.is_contiguous() and int8_kernel_runs()
     )
 
