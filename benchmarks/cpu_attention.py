@@ -25,7 +25,6 @@ import time
 import torch
 
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.model import native
 from llmserve.model.attention import cpu_kernels, torch_ref
 from llmserve.model.builtin import ensure_default_model
 from llmserve.sampling.params import SamplingParams
@@ -98,15 +97,7 @@ def step_case(batch: int, context: int, libs: dict[str, ctypes.CDLL], rounds: in
 
 def prefetch_variants(distances: list[int]) -> dict[str, ctypes.CDLL]:
     """The kernel built with each KV_PREFETCH_BLOCKS in `distances` (0: no prefetch), keyed "prefetch<N>"."""
-    libs = {}
-    for blocks in distances:
-        lib = native.load_library(cpu_kernels.SOURCE, defines=[f"KV_PREFETCH_BLOCKS={blocks}"])
-        assert lib is not None
-        for fn in (lib.llmserve_paged_decode, lib.llmserve_paged_decode_portable):
-            fn.restype = ctypes.c_int
-            fn.argtypes = cpu_kernels.load().llmserve_paged_decode.argtypes
-        libs[f"prefetch{blocks}"] = lib
-    return libs
+    return {f"prefetch{blocks}": cpu_kernels.load((f"KV_PREFETCH_BLOCKS={blocks}",)) for blocks in distances}
 
 
 class DecodeTimer:

@@ -18,16 +18,17 @@ from pathlib import Path
 
 import torch
 
-from llmserve.model import cpu_linear, native
+from llmserve.model import cpu_linear
 
 SHAPES = [(2048, 1024), (1024, 1024), (5632, 1024), (1024, 2816)]  # (N, K) of medium's projections
 LAYERS = 24
 
 
-def build(source: Path, distance: int) -> ctypes.CDLL:
-    lib = native.load_library(source, defines=[f"WEIGHT_PREFETCH_BYTES={distance}"])
+def build(kind: str, distance: int) -> ctypes.CDLL:
+    define = (f"WEIGHT_PREFETCH_BYTES={distance}",)
+    lib = cpu_linear.load(define) if kind == "bf16" else cpu_linear.load_int8(define)
     if lib is None:
-        raise SystemExit(f"{source.name} could not be built (no C compiler, or LLMSERVE_CPU_KERNELS=0)")
+        raise SystemExit("the kernels could not be built (no C compiler, or LLMSERVE_CPU_KERNELS=0)")
     return lib
 
 
@@ -70,11 +71,7 @@ def main() -> None:
     int8_weights = [(torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8), torch.rand(shape[0]))
                     for shape in shapes]
     bytes_per_pass = {"bf16": sum(w.numel() * 2 for w in bf16_weights), "int8": sum(q.numel() for q, _ in int8_weights)}
-    libs = {(kind, d): build(cpu_linear.SOURCE if kind == "bf16" else cpu_linear.INT8_SOURCE, d)
-            for kind in ("bf16", "int8") for d in distances}
-    for (kind, _), lib in libs.items():
-        fn = lib.llmserve_linear_bf16 if kind == "bf16" else lib.llmserve_linear_int8
-        fn.restype = ctypes.c_int
+    libs = {(kind, d): build(kind, d) for kind in ("bf16", "int8") for d in distances}
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in SHAPES}}

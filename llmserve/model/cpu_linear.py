@@ -76,9 +76,10 @@ def current_path() -> str:
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernel library, built on first use; None when it cannot be built or kernels are off."""
-    lib = native.load_library(SOURCE)
+def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None when it cannot be built or kernels are off. `defines`
+    builds a variant of its tuning constants (NAME=VALUE), for benchmarks and tests."""
+    lib = native.load_library(SOURCE, defines=defines)
     if lib is None:
         return None
     lib.llmserve_linear_bf16.restype = ctypes.c_int
@@ -194,9 +195,10 @@ def bf16_linear(
 
 
 @functools.cache
-def load_int8() -> ctypes.CDLL | None:
-    """The int8 kernel library, built on first use; None when it cannot be built or kernels are off."""
-    lib = native.load_library(INT8_SOURCE)
+def load_int8(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The int8 kernel library, built on first use; None when it cannot be built or kernels are off
+    (`defines` as for `load`)."""
+    lib = native.load_library(INT8_SOURCE, defines=defines)
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.model import native
 from llmserve.model.attention import cpu_kernels
 from llmserve.model.attention.base import AttentionMetadata
 from llmserve.model.attention.torch_ref import TorchAttentionBackend
@@ -102,9 +101,8 @@ def test_kv_prefetch_changes_no_result(portable):
     query = torch.randn(len(lens), heads, dim, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     expected = cpu_kernels.paged_decode(query, k_cache, v_cache, tables, seq_lens, dim**-0.5, portable=portable)
-    without = native.load_library(cpu_kernels.SOURCE, defines=["KV_PREFETCH_BLOCKS=0"])
+    without = cpu_kernels.load(("KV_PREFETCH_BLOCKS=0",))
     fn = without.llmserve_paged_decode_portable if portable else without.llmserve_paged_decode
-    fn.argtypes = cpu_kernels.load().llmserve_paged_decode.argtypes
     out = torch.empty_like(query)
     assert fn(0, query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
               out.data_ptr(), len(lens), heads, kv_heads, dim, block_size, max_blocks, dim**-0.5, 2) == 0

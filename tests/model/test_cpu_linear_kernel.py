@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import cpu_linear, native
+from llmserve.model import cpu_linear
 
 pytestmark = pytest.mark.skipif(cpu_linear.load() is None, reason="the CPU kernel could not be built here")
 
@@ -168,8 +168,8 @@ def test_weight_prefetch_changes_no_result(path):
     x, w = _random((rows, k), gen), _random((n, k), gen)
     q, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen)
     code = cpu_linear.PATHS[path]
-    bf16_lib = native.load_library(cpu_linear.SOURCE, defines=["WEIGHT_PREFETCH_BYTES=0"])
-    int8_lib = native.load_library(cpu_linear.INT8_SOURCE, defines=["WEIGHT_PREFETCH_BYTES=0"])
+    bf16_lib = cpu_linear.load(("WEIGHT_PREFETCH_BYTES=0",))
+    int8_lib = cpu_linear.load_int8(("WEIGHT_PREFETCH_BYTES=0",))
     plain_bf16, plain_int8 = torch.empty(rows, n, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     assert bf16_lib.llmserve_linear_bf16(ptr(x.data_ptr()), ptr(w.data_ptr()), None, ptr(plain_bf16.data_ptr()),

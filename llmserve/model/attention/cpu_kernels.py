@@ -27,8 +27,10 @@ def use_portable(portable: bool) -> None:
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    lib = native.load_library(SOURCE)
+def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None when it cannot be built or kernels are off. `defines`
+    builds a variant of its tuning constants (NAME=VALUE), for benchmarks and tests."""
+    lib = native.load_library(SOURCE, defines=defines)
     if lib is None:
         return None
     for fn in (lib.llmserve_paged_decode, lib.llmserve_paged_decode_portable):
