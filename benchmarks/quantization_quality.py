@@ -10,6 +10,10 @@ error of the final hidden state (||h - h_bf16|| / ||h_bf16|| over all positions)
     (`triton_linear`); on a GPU with fp8 tensor cores these prefill-sized steps take the W8A8 path
     (per-token e4m3 activations, `_scaled_mm`),
   - float32: the same checkpoint in float32, for scale: what bf16 itself costs against float32.
+A quantized KV cache (--kv-cache-dtypes: int8 on CPU, fp8 on a GPU) changes nothing when a whole sequence is
+prefilled in one step (a fresh prompt attends to its own keys), so those variants compute every position as a
+decode step (the sequences side by side, one token each per step, teacher-forced), each reading its context
+back from the cache, and are compared with the bf16 model decoding the same way with a bf16 cache.
 The medium model has random weights (see llmserve.model.builtin), so these figures measure numerical
 damage to a fixed function, not language-model quality.
 
@@ -46,9 +50,10 @@ def corpus_sequences(model_dir: Path, positions: int, seq_len: int) -> list[list
     return [ids[i : i + seq_len] for i in range(0, positions, seq_len)]
 
 
-def build_runner(model_dir: Path, dtype: str, quantization: str | None, seq_len: int) -> ModelRunner:
-    config = EngineConfig(model=str(model_dir), dtype=dtype, quantization=quantization,
-                          num_kv_blocks=-(-seq_len // 16) + 1, block_size=16)
+def build_runner(model_dir: Path, dtype: str, quantization: str | None, seq_len: int, sequences: int = 1,
+                 kv_cache_dtype: str = "auto") -> ModelRunner:
+    config = EngineConfig(model=str(model_dir), dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                          num_kv_blocks=sequences * -(-seq_len // 16) + 1, block_size=16)
     return ModelRunner(config, ModelConfig.from_pretrained(model_dir), model_dir, max_model_len=seq_len)
 
 
@@ -64,6 +69,27 @@ def sequence_outputs(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor,
     input_ids, positions, meta = runner.prepare_inputs(batch)
     runner.attn_backend.prepare(meta)
     hidden = runner.model(input_ids, positions, runner.kv_caches, runner.attn_backend, meta)
+    return hidden.float(), torch.log_softmax(runner.model.compute_logits(hidden).float(), dim=-1)
+
+
+@torch.inference_mode()
+def decoded_outputs(runner: ModelRunner, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`all_outputs` with every position computed as a decode step on the path the engine takes (the one-call
+    CPU decoder, CUDA graphs), the sequences side by side, so each position reads its context from the cache."""
+    blocks_each = -(-max(map(len, sequences)) // runner.block_size)
+    tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(sequences))]
+    rows_of: list[list[torch.Tensor]] = [[] for _ in sequences]
+    for position in range(max(map(len, sequences))):
+        rows = [i for i, ids in enumerate(sequences) if position < len(ids)]
+        batch = StepBatch(
+            input_ids=np.array([sequences[i][position] for i in rows], dtype=np.int64),
+            num_computed=np.full(len(rows), position), num_new=np.ones(len(rows), dtype=np.int64),
+            block_tables=[tables[i] for i in rows], logits_rows=[], sampling_rows=[],
+        )
+        hidden = runner.forward(*runner.prepare_inputs(batch))
+        for row, i in enumerate(rows):
+            rows_of[i].append(hidden[row])
+    hidden = torch.cat([torch.stack(rows) for rows in rows_of])
     return hidden.float(), torch.log_softmax(runner.model.compute_logits(hidden).float(), dim=-1)
 
 
@@ -88,6 +114,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--positions", type=int, default=2000)
     parser.add_argument("--seq-len", type=int, default=500)
+    parser.add_argument("--kv-cache-dtypes", default="fp8" if torch.cuda.is_available() else "int8",
+                        help="quantized KV caches to compare, decoded step by step (comma-separated; '' for none)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -104,8 +132,18 @@ def main() -> None:
                                       ("float32", "float32", None)):
         variant = all_outputs(build_runner(model_dir, dtype, quantization, args.seq_len), sequences)
         results[name] = compare(reference, variant)
-        r = results[name]
-        print(f"{name:>20} vs bf16: KL mean {r['kl_mean']:.5f}  p99 {r['kl_p99']:.5f}  max {r['kl_max']:.4f}  "
+    kv_dtypes = [name for name in args.kv_cache_dtypes.split(",") if name]
+    if kv_dtypes:
+        def decoded(kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+            runner = build_runner(model_dir, "bfloat16", None, args.seq_len, len(sequences), kv_cache_dtype)
+            return decoded_outputs(runner, sequences)
+
+        decoded_reference = decoded("auto")
+        results["bf16 decode steps vs one-step prefill"] = compare(reference, decoded_reference)
+        for kv_dtype in kv_dtypes:
+            results[f"{kv_dtype} KV cache (decode steps)"] = compare(decoded_reference, decoded(kv_dtype))
+    for name, r in results.items():
+        print(f"{name:>40} vs bf16: KL mean {r['kl_mean']:.5f}  p99 {r['kl_p99']:.5f}  max {r['kl_max']:.4f}  "
               f"top-1 agreement {100 * r['top1_agreement']:.2f}%  final hidden rel. error {r['hidden_rel_err']:.3f}")
     print(f"({time.perf_counter() - start:.0f} s)")
     device = "cuda" if torch.cuda.is_available() else "cpu"

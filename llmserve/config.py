@@ -13,7 +13,7 @@ from typing import Any, get_args, get_type_hints
 
 GiB = 1 << 30
 QUANTIZATION_CHOICES = ("int8", "fp8")  # as llmserve.model.quantization.QUANTIZATION_METHODS (torch-free here)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 TASKS = ("auto", "generate", "embed")
 POOLING_TYPES = ("mean", "cls", "last")  # how llmserve.model.pooling pools a sequence
 
@@ -46,7 +46,9 @@ class EngineConfig:
     # int8 | fp8: quantize the linear layers' weights at load (a checkpoint with a quantization_config
     # runs quantized without it); see llmserve.model.quantization.
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8 (fp8_e4m3): e4m3 with a per-tensor scale (triton backend)
+    # auto: the model dtype; fp8 (fp8_e4m3): e4m3 with a per-tensor scale (triton backend); int8: int8 with a
+    # scale per token and kv head (torch backend, CPU)
+    kv_cache_dtype: str = "auto"
     # embed: serve embeddings (/v1/embeddings, LLM.embed); a decoder model still generates too.
     # auto: embed for an encoder (BERT) or a checkpoint in the sentence-transformers layout.
     task: str = "auto"
@@ -128,7 +130,9 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
     ),
     _EngineFlag(
         "kv_cache_dtype", "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-        help="fp8: store the KV cache in e4m3 (twice the tokens per byte); needs the triton attention backend",
+        help="fp8: store the KV cache in e4m3 with a per-tensor scale (twice the tokens per byte; triton attention "
+        "backend, GPU); int8: int8 with a scale per token and head (1.94x the tokens at head_dim 64; torch "
+        "backend, CPU)",
     ),
     _EngineFlag(
         "gpu_memory_utilization", "--gpu-memory-utilization",

@@ -9,7 +9,8 @@ pointers, scratch rows) are built once per model; a step fills in its token arra
 
 The runner takes it for steps of at most `MAX_TOKENS` tokens (decodes, or a short prefill chunk: each
 token then attends to its sequence's cache up to its own position, as a decode does) on a bf16 model on
-CPU with the torch attention backend and bf16 weights, or int8 ones (`--quantization int8`: the decoder's
+CPU with the torch attention backend (its KV cache in bf16 or int8: `--kv-cache-dtype int8`, new keys and
+values quantized as the step writes them) and bf16 weights, or int8 ones (`--quantization int8`: the decoder's
 linear layers run `linear_int8_cpu.c`'s kernel), where `cpu_linear`'s kernels run (built with AVX512-BF16 or
 AVX2, or another path asked for with `cpu_linear.use_path`, whose choice the step follows). Otherwise, and
 with `use_fast_path(False)`, LLMSERVE_CPU_KERNELS=0 or LLMSERVE_FUSED_KERNELS=0, the per-module path runs.
@@ -67,7 +68,8 @@ class LayerWeights(ctypes.Structure):
 class Decoder(ctypes.Structure):
     _fields_ = [
         ("num_layers", _i32), ("hidden", _i32), ("heads", _i32), ("kv_heads", _i32), ("head_dim", _i32),
-        ("intermediate", _i32), ("block_size", _i32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("intermediate", _i32), ("block_size", _i32), ("kv_format", _i32), ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
         ("embed", _ptr), ("final_norm", _ptr), ("cos_cache", _ptr), ("sin_cache", _ptr), ("layers", _ptr),
         ("qkv", _ptr), ("query", _ptr), ("attn", _ptr), ("proj", _ptr),
         ("gate_up", _ptr), ("act", _ptr),
@@ -139,7 +141,8 @@ class CpuDecoder:
         ))
         self._decoder = Decoder(
             len(model.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.intermediate_size, backend.block_size, cfg.rms_norm_eps, backend.scale,
+            cfg.intermediate_size, backend.block_size,
+            cpu_kernels.format_code(torch.bfloat16, backend.kv_cache_dtype), cfg.rms_norm_eps, backend.scale,
             model.embed_tokens.weight.data_ptr(), model.norm.weight.data_ptr(),
             model.rotary.cos_cache.data_ptr(), model.rotary.sin_cache.data_ptr(), ctypes.addressof(self._layers),
             *(buffer.data_ptr() for buffer in self._scratch),
@@ -200,8 +203,9 @@ def _supports(
     cfg = model.config
     params = list(model.parameters())
     return (
-        isinstance(backend, TorchAttentionBackend) and backend.kv_cache_dtype == torch.bfloat16
-        and cpu_kernels.supports(torch.bfloat16, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        isinstance(backend, TorchAttentionBackend) and backend.kv_cache_dtype in (torch.bfloat16, torch.int8)
+        and cpu_kernels.supports(torch.bfloat16, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                 backend.kv_cache_dtype)
         and len(kv_caches) == len(model.layers) > 0
         and all(k.device.type == "cpu" and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
         and all(p.device.type == "cpu" and p.is_contiguous() for p in params)

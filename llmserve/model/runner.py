@@ -76,12 +76,15 @@ def resolve_dtype(requested: str, checkpoint_dtype: torch.dtype, device: torch.d
 
 
 def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
-    """"auto": the model dtype; "fp8" / "fp8_e4m3": float8 e4m3."""
+    """"auto": the model dtype; "fp8" / "fp8_e4m3": float8 e4m3 (triton backend); "int8": int8 rows with a
+    scale each (torch backend, CPU)."""
     if requested == "auto":
         return model_dtype
     if requested in ("fp8", "fp8_e4m3"):
         return torch.float8_e4m3fn
-    raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {requested!r}.")
+    if requested == "int8":
+        return torch.int8
+    raise ValueError(f"kv_cache_dtype must be auto, fp8, fp8_e4m3 or int8, got {requested!r}.")
 
 
 def choose_attention_backend(requested: str | None, device: torch.device) -> type[AttentionBackend]:
@@ -307,7 +310,7 @@ class ModelRunner:
             return 0
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        per_block = self.model_config.kv_bytes_per_token(self.kv_cache_dtype) * self.block_size
+        per_block = self.attn_backend.kv_bytes_per_token() * self.model_config.num_hidden_layers * self.block_size
         if self.device.type != "cuda":
             return max(1, self.config.kv_cache_memory // per_block)
         self.memory_profile = self.profile_memory()
@@ -439,15 +442,25 @@ class ModelRunner:
         """Launch the forward pass (a graph replay when one fits) and the sampler; no host sync."""
         return self._run(inputs, self.kv_caches, use_graph=self.graphs is not None)
 
-    def _run(self, inputs: StepInputs, kv_caches: KVCaches, use_graph: bool) -> StepTensors:
-        meta = inputs.meta
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states of a step's tokens (`prepare_inputs`), computed as `execute` computes them."""
+        return self._hidden_states(input_ids, positions, meta, self.kv_caches, use_graph=self.graphs is not None)
+
+    def _hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: KVCaches,
+        use_graph: bool,
+    ) -> torch.Tensor:
+        """A CUDA graph's replay where one fits, else the one-call CPU decoder where it fits, else the model."""
         if use_graph and self.graphs is not None and self.graphs.size_for(meta) is not None:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
-        elif self.cpu_decoder is not None and kv_caches is self.kv_caches and self.cpu_decoder.fits(len(inputs.input_ids)):
-            hidden = self.cpu_decoder(inputs.input_ids, inputs.positions, meta)
-        else:
-            self.attn_backend.prepare(meta)
-            hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, self.attn_backend, meta)
+            return self.graphs.run(input_ids, positions, meta)
+        if self.cpu_decoder is not None and kv_caches is self.kv_caches and self.cpu_decoder.fits(len(input_ids)):
+            return self.cpu_decoder(input_ids, positions, meta)
+        self.attn_backend.prepare(meta)
+        return self.model(input_ids, positions, kv_caches, self.attn_backend, meta)
+
+    def _run(self, inputs: StepInputs, kv_caches: KVCaches, use_graph: bool) -> StepTensors:
+        hidden = self._hidden_states(inputs.input_ids, inputs.positions, inputs.meta, kv_caches, use_graph)
         prompt = self._prompt_logprobs(hidden, inputs) if inputs.prompt_index is not None else None
         pooled = self._pool(hidden, inputs) if inputs.pool_rows else None
         if inputs.logits_index is None or inputs.sampling is None:

@@ -12,7 +12,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.model import cpu_decode, cpu_linear, layers
-from llmserve.model.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernels
+from llmserve.model.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernels, int8_kv
 from llmserve.model.builtin import ensure_default_model
 from llmserve.model.config import ModelConfig
 from llmserve.model.layers import Linear
@@ -61,6 +61,22 @@ def _caches(model: LlamaForCausalLM, backend: TorchAttentionBackend, num_blocks:
     shape = backend.kv_cache_shape(num_blocks)
     return [(torch.randn(shape, generator=gen).to(torch.bfloat16), torch.randn(shape, generator=gen).to(torch.bfloat16))
             for _ in model.layers]
+
+
+def _int8_caches(model: LlamaForCausalLM, backend: TorchAttentionBackend, num_blocks: int, seed: int):
+    """Random int8 KV caches (`--kv-cache-dtype int8`): random bf16 rows in every slot, written as the backend
+    writes new keys and values."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.arange(num_blocks * BLOCK_SIZE)
+    blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    caches = []
+    for _ in model.layers:
+        pair = tuple(torch.zeros(backend.kv_cache_shape(num_blocks), dtype=torch.int8) for _ in range(2))
+        for cache in pair:
+            rows = torch.randn(len(slots), backend.num_kv_heads, backend.head_dim, generator=gen).to(torch.bfloat16)
+            int8_kv.write(cache, blocks, offsets, rows)
+        caches.append(pair)
+    return caches
 
 
 def _meta(seq_lens: list[int], num_new: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -123,6 +139,32 @@ def test_decode_steps_are_bit_equal_to_the_per_module_path(path, arch, head_dim,
     gen = torch.Generator().manual_seed(7)
     for rows in range(1, 9):
         for step in range(3):  # consecutive steps: each one reads the keys the previous one wrote
+            lens = [n + step for n in start_lens[:rows]]
+            positions, meta = _meta(lens, [1] * rows, tables[:rows])
+            input_ids = torch.randint(0, cfg.vocab_size, (rows,), generator=gen)
+            expected, expected_caches, got, got_caches = _both_paths(model, backend, caches, input_ids, positions, meta)
+            assert torch.equal(got, expected), f"{rows} rows, step {step}: max diff {(got - expected).abs().max()}"
+            for (k1, v1), (k2, v2) in zip(expected_caches, got_caches, strict=True):
+                assert torch.equal(k1, k2) and torch.equal(v1, v2)
+            caches = got_caches
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("arch", "head_dim"), [("llama", 64), ("qwen3", 32)])
+def test_int8_kv_cache_steps_are_bit_equal_to_the_per_module_path(path, arch, head_dim, threads):
+    """With `--kv-cache-dtype int8` both paths quantize the new keys and values to the same bits (the torch
+    backend's write, the C step's store_row) and read them with the same kernel."""
+    torch.set_num_threads(threads)
+    model = _model(arch, head_dim)
+    cfg = model.config
+    backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, BLOCK_SIZE,
+                                    dtype=torch.bfloat16, kv_cache_dtype=torch.int8)
+    caches = _int8_caches(model, backend, 48, seed=head_dim)
+    start_lens = [1, 15, 16, 17, 31, 33, 100, 250]
+    tables = _tables([n + 2 for n in start_lens], 48, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    for rows in (1, 3, 8):
+        for step in range(2):
             lens = [n + step for n in start_lens[:rows]]
             positions, meta = _meta(lens, [1] * rows, tables[:rows])
             input_ids = torch.randint(0, cfg.vocab_size, (rows,), generator=gen)
@@ -206,8 +248,12 @@ def test_models_and_steps_it_does_not_take(monkeypatch):
     assert cpu_decode.CpuDecoder.build(float_model, [(k.float(), v.float()) for k, v in caches], float_backend) is None
 
 
-def test_greedy_tokens_of_the_engine_are_the_same_with_and_without_it(monkeypatch):
-    llm = LLM(str(ensure_default_model("llama", "small")), dtype="bfloat16", kv_cache_memory=64 << 20)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_greedy_tokens_of_the_engine_are_the_same_with_and_without_it(monkeypatch, kv_cache_dtype):
+    # int8: no prefix caching, or the second run would read the first one's prompt keys back quantized where
+    # the first attended to them as computed
+    llm = LLM(str(ensure_default_model("llama", "small")), dtype="bfloat16", kv_cache_memory=64 << 20,
+              kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=kv_cache_dtype == "auto")
     decoder = llm.engine.core.runner.cpu_decoder
     assert decoder is not None
     calls = []

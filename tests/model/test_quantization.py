@@ -292,7 +292,8 @@ def test_quantization_flag_values():
     kwargs = engine_config_kwargs(args)
     assert (kwargs["quantization"], kwargs["kv_cache_dtype"]) == ("int8", "fp8")
     assert engine_config_kwargs(parser.parse_args(["serve"]))["quantization"] is None
-    for bad in (["--quantization", "int4"], ["--kv-cache-dtype", "int8"]):
+    assert engine_config_kwargs(parser.parse_args(["serve", "--kv-cache-dtype", "int8"]))["kv_cache_dtype"] == "int8"
+    for bad in (["--quantization", "int4"], ["--kv-cache-dtype", "int4"]):
         with pytest.raises(SystemExit) as exit_info:
             parser.parse_args(["serve", *bad])
         assert exit_info.value.code == 2

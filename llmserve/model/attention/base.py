@@ -7,6 +7,7 @@ Sequences are ordered decodes first (one query token each), then prefill chunks.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -62,6 +63,11 @@ class AttentionBackend(ABC):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's key (and value) cache; the backend chooses the layout it reads best."""
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes a token takes in one layer's key and value caches, whatever the layout holds beside the values."""
+        element = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        return 2 * math.prod(self.kv_cache_shape(1)) * element // self.block_size
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Called once per step before the forward pass, to precompute per-step tensors."""

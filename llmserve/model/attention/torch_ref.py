@@ -9,6 +9,10 @@ page-faulted in on every call, which costs more than the attention itself on CPU
 Decodes (one query token each) go through a C kernel on CPU (`cpu_kernels`, built on first use) that
 reads the blocks in place; without it they are gathered and batched; prefill chunks run one sequence at a time, and a chunk
 that starts at position 0 attends to its own new keys without touching the cache.
+
+With `--kv-cache-dtype int8` the cache holds int8 rows with a scale each (`int8_kv`): new keys and values are
+quantized as they are written, the C kernel reads them in place (bf16 models), and the gathering paths
+dequantize what they gather.
 """
 
 from __future__ import annotations
@@ -16,16 +20,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmserve.model.attention import cpu_kernels
+from llmserve.model.attention import cpu_kernels, int8_kv
 from llmserve.model.attention.base import AttentionBackend, AttentionMetadata
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    quantized_kv_cache_dtypes = (torch.int8,)
     no_quantized_kv_cache_reason = (
-        "it keeps the KV cache in the model dtype (its CPU decode kernel has no fp8 path: these CPUs have no fp8 "
-        "conversion instructions, and batch-1 decode is bound by reading the weights, so a smaller KV cache "
-        "would not pay); --kv-cache-dtype fp8 needs the 'triton' backend on a CUDA GPU"
+        "it quantizes the KV cache to int8 (--kv-cache-dtype int8), not to fp8: these CPUs have no fp8 "
+        "conversion instructions; --kv-cache-dtype fp8 needs the 'triton' backend on a CUDA GPU"
     )
 
     def __init__(
@@ -35,13 +39,16 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype, kv_cache_dtype)
         self.group = num_heads // num_kv_heads
         self._workspace: dict[str, torch.Tensor] = {}
-        self._kernel_fits = cpu_kernels.supports(dtype, num_heads, num_kv_heads, head_dim)
+        self.int8_cache = self.kv_cache_dtype == torch.int8
+        self._kernel_fits = cpu_kernels.supports(dtype, num_heads, num_kv_heads, head_dim, self.kv_cache_dtype)
 
     def _use_kernel(self, meta: AttentionMetadata) -> bool:
         """Decodes on CPU go through the C kernel when it built and handles this dtype and shape."""
         return self._kernel_fits and meta.block_tables.device.type == "cpu" and cpu_kernels.load() is not None
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        if self.int8_cache:
+            return int8_kv.cache_shape(num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
     # ---- per step -------------------------------------------------------------------------------
@@ -71,6 +78,10 @@ class TorchAttentionBackend(AttentionBackend):
     # ---- per layer ------------------------------------------------------------------------------
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         blocks, offsets = meta.backend_data["slot_block"], meta.backend_data["slot_offset"]
+        if self.int8_cache:
+            int8_kv.write(k_cache, blocks, offsets, key)
+            int8_kv.write(v_cache, blocks, offsets, value)
+            return
         k_cache[blocks, :, offsets] = key
         v_cache[blocks, :, offsets] = value
 
@@ -101,16 +112,21 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _gather(self, cache: torch.Tensor, rows: torch.Tensor, blocks_per_head: int, name: str) -> torch.Tensor:
-        """The selected (block, head) rows of `cache` as [seqs * kv_heads, blocks_per_head * block_size, D]."""
-        row_size = self.block_size * self.head_dim
-        out = self._buffer(name, rows.numel() * row_size, cache).view(rows.numel(), row_size)
+        """The selected (block, head) rows of `cache` as [seqs * kv_heads, blocks_per_head * block_size, D], in
+        the model dtype."""
+        row_size = cache[0, 0].numel()
+        out = self._buffer(name, rows.numel() * row_size, cache.dtype, cache.device).view(rows.numel(), row_size)
         torch.index_select(cache.view(-1, row_size), 0, rows, out=out)
+        if self.int8_cache:
+            values = self.block_size * self.head_dim
+            dequantized = self._buffer(name + "_dequantized", rows.numel() * values, self.dtype, cache.device)
+            out = int8_kv.dequantize(out, self.block_size, self.head_dim, dequantized.view(-1, self.block_size, self.head_dim))
         return out.view(-1, blocks_per_head * self.block_size, self.head_dim)
 
-    def _buffer(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = self._workspace.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
-            buf = torch.empty(int(numel * 1.25), dtype=like.dtype, device=like.device)  # headroom: fewer regrowths
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(int(numel * 1.25), dtype=dtype, device=device)  # headroom: fewer regrowths
             self._workspace[name] = buf
         return buf[:numel]
 

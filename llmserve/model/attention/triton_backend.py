@@ -53,6 +53,9 @@ class TritonAttentionBackend(AttentionBackend):
     max_splits = 64
 
     quantized_kv_cache_dtypes = (torch.float8_e4m3fn,)
+    no_quantized_kv_cache_reason = (
+        "it stores fp8 (e4m3) with per-tensor scales; --kv-cache-dtype int8 is the 'torch' backend's (CPU)"
+    )
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype = torch.float32,

@@ -1,8 +1,8 @@
 /*
  * A whole forward pass of a Llama-family decoder (Llama, Mistral, Qwen2's q/k/v bias, Qwen3's per-head q/k
  * norms) for a step of at most MAX_TOKENS bf16 tokens on the CPU, in one call: embedding, every layer
- * (residual add + RMSNorm, qkv projection, rotary, new K/V written to their paged-cache slots, paged
- * attention, o projection, add + RMSNorm, gate_up projection with SiLU * up, down projection) and the final
+ * (residual add + RMSNorm, qkv projection, rotary, new K/V written to their paged-cache slots (bf16, or
+ * int8 with a scale per row), paged attention, o projection, add + RMSNorm, gate_up projection with SiLU * up, down projection) and the final
  * norm. At batch 1 the weights stream in a few tens of milliseconds; the same work driven from Python, one
  * module and one kernel call at a time, added a quarter to that.
  *
@@ -42,11 +42,12 @@ typedef struct {
     const uint16_t *input_norm, *post_attention_norm; /* [hidden] */
     const uint16_t *q_norm, *k_norm; /* [head_dim], or NULL without per-head norms */
     linear_weights qkv, o, gate_up, down;
-    uint16_t *k_cache, *v_cache; /* [blocks, kv_heads, block_size, head_dim] */
+    void *k_cache, *v_cache; /* in the decoder's kv_format: paged_attention_cpu.c's layout */
 } layer_weights;
 
 typedef struct {
     int32_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    int32_t kv_format; /* KV_BF16, or KV_INT8 (--kv-cache-dtype int8) */
     float eps, scale;
     const uint16_t *embed, *final_norm;
     const float *cos_cache, *sin_cache; /* [max_positions, head_dim / 2] */
@@ -132,9 +133,9 @@ static void qkv_team(const decoder *d, const layer_weights *lw, const decode_ste
                 memcpy(d->query + ((size_t)t * heads + head) * dim, x, sizeof(uint16_t) * dim);
                 continue;
             }
-            uint16_t *cache = head < heads + kv_heads ? lw->k_cache : lw->v_cache;
+            void *cache = head < heads + kv_heads ? lw->k_cache : lw->v_cache;
             const int h = (head - heads) % kv_heads;
-            memcpy(cache + (((size_t)block * kv_heads + h) * d->block_size + offset) * dim, x, sizeof(uint16_t) * dim);
+            store_row(cache, d->kv_format, (size_t)block * kv_heads + h, (int)offset, dim, d->block_size, x);
         }
     }
 }
@@ -177,7 +178,9 @@ static int supported(const decoder *d, const decode_step *s, decode_fn attend) {
 int llmserve_decode_step(const decoder *d, const decode_step *s) {
     /* The attention kernel's AVX-512 path (AVX512F) goes with the linears' best or AVX512-BF16 path. */
     const int attention_avx512 = s->path == PATH_BEST || s->path == PATH_AVX512_BF16;
-    const decode_fn attend = choose_decode(1, attention_avx512, d->heads, d->kv_heads, d->head_dim, d->block_size);
+    const decode_fn attend = d->kv_format == KV_BF16 || d->kv_format == KV_INT8
+        ? choose_decode(d->kv_format, attention_avx512, d->heads, d->kv_heads, d->head_dim, d->block_size)
+        : NULL;
     if (!supported(d, s, attend)) return -1;
     const size_t rows = (size_t)MAX_TOKENS * d->hidden;
     uint16_t *copies = malloc(sizeof(uint16_t) * 2 * rows * (size_t)s->threads);
