@@ -85,8 +85,9 @@ class DecodeStep(ctypes.Structure):
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The library, built on first use; None when it cannot be built or kernels are off."""
-    lib = native.load_library(SOURCE, INCLUDED)
+    """The library, built on first use (with the linear kernels' tuning for this CPU); None when it cannot be
+    built or kernels are off."""
+    lib = native.load_library(SOURCE, INCLUDED, defines=cpu_linear.tuned())
     if lib is None:
         return None
     lib.llmserve_decode_step.restype = ctypes.c_int

@@ -40,6 +40,9 @@ MAX_ROWS = 8
 # issue 18).
 INT8_MAX_ROWS = 16
 FLOAT32_BLOCK = 256  # weight rows per float32 block in `float32_gemm` (64-1024 measured: 256 best or within 3%)
+# Tuning constants of csrc/bf16.h chosen for this CPU: AMD's prefetchers stream a single row's weights faster
+# without the software prefetch (BF16_ONE_ROW_PREFETCH).
+TUNING: tuple[str, ...] = ("BF16_ONE_ROW_PREFETCH=0",) if native.cpu_vendor() == "AuthenticAMD" else ()
 
 _enabled = True
 _int8_enabled = True
@@ -75,11 +78,18 @@ def current_path() -> str:
     return _path
 
 
+def tuned(defines: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """`TUNING` with `defines` (NAME=VALUE) in place of the same names: what the kernels are built with."""
+    chosen = dict(define.split("=", 1) for define in TUNING)
+    chosen.update(define.split("=", 1) for define in defines)
+    return tuple(f"{name}={value}" for name, value in chosen.items())
+
+
 @functools.cache
 def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The kernel library, built on first use; None when it cannot be built or kernels are off. `defines`
-    builds a variant of its tuning constants (NAME=VALUE), for benchmarks and tests."""
-    lib = native.load_library(SOURCE, defines=defines)
+    builds a variant of its tuning constants (NAME=VALUE, over this CPU's `TUNING`), for benchmarks and tests."""
+    lib = native.load_library(SOURCE, defines=tuned(defines))
     if lib is None:
         return None
     lib.llmserve_linear_bf16.restype = ctypes.c_int
@@ -198,7 +208,7 @@ def bf16_linear(
 def load_int8(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The int8 kernel library, built on first use; None when it cannot be built or kernels are off
     (`defines` as for `load`)."""
-    lib = native.load_library(INT8_SOURCE, defines=defines)
+    lib = native.load_library(INT8_SOURCE, defines=tuned(defines))
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -38,6 +38,18 @@ def portable_from_env() -> bool:
     return os.environ.get(ENV) == "portable"
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...), or "" where /proc/cpuinfo does not say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("LLMSERVE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llmserve"

@@ -159,17 +159,19 @@ def test_native_bf16_gemm_is_detected_as_onednn_does():
     assert cpu_linear.native_bf16_gemm() == ({"avx512bw", "avx512vl", "avx512dq"} <= flags)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("variant", ["WEIGHT_PREFETCH_BYTES=0", "BF16_ONE_ROW_PREFETCH=0", "BF16_ONE_ROW_PREFETCH=1"])
 @pytest.mark.parametrize("path", PATHS)
-def test_weight_prefetch_changes_no_result(path):
-    """The prefetch distance (csrc/bf16.h, swept by benchmarks/cpu_weight_prefetch.py) moves only timing: a build
-    without it gives the same bits on every implementation, for both kernels."""
+def test_weight_prefetch_changes_no_result(path, variant, rows):
+    """The prefetch's settings (csrc/bf16.h, measured by benchmarks/cpu_weight_prefetch.py; one of them chosen per
+    CPU vendor) move only timing: other builds give the same bits on every implementation, for both kernels."""
     gen = torch.Generator().manual_seed(5)
-    n, k, rows = 300, 1000, 3
+    n, k = 300, 1000
     x, w = _random((rows, k), gen), _random((n, k), gen)
     q, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen)
     code = cpu_linear.PATHS[path]
-    bf16_lib = cpu_linear.load(("WEIGHT_PREFETCH_BYTES=0",))
-    int8_lib = cpu_linear.load_int8(("WEIGHT_PREFETCH_BYTES=0",))
+    bf16_lib = cpu_linear.load((variant,))
+    int8_lib = cpu_linear.load_int8((variant,))
     plain_bf16, plain_int8 = torch.empty(rows, n, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     assert bf16_lib.llmserve_linear_bf16(ptr(x.data_ptr()), ptr(w.data_ptr()), None, ptr(plain_bf16.data_ptr()),
@@ -178,3 +180,11 @@ def test_weight_prefetch_changes_no_result(path):
                                          ptr(scale.data_ptr()), None, i64(n), ptr(plain_int8.data_ptr()), 2, code) == 0
     assert torch.equal(cpu_linear.bf16_linear(x, w, path=path), plain_bf16)
     assert torch.equal(cpu_linear.int8_linear(x, q, scale, path=path), plain_int8)
+
+
+def test_builds_take_this_cpus_tuning_and_explicit_defines_over_it(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "TUNING", ("BF16_ONE_ROW_PREFETCH=0",))
+    assert cpu_linear.tuned() == ("BF16_ONE_ROW_PREFETCH=0",)
+    assert cpu_linear.tuned(("BF16_ONE_ROW_PREFETCH=1", "WEIGHT_PREFETCH_BYTES=0")) == (
+        "BF16_ONE_ROW_PREFETCH=1", "WEIGHT_PREFETCH_BYTES=0"
+    )

@@ -8,6 +8,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.config import EngineConfig
+from llmserve.model import cpu_decode
 from llmserve.model.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
@@ -87,11 +88,13 @@ def test_an_int8_cache_holds_almost_twice_the_tokens(tiny_llama_dir):
     assert int8.num_blocks / bf16.num_blocks == pytest.approx(2 * cfg.head_dim / (cfg.head_dim + 2), rel=0.01)
 
 
-def test_engine_serves_from_an_int8_cache_without_leaking_blocks(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", kv_cache_dtype="int8", num_kv_blocks=32, max_model_len=256,
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_serves_from_an_int8_cache_without_leaking_blocks(tiny_llama_dir, dtype):
+    llm = LLM(str(tiny_llama_dir), dtype=dtype, kv_cache_dtype="int8", num_kv_blocks=32, max_model_len=256,
               max_num_batched_tokens=32, enable_prefix_caching=True)
     runner = llm.engine.core.runner
-    assert runner.cpu_decoder is not None or cpu_kernels.load() is None  # bf16 decodes run in one C call
+    # bf16 decodes run in one C call; float32 ones gather and dequantize (the kernel takes bf16 queries only)
+    assert (runner.cpu_decoder is not None) == (dtype == "bfloat16" and cpu_decode.load() is not None)
     shared = list(range(10, 60))  # a 50-token prefix: the second request reads its cached blocks back
     prompts = [{"prompt_token_ids": shared + [5, 6]}, {"prompt_token_ids": shared + [7]}, "Once upon a time"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -16,7 +16,8 @@
  *    made float32 exactly by a shift (even elements) and a mask (odd ones), and the same done to x, so no
  *    shuffles are needed; FMA into float32 accumulators, the last k % 16 columns in scalar code.
  *  - Portable C for any machine, the same split over threads.
- * Both fast paths prefetch the weight stream WEIGHT_PREFETCH_BYTES ahead (bf16.h).
+ * Both fast paths prefetch the weight stream WEIGHT_PREFETCH_BYTES ahead (bf16.h), for a single row of x only
+ * where BF16_ONE_ROW_PREFETCH says so.
  *
  * Built on first use by llmserve/model/cpu_linear.py and called through ctypes with raw pointers.
  */
@@ -77,7 +78,8 @@ static inline __attribute__((always_inline)) void row_tile_avx512(const uint16_t
     int c = 0;
     for (; c + 32 * unroll <= k; c += 32 * unroll) {
         __m512bh wv[UNROLL_MAX];
-        for (int u = 0; u < unroll; u++) prefetch_weights(wj + c + 32 * u);
+        if (mr > 1 || BF16_ONE_ROW_PREFETCH)
+            for (int u = 0; u < unroll; u++) prefetch_weights(wj + c + 32 * u);
         for (int u = 0; u < unroll; u++) wv[u] = (__m512bh)_mm512_loadu_si512(wj + c + 32 * u);
         for (int i = 0; i < mr; i++) {
             const uint16_t *xi = x + (size_t)(i0 + i) * ldx + c;
@@ -146,7 +148,8 @@ static inline __attribute__((always_inline)) void row_tile_avx2(const uint16_t *
     const int k16 = k / 16 * 16;
     int c = 0;
     for (; c + 16 * unroll <= k16; c += 16 * unroll) {
-        for (int u = 0; u < unroll; u += 2) prefetch_weights(wj + c + 16 * u);
+        if (mr > 1 || BF16_ONE_ROW_PREFETCH)
+            for (int u = 0; u < unroll; u += 2) prefetch_weights(wj + c + 16 * u);
         for (int u = 0; u < unroll; u++) bf16_columns_avx2(xs, wj, even, odd, i0, mr, u, c + 16 * u, k16);
     }
     for (; c < k16; c += 16) bf16_columns_avx2(xs, wj, even, odd, i0, mr, 0, c, k16);
