@@ -84,10 +84,11 @@ class DecodeStep(ctypes.Structure):
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The library, built on first use (with the linear kernels' tuning for this CPU); None when it cannot be
-    built or kernels are off."""
-    lib = native.load_library(SOURCE, INCLUDED, defines=cpu_linear.tuned())
+def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library, built on first use with the linear kernels' tuning for this CPU; None when it cannot be
+    built or kernels are off. `defines` (NAME=VALUE) builds a variant of the tuning constants of the kernels it
+    includes, for benchmarks and tests."""
+    lib = native.load_library(SOURCE, INCLUDED, defines=cpu_linear.tuned(defines))
     if lib is None:
         return None
     lib.llmserve_decode_step.restype = ctypes.c_int

@@ -54,9 +54,9 @@ static inline int path_built(int path) { return path == PATH_BEST || (path >= 0 
 #endif
 
 /* Whether the bf16 kernel prefetches when it computes a single row of x (batch-1 decode). On AMD Zen 4 the
-   hardware prefetchers stream one weight row faster alone: without it the kernel read 3-11% faster and the
-   batch-1 decode step ran ~8% faster, while 4-8 rows and the int8 kernel still gained 10-27% from it. The
-   loaders build with 0 on AMD CPUs (cpu_linear.TUNING). */
+   hardware prefetchers stream one weight row faster alone: without it the kernel read 3-11% faster and
+   batch-1 bf16 decode ran 1.04-1.27x faster, while 4-8 rows and the int8 kernel still gained 10-27% from it
+   (BENCHMARKS.md, issue 18). The loaders build with 0 on AMD CPUs (cpu_linear.TUNING). */
 #ifndef BF16_ONE_ROW_PREFETCH
 #define BF16_ONE_ROW_PREFETCH 1
 #endif
