@@ -123,6 +123,22 @@ def _both_paths(model, backend, caches, input_ids, positions, meta):
     return expected, per_module, got, one_call
 
 
+def _assert_decode_steps_bit_equal(model, backend, caches, start_lens, tables, row_counts, steps: int, seed: int):
+    """For each count of sequences, `steps` consecutive decode steps (each reading the keys the previous one
+    wrote) give the same hidden states and caches on both paths."""
+    gen = torch.Generator().manual_seed(seed)
+    for rows in row_counts:
+        for step in range(steps):
+            lens = [n + step for n in start_lens[:rows]]
+            positions, meta = _meta(lens, [1] * rows, tables[:rows])
+            input_ids = torch.randint(0, model.config.vocab_size, (rows,), generator=gen)
+            expected, expected_caches, got, got_caches = _both_paths(model, backend, caches, input_ids, positions, meta)
+            assert torch.equal(got, expected), f"{rows} rows, step {step}: max diff {(got - expected).abs().max()}"
+            for (k1, v1), (k2, v2) in zip(expected_caches, got_caches, strict=True):
+                assert torch.equal(k1, k2) and torch.equal(v1, v2)
+            caches = got_caches
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("arch", "head_dim"), [("llama", 32), ("llama", 64), ("qwen2", 32), ("qwen3", 64)])
 def test_decode_steps_are_bit_equal_to_the_per_module_path(path, arch, head_dim, threads):
@@ -136,17 +152,7 @@ def test_decode_steps_are_bit_equal_to_the_per_module_path(path, arch, head_dim,
     # 1 to 8 sequences; lengths on both sides of block boundaries, one token, many blocks
     start_lens = [1, 15, 16, 17, 31, 33, 100, 250]
     tables = _tables([n + 3 for n in start_lens], num_blocks, seed=len(arch))
-    gen = torch.Generator().manual_seed(7)
-    for rows in range(1, 9):
-        for step in range(3):  # consecutive steps: each one reads the keys the previous one wrote
-            lens = [n + step for n in start_lens[:rows]]
-            positions, meta = _meta(lens, [1] * rows, tables[:rows])
-            input_ids = torch.randint(0, cfg.vocab_size, (rows,), generator=gen)
-            expected, expected_caches, got, got_caches = _both_paths(model, backend, caches, input_ids, positions, meta)
-            assert torch.equal(got, expected), f"{rows} rows, step {step}: max diff {(got - expected).abs().max()}"
-            for (k1, v1), (k2, v2) in zip(expected_caches, got_caches, strict=True):
-                assert torch.equal(k1, k2) and torch.equal(v1, v2)
-            caches = got_caches
+    _assert_decode_steps_bit_equal(model, backend, caches, start_lens, tables, range(1, 9), steps=3, seed=7)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -162,17 +168,7 @@ def test_int8_kv_cache_steps_are_bit_equal_to_the_per_module_path(path, arch, he
     caches = _int8_caches(model, backend, 48, seed=head_dim)
     start_lens = [1, 15, 16, 17, 31, 33, 100, 250]
     tables = _tables([n + 2 for n in start_lens], 48, seed=3)
-    gen = torch.Generator().manual_seed(9)
-    for rows in (1, 3, 8):
-        for step in range(2):
-            lens = [n + step for n in start_lens[:rows]]
-            positions, meta = _meta(lens, [1] * rows, tables[:rows])
-            input_ids = torch.randint(0, cfg.vocab_size, (rows,), generator=gen)
-            expected, expected_caches, got, got_caches = _both_paths(model, backend, caches, input_ids, positions, meta)
-            assert torch.equal(got, expected), f"{rows} rows, step {step}: max diff {(got - expected).abs().max()}"
-            for (k1, v1), (k2, v2) in zip(expected_caches, got_caches, strict=True):
-                assert torch.equal(k1, k2) and torch.equal(v1, v2)
-            caches = got_caches
+    _assert_decode_steps_bit_equal(model, backend, caches, start_lens, tables, (1, 3, 8), steps=2, seed=9)
 
 
 def _quantize_int8(model: LlamaForCausalLM) -> None:
