@@ -2,7 +2,7 @@
 
 Builds the bf16 and int8 kernels once per distance (0 = no software prefetch), and per setting of the bf16
 kernel's one-row prefetch with --one-row-prefetch (BF16_ONE_ROW_PREFETCH; by default this CPU's choice,
-cpu_linear.TUNING), and runs the 96 projection
+cpu_linear.TUNING) and weight rows per tile with --tile-cols (BF16_TILE_COLS), and runs the 96 projection
 matrices of the built-in `medium` Llama (24 layers x qkv 2048x1024, o 1024x1024, gate_up 5632x1024, down
 1024x2816; random weights, more than the caches hold) for M rows of bf16 activations, the variants alternating
 in each round. Reports the fastest pass of each as wall time and the weight bytes it streamed per second. The
@@ -11,6 +11,7 @@ put them).
 
     python benchmarks/cpu_weight_prefetch.py --threads 2 --rows 1,4 --distances 0,1024,2048,4096 --rounds 6
     python benchmarks/cpu_weight_prefetch.py --rows 1 --distances 4096 --one-row-prefetch 0,1 --rounds 10
+    python benchmarks/cpu_weight_prefetch.py --rows 8,12,16,24 --distances 4096 --tile-cols 1,2 --rounds 10
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ SHAPES = [(2048, 1024), (1024, 1024), (5632, 1024), (1024, 2816)]  # (N, K) of m
 LAYERS = 24
 
 
-def build(kind: str, distance: int, one_row: str) -> ctypes.CDLL:
-    define = (f"WEIGHT_PREFETCH_BYTES={distance}", *((f"BF16_ONE_ROW_PREFETCH={one_row}",) if one_row else ()))
+def build(kind: str, distance: int, extra: tuple[str, ...]) -> ctypes.CDLL:
+    define = (f"WEIGHT_PREFETCH_BYTES={distance}", *extra)
     lib = cpu_linear.load(define) if kind == "bf16" else cpu_linear.load_int8(define)
     if lib is None:
         raise SystemExit("the kernels could not be built (no C compiler, or LLMSERVE_CPU_KERNELS=0)")
@@ -78,6 +79,7 @@ def main() -> None:
     ap.add_argument("--distances", default="0,1024,2048,4096", help="prefetch distances in bytes (0: none)")
     ap.add_argument("--one-row-prefetch", default="", help="BF16_ONE_ROW_PREFETCH values to build, e.g. 0,1 "
                     "(default: this CPU's tuning only)")
+    ap.add_argument("--tile-cols", default="", help="BF16_TILE_COLS values to build, e.g. 1,2 (default: the source's)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--path", choices=sorted(cpu_linear.PATHS), default="best",
                     help="the kernels' implementation (e.g. avx2 on an AVX-512 machine)")
@@ -94,26 +96,28 @@ def main() -> None:
     arena = None if args.no_huge_pages else on_huge_pages(bf16_weights, int8_weights)
     print(f"weights on huge pages: {'yes' if arena is not None else 'no'}")
     bytes_per_pass = {"bf16": sum(w.numel() * 2 for w in bf16_weights), "int8": sum(q.numel() for q, _ in int8_weights)}
-    one_rows = args.one_row_prefetch.split(",") if args.one_row_prefetch else [""]
-    libs = {(kind, d, one_row): build(kind, d, one_row)
-            for kind in ("bf16", "int8") for d in distances for one_row in (one_rows if kind == "bf16" else [""])}
+    one_rows = [f"BF16_ONE_ROW_PREFETCH={v}" for v in args.one_row_prefetch.split(",") if v] or [""]
+    tile_cols = [f"BF16_TILE_COLS={v}" for v in args.tile_cols.split(",") if v] or [""]
+    bf16_extras = [tuple(d for d in (a, b) if d) for a in one_rows for b in tile_cols]
+    libs = {(kind, d, extra): build(kind, d, extra)
+            for kind in ("bf16", "int8") for d in distances for extra in (bf16_extras if kind == "bf16" else [()])}
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in SHAPES}}
         best = {key: float("inf") for key in libs}
         for _ in range(args.rounds):
-            for (kind, d, one_row), lib in libs.items():
+            for (kind, d, extra), lib in libs.items():
                 start = time.perf_counter()
                 if kind == "bf16":
                     bf16_pass(lib, xs, bf16_weights, threads, cpu_linear.PATHS[args.path])
                 else:
                     int8_pass(lib, xs, int8_weights, threads, cpu_linear.PATHS[args.path])
-                best[(kind, d, one_row)] = min(best[(kind, d, one_row)], time.perf_counter() - start)
-        for (kind, d, one_row), seconds in best.items():
+                best[(kind, d, extra)] = min(best[(kind, d, extra)], time.perf_counter() - start)
+        for (kind, d, extra), seconds in best.items():
             gbs = bytes_per_pass[kind] / seconds / 1e9
-            results.append({"kind": kind, "rows": rows, "distance": d, "one_row_prefetch": one_row or "tuned",
+            results.append({"kind": kind, "rows": rows, "distance": d, "defines": list(extra),
                             "ms": seconds * 1e3, "weight_gbs": gbs})
-            label = f" one-row {one_row}" if one_row else ""
+            label = "".join(f" {define}" for define in extra)
             print(f"{kind} M={rows} prefetch {d:>5} B{label}: {seconds * 1e3:6.1f} ms  {gbs:5.1f} GB/s", flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

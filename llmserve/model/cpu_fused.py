@@ -2,7 +2,7 @@
 
 The same four functions as the Triton `fused_kernels` (residual add + RMSNorm, RMSNorm, rotary embedding of
 q and k together, SiLU(gate) * up), with the same rounding steps as the torch code in `layers.py`.
-`layers.fused_kernels_for` picks this module for CPU bf16 tensors of at most `cpu_linear.MAX_ROWS` tokens,
+`layers.fused_kernels_for` picks this module for CPU bf16 tensors of at most `cpu_linear.max_rows()` tokens,
 where a decode step's per-op dispatch (about 40 small torch ops per layer) costs more than the arithmetic.
 Off with LLMSERVE_CPU_KERNELS=0 or LLMSERVE_FUSED_KERNELS=0.
 """
@@ -44,7 +44,7 @@ def load() -> ctypes.CDLL | None:
 def fits(x: torch.Tensor) -> bool:
     """Whether x is a decode-sized bf16 CPU activation ([tokens, ...], rows no wider than MAX_WIDTH)."""
     return (
-        x.dtype == torch.bfloat16 and x.device.type == "cpu" and 0 < x.shape[0] <= cpu_linear.MAX_ROWS
+        x.dtype == torch.bfloat16 and x.device.type == "cpu" and 0 < x.shape[0] <= cpu_linear.max_rows()
         and x.shape[-1] <= MAX_WIDTH and load() is not None
     )
 

@@ -7,7 +7,7 @@ machine's read bandwidth at such shapes; the kernel reads each weight row once, 
 with every row of x while it is in cache. It runs where it was built with AVX512-BF16, or with AVX2 and FMA
 (most x86 CPUs without AVX-512); elsewhere its plain-C implementation is slower than oneDNN and runs only
 when asked for (LLMSERVE_CPU_KERNELS=portable, for tests and comparisons). Calls with more rows than
-`MAX_ROWS` (prefill, large batches) stay with `F.linear`, which is faster there, except on CPUs where torch
+`max_rows()` (prefill, large batches; 16 on the AVX512-BF16 path, 8 on the others) stay with `F.linear`, which is faster there, except on CPUs where torch
 has no native bf16 GEMM (oneDNN's needs AVX-512): there they run `float32_gemm`, float32 GEMM on weights
 converted a block at a time, 3.6-7x faster than torch's generic bf16 loop. The int8 kernel converts each int8 weight to bf16 on the fly (exactly)
 and runs the same dot products, so it computes weight-only quantization's result while reading half the
@@ -33,8 +33,12 @@ from llmserve.model import native
 SOURCE = Path(__file__).with_name("csrc") / "linear_bf16_cpu.c"
 INT8_SOURCE = Path(__file__).with_name("csrc") / "linear_int8_cpu.c"
 # Above this oneDNN's blocked GEMM is as fast or faster, for bf16 weights and for int8 ones converted to bf16
-# (see BENCHMARKS.md, issue 18).
+# (see BENCHMARKS.md, issue 18), on the AVX2 and portable paths.
 MAX_ROWS = 8
+# The AVX512-BF16 path takes two weight rows a tile from 8 rows of x up, so each vector of x loaded serves both:
+# on Zen 4 it stays ahead of oneDNN up to 24 rows (1.6x at 12, 1.5x at 16), and decode steps of 12 and 16
+# sequences ran 1.31x and 1.16x faster with it than with oneDNN (BENCHMARKS.md, issue 18).
+AVX512_BF16_MAX_ROWS = 16
 # The int8 kernel stays ahead of converting the weights for oneDNN up to 16 rows: 1.4-1.7x at 12-16 rows on the
 # AVX-512 Xeon (1.2x at 24, even at 32), and even with float32_gemm at 16 rows on Zen 3's AVX2 path (BENCHMARKS.md,
 # issue 18).
@@ -175,10 +179,16 @@ def float32_gemm(
     return out.reshape(*x.shape[:-1], n)
 
 
+def max_rows() -> int:
+    """The most rows of x the bf16 kernel takes, on the path it runs now."""
+    path = _path if _path != "best" else next(iter(fast_paths()), "portable")
+    return AVX512_BF16_MAX_ROWS if path == "avx512_bf16" else MAX_ROWS
+
+
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-        and x.dim() == 2 and x.shape[0] <= MAX_ROWS and weight.is_contiguous()
+        and x.dim() == 2 and x.shape[0] <= max_rows() and weight.is_contiguous()
     )
 
 

@@ -84,7 +84,7 @@ def test_silu_and_mul_matches_bit_for_bit(torch_path, tokens, cols):
 
 
 def test_layers_pick_the_c_kernels_for_decode_sized_bf16_cpu_tensors():
-    small = torch.zeros(layers.cpu_linear.MAX_ROWS, 64, dtype=torch.bfloat16)
+    small = torch.zeros(layers.cpu_linear.max_rows(), 64, dtype=torch.bfloat16)
     assert layers.fused_kernels_for(small) is cpu_fused
-    assert layers.fused_kernels_for(torch.zeros(layers.cpu_linear.MAX_ROWS + 1, 64, dtype=torch.bfloat16)) is None
+    assert layers.fused_kernels_for(torch.zeros(layers.cpu_linear.max_rows() + 1, 64, dtype=torch.bfloat16)) is None
     assert layers.fused_kernels_for(small.float()) is None

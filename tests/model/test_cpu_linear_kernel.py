@@ -54,7 +54,7 @@ def test_model_shapes(path, size):
     for n, k in MODEL_SHAPES[size]:
         w = _random((n, k), gen)
         w64 = w.double()
-        for rows in (1, 3, 4, 8, 16):
+        for rows in (1, 3, 4, 8, 9, 12, 16):
             x = _random((rows, k), gen)
             _assert_close_to(cpu_linear.bf16_linear(x, w, path=path), x, w64, None)
 
@@ -112,7 +112,7 @@ def test_env_portable_switch_matches_the_portable_path():
 def test_linear_routes_small_bf16_batches_to_the_kernel():
     gen = torch.Generator().manual_seed(5)
     w = _random((64, 256), gen)
-    small, large = _random((cpu_linear.MAX_ROWS, 256), gen), _random((cpu_linear.MAX_ROWS + 1, 256), gen)
+    small, large = _random((cpu_linear.max_rows(), 256), gen), _random((cpu_linear.max_rows() + 1, 256), gen)
     if bool(cpu_linear.fast_paths()):
         assert torch.equal(cpu_linear.linear(small, w), cpu_linear.bf16_linear(small, w))
     else:  # the plain-C path is slower than oneDNN: it runs only when asked for
@@ -159,12 +159,15 @@ def test_native_bf16_gemm_is_detected_as_onednn_does():
     assert cpu_linear.native_bf16_gemm() == ({"avx512bw", "avx512vl", "avx512dq"} <= flags)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("variant", ["WEIGHT_PREFETCH_BYTES=0", "BF16_ONE_ROW_PREFETCH=0", "BF16_ONE_ROW_PREFETCH=1"])
+@pytest.mark.parametrize("rows", [1, 3, 13])
+@pytest.mark.parametrize(
+    "variant", ["WEIGHT_PREFETCH_BYTES=0", "BF16_ONE_ROW_PREFETCH=0", "BF16_ONE_ROW_PREFETCH=1", "BF16_TILE_COLS=1"]
+)
 @pytest.mark.parametrize("path", PATHS)
-def test_weight_prefetch_changes_no_result(path, variant, rows):
-    """The prefetch's settings (csrc/bf16.h, measured by benchmarks/cpu_weight_prefetch.py; one of them chosen per
-    CPU vendor) move only timing: other builds give the same bits on every implementation, for both kernels."""
+def test_tuning_constants_change_no_result(path, variant, rows):
+    """The kernels' tuning constants (the prefetch's settings of csrc/bf16.h, measured by
+    benchmarks/cpu_weight_prefetch.py, one of them chosen per CPU vendor; one or two weight rows a tile) move
+    only timing: other builds give the same bits on every implementation, for both kernels."""
     gen = torch.Generator().manual_seed(5)
     n, k = 300, 1000
     x, w = _random((rows, k), gen), _random((n, k), gen)
@@ -188,3 +191,14 @@ def test_builds_take_this_cpus_tuning_and_explicit_defines_over_it(monkeypatch):
     assert cpu_linear.tuned(("BF16_ONE_ROW_PREFETCH=1", "WEIGHT_PREFETCH_BYTES=0")) == (
         "BF16_ONE_ROW_PREFETCH=1", "WEIGHT_PREFETCH_BYTES=0"
     )
+
+
+def test_the_bf16_kernel_takes_more_rows_where_avx512_bf16_runs_it():
+    try:
+        for path in PATHS:
+            cpu_linear.use_path(path)
+            assert cpu_linear.max_rows() == (16 if path == "avx512_bf16" else 8)
+    finally:
+        cpu_linear.use_path("best")
+    best = next(iter(cpu_linear.fast_paths()), "portable")
+    assert cpu_linear.max_rows() == (16 if best == "avx512_bf16" else 8)

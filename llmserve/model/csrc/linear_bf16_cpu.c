@@ -65,54 +65,86 @@ static inline __m512bh load_pairs(const uint16_t *p, __mmask32 mask) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-/* Weight row j against rows [i0, i0 + mr) of x, with `unroll` accumulators per row of x. The weight row is
-   read front to back, so a thread's range of rows is one sequential stream; rows of x come from cache.
-   Always inlined with constant mr and unroll, so the loops unroll and the accumulators stay in registers. */
+#ifndef BF16_TILE_COLS
+#define BF16_TILE_COLS 2 /* weight rows per tile of MR rows of x: 1 or 2 */
+#endif
+
+/* Weight rows [j, j + cols) against rows [i0, i0 + mr) of x, with `unroll` accumulators per pair. Each weight
+   row is read front to back, so a thread's range of rows is one sequential stream (two adjacent ones when
+   cols is 2); rows of x come from cache, each of their vectors loaded once for the tile's weight rows. Always
+   inlined with constant mr, cols and unroll, so the loops unroll and the accumulators stay in registers. A
+   pair's products are summed in the same order whatever cols is. */
 static inline __attribute__((always_inline)) void row_tile_avx512(const uint16_t *x, const uint16_t *w,
                                                            const uint16_t *bias, uint16_t *y, int i0, int mr,
-                                                           int unroll, int j, int n, int k, int ldx) {
-    __m512 acc[MR][UNROLL_MAX];
+                                                           int cols, int unroll, int j, int n, int k, int ldx) {
+    __m512 acc[MR][2][UNROLL_MAX];
     for (int i = 0; i < mr; i++)
-        for (int u = 0; u < unroll; u++) acc[i][u] = _mm512_setzero_ps();
+        for (int q = 0; q < cols; q++)
+            for (int u = 0; u < unroll; u++) acc[i][q][u] = _mm512_setzero_ps();
     const uint16_t *wj = w + (size_t)j * k;
     int c = 0;
     for (; c + 32 * unroll <= k; c += 32 * unroll) {
-        __m512bh wv[UNROLL_MAX];
-        if (mr > 1 || BF16_ONE_ROW_PREFETCH)
-            for (int u = 0; u < unroll; u++) prefetch_weights(wj + c + 32 * u);
-        for (int u = 0; u < unroll; u++) wv[u] = (__m512bh)_mm512_loadu_si512(wj + c + 32 * u);
+        __m512bh wv[2][UNROLL_MAX];
+        for (int q = 0; q < cols; q++) {
+            if (mr > 1 || BF16_ONE_ROW_PREFETCH)
+                for (int u = 0; u < unroll; u++) prefetch_weights(wj + (size_t)q * k + c + 32 * u);
+            for (int u = 0; u < unroll; u++) wv[q][u] = (__m512bh)_mm512_loadu_si512(wj + (size_t)q * k + c + 32 * u);
+        }
         for (int i = 0; i < mr; i++) {
             const uint16_t *xi = x + (size_t)(i0 + i) * ldx + c;
-            for (int u = 0; u < unroll; u++)
-                acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)_mm512_loadu_si512(xi + 32 * u), wv[u]);
+            for (int u = 0; u < unroll; u++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xi + 32 * u);
+                for (int q = 0; q < cols; q++) acc[i][q][u] = _mm512_dpbf16_ps(acc[i][q][u], xv, wv[q][u]);
+            }
         }
     }
     for (; c < k; c += 32) { /* the last < 32 * unroll columns, the final partial group masked */
         const __mmask32 mask = k - c >= 32 ? 0xffffffffu : (__mmask32)((1u << (k - c)) - 1u);
-        const __m512bh wv = load_pairs(wj + c, mask);
-        for (int i = 0; i < mr; i++)
-            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], load_pairs(x + (size_t)(i0 + i) * ldx + c, mask), wv);
+        for (int i = 0; i < mr; i++) {
+            const __m512bh xv = load_pairs(x + (size_t)(i0 + i) * ldx + c, mask);
+            for (int q = 0; q < cols; q++)
+                acc[i][q][0] = _mm512_dpbf16_ps(acc[i][q][0], xv, load_pairs(wj + (size_t)q * k + c, mask));
+        }
     }
-    const float b = bias ? bf16_to_float(bias[j]) : 0.0f;
-    for (int i = 0; i < mr; i++) {
-        __m512 sum = acc[i][0];
-        for (int u = 1; u < unroll; u++) sum = _mm512_add_ps(sum, acc[i][u]);
-        y[(size_t)(i0 + i) * n + j] = float_to_bf16(_mm512_reduce_add_ps(sum) + b);
+    for (int q = 0; q < cols; q++) {
+        const float b = bias ? bf16_to_float(bias[j + q]) : 0.0f;
+        for (int i = 0; i < mr; i++) {
+            __m512 sum = acc[i][q][0];
+            for (int u = 1; u < unroll; u++) sum = _mm512_add_ps(sum, acc[i][q][u]);
+            y[(size_t)(i0 + i) * n + j + q] = float_to_bf16(_mm512_reduce_add_ps(sum) + b);
+        }
+    }
+}
+
+/* Weight row j against the rows [i0, m) that whole tiles of MR left over. */
+static inline __attribute__((always_inline)) void remainder_rows_avx512(const uint16_t *x, const uint16_t *w,
+                                                                 const uint16_t *bias, uint16_t *y, int i0,
+                                                                 int m, int j, int n, int k, int ldx) {
+    /* A single row keeps one accumulator: measured faster than two when only the weights stream. */
+    switch (m - i0) {
+    case 3: row_tile_avx512(x, w, bias, y, i0, 3, 1, 2, j, n, k, ldx); break;
+    case 2: row_tile_avx512(x, w, bias, y, i0, 2, 1, 2, j, n, k, ldx); break;
+    case 1: row_tile_avx512(x, w, bias, y, i0, 1, 1, 1, j, n, k, ldx); break;
+    default: break;
     }
 }
 
 static void linear_rows_avx512bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                                    int m, int n, int k, int ldx, int first, int last) {
-    for (int j = first; j < last; j++) {
-        int i0 = 0;
-        for (; i0 + MR <= m; i0 += MR) row_tile_avx512(x, w, bias, y, i0, MR, 2, j, n, k, ldx);
-        /* A single row keeps one accumulator: measured faster than two when only the weights stream. */
-        switch (m - i0) {
-        case 3: row_tile_avx512(x, w, bias, y, i0, 3, 2, j, n, k, ldx); break;
-        case 2: row_tile_avx512(x, w, bias, y, i0, 2, 2, j, n, k, ldx); break;
-        case 1: row_tile_avx512(x, w, bias, y, i0, 1, 1, j, n, k, ldx); break;
-        default: break;
+    int j = first;
+    /* From two tiles of MR rows up, two weight rows a tile: each vector of x loaded serves both, where the
+       loads of x bounded the kernel. Below that the weight stream bounds it, and two streams ran slower. */
+    if (BF16_TILE_COLS == 2 && m >= 2 * MR)
+        for (; j + 2 <= last; j += 2) {
+            int i0 = 0;
+            for (; i0 + MR <= m; i0 += MR) row_tile_avx512(x, w, bias, y, i0, MR, 2, 2, j, n, k, ldx);
+            remainder_rows_avx512(x, w, bias, y, i0, m, j, n, k, ldx);
+            remainder_rows_avx512(x, w, bias, y, i0, m, j + 1, n, k, ldx);
         }
+    for (; j < last; j++) {
+        int i0 = 0;
+        for (; i0 + MR <= m; i0 += MR) row_tile_avx512(x, w, bias, y, i0, MR, 1, 2, j, n, k, ldx);
+        remainder_rows_avx512(x, w, bias, y, i0, m, j, n, k, ldx);
     }
 }
 #endif
