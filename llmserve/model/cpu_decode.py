@@ -37,7 +37,7 @@ from llmserve.model.quantization.int8 import Int8LinearMethod
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "decode_llama_cpu.c"
 INCLUDED = [CSRC / "linear_bf16_cpu.c", CSRC / "linear_int8_cpu.c", CSRC / "elementwise_bf16_cpu.c", cpu_kernels.SOURCE]
-MAX_TOKENS = 8  # MAX_TOKENS in the C source; `cpu_linear`'s kernel is the fast one up to here
+MAX_TOKENS = 16  # MAX_TOKENS in the C source; a step takes fewer where `cpu_linear.max_rows()` is lower
 WEIGHTS_BF16 = 0
 WEIGHTS_INT8 = 1  # int8 [n, k] with float32 per-channel scales (`--quantization int8`)
 
@@ -165,8 +165,11 @@ class CpuDecoder:
         return None if lib is None else cls(model, kv_caches, backend, lib)
 
     def fits(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` tokens runs here: no more rows than the linear kernels take on the
+        path they run now (where more go to oneDNN on the per-module path, being faster there)."""
+        limit = cpu_linear.INT8_MAX_ROWS if self._int8 else cpu_linear.max_rows()
         return (
-            0 < num_tokens <= MAX_TOKENS and _kernel_path_active()
+            0 < num_tokens <= min(MAX_TOKENS, limit) and _kernel_path_active()
             and (not self._int8 or cpu_linear.int8_kernel_runs())
         )
 

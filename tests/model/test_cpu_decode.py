@@ -147,12 +147,14 @@ def test_decode_steps_are_bit_equal_to_the_per_module_path(path, arch, head_dim,
     cfg = model.config
     backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, BLOCK_SIZE,
                                     dtype=torch.bfloat16)
-    num_blocks = 64
+    num_blocks = 96
     caches = _caches(model, backend, num_blocks, seed=head_dim)
-    # 1 to 8 sequences; lengths on both sides of block boundaries, one token, many blocks
-    start_lens = [1, 15, 16, 17, 31, 33, 100, 250]
+    # 1 to 8, 12 and 16 sequences (as many as the path's linear kernels take); lengths on both sides of block
+    # boundaries, one token, many blocks
+    start_lens = [1, 15, 16, 17, 31, 33, 100, 250, 2, 47, 48, 49, 64, 5, 80, 120]
     tables = _tables([n + 3 for n in start_lens], num_blocks, seed=len(arch))
-    _assert_decode_steps_bit_equal(model, backend, caches, start_lens, tables, range(1, 9), steps=3, seed=7)
+    row_counts = [rows for rows in (*range(1, 9), 12, 16) if rows <= cpu_linear.max_rows()]
+    _assert_decode_steps_bit_equal(model, backend, caches, start_lens, tables, row_counts, steps=3, seed=7)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -225,7 +227,8 @@ def test_models_and_steps_it_does_not_take(monkeypatch):
     caches = _caches(model, backend, 4, seed=0)
     decoder = cpu_decode.CpuDecoder.build(model, caches, backend)
     assert decoder is not None
-    assert not decoder.fits(9) and not decoder.fits(0)
+    assert not decoder.fits(cpu_decode.MAX_TOKENS + 1) and not decoder.fits(0)
+    assert decoder.fits(9) == (cpu_linear.max_rows() >= 9)  # as many rows as the linear kernel takes
     cpu_decode.use_fast_path(False)
     try:
         assert not decoder.fits(1)

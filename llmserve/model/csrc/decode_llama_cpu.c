@@ -25,7 +25,7 @@
 
 #include <stdlib.h>
 
-#define MAX_TOKENS 8
+#define MAX_TOKENS 16
 
 /* How a projection's weights are stored; each format brings the kernel that computes a range of its outputs. */
 enum { WEIGHTS_BF16 = 0, WEIGHTS_INT8 = 1 };
