@@ -100,8 +100,12 @@ def test_engine_serves_from_an_int8_cache_without_leaking_blocks(tiny_llama_dir,
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     first = llm.generate(prompts, params)
     assert [len(o.outputs[0].token_ids) for o in first] == [12, 12, 12]
-    again = llm.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]  # deterministic
+    # Later runs find at least the prompts' full blocks in the cache (48 of 52 and of 51 tokens) and read them back
+    # quantized, where the first run attended to those keys as computed: their tokens may differ from the
+    # first run's, never from each other's.
+    second, third = llm.generate(prompts, params), llm.generate(prompts, params)
+    assert all(o.num_cached_tokens >= 48 for o in second[:2])
+    assert [o.outputs[0].token_ids for o in third] == [o.outputs[0].token_ids for o in second]
     blocks = llm.engine.core.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
 
