@@ -8,8 +8,9 @@
  *
  * Three implementations, each compiled where the build machine has its instructions; a call runs the best
  * one unless it names another (PATH_* in bf16.h):
- *  - AVX512-BF16: each weight row against tiles of up to 4 rows of x, 32 bf16 products per `vdpbf16ps`
- *    summed into float32 accumulators held in registers; masked loads for a k that is not a multiple of 32.
+ *  - AVX512-BF16: each weight row (two adjacent ones from 8 rows of x up) against tiles of up to 4 rows of x,
+ *    32 bf16 products per `vdpbf16ps` summed into float32 accumulators held in registers; masked loads for a
+ *    k that is not a multiple of 32.
  *    Threads split the weight rows into contiguous ranges, so each thread reads one stretch of memory front
  *    to back (separate streams per row measured slower).
  *  - AVX2 + FMA (CPUs without AVX-512, e.g. AMD Zen 2/3, most Intel client parts): 16 bf16 weights per load,
