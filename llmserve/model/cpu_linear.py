@@ -37,8 +37,9 @@ INT8_SOURCE = Path(__file__).with_name("csrc") / "linear_int8_cpu.c"
 MAX_ROWS = 8
 # The AVX512-BF16 path takes two weight rows a tile from 8 rows of x up, so each vector of x loaded serves both:
 # on Zen 4 it stays ahead of oneDNN up to 24 rows (1.6x at 12, 1.5x at 16), and decode steps of 12 and 16
-# sequences ran 1.31x and 1.16x faster with it than with oneDNN (BENCHMARKS.md, issue 18).
-AVX512_BF16_MAX_ROWS = 16
+# sequences ran 1.31x and 1.16x faster with it than with oneDNN (BENCHMARKS.md, issue 18). Where the CPU has
+# AMX, oneDNN's bf16 GEMM runs on its tiles, which no measurement here has compared: the limit stays 8 there.
+AVX512_BF16_MAX_ROWS = MAX_ROWS if "amx_bf16" in native.cpu_flags() else 16
 # The int8 kernel stays ahead of converting the weights for oneDNN up to 16 rows: 1.4-1.7x at 12-16 rows on the
 # AVX-512 Xeon (1.2x at 24, even at 32), and even with float32_gemm at 16 rows on Zen 3's AVX2 path (BENCHMARKS.md,
 # issue 18).

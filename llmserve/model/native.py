@@ -38,16 +38,26 @@ def portable_from_env() -> bool:
     return os.environ.get(ENV) == "portable"
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...), or "" where /proc/cpuinfo does not say."""
+def _cpuinfo_field(name: str) -> str:
+    """The first value of `name` in /proc/cpuinfo, or "" where it does not say."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.split(":", 1)[0].strip() == name:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...), or "" where /proc/cpuinfo does not say."""
+    return _cpuinfo_field("vendor_id")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags ("avx512_bf16", "amx_bf16", ...); empty where /proc/cpuinfo does not say."""
+    return frozenset(_cpuinfo_field("flags").split())
 
 
 def _cache_dir() -> Path:
