@@ -208,7 +208,8 @@ def _supports(
     cfg = model.config
     params = list(model.parameters())
     return (
-        isinstance(backend, TorchAttentionBackend) and backend.kv_cache_dtype in (torch.bfloat16, torch.int8)
+        isinstance(backend, TorchAttentionBackend)
+        # a bf16 or int8 cache: the kernel's formats under bf16 queries
         and cpu_kernels.supports(torch.bfloat16, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                  backend.kv_cache_dtype)
         and len(kv_caches) == len(model.layers) > 0
