@@ -82,9 +82,13 @@ MODES = ("step", "kernels", "torch")
 
 
 def use_mode(mode: str) -> None:
-    cpu_decode.use_fast_path(mode == "step")
-    cpu_linear.use_kernel(mode != "torch")
-    layers.use_fused_kernels = None if mode != "torch" else False
+    """`mode` is one of MODES, optionally with @path: the kernels' implementation (cpu_linear.PATHS, e.g.
+    step@avx2), for a baseline on a CPU with a faster one."""
+    name, _, path = mode.partition("@")
+    cpu_decode.use_fast_path(name == "step")
+    cpu_linear.use_kernel(name != "torch")
+    cpu_linear.use_path(path or "best")
+    layers.use_fused_kernels = None if name != "torch" else False
 
 
 # ---- llmserve -------------------------------------------------------------------------------------
@@ -212,7 +216,8 @@ def main() -> None:
     ap.add_argument("--gguf-dir", default=str(BENCH_CACHE / "gguf"))
     ap.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
     ap.add_argument("--modes", default=",".join(MODES), help="llmserve modes to run, comma-separated (first: the "
-                    "one compared with the others; prefill and batch 64 run in the first and the last)")
+                    "one compared with the others; prefill and batch 64 run in the first and the last); "
+                    "MODE@PATH runs the kernels on PATH (e.g. step@avx2)")
     ap.add_argument("--best-window", type=int, default=0, metavar="W",
                     help="also the tok/s of the fastest W consecutive decode steps (llama.cpp: the fastest of "
                     "--new-tokens / W runs of W tokens): what each reaches when the neighbours leave it the cores")
@@ -225,8 +230,9 @@ def main() -> None:
     args = ap.parse_args()
     batch_sizes = [int(n) for n in args.batch_sizes.split(",") if n]
     modes = args.modes.split(",")
-    if not modes or set(modes) - set(MODES):
-        ap.error(f"--modes: choose from {', '.join(MODES)}")
+    if not modes or any(m.partition("@")[0] not in MODES or m.partition("@")[2] not in ("", *cpu_linear.PATHS)
+                        for m in modes):
+        ap.error(f"--modes: choose from {', '.join(MODES)}, each optionally @{'|'.join(cpu_linear.PATHS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
 

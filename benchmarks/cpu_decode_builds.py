@@ -5,9 +5,11 @@ Each variant is a set of the kernels' tuning constants (NAME=VALUE, over this CP
 BF16_ONE_ROW_PREFETCH, WEIGHT_PREFETCH_BYTES, KV_PREFETCH_BLOCKS. One engine on the built-in `medium` model
 (bf16) decodes with each build in turn, the order alternating every round, so the builds see the same
 moments of a machine whose memory speed drifts: batch-1 decode tok/s of --new-tokens after --prompt-len, per
-round, and each build's ratio to the first one per round.
+round, and each build's ratio to the first one per round. A variant ending in @PATH runs the kernels on that
+implementation (cpu_linear.PATHS), to compare the paths a CPU builds.
 
     python benchmarks/cpu_decode_builds.py --variants "BF16_ONE_ROW_PREFETCH=0;BF16_ONE_ROW_PREFETCH=1" --rounds 8
+    python benchmarks/cpu_decode_builds.py --variants "@avx512;@avx2" --quantization int8 --rounds 8
 """
 
 from __future__ import annotations
@@ -48,14 +50,17 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    variants = [tuple(d for d in spec.split(",") if d) for spec in args.variants.split(";")]
+    specs = [spec.partition("@") for spec in args.variants.split(";")]
+    variants = [(tuple(d for d in defines.split(",") if d), path or "best") for defines, _, path in specs]
+    if unknown := {path for _, path in variants} - set(cpu_linear.PATHS):
+        ap.error(f"unknown kernel paths {sorted(unknown)}: choose from {sorted(cpu_linear.PATHS)}")
     llm = LLM(str(ensure_default_model("llama", "medium")), dtype="bfloat16", kv_cache_memory=1 << 30,
               enable_prefix_caching=False, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.engine.core.runner
     if runner.cpu_decoder is None:
         raise SystemExit("the one-call decode step does not run here (no kernels, or a model it cannot take)")
     decoders = {}
-    for defines in variants:
+    for defines, _ in variants:
         lib = cpu_decode.load(defines)
         if lib is None:
             raise SystemExit(f"the build {defines} failed")
@@ -63,22 +68,25 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(10, 31990) for _ in range(args.prompt_len)]
     llm.generate([prompt[:16]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-    results: dict[tuple[str, ...], list[float]] = {defines: [] for defines in variants}
+    results: dict[tuple[tuple[str, ...], str], list[float]] = {variant: [] for variant in variants}
     for r in range(args.rounds):
-        for defines in variants if r % 2 == 0 else variants[::-1]:
+        for defines, path in variants if r % 2 == 0 else variants[::-1]:
             runner.cpu_decoder = decoders[defines]
-            results[defines].append(decode_tok_s(llm, prompt, args.new_tokens))
+            cpu_linear.use_path(path)
+            results[(defines, path)].append(decode_tok_s(llm, prompt, args.new_tokens))
+    cpu_linear.use_path("best")
     first = results[variants[0]]
-    for defines, runs in results.items():
+    names = {variant: f"{','.join(variant[0]) or 'default'}@{variant[1]}" for variant in variants}
+    for variant, runs in results.items():
         ratios = [a / b for a, b in zip(runs, first, strict=True)]
-        print(f"{','.join(defines) or 'default'}: median {statistics.median(runs):.1f} tok/s, runs "
+        print(f"{names[variant]}: median {statistics.median(runs):.1f} tok/s, runs "
               f"{[round(x, 1) for x in runs]}; to the first build per round {[round(x, 2) for x in ratios]}, "
               f"median {statistics.median(ratios):.3f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": vars(args), "tuning": list(cpu_linear.TUNING),
-                                         "runs": {",".join(d) or "default": runs for d, runs in results.items()}},
-                                        indent=2))
+                                         "runs": {names[variant]: runs for variant, runs in results.items()}},
+                                        indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -167,7 +167,7 @@ class CpuDecoder:
     def fits(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens runs here: no more rows than the linear kernels take on the
         path they run now (where more go to oneDNN on the per-module path, being faster there)."""
-        limit = cpu_linear.INT8_MAX_ROWS if self._int8 else cpu_linear.max_rows()
+        limit = cpu_linear.int8_max_rows() if self._int8 else cpu_linear.max_rows()
         return (
             0 < num_tokens <= min(MAX_TOKENS, limit) and _kernel_path_active()
             and (not self._int8 or cpu_linear.int8_kernel_runs())

@@ -4,14 +4,15 @@ per-channel scales (csrc/linear_int8_cpu.c, `--quantization int8`).
 A decode step multiplies a few rows of activations by every weight matrix, so its time is the time to
 stream the weights from memory. oneDNN's bf16 GEMM (what `F.linear` runs) reaches a fraction of the
 machine's read bandwidth at such shapes; the kernel reads each weight row once, front to back, and dots it
-with every row of x while it is in cache. It runs where it was built with AVX512-BF16, or with AVX2 and FMA
-(most x86 CPUs without AVX-512); elsewhere its plain-C implementation is slower than oneDNN and runs only
-when asked for (LLMSERVE_CPU_KERNELS=portable, for tests and comparisons). Calls with more rows than
-`max_rows()` (prefill, large batches; 16 on the AVX512-BF16 path, 8 on the others) stay with `F.linear`, which is faster there, except on CPUs where torch
-has no native bf16 GEMM (oneDNN's needs AVX-512): there they run `float32_gemm`, float32 GEMM on weights
-converted a block at a time, 3.6-7x faster than torch's generic bf16 loop. The int8 kernel converts each int8 weight to bf16 on the fly (exactly)
-and runs the same dot products, so it computes weight-only quantization's result while reading half the
-bytes; `quantization.int8` calls it for up to `INT8_MAX_ROWS` rows.
+with every row of x while it is in cache. It runs where it was built with AVX512-BF16, with AVX-512 without
+BF16 (Skylake-SP to Ice Lake), or with AVX2 and FMA (most other x86 CPUs); elsewhere its plain-C implementation
+is slower than oneDNN and runs only when asked for (LLMSERVE_CPU_KERNELS=portable, for tests and comparisons).
+Calls with more rows than `max_rows()` (prefill, large batches; 16 on the AVX512-BF16 path, 32 on the AVX-512
+one, 8 on the others) go to `F.linear` where torch's bf16 GEMM runs on bf16 instructions (`native_bf16_gemm`),
+and elsewhere to `float32_gemm`, float32 GEMM on weights converted a block at a time: 2.6x oneDNN's emulated
+bf16 on Ice Lake, 3.6-7x torch's generic bf16 loop on Zen 3. The int8 kernel converts each int8 weight
+exactly on the fly and runs the same dot products, so it computes weight-only quantization's result while
+reading half the bytes; `quantization.int8` calls it for up to `int8_max_rows()` rows.
 
 LLMSERVE_CPU_KERNELS (see `llmserve.model.native`) turns the kernels off or keeps them on their portable
 path; `use_kernel` (both kernels), `use_int8_kernel` and `use_path` do the same at run time, for
@@ -44,6 +45,11 @@ AVX512_BF16_MAX_ROWS = MAX_ROWS if "amx_bf16" in native.cpu_flags() else 16
 # AVX-512 Xeon (1.2x at 24, even at 32), and even with float32_gemm at 16 rows on Zen 3's AVX2 path (BENCHMARKS.md,
 # issue 18).
 INT8_MAX_ROWS = 16
+# The AVX-512 path without BF16 (Ice Lake and older Xeons) takes two weight rows a tile from 8 rows of x up, for
+# bf16 and int8 weights: on a 2-core Ice Lake both stay ahead of float32_gemm (what runs above, oneDNN's bf16 being
+# emulated there) up to 48 rows, 1.6-1.8x at 24-32, and int8 of `_weight_int8pack_mm` 1.4-1.5x (BENCHMARKS.md,
+# issue 18).
+AVX512_MAX_ROWS = 32
 FLOAT32_BLOCK = 256  # weight rows per float32 block in `float32_gemm` (64-1024 measured: 256 best or within 3%)
 # Tuning constants of csrc/bf16.h chosen for this CPU: AMD's prefetchers stream a single row's weights faster
 # without the software prefetch (BF16_ONE_ROW_PREFETCH).
@@ -52,8 +58,8 @@ TUNING: tuple[str, ...] = ("BF16_ONE_ROW_PREFETCH=0",) if native.cpu_vendor() ==
 _enabled = True
 _int8_enabled = True
 # The kernels' implementations (PATH_* in csrc/bf16.h): "best" is the fastest compiled in.
-PATHS = {"best": 0, "portable": 1, "avx2": 2, "avx512_bf16": 3}
-FAST_PATHS = ("avx512_bf16", "avx2")  # fastest first
+PATHS = {"best": 0, "portable": 1, "avx2": 2, "avx512_bf16": 3, "avx512": 4}
+FAST_PATHS = ("avx512_bf16", "avx512", "avx2")  # fastest first
 _path = "portable" if native.portable_from_env() else "best"
 
 
@@ -148,9 +154,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @functools.cache
 def native_bf16_gemm() -> bool:
-    """Whether torch's CPU bf16 GEMM runs on bf16 instructions (oneDNN's, which need AVX-512). Without them it
-    runs a generic loop at ~10 GFLOP/s a core, where float32 GEMM on converted weights reaches 35-75."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether torch's CPU bf16 GEMM runs on bf16 instructions: oneDNN's, on AVX512-BF16 or AMX. Without AVX-512
+    torch runs a generic loop at ~10 GFLOP/s a core; on AVX-512 CPUs without BF16 (Skylake-SP to Ice Lake)
+    oneDNN emulates bf16 at 45-60 GFLOP/s over two cores. Float32 GEMM on converted weights reaches 35-75 a
+    core on Zen 3 and 155-160 over two Ice Lake cores (BENCHMARKS.md, issue 18). Where /proc/cpuinfo has no x86
+    flags (other architectures), torch's own answer stands."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    flags = native.cpu_flags()
+    return "sse2" not in flags or bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
 def float32_gemm_pays(x: torch.Tensor) -> bool:
@@ -180,10 +192,18 @@ def float32_gemm(
     return out.reshape(*x.shape[:-1], n)
 
 
+def _running_path(fast: tuple[str, ...]) -> str:
+    return _path if _path != "best" else next(iter(fast), "portable")
+
+
 def max_rows() -> int:
     """The most rows of x the bf16 kernel takes, on the path it runs now."""
-    path = _path if _path != "best" else next(iter(fast_paths()), "portable")
-    return AVX512_BF16_MAX_ROWS if path == "avx512_bf16" else MAX_ROWS
+    return {"avx512_bf16": AVX512_BF16_MAX_ROWS, "avx512": AVX512_MAX_ROWS}.get(_running_path(fast_paths()), MAX_ROWS)
+
+
+def int8_max_rows() -> int:
+    """The most rows of x the int8 kernel takes, on the path it runs now."""
+    return AVX512_MAX_ROWS if _running_path(int8_fast_paths()) == "avx512" else INT8_MAX_ROWS
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -239,7 +259,7 @@ def int8_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `int8_linear` should run x [M, K] against int8 `weight` [N, K]: few bf16 rows on the CPU, and
     the kernel built on a fast path (or another path asked for)."""
     return (
-        x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= INT8_MAX_ROWS
+        x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= int8_max_rows()
         and weight.dtype == torch.int8 and weight.is_contiguous() and int8_kernel_runs()
     )
 

@@ -140,7 +140,7 @@ def _old_path(layer: Linear, x: torch.Tensor) -> torch.Tensor:
 def test_int8_layers_route_decode_sized_bf16_batches_to_the_kernel():
     gen = torch.Generator().manual_seed(5)
     layer = _int8_layer(64, 256, torch.bfloat16, gen)
-    small, large = _x((cpu_linear.INT8_MAX_ROWS, 256), gen), _x((cpu_linear.INT8_MAX_ROWS + 1, 256), gen)
+    small, large = _x((cpu_linear.int8_max_rows(), 256), gen), _x((cpu_linear.int8_max_rows() + 1, 256), gen)
     kernel = cpu_linear.int8_linear(small, layer.weight, layer.weight_scale, layer.bias)
     if cpu_linear.int8_fast_paths():
         assert torch.equal(layer(small), kernel)

@@ -60,7 +60,7 @@ def test_model_shapes(path, size):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("rows", [1, 7, 17, 33, 64])
+@pytest.mark.parametrize("rows", [1, 7, 10, 11, 17, 33, 64])
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 17), (5, 31), (7, 33), (13, 100), (37, 1000), (129, 2817)])
 def test_odd_shapes_with_bias(path, rows, n, k):
     # k not a multiple of 32 takes the masked tail; n not a multiple of 4 a partial block of weight rows
@@ -83,7 +83,8 @@ def test_strided_inputs(path):
 def test_the_fast_paths_built_are_those_the_cpu_has():
     # otherwise the parametrized tests would silently leave a path the product runs untested
     flags = set(CPUINFO.read_text().split())
-    expected = [path for path, needs in (("avx512_bf16", {"avx512_bf16"}), ("avx2", {"avx2", "fma"})) if needs <= flags]
+    needs = {"avx512_bf16": {"avx512_bf16"}, "avx512": {"avx512f", "avx512bw"}, "avx2": {"avx2", "fma"}}
+    expected = [path for path in cpu_linear.FAST_PATHS if needs[path] <= flags]
     assert list(cpu_linear.fast_paths()) == expected
     assert list(cpu_linear.int8_fast_paths()) == expected  # the int8 kernel's, built the same way
 
@@ -152,16 +153,19 @@ def test_float32_gemm_against_float64(rows, weight_dtype):
     _assert_close_to(got.reshape(-1, n), x.reshape(-1, k), w64, bias.double())
 
 
-def test_native_bf16_gemm_is_detected_as_onednn_does():
+def test_native_bf16_gemm_means_bf16_instructions_not_onednns_emulation():
     flags = set(CPUINFO.read_text().split()) if CPUINFO.exists() else set()
-    if not flags:
-        pytest.skip("needs /proc/cpuinfo")
-    assert cpu_linear.native_bf16_gemm() == ({"avx512bw", "avx512vl", "avx512dq"} <= flags)
+    if "sse2" not in flags:
+        pytest.skip("needs an x86 /proc/cpuinfo")
+    onednn_bf16 = {"avx512bw", "avx512vl", "avx512dq"} <= flags
+    assert cpu_linear.native_bf16_gemm() == (onednn_bf16 and bool({"avx512_bf16", "amx_bf16"} & flags))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 13])
 @pytest.mark.parametrize(
-    "variant", ["WEIGHT_PREFETCH_BYTES=0", "BF16_ONE_ROW_PREFETCH=0", "BF16_ONE_ROW_PREFETCH=1", "BF16_TILE_COLS=1"]
+    "variant",
+    ["WEIGHT_PREFETCH_BYTES=0", "BF16_ONE_ROW_PREFETCH=0", "BF16_ONE_ROW_PREFETCH=1", "BF16_TILE_COLS=1",
+     "INT8_TILE_COLS=1"],
 )
 @pytest.mark.parametrize("path", PATHS)
 def test_tuning_constants_change_no_result(path, variant, rows):
@@ -185,6 +189,45 @@ def test_tuning_constants_change_no_result(path, variant, rows):
     assert torch.equal(cpu_linear.int8_linear(x, q, scale, path=path), plain_int8)
 
 
+def _direct(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, threads: int,
+            code: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both kernels called with `threads` OpenMP threads (the wrappers take torch's count)."""
+    rows, k = x.shape
+    n = w.shape[0]
+    bf16, int8 = torch.empty(rows, n, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    assert cpu_linear.load().llmserve_linear_bf16(ptr(x.data_ptr()), ptr(w.data_ptr()), None, ptr(bf16.data_ptr()),
+                                                  rows, n, k, k, threads, code) == 0
+    assert cpu_linear.load_int8().llmserve_linear_int8(ptr(x.data_ptr()), i64(rows), i64(k), i64(k),
+                                                       ptr(q.data_ptr()), ptr(scale.data_ptr()), None, i64(n),
+                                                       ptr(int8.data_ptr()), threads, code) == 0
+    return bf16, int8
+
+
+def _order_sensitive(rows: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """x, and weights of +-1 in bf16 and int8: each row of x holds eight pairs of +-2^24 among small integers, so
+    which small products a float32 sum keeps depends on the order it adds them in."""
+    x = torch.randint(-4, 5, (rows, k), generator=gen).float()
+    for i in range(rows):
+        for a, b in torch.randperm(k, generator=gen)[:16].view(8, 2).tolist():
+            x[i, a], x[i, b] = 2.0**24, -(2.0**24)
+    signs = torch.randint(0, 2, (n, k), generator=gen) * 2 - 1
+    return x.bfloat16(), signs.bfloat16(), signs.to(torch.int8)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 9, 10, 11, 16])
+@pytest.mark.parametrize("path", PATHS)
+def test_results_do_not_depend_on_the_number_of_threads(path, rows):
+    # threads take odd stretches of weight rows, so a row paired with its neighbour in one split stands alone in
+    # another: its products must be summed in the same order either way
+    gen = torch.Generator().manual_seed(rows)
+    x, w, q = _order_sensitive(rows, 61, 1000, gen)
+    code = cpu_linear.PATHS[path]
+    one = _direct(x, w, q, torch.ones(61), 1, code)
+    for threads in (2, 3, 5, 7):
+        assert all(torch.equal(a, b) for a, b in zip(_direct(x, w, q, torch.ones(61), threads, code), one, strict=True))
+
+
 def test_builds_take_this_cpus_tuning_and_explicit_defines_over_it(monkeypatch):
     monkeypatch.setattr(cpu_linear, "TUNING", ("BF16_ONE_ROW_PREFETCH=0",))
     assert cpu_linear.tuned() == ("BF16_ONE_ROW_PREFETCH=0",)
@@ -193,14 +236,16 @@ def test_builds_take_this_cpus_tuning_and_explicit_defines_over_it(monkeypatch):
     )
 
 
-def test_the_bf16_kernel_takes_more_rows_where_avx512_bf16_runs_it():
+def test_the_kernels_take_more_rows_on_the_avx512_paths():
+    bf16_limits = {"avx512_bf16": cpu_linear.AVX512_BF16_MAX_ROWS, "avx512": cpu_linear.AVX512_MAX_ROWS}
     try:
         for path in PATHS:
             cpu_linear.use_path(path)
-            assert cpu_linear.max_rows() == (cpu_linear.AVX512_BF16_MAX_ROWS if path == "avx512_bf16" else 8)
+            assert cpu_linear.max_rows() == bf16_limits.get(path, 8)
+            assert cpu_linear.int8_max_rows() == (32 if path == "avx512" else 16)
     finally:
         cpu_linear.use_path("best")
     best = next(iter(cpu_linear.fast_paths()), "portable")
-    assert cpu_linear.max_rows() == (cpu_linear.AVX512_BF16_MAX_ROWS if best == "avx512_bf16" else 8)
+    assert cpu_linear.max_rows() == bf16_limits.get(best, 8)
     # 16 where AVX512-BF16 runs without AMX (oneDNN's GEMM on AMX tiles was never compared with the kernel)
     assert cpu_linear.AVX512_BF16_MAX_ROWS == (8 if "amx_bf16" in native.cpu_flags() else 16)

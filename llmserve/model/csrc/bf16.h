@@ -21,8 +21,10 @@ static inline uint16_t float_to_bf16(float f) {
 }
 
 /* Which implementation a CPU kernel call runs: the best compiled in, the plain-C one, or a named one (for
-   tests and comparisons on machines that have more than one; a call naming one not compiled in is refused). */
-enum { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512_BF16 = 3 };
+   tests and comparisons on machines that have more than one; a call naming one not compiled in is refused).
+   PATH_AVX512 is AVX-512 without its BF16 instructions (Intel Skylake-SP to Ice Lake): float32 FMA on bf16 made
+   float32 by shifts, as PATH_AVX2 does, in vectors twice as wide. */
+enum { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512_BF16 = 3, PATH_AVX512 = 4 };
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2 1
@@ -34,14 +36,20 @@ enum { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512_BF16 = 3 };
 #else
 #define HAVE_AVX512_BF16 0
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && HAVE_AVX2 /* its helpers extend AVX2's */
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
 
 /* The paths compiled in, as the bits 1 << PATH_*. */
 static inline int paths_built(void) {
-    return (1 << PATH_PORTABLE) | (HAVE_AVX2 << PATH_AVX2) | (HAVE_AVX512_BF16 << PATH_AVX512_BF16);
+    return (1 << PATH_PORTABLE) | (HAVE_AVX2 << PATH_AVX2) | (HAVE_AVX512_BF16 << PATH_AVX512_BF16)
+           | (HAVE_AVX512 << PATH_AVX512);
 }
 
 /* Whether `path` names an implementation compiled in. */
-static inline int path_built(int path) { return path == PATH_BEST || (path >= 0 && path <= 3 && (paths_built() >> path) & 1); }
+static inline int path_built(int path) { return path == PATH_BEST || (path >= 0 && path <= PATH_AVX512 && (paths_built() >> path) & 1); }
 
 /* How far ahead of the weights being read the linear kernels prefetch them. Intel's L2 streamer stops at every
    4 KiB page, so a weight stream left to it stalls at each page boundary; one page ahead keeps the next page
@@ -79,22 +87,28 @@ static inline __m256 bf16_odd(__m256i v) {
     return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
+/* This thread's scratch of at least `count` floats (contents not kept), reused by its later calls; NULL when out
+   of memory. Aligned to a cache line, so no vector load from it straddles two. */
+static inline float *thread_floats(size_t count) {
+    static _Thread_local float *buffer = NULL;
+    static _Thread_local size_t capacity = 0;
+    if (count > capacity) {
+        free(buffer);
+        const size_t bytes = (count * sizeof(float) + 63) / 64 * 64;
+        buffer = (float *)aligned_alloc(64, bytes);
+        capacity = buffer == NULL ? 0 : count;
+    }
+    return buffer;
+}
+
 /* Rows [0, m) of x (bf16, row stride ldx) as float32 for the AVX2 kernels, each group of 16 columns stored as
    its 8 even elements then its 8 odd ones (the order bf16_even / bf16_odd give the weights), row after row
    with stride k / 16 * 16 (the last k % 16 columns are left to scalar code). Converted once per call rather
-   than once per weight row; the buffer is the calling thread's, reused by its later calls. NULL when out of
-   memory. */
+   than once per weight row, into the calling thread's scratch. NULL when out of memory. */
 static inline const float *split_rows_avx2(const uint16_t *x, int64_t m, int64_t k, int64_t ldx) {
-    static _Thread_local float *buffer = NULL;
-    static _Thread_local size_t capacity = 0;
     const int64_t k16 = k / 16 * 16;
-    const size_t need = (size_t)(m * k16 > 0 ? m * k16 : 1);
-    if (need > capacity) {
-        float *grown = (float *)realloc(buffer, need * sizeof(float));
-        if (grown == NULL) return NULL;
-        buffer = grown;
-        capacity = need;
-    }
+    float *buffer = thread_floats((size_t)(m * k16 > 0 ? m * k16 : 1));
+    if (buffer == NULL) return NULL;
     for (int64_t i = 0; i < m; i++)
         for (int64_t c = 0; c < k16; c += 16) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(x + i * ldx + c));
@@ -108,6 +122,43 @@ static inline float hsum256(__m256 v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
+#if HAVE_AVX512
+/* bf16_even / bf16_odd for 32 bf16 values (one 512-bit load): two vectors of 16 float32. */
+static inline __m512 bf16_even512(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+static inline __m512 bf16_odd512(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* split_rows_avx2 in groups of 32 columns (16 even elements, then 16 odd), for the bf16 AVX-512 kernel; the last
+   k % 32 columns are left to scalar code. */
+static inline const float *split_rows_avx512(const uint16_t *x, int64_t m, int64_t k, int64_t ldx) {
+    const int64_t k32 = k / 32 * 32;
+    float *buffer = thread_floats((size_t)(m * k32 > 0 ? m * k32 : 1));
+    if (buffer == NULL) return NULL;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t c = 0; c < k32; c += 32) {
+            const __m512i v = _mm512_loadu_si512(x + i * ldx + c);
+            _mm512_storeu_ps(buffer + i * k32 + c, bf16_even512(v));
+            _mm512_storeu_ps(buffer + i * k32 + c + 16, bf16_odd512(v));
+        }
+    return buffer;
+}
+
+/* Rows [0, m) of x as plain float32 (row stride k / 16 * 16), for the int8 AVX-512 kernel, whose weights widen to
+   float32 in order. */
+static inline const float *widen_rows_avx512(const uint16_t *x, int64_t m, int64_t k, int64_t ldx) {
+    const int64_t k16 = k / 16 * 16;
+    float *buffer = thread_floats((size_t)(m * k16 > 0 ? m * k16 : 1));
+    if (buffer == NULL) return NULL;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t c = 0; c < k16; c += 16) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(x + i * ldx + c));
+            _mm512_storeu_ps(buffer + i * k16 + c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
+        }
+    return buffer;
 }
 #endif
 

@@ -176,8 +176,8 @@ static int supported(const decoder *d, const decode_step *s, decode_fn attend) {
 
 /* Returns 0, or -1 for a step or a model it cannot take (nothing is computed then). */
 int llmserve_decode_step(const decoder *d, const decode_step *s) {
-    /* The attention kernel's AVX-512 path (AVX512F) goes with the linears' best or AVX512-BF16 path. */
-    const int attention_avx512 = s->path == PATH_BEST || s->path == PATH_AVX512_BF16;
+    /* The attention kernel's AVX-512 path (AVX512F) goes with the linears' best or AVX-512 paths. */
+    const int attention_avx512 = s->path == PATH_BEST || s->path == PATH_AVX512_BF16 || s->path == PATH_AVX512;
     const decode_fn attend = d->kv_format == KV_BF16 || d->kv_format == KV_INT8
         ? choose_decode(d->kv_format, attention_avx512, d->heads, d->kv_heads, d->head_dim, d->block_size)
         : NULL;

@@ -6,18 +6,21 @@
  * y [m, n] contiguous. Products are summed in float32 and rounded to bf16 once, as torch's bf16 linear does;
  * only the summation order differs.
  *
- * Three implementations, each compiled where the build machine has its instructions; a call runs the best
+ * Four implementations, each compiled where the build machine has its instructions; a call runs the best
  * one unless it names another (PATH_* in bf16.h):
  *  - AVX512-BF16: each weight row (two adjacent ones from 8 rows of x up) against tiles of up to 4 rows of x,
  *    32 bf16 products per `vdpbf16ps` summed into float32 accumulators held in registers; masked loads for a
  *    k that is not a multiple of 32.
  *    Threads split the weight rows into contiguous ranges, so each thread reads one stretch of memory front
  *    to back (separate streams per row measured slower).
+ *  - AVX-512 without BF16 (Intel Skylake-SP to Ice Lake): the AVX2 path's method on 32 bf16 weights per load,
+ *    with tiles of up to 7 rows of x, or of 4 rows and two weight rows from 8 rows up; x's float32 copy is
+ *    cache-line aligned (unaligned, its 64-byte loads split lines and the kernel ran 1.1-1.5x slower).
  *  - AVX2 + FMA (CPUs without AVX-512, e.g. AMD Zen 2/3, most Intel client parts): 16 bf16 weights per load,
  *    made float32 exactly by a shift (even elements) and a mask (odd ones), and the same done to x, so no
  *    shuffles are needed; FMA into float32 accumulators, the last k % 16 columns in scalar code.
  *  - Portable C for any machine, the same split over threads.
- * Both fast paths prefetch the weight stream WEIGHT_PREFETCH_BYTES ahead (bf16.h), for a single row of x only
+ * The fast paths prefetch the weight stream WEIGHT_PREFETCH_BYTES ahead (bf16.h), for a single row of x only
  * where BF16_ONE_ROW_PREFETCH says so.
  *
  * Built on first use by llmserve/model/cpu_linear.py and called through ctypes with raw pointers.
@@ -28,7 +31,7 @@
 #include <omp.h>
 #endif
 #include "bf16.h"
-#if HAVE_AVX512_BF16
+#if HAVE_AVX512_BF16 || HAVE_AVX512
 #include <immintrin.h>
 #endif
 
@@ -57,6 +60,10 @@ static void linear_rows_portable(const uint16_t *x, const uint16_t *w, const uin
     }
 }
 
+#ifndef BF16_TILE_COLS
+#define BF16_TILE_COLS 2 /* weight rows per tile on the AVX-512 paths from 8 rows of x up: 1 or 2 */
+#endif
+
 #define MR 4 /* rows of x per tile: at most MR x UNROLL_MAX float32 accumulators in registers */
 
 #if HAVE_AVX512_BF16
@@ -66,9 +73,6 @@ static inline __m512bh load_pairs(const uint16_t *p, __mmask32 mask) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-#ifndef BF16_TILE_COLS
-#define BF16_TILE_COLS 2 /* weight rows per tile of MR rows of x: 1 or 2 */
-#endif
 
 /* Weight rows [j, j + cols) against rows [i0, i0 + mr) of x, with `unroll` accumulators per pair. Each weight
    row is read front to back, so a thread's range of rows is one sequential stream (two adjacent ones when
@@ -216,6 +220,110 @@ static int linear_rows_avx2(const uint16_t *x, const uint16_t *w, const uint16_t
 }
 #endif
 
+#if HAVE_AVX512
+#define MR_AVX512 7 /* rows of x in a tile of one weight row: 7 x 2 accumulators (even and odd) */
+#define MR_AVX512_PAIR 4 /* rows of x per tile of two weight rows: 4 x 2 x 2 accumulators */
+#define UNROLL_AVX512 2
+
+/* The even and odd products of 32 columns from c, weight rows [j, j + cols) and rows [i0, i0 + mr) of x, into
+   accumulators u; each vector of x loaded serves every weight row of the tile. */
+static inline __attribute__((always_inline)) void bf16_columns_avx512(const float *xs, const uint16_t *wj,
+                                                                      __m512 even[][2][UNROLL_AVX512],
+                                                                      __m512 odd[][2][UNROLL_AVX512], int i0,
+                                                                      int mr, int cols, int u, int c, int k,
+                                                                      int k32) {
+    __m512 we[2], wo[2];
+    for (int q = 0; q < cols; q++) {
+        const __m512i wv = _mm512_loadu_si512(wj + (size_t)q * k + c);
+        we[q] = bf16_even512(wv);
+        wo[q] = bf16_odd512(wv);
+    }
+    for (int i = 0; i < mr; i++) {
+        const float *xi = xs + (size_t)(i0 + i) * k32 + c;
+        const __m512 xe = _mm512_load_ps(xi), xo = _mm512_load_ps(xi + 16);
+        for (int q = 0; q < cols; q++) {
+            even[i][q][u] = _mm512_fmadd_ps(xe, we[q], even[i][q][u]);
+            odd[i][q][u] = _mm512_fmadd_ps(xo, wo[q], odd[i][q][u]);
+        }
+    }
+}
+
+/* row_tile_avx2 in vectors of 16 float32 (xs: split_rows_avx512's copy, 64-byte aligned rows), for weight rows
+   [j, j + cols). */
+static inline __attribute__((always_inline)) void row_tile_avx512f(const uint16_t *x, const float *xs,
+                                                                   const uint16_t *w, const uint16_t *bias,
+                                                                   uint16_t *y, int i0, int mr, int cols,
+                                                                   int unroll, int j, int n, int k, int ldx) {
+    __m512 even[MR_AVX512][2][UNROLL_AVX512], odd[MR_AVX512][2][UNROLL_AVX512];
+    for (int i = 0; i < mr; i++)
+        for (int q = 0; q < cols; q++)
+            for (int u = 0; u < unroll; u++) even[i][q][u] = odd[i][q][u] = _mm512_setzero_ps();
+    const uint16_t *wj = w + (size_t)j * k;
+    const int k32 = k / 32 * 32;
+    int c = 0;
+    for (; c + 32 * unroll <= k32; c += 32 * unroll) {
+        if (mr > 1 || BF16_ONE_ROW_PREFETCH)
+            for (int q = 0; q < cols; q++)
+                for (int u = 0; u < unroll; u++) prefetch_weights(wj + (size_t)q * k + c + 32 * u);
+        for (int u = 0; u < unroll; u++) bf16_columns_avx512(xs, wj, even, odd, i0, mr, cols, u, c + 32 * u, k, k32);
+    }
+    for (; c < k32; c += 32) bf16_columns_avx512(xs, wj, even, odd, i0, mr, cols, 0, c, k, k32);
+    for (int q = 0; q < cols; q++) {
+        const uint16_t *wq = wj + (size_t)q * k;
+        const float b = bias ? bf16_to_float(bias[j + q]) : 0.0f;
+        for (int i = 0; i < mr; i++) {
+            __m512 total = _mm512_add_ps(even[i][q][0], odd[i][q][0]);
+            for (int u = 1; u < unroll; u++) total = _mm512_add_ps(total, _mm512_add_ps(even[i][q][u], odd[i][q][u]));
+            const uint16_t *xi = x + (size_t)(i0 + i) * ldx;
+            float sum = _mm512_reduce_add_ps(total);
+            for (int t = c; t < k; t++) sum += bf16_to_float(xi[t]) * bf16_to_float(wq[t]);
+            y[(size_t)(i0 + i) * n + j + q] = float_to_bf16(sum + b);
+        }
+    }
+}
+
+/* Accumulator pairs per row of x and weight row in a tile of mr rows. It depends on mr alone, and the tiles on m
+   alone, so a weight row's products are summed in the same order whether it is paired or not, and results do not
+   depend on how the threads split the rows. */
+#define UNROLL_AVX512F_FOR(mr) ((mr) <= 3 ? 2 : 1)
+#define TILE_AVX512F(mr, cols) row_tile_avx512f(x, xs, w, bias, y, i0, mr, cols, UNROLL_AVX512F_FOR(mr), j, n, k, ldx)
+
+/* Weight rows [j, j + cols) against every row of x: one tile below 8 rows, tiles of MR_AVX512_PAIR rows from 8 up
+   (with two weight rows no more fit the registers). Always inlined with a constant cols. */
+static inline __attribute__((always_inline)) void columns_tiles_avx512f(const uint16_t *x, const float *xs,
+                                                                        const uint16_t *w, const uint16_t *bias,
+                                                                        uint16_t *y, int m, int cols, int j, int n,
+                                                                        int k, int ldx) {
+    int i0 = 0;
+    if (m >= 2 * MR_AVX512_PAIR)
+        for (; i0 + MR_AVX512_PAIR <= m; i0 += MR_AVX512_PAIR) TILE_AVX512F(MR_AVX512_PAIR, cols);
+    switch (m - i0) {
+    case 7: TILE_AVX512F(7, 1); break; /* from here to 4: fewer than 8 rows, one weight row */
+    case 6: TILE_AVX512F(6, 1); break;
+    case 5: TILE_AVX512F(5, 1); break;
+    case 4: TILE_AVX512F(4, 1); break;
+    case 3: TILE_AVX512F(3, cols); break;
+    case 2: TILE_AVX512F(2, cols); break;
+    case 1: TILE_AVX512F(1, cols); break;
+    default: break;
+    }
+}
+
+/* Returns 0, or -1 when out of memory for x's float32 copy (nothing computed then). */
+static int linear_rows_avx512f(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m,
+                               int n, int k, int ldx, int first, int last) {
+    const float *xs = split_rows_avx512(x, m, k, ldx);
+    if (xs == NULL) return -1;
+    int j = first;
+    /* From two tiles of rows up, two weight rows a tile: each vector of x loaded serves both, where the loads of x
+       bounded the kernel (1.3-1.6x at 12-24 rows on Ice Lake). */
+    if (BF16_TILE_COLS == 2 && m >= 2 * MR_AVX512_PAIR)
+        for (; j + 2 <= last; j += 2) columns_tiles_avx512f(x, xs, w, bias, y, m, 2, j, n, k, ldx);
+    for (; j < last; j++) columns_tiles_avx512f(x, xs, w, bias, y, m, 1, j, n, k, ldx);
+    return 0;
+}
+#endif
+
 /* Output columns [first, last) by the implementation `path` asks for (one compiled in: see path_built).
    Callable by each thread of a team (decode_llama_cpu.c runs whole layers in one parallel region). Products
    of a column are summed in the same order whatever the split, so results do not depend on the number of
@@ -227,6 +335,10 @@ static void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_
         linear_rows_avx512bf16(x, w, bias, y, m, n, k, ldx, first, last);
         return;
     }
+#endif
+#if HAVE_AVX512
+    if ((path == PATH_BEST || path == PATH_AVX512) && linear_rows_avx512f(x, w, bias, y, m, n, k, ldx, first, last) == 0)
+        return;
 #endif
 #if HAVE_AVX2
     if ((path == PATH_BEST || path == PATH_AVX2) && linear_rows_avx2(x, w, bias, y, m, n, k, ldx, first, last) == 0)

@@ -11,8 +11,9 @@
  *
  *   x [m, k] bf16 with row stride ldx (>= k); w [n, k] int8 row-major, as quantized at load (no repacking);
  *   scale [n] float32; bias [n] bf16 or NULL; y [m, n] bf16, contiguous; `threads` OpenMP threads split the
- *   weight rows into contiguous ranges; `path` is a PATH_* of bf16.h. Any m works; the kernel is meant for m <= 8 (beyond, a GEMM on
- *   converted weights wins). Returns 0, or -1 for arguments it cannot take.
+ *   weight rows into contiguous ranges; `path` is a PATH_* of bf16.h. Any m works; the kernel is meant for
+ *   decode-sized m (cpu_linear.int8_max_rows(): beyond, a GEMM on converted weights wins). Returns 0, or -1 for
+ *   arguments it cannot take.
  *
  *   static void linear_rows_int8(x, m, k, ldx, w, scale, bias, n, y, first, last, path);
  *
@@ -25,16 +26,19 @@
  * (|q| <= 127 fits bf16's 8 significant bits), products with x are exact in float32 and summed in float32,
  * and the sum is scaled once: y = bf16(sum_k x[k] q[k] * scale + bias). Activations are not quantized.
  *
- * Three implementations, each compiled where the build machine has its instructions; a call runs the best
+ * Four implementations, each compiled where the build machine has its instructions; a call runs the best
  * one unless it names another (PATH_* in bf16.h):
  *  - AVX512-BF16: 32 weights per step widened to int32, converted to float32 and packed to bf16 pairs, then
  *    one `vdpbf16ps` per row of x (tiles of up to 8 rows) into float32 accumulators held in registers;
  *    masked loads for a k that is not a multiple of 32.
+ *  - AVX-512 without BF16: 16 weights per step widened to int32 and converted to float32 in order, FMA with x
+ *    converted to float32 once per call (cache-line aligned), tiles of up to 8 rows of x and, from 8 rows up,
+ *    two weight rows; the last k % 16 columns in scalar code.
  *  - AVX2 + FMA: 16 weights per step widened to int16 pairs, their even and odd elements sign-extended to
  *    int32 by shifts and converted to float32, x split alike (bf16_even / bf16_odd), FMA into float32
  *    accumulators; the last k % 16 columns in scalar code.
  *  - Portable C for any machine, the same split over threads.
- * Both fast paths prefetch the weight stream WEIGHT_PREFETCH_BYTES ahead (bf16.h): without it the AVX-512
+ * The fast paths prefetch the weight stream WEIGHT_PREFETCH_BYTES ahead (bf16.h): without it the AVX512-BF16
  * path was compute-starved at 65% of the bf16 kernel's stream rate on an Intel VM.
  * AVX512-VNNI with x quantized to int8 (what llama.cpp's Q8_0 does) was measured too: as fast at 1-4 rows,
  * twice as fast at 8, but it quantizes the activations (BENCHMARKS.md, issue 18), so it is not used.
@@ -44,7 +48,7 @@
 #include <omp.h>
 #endif
 #include "bf16.h"
-#if HAVE_AVX512_BF16
+#if HAVE_AVX512_BF16 || HAVE_AVX512
 #include <immintrin.h>
 #endif
 
@@ -214,6 +218,104 @@ static int int8_rows_avx2(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, 
 }
 #endif
 
+#if HAVE_AVX512
+#define INT8_MR_AVX512F 8 /* rows of x per tile: each weight, widened once, serves 8 rows */
+#define INT8_UNROLL_AVX512F 4
+#ifndef INT8_TILE_COLS
+#define INT8_TILE_COLS 2 /* weight rows per tile from 8 rows of x up, on the AVX-512 path: 1 or 2 */
+#endif
+
+/* The products of 16 columns from c, weight rows [j, j + cols) and rows [i0, i0 + mr) of x, into accumulators
+   u; each vector of x loaded serves every weight row of the tile. */
+static inline __attribute__((always_inline)) void int8_columns_avx512f(const float *xs, const int8_t *wj,
+                                                                       __m512 acc[][2][INT8_UNROLL_AVX512F],
+                                                                       int64_t i0, int mr, int cols, int u,
+                                                                       int64_t c, int64_t k, int64_t k16) {
+    __m512 wv[2];
+    for (int q = 0; q < cols; q++)
+        wv[q] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wj + q * k + c))));
+    for (int i = 0; i < mr; i++) {
+        const __m512 xv = _mm512_load_ps(xs + (i0 + i) * k16 + c);
+        for (int q = 0; q < cols; q++) acc[i][q][u] = _mm512_fmadd_ps(xv, wv[q], acc[i][q][u]);
+    }
+}
+
+/* int8_row_tile_avx2 in vectors of 16 float32, for weight rows [j, j + cols), the weights widened in order (xs:
+   widen_rows_avx512's copy, 64-byte aligned rows). */
+static inline __attribute__((always_inline)) void int8_row_tile_avx512f(const uint16_t *x, const float *xs,
+                                                                        int64_t k, int64_t ldx, const int8_t *w,
+                                                                        const float *scale, const uint16_t *bias,
+                                                                        int64_t n, uint16_t *y, int64_t i0, int mr,
+                                                                        int cols, int unroll, int64_t j) {
+    __m512 acc[INT8_MR_AVX512F][2][INT8_UNROLL_AVX512F];
+    for (int i = 0; i < mr; i++)
+        for (int q = 0; q < cols; q++)
+            for (int u = 0; u < unroll; u++) acc[i][q][u] = _mm512_setzero_ps();
+    const int8_t *wj = w + j * k;
+    const int64_t k16 = k / 16 * 16;
+    int64_t c = 0;
+    for (; c + 16 * unroll <= k16; c += 16 * unroll) {
+        if ((c & 63) == 0)
+            for (int q = 0; q < cols; q++) prefetch_weights(wj + q * k + c);
+        for (int u = 0; u < unroll; u++) int8_columns_avx512f(xs, wj, acc, i0, mr, cols, u, c + 16 * u, k, k16);
+    }
+    for (; c < k16; c += 16) int8_columns_avx512f(xs, wj, acc, i0, mr, cols, 0, c, k, k16);
+    for (int q = 0; q < cols; q++) {
+        const int8_t *wq = wj + q * k;
+        for (int i = 0; i < mr; i++) {
+            __m512 total = acc[i][q][0];
+            for (int u = 1; u < unroll; u++) total = _mm512_add_ps(total, acc[i][q][u]);
+            const uint16_t *xi = x + (i0 + i) * ldx;
+            float sum = _mm512_reduce_add_ps(total);
+            for (int64_t t = c; t < k; t++) sum += bf16_to_float(xi[t]) * (float)wq[t];
+            y[(i0 + i) * n + j + q] = int8_finish(sum, scale, bias, j + q);
+        }
+    }
+}
+
+/* Accumulators per row of x and weight row in a tile of mr rows: enough to hide FMA's latency, within the
+   registers with two weight rows. It depends on mr alone, so a weight row's products are summed in the same order
+   whether it is paired or not, and results do not depend on how the threads split the rows. */
+#define INT8_UNROLL_FOR(mr) ((mr) >= 5 ? 1 : (mr) >= 3 ? 2 : 4)
+#define INT8_TILE_AVX512F(mr, cols) \
+    int8_row_tile_avx512f(x, xs, k, ldx, w, scale, bias, n, y, i0, mr, cols, INT8_UNROLL_FOR(mr), j)
+
+/* Weight rows [j, j + cols) against every row of x; always inlined with a constant cols. */
+static inline __attribute__((always_inline)) void int8_columns_tiles_avx512f(const uint16_t *x, const float *xs,
+                                                                             int64_t m, int64_t k, int64_t ldx,
+                                                                             const int8_t *w, const float *scale,
+                                                                             const uint16_t *bias, int64_t n,
+                                                                             uint16_t *y, int cols, int64_t j) {
+    int64_t i0 = 0;
+    for (; i0 + INT8_MR_AVX512F <= m; i0 += INT8_MR_AVX512F) INT8_TILE_AVX512F(INT8_MR_AVX512F, cols);
+    switch (m - i0) {
+    case 7: INT8_TILE_AVX512F(7, cols); break;
+    case 6: INT8_TILE_AVX512F(6, cols); break;
+    case 5: INT8_TILE_AVX512F(5, cols); break;
+    case 4: INT8_TILE_AVX512F(4, cols); break;
+    case 3: INT8_TILE_AVX512F(3, cols); break;
+    case 2: INT8_TILE_AVX512F(2, cols); break;
+    case 1: INT8_TILE_AVX512F(1, cols); break;
+    default: break;
+    }
+}
+
+/* Returns 0, or -1 when out of memory for x's float32 copy (nothing computed then). */
+static int int8_rows_avx512f(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
+                             const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int64_t first,
+                             int64_t last) {
+    const float *xs = widen_rows_avx512(x, m, k, ldx);
+    if (xs == NULL) return -1;
+    int64_t j = first;
+    /* From a whole tile of rows of x up, two weight rows a tile: each vector of x loaded serves both, where the
+       loads of x bounded the kernel. */
+    if (INT8_TILE_COLS == 2 && m >= INT8_MR_AVX512F)
+        for (; j + 2 <= last; j += 2) int8_columns_tiles_avx512f(x, xs, m, k, ldx, w, scale, bias, n, y, 2, j);
+    for (; j < last; j++) int8_columns_tiles_avx512f(x, xs, m, k, ldx, w, scale, bias, n, y, 1, j);
+    return 0;
+}
+#endif
+
 static void linear_rows_int8(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
                              const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int64_t first,
                              int64_t last, int path) {
@@ -222,6 +324,10 @@ static void linear_rows_int8(const uint16_t *x, int64_t m, int64_t k, int64_t ld
         int8_rows_avx512bf16(x, m, k, ldx, w, scale, bias, n, y, first, last);
         return;
     }
+#endif
+#if HAVE_AVX512
+    if ((path == PATH_BEST || path == PATH_AVX512) && int8_rows_avx512f(x, m, k, ldx, w, scale, bias, n, y, first, last) == 0)
+        return;
 #endif
 #if HAVE_AVX2
     if ((path == PATH_BEST || path == PATH_AVX2) && int8_rows_avx2(x, m, k, ldx, w, scale, bias, n, y, first, last) == 0)

@@ -1,6 +1,6 @@
 """int8 weight-only linear layers: symmetric, one scale per output channel, activations in the model dtype.
 
-On CPU, decode-sized bf16 inputs (up to `cpu_linear.INT8_MAX_ROWS` rows) run our C kernel
+On CPU, decode-sized bf16 inputs (up to `cpu_linear.int8_max_rows()` rows) run our C kernel
 (`cpu_linear.int8_linear`): each int8 weight row streamed once, converted to bf16 exactly on the fly,
 half the bytes of a bf16 GEMV. Other decode-sized inputs (float32 activations, or the kernel not built;
 up to INT8_KERNEL_MAX_ROWS rows, input size a multiple of 16) run `torch._weight_int8pack_mm`, torch's
