@@ -101,23 +101,6 @@ static inline float *thread_floats(size_t count) {
     return buffer;
 }
 
-/* Rows [0, m) of x (bf16, row stride ldx) as float32 for the AVX2 kernels, each group of 16 columns stored as
-   its 8 even elements then its 8 odd ones (the order bf16_even / bf16_odd give the weights), row after row
-   with stride k / 16 * 16 (the last k % 16 columns are left to scalar code). Converted once per call rather
-   than once per weight row, into the calling thread's scratch. NULL when out of memory. */
-static inline const float *split_rows_avx2(const uint16_t *x, int64_t m, int64_t k, int64_t ldx) {
-    const int64_t k16 = k / 16 * 16;
-    float *buffer = thread_floats((size_t)(m * k16 > 0 ? m * k16 : 1));
-    if (buffer == NULL) return NULL;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t c = 0; c < k16; c += 16) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(x + i * ldx + c));
-            _mm256_storeu_ps(buffer + i * k16 + c, bf16_even(v));
-            _mm256_storeu_ps(buffer + i * k16 + c + 8, bf16_odd(v));
-        }
-    return buffer;
-}
-
 static inline float hsum256(__m256 v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -132,31 +115,39 @@ static inline __m512 bf16_odd512(__m512i v) {
     return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* split_rows_avx2 in groups of 32 columns (16 even elements, then 16 odd), for the bf16 AVX-512 kernel; the last
-   k % 32 columns are left to scalar code. */
-static inline const float *split_rows_avx512(const uint16_t *x, int64_t m, int64_t k, int64_t ldx) {
-    const int64_t k32 = k / 32 * 32;
-    float *buffer = thread_floats((size_t)(m * k32 > 0 ? m * k32 : 1));
-    if (buffer == NULL) return NULL;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t c = 0; c < k32; c += 32) {
-            const __m512i v = _mm512_loadu_si512(x + i * ldx + c);
-            _mm512_storeu_ps(buffer + i * k32 + c, bf16_even512(v));
-            _mm512_storeu_ps(buffer + i * k32 + c + 16, bf16_odd512(v));
-        }
-    return buffer;
-}
+#endif
 
-/* Rows [0, m) of x as plain float32 (row stride k / 16 * 16), for the int8 AVX-512 kernel, whose weights widen to
-   float32 in order. */
-static inline const float *widen_rows_avx512(const uint16_t *x, int64_t m, int64_t k, int64_t ldx) {
-    const int64_t k16 = k / 16 * 16;
-    float *buffer = thread_floats((size_t)(m * k16 > 0 ? m * k16 : 1));
+#if HAVE_AVX2
+/* How a kernel wants its rows of x in float32: each group of 16 (or 32) columns as its even elements then its odd
+   ones (the order bf16_even / bf16_odd, or their 512-bit forms, give the weights), or in order. */
+enum { X_SPLIT_16 = 0, X_SPLIT_32 = 1, X_IN_ORDER_16 = 2 };
+
+/* Rows [0, m) of x (bf16, row stride ldx) as float32 in `layout` (X_SPLIT_32 and X_IN_ORDER_16 need HAVE_AVX512),
+   row after row with stride k rounded down to the group (the last columns are left to scalar code). Converted
+   once per call rather than once per weight row, into the calling thread's scratch. NULL when out of memory. */
+static inline const float *float_rows(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, int layout) {
+    const int64_t group = layout == X_SPLIT_32 ? 32 : 16, kg = k / group * group;
+    float *buffer = thread_floats((size_t)(m * kg > 0 ? m * kg : 1));
     if (buffer == NULL) return NULL;
     for (int64_t i = 0; i < m; i++)
-        for (int64_t c = 0; c < k16; c += 16) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(x + i * ldx + c));
-            _mm512_storeu_ps(buffer + i * k16 + c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
+        for (int64_t c = 0; c < kg; c += group) {
+            const uint16_t *in = x + i * ldx + c;
+            float *out = buffer + i * kg + c;
+            if (layout == X_SPLIT_16) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)in);
+                _mm256_storeu_ps(out, bf16_even(v));
+                _mm256_storeu_ps(out + 8, bf16_odd(v));
+            }
+#if HAVE_AVX512
+            else if (layout == X_SPLIT_32) {
+                const __m512i v = _mm512_loadu_si512(in);
+                _mm512_storeu_ps(out, bf16_even512(v));
+                _mm512_storeu_ps(out + 16, bf16_odd512(v));
+            } else {
+                const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)in));
+                _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            }
+#endif
         }
     return buffer;
 }

@@ -172,7 +172,7 @@ static inline __attribute__((always_inline)) void bf16_columns_avx2(const float 
     }
 }
 
-/* Weight row j against rows [i0, i0 + mr) of x (xs: split_rows_avx2's copy), read front to back, with `unroll`
+/* Weight row j against rows [i0, i0 + mr) of x (xs: float_rows' X_SPLIT_16 copy), read front to back, with `unroll`
    pairs of accumulators per row of x, so FMA's latency does not bound one pair. Always inlined with constant
    mr and unroll, so the loops unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void row_tile_avx2(const uint16_t *x, const float *xs, const uint16_t *w,
@@ -204,7 +204,7 @@ static inline __attribute__((always_inline)) void row_tile_avx2(const uint16_t *
 /* Returns 0, or -1 when out of memory for x's float32 copy (nothing computed then). */
 static int linear_rows_avx2(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m, int n,
                             int k, int ldx, int first, int last) {
-    const float *xs = split_rows_avx2(x, m, k, ldx);
+    const float *xs = float_rows(x, m, k, ldx, X_SPLIT_16);
     if (xs == NULL) return -1;
     for (int j = first; j < last; j++) {
         int i0 = 0;
@@ -248,7 +248,7 @@ static inline __attribute__((always_inline)) void bf16_columns_avx512(const floa
     }
 }
 
-/* row_tile_avx2 in vectors of 16 float32 (xs: split_rows_avx512's copy, 64-byte aligned rows), for weight rows
+/* row_tile_avx2 in vectors of 16 float32 (xs: float_rows' X_SPLIT_32 copy, 64-byte aligned rows), for weight rows
    [j, j + cols). */
 static inline __attribute__((always_inline)) void row_tile_avx512f(const uint16_t *x, const float *xs,
                                                                    const uint16_t *w, const uint16_t *bias,
@@ -312,7 +312,7 @@ static inline __attribute__((always_inline)) void columns_tiles_avx512f(const ui
 /* Returns 0, or -1 when out of memory for x's float32 copy (nothing computed then). */
 static int linear_rows_avx512f(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m,
                                int n, int k, int ldx, int first, int last) {
-    const float *xs = split_rows_avx512(x, m, k, ldx);
+    const float *xs = float_rows(x, m, k, ldx, X_SPLIT_32);
     if (xs == NULL) return -1;
     int j = first;
     /* From two tiles of rows up, two weight rows a tile: each vector of x loaded serves both, where the loads of x

@@ -170,7 +170,7 @@ static inline __attribute__((always_inline)) void int8_columns_avx2(const float 
     }
 }
 
-/* Weight row j against rows [i0, i0 + mr) of x (xs: split_rows_avx2's copy), read front to back, with `unroll`
+/* Weight row j against rows [i0, i0 + mr) of x (xs: float_rows' X_SPLIT_16 copy), read front to back, with `unroll`
    pairs of accumulators per row of x (FMA's latency bounds one pair); always inlined with constant mr and
    unroll. */
 static inline __attribute__((always_inline)) void int8_row_tile_avx2(const uint16_t *x, const float *xs, int64_t k,
@@ -201,7 +201,7 @@ static inline __attribute__((always_inline)) void int8_row_tile_avx2(const uint1
 /* Returns 0, or -1 when out of memory for x's float32 copy (nothing computed then). */
 static int int8_rows_avx2(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w, const float *scale,
                           const uint16_t *bias, int64_t n, uint16_t *y, int64_t first, int64_t last) {
-    const float *xs = split_rows_avx2(x, m, k, ldx);
+    const float *xs = float_rows(x, m, k, ldx, X_SPLIT_16);
     if (xs == NULL) return -1;
     for (int64_t j = first; j < last; j++) {
         int64_t i0 = 0;
@@ -241,7 +241,7 @@ static inline __attribute__((always_inline)) void int8_columns_avx512f(const flo
 }
 
 /* int8_row_tile_avx2 in vectors of 16 float32, for weight rows [j, j + cols), the weights widened in order (xs:
-   widen_rows_avx512's copy, 64-byte aligned rows). */
+   float_rows' X_IN_ORDER_16 copy, 64-byte aligned rows). */
 static inline __attribute__((always_inline)) void int8_row_tile_avx512f(const uint16_t *x, const float *xs,
                                                                         int64_t k, int64_t ldx, const int8_t *w,
                                                                         const float *scale, const uint16_t *bias,
@@ -304,7 +304,7 @@ static inline __attribute__((always_inline)) void int8_columns_tiles_avx512f(con
 static int int8_rows_avx512f(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *w,
                              const float *scale, const uint16_t *bias, int64_t n, uint16_t *y, int64_t first,
                              int64_t last) {
-    const float *xs = widen_rows_avx512(x, m, k, ldx);
+    const float *xs = float_rows(x, m, k, ldx, X_IN_ORDER_16);
     if (xs == NULL) return -1;
     int64_t j = first;
     /* From a whole tile of rows of x up, two weight rows a tile: each vector of x loaded serves both, where the
