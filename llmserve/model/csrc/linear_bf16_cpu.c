@@ -15,7 +15,7 @@
  *    to back (separate streams per row measured slower).
  *  - AVX-512 without BF16 (Intel Skylake-SP to Ice Lake): the AVX2 path's method on 32 bf16 weights per load,
  *    with tiles of up to 7 rows of x, or of 4 rows and two weight rows from 8 rows up; x's float32 copy is
- *    cache-line aligned (unaligned, its 64-byte loads split lines and the kernel ran 1.1-1.5x slower).
+ *    cache-line aligned (unaligned, its 64-byte loads split lines and the kernel ran 1.15-1.65x slower).
  *  - AVX2 + FMA (CPUs without AVX-512, e.g. AMD Zen 2/3, most Intel client parts): 16 bf16 weights per load,
  *    made float32 exactly by a shift (even elements) and a mask (odd ones), and the same done to x, so no
  *    shuffles are needed; FMA into float32 accumulators, the last k % 16 columns in scalar code.
@@ -72,7 +72,6 @@ static void linear_rows_portable(const uint16_t *x, const uint16_t *w, const uin
 static inline __m512bh load_pairs(const uint16_t *p, __mmask32 mask) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
-
 
 /* Weight rows [j, j + cols) against rows [i0, i0 + mr) of x, with `unroll` accumulators per pair. Each weight
    row is read front to back, so a thread's range of rows is one sequential stream (two adjacent ones when
@@ -289,7 +288,7 @@ static inline __attribute__((always_inline)) void row_tile_avx512f(const uint16_
 #define TILE_AVX512F(mr, cols) row_tile_avx512f(x, xs, w, bias, y, i0, mr, cols, UNROLL_AVX512F_FOR(mr), j, n, k, ldx)
 
 /* Weight rows [j, j + cols) against every row of x: one tile below 8 rows, tiles of MR_AVX512_PAIR rows from 8 up
-   (with two weight rows no more fit the registers). Always inlined with a constant cols. */
+   (with two weight rows, no more rows fit in the registers). Always inlined with a constant cols. */
 static inline __attribute__((always_inline)) void columns_tiles_avx512f(const uint16_t *x, const float *xs,
                                                                         const uint16_t *w, const uint16_t *bias,
                                                                         uint16_t *y, int m, int cols, int j, int n,
