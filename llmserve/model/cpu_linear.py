@@ -47,8 +47,8 @@ AVX512_BF16_MAX_ROWS = MAX_ROWS if "amx_bf16" in native.cpu_flags() else 16
 INT8_MAX_ROWS = 16
 # The AVX-512 path without BF16 (Ice Lake and older Xeons) takes two weight rows a tile from 8 rows of x up, for
 # bf16 and int8 weights: on a 2-core Ice Lake both stay ahead of float32_gemm (what runs above, oneDNN's bf16 being
-# emulated there) up to 48 rows, 1.6-1.8x at 24-32, and int8 of `_weight_int8pack_mm` 1.4-1.5x (BENCHMARKS.md,
-# issue 18).
+# emulated there) up to 48 rows: at 24-32 rows bf16 by 1.6-1.7x, int8 by 2.0-2.2x (and `_weight_int8pack_mm` by
+# 1.4-1.5x) (BENCHMARKS.md, issue 18).
 AVX512_MAX_ROWS = 32
 FLOAT32_BLOCK = 256  # weight rows per float32 block in `float32_gemm` (64-1024 measured: 256 best or within 3%)
 # Tuning constants of csrc/bf16.h chosen for this CPU: AMD's prefetchers stream a single row's weights faster
@@ -196,9 +196,12 @@ def _running_path(fast: tuple[str, ...]) -> str:
     return _path if _path != "best" else next(iter(fast), "portable")
 
 
+_BF16_MAX_ROWS = {"avx512_bf16": AVX512_BF16_MAX_ROWS, "avx512": AVX512_MAX_ROWS}  # MAX_ROWS on the other paths
+
+
 def max_rows() -> int:
     """The most rows of x the bf16 kernel takes, on the path it runs now."""
-    return {"avx512_bf16": AVX512_BF16_MAX_ROWS, "avx512": AVX512_MAX_ROWS}.get(_running_path(fast_paths()), MAX_ROWS)
+    return _BF16_MAX_ROWS.get(_running_path(fast_paths()), MAX_ROWS)
 
 
 def int8_max_rows() -> int:
