@@ -106,7 +106,6 @@ static inline float hsum256(__m256 v) {
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
-#endif
 
 #if HAVE_AVX512
 /* bf16_even / bf16_odd for 32 bf16 values (one 512-bit load): two vectors of 16 float32. */
@@ -114,10 +113,8 @@ static inline __m512 bf16_even512(__m512i v) { return _mm512_castsi512_ps(_mm512
 static inline __m512 bf16_odd512(__m512i v) {
     return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
-
 #endif
 
-#if HAVE_AVX2
 /* How a kernel wants its rows of x in float32: each group of 16 (or 32) columns as its even elements then its odd
    ones (the order bf16_even / bf16_odd, or their 512-bit forms, give the weights), or in order. */
 enum { X_SPLIT_16 = 0, X_SPLIT_32 = 1, X_IN_ORDER_16 = 2 };
