@@ -3,9 +3,9 @@ matrices of the built-in `medium` Llama (24 layers x qkv 2048x1024, o 1024x1024,
 1024x2816; random weights, 283 MB in int8), for M rows of bf16 activations:
 
   - int8_kernel: `cpu_linear.int8_linear` (csrc/linear_int8_cpu.c), what `--quantization int8` runs for
-    up to `cpu_linear.INT8_MAX_ROWS` rows; int8_portable: its plain-C implementation (--portable);
+    up to `cpu_linear.int8_max_rows()` rows; int8_portable: its plain-C implementation (--portable);
   - int8pack_mm: `torch._weight_int8pack_mm` (the int8 path before the kernel, scales in bf16);
-  - convert: int8 weights converted to bf16, `F.linear`, scales on the output (int8 above INT8_MAX_ROWS rows);
+  - convert: int8 weights converted to bf16, `F.linear`, scales on the output (int8 above int8_max_rows() rows);
   - bf16: `cpu_linear.linear` on the bf16 weights (the bf16 kernel up to `cpu_linear.max_rows()` rows, `F.linear` above);
     bf16_onednn: `F.linear` on them at every M (oneDNN), which the bf16 kernel replaces up to max_rows();
     bf16_onednn_packed (--packed): oneDNN on a copy of them pre-packed for each M.

@@ -165,8 +165,8 @@ class CpuDecoder:
         return None if lib is None else cls(model, kv_caches, backend, lib)
 
     def fits(self, num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` tokens runs here: no more rows than the linear kernels take on the
-        path they run now (where more go to oneDNN on the per-module path, being faster there)."""
+        """Whether a step of `num_tokens` tokens runs here: at most MAX_TOKENS, and no more rows than the linear
+        kernels take on the path they run now (larger steps take the per-module path)."""
         limit = cpu_linear.int8_max_rows() if self._int8 else cpu_linear.max_rows()
         return (
             0 < num_tokens <= min(MAX_TOKENS, limit) and _kernel_path_active()

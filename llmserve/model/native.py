@@ -13,6 +13,7 @@ keeps them on their plain-C implementation (for comparisons and for testing mach
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -38,8 +39,9 @@ def portable_from_env() -> bool:
     return os.environ.get(ENV) == "portable"
 
 
+@functools.cache
 def _cpuinfo_field(name: str) -> str:
-    """The first value of `name` in /proc/cpuinfo, or "" where it does not say."""
+    """The first value of `name` in /proc/cpuinfo, or "" where it does not say (read once per name)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
