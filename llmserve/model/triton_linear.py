@@ -41,7 +41,9 @@ def _as_float32(w):
     """Weights to float32, exactly. int8 goes through the float bits of 2^23 + (q + 128) and one subtraction:
     integer and add units at full rate, where a conversion instruction (I2F) runs at a quarter of it: with
     one I2F per weight (SASS) the 8B shape's int8 decode linears had a 1.7 ms floor against 2.5 ms measured
-    on an H200. This form is not yet timed on a GPU."""
+    on an H200. With this form the step's int8 linears took 2.88 ms against 3.00 (H200, same tiles): the
+    1-byte kernels follow their instruction count rather than one slow unit (e4m3 made float32 by integer
+    operations, twice the instructions of `cvt`, was 24% slower), so fp8 keeps the conversion instruction."""
     if w.dtype == tl.int8:
         biased = (w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) | 0x4B000000
         return biased.to(tl.float32, bitcast=True) - 8388736.0
@@ -102,10 +104,11 @@ def small_m_kernel(
 # (weight kind, one row or more) -> tiles, from the sweep of benchmarks/gpu_linear.py on an H200 (BENCHMARKS.md,
 # issue 18). bf16 at one row: 4 rows x 2,048 columns a program (16 KB of weights a pass, 128 B a thread in
 # flight) read the 8B shape's decode linears at 95% of copy bandwidth, cuBLAS at 89%; at 2-16 rows cuBLAS
-# wins and "auto" leaves bf16 to it.
+# wins and "auto" leaves bf16 to it. int8 at one row: 16 x 512 with 8 warps, 2.63 ms for the step's linears
+# against 2.85 for 4 x 1,024 (second sweep, 2026-11-27).
 _CONFIGS: dict[tuple[str, bool], TileConfig] = {
     ("16-bit", True): TileConfig(block_n=4, block_k=2048, num_warps=4),
-    ("int8", True): TileConfig(block_n=4, block_k=1024, num_warps=4),
+    ("int8", True): TileConfig(block_n=16, block_k=512, num_warps=8),
     ("fp8", True): TileConfig(block_n=8, block_k=1024, num_warps=4),
     ("16-bit", False): TileConfig(block_n=32, block_k=128, num_warps=4, num_stages=4),
     ("int8", False): TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),
