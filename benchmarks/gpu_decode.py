@@ -147,6 +147,7 @@ def kernel_kind(name: str) -> str:
                         ("linear (int8 matmul)", ("w8a16",)),
                         ("linear (library)", ("gemm", "gemv", "sm90", "cutlass", "xmma", "splitk", "scaled_mm")),
                         ("attention", ("attention", "attn", "decode_kernel", "prefill", "reduce_splits")),
+                        ("rotary + kv write", ("rotary_write_kv",)),
                         ("kv write", ("write_kv", "reshape_and_cache")),
                         ("norms", ("rms_norm",)), ("rotary", ("rotary",)), ("silu", ("silu",)),
                         ("copies", ("memcpy", "copy", "fill", "index", "gather", "cat")),

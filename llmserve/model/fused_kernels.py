@@ -71,12 +71,12 @@ def rms_norm_kernel(
 
 
 @triton.jit
-def _rotate_heads(
-    in_ptr, out_ptr, stride_in_head, stride_out_head, cos, sin,
+def rotated_halves(
+    in_ptr, stride_in_head, cos, sin, dtype: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
 ):
-    """Rotate-half on every head of one token: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
-    dtype = out_ptr.dtype.element_ty
+    """Rotate-half on every head of one token: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], as the two
+    halves [HEADS_PAD, HALF_PAD] in `dtype`."""
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF_PAD)[None, :]
     mask = (heads < NUM_HEADS) & (dims < HALF)
@@ -87,9 +87,35 @@ def _rotate_heads(
     # the compiler from contracting a product and the sum into one multiply-add)
     out1 = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
     out2 = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
+    return out1.to(dtype), out2.to(dtype)
+
+
+@triton.jit
+def rotate_heads(
+    in_ptr, out_ptr, stride_in_head, stride_out_head, cos, sin,
+    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    """`rotated_halves` of one token's heads, stored at out_ptr (which may be in_ptr)."""
+    out1, out2 = rotated_halves(in_ptr, stride_in_head, cos, sin, out_ptr.dtype.element_ty,
+                                NUM_HEADS, HEADS_PAD, HALF, HALF_PAD)
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < NUM_HEADS) & (dims < HALF)
     out_first = out_ptr + heads * stride_out_head + dims
-    tl.store(out_first, out1.to(dtype), mask=mask)
-    tl.store(out_first + HALF, out2.to(dtype), mask=mask)
+    tl.store(out_first, out1, mask=mask)
+    tl.store(out_first + HALF, out2, mask=mask)
+
+
+@triton.jit
+def rotary_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, stride_cache, dtype: tl.constexpr,
+                   HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """The token's cos and sin rows [1, HALF_PAD], rounded to `dtype` as the torch code casts them."""
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    in_half = dims < HALF
+    cos = _rounded(tl.load(cos_ptr + position * stride_cache + dims, mask=in_half, other=0.0), dtype)
+    sin = _rounded(tl.load(sin_ptr + position * stride_cache + dims, mask=in_half, other=0.0), dtype)
+    return cos, sin
 
 
 @triton.jit
@@ -102,16 +128,12 @@ def rotary_kernel(
 ):
     """One program per token: its cos/sin row is read once and applied to all its q and k heads."""
     token = tl.program_id(0).to(tl.int64)
-    dtype = q_out_ptr.dtype.element_ty
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HALF_PAD)[None, :]
-    in_half = dims < HALF
-    cos = _rounded(tl.load(cos_ptr + position * stride_cache + dims, mask=in_half, other=0.0), dtype)
-    sin = _rounded(tl.load(sin_ptr + position * stride_cache + dims, mask=in_half, other=0.0), dtype)
-    _rotate_heads(q_ptr + token * stride_q_token, q_out_ptr + token * stride_q_out_token, stride_q_head,
-                  stride_q_out_head, cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD)
-    _rotate_heads(k_ptr + token * stride_k_token, k_out_ptr + token * stride_k_out_token, stride_k_head,
-                  stride_k_out_head, cos, sin, NUM_K_HEADS, K_HEADS_PAD, HALF, HALF_PAD)
+    cos, sin = rotary_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, stride_cache, q_out_ptr.dtype.element_ty,
+                              HALF, HALF_PAD)
+    rotate_heads(q_ptr + token * stride_q_token, q_out_ptr + token * stride_q_out_token, stride_q_head,
+                 stride_q_out_head, cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD)
+    rotate_heads(k_ptr + token * stride_k_token, k_out_ptr + token * stride_k_out_token, stride_k_head,
+                 stride_k_out_head, cos, sin, NUM_K_HEADS, K_HEADS_PAD, HALF, HALF_PAD)
 
 
 @triton.jit

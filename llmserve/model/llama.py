@@ -44,8 +44,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.rotary, positions)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 

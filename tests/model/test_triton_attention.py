@@ -17,9 +17,11 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from llmserve.model import layers  # noqa: E402
 from llmserve.model.attention.base import AttentionMetadata  # noqa: E402
 from llmserve.model.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from llmserve.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from llmserve.model.config import RopeConfig  # noqa: E402
 from tests.model.triton_aot import assert_compiles_for_sm90  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -176,6 +178,46 @@ def test_write_kv_reads_strided_views():
     assert torch.equal(v_cache[slots // block_size, :, slots % block_size], v)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(2, 2, 64, 16), (4, 1, 128, 32), (4, 2, 80, 16)])
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_rotary_inside_the_kv_write_equals_rotary_then_the_write(
+    monkeypatch, heads, kv_heads, head_dim, block_size, fp8_cache
+):
+    """The fused launch (the model's Triton rotary kernel would run) against the Triton rotary followed by
+    the KV write: the same rotated queries, cache bits and attention output; a padding token (slot -1)
+    still has its query rotated and writes nothing."""
+    monkeypatch.setattr(layers, "use_fused_kernels", True)  # the Triton rotary, in the interpreter too
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    query, key, value, k_cache, v_cache, meta = _batch([5, 40], [(30, 12)], heads, kv_heads, head_dim, block_size,
+                                                       dtype, seed=6)
+    step = meta()
+    skipped = divmod(step.slot_mapping[1].item(), block_size)  # (block, offset) the padding token would write
+    step.slot_mapping[1] = -1
+    lens = step.seq_lens_host
+    positions = torch.tensor([lens[0] - 1, lens[1] - 1, *range(lens[2] - 12, lens[2])], device=DEVICE)
+    rotary = layers.RotaryEmbedding(head_dim, 64, RopeConfig()).to(DEVICE)
+    cache_dtype = torch.float8_e4m3fn if fp8_cache else None
+    results = []
+    for fused in (False, True):
+        backend = TritonAttentionBackend(heads, kv_heads, head_dim, block_size, dtype, cache_dtype)
+        backend.k_scale, backend.v_scale = (0.5, 0.25) if fp8_cache else (1.0, 1.0)
+        if not fused:
+            backend.fused_kernels = None  # the model's path before: rotary(positions, q, k), then write_kv
+        before = [c.clone() if cache_dtype is None else c.to(cache_dtype) for c in (k_cache, v_cache)]
+        caches = [c.clone() for c in before]
+        q = query.clone()
+        step.backend_data = {}
+        backend.prepare(step)
+        out = backend.forward(q, key.clone(), value.clone(), *caches, step, rotary, positions)
+        results.append((q, out, *(c.view(torch.uint8) if fp8_cache else c for c in caches)))
+    for unfused, fused in zip(*results, strict=True):
+        assert torch.equal(unfused, fused)
+    assert not torch.equal(results[0][0], query)  # the queries were rotated in place
+    block, offset = skipped
+    for cache, untouched in zip(results[1][2:], before, strict=True):
+        assert torch.equal(cache[block, :, offset], untouched.view(cache.dtype)[block, :, offset])
+
+
 @pytest.mark.skipif(CUDA, reason="the error is for machines without CUDA")
 def test_without_cuda_or_interpreter_construction_says_so(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -193,7 +235,7 @@ _AOT = textwrap.dedent("""
     from llmserve.model.attention import triton_kernels as K
 
     def build(fn, dtype, consts, floats=("qk_scale", "v_scale", "inv_k_scale", "inv_v_scale"), fp32_ptrs=(),
-              cache_dtype=None):
+              cache_dtype=None, options=None):
         sig, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name in consts:
@@ -202,19 +244,26 @@ _AOT = textwrap.dedent("""
             if name.endswith("_ptr"):
                 int_ptr = name in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr", "tiles_ptr")
                 cache_ptr = name in ("k_cache_ptr", "v_cache_ptr")
-                sig[name] = "*i32" if int_ptr else "*i64" if name == "slot_ptr" else (
+                sig[name] = "*i32" if int_ptr else "*i64" if name in ("slot_ptr", "positions_ptr") else (
                     "*fp32" if name in fp32_ptrs else "*" + (cache_dtype or dtype if cache_ptr else dtype))
             else:
                 sig[name] = "fp32" if name in floats else "i32"
             if name.endswith("_ptr") or name.startswith("stride_"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-        triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32))
+        return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options=options or {})
 
     # (activations, KV cache): the model dtype's cache, and an fp8 cache under bf16 activations
     for dtype, precision, cache in (("bf16", "tf32", None), ("fp32", "ieee", None), ("bf16", "tf32", "fp8e4nv")):
         shape = dict(HEAD_DIM=128, BLOCK_SIZE=16, D_PAD=128)
         build(K.write_kv_kernel, dtype, dict(NUM_KV_HEADS=2, KVH_PAD=2, QUANTIZED=cache is not None, **shape),
               cache_dtype=cache)
+        rotary = build(K.rotary_write_kv_kernel, dtype, dict(NUM_Q_HEADS=8, Q_HEADS_PAD=8, NUM_KV_HEADS=2, KVH_PAD=2,
+                                                             HALF=64, HALF_PAD=64, QUANTIZED=cache is not None,
+                                                             **shape),
+                       fp32_ptrs=("cos_ptr", "sin_ptr"), cache_dtype=cache, options={"enable_fp_fusion": False})
+        # no 16-bit multiply-add: the rotation rounds each product as the torch code stores it
+        assert not [line for line in rotary.asm["ptx"].splitlines() if "fma." in line and "f16" in line]
         for splits in (1, 4):
             parts = ("part_acc_ptr", "part_m_ptr", "part_l_ptr") if splits > 1 else ()
             build(K.decode_kernel, dtype, dict(NUM_KV_HEADS=2, GROUP=4, GROUP_PAD=16, TILE_N=64, NUM_SPLITS=splits,

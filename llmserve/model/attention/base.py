@@ -10,8 +10,12 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from llmserve.model.layers import RotaryEmbedding
 
 
 @dataclass
@@ -88,6 +92,19 @@ class AttentionBackend(ABC):
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        rotary: RotaryEmbedding | None = None, positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention of the step's tokens after their keys and values are stored. With the model's `rotary`
+        embedding and the tokens' `positions`, query and key are rotated first (a backend may do that as
+        it writes the keys)."""
+        if rotary is not None:
+            query, key = rotary(positions, query, key)
         self.write_kv(key, value, k_cache, v_cache, meta)
+        return self.attend_written(query, key, value, k_cache, v_cache, meta)
+
+    def attend_written(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`attend` right after `write_kv(key, value, ...)`: a backend may read the new keys and values there."""
         return self.attend(query, k_cache, v_cache, meta)

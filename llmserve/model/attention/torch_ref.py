@@ -85,8 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache[blocks, :, offsets] = key
         v_cache[blocks, :, offsets] = value
 
-    def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        self.write_kv(key, value, k_cache, v_cache, meta)
+    def attend_written(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return self._attend(query, key, value, k_cache, v_cache, meta)
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:

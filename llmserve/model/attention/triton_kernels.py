@@ -1,5 +1,5 @@
-"""Triton kernels for paged attention: KV write, split-K paged decode (+ split merge), and prefill /
-chunked prefill over the paged cache.
+"""Triton kernels for paged attention: KV write (also with the rotary embedding of q and k in the same
+launch), split-K paged decode (+ split merge), and prefill / chunked prefill over the paged cache.
 
 Cache layout (shared with the torch reference): [num_blocks, kv_heads, block_size, head_dim], head dim
 contiguous. Tokens of a context are addressed one by one through the block table (token j lives in
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from llmserve.model.fused_kernels import rotary_cos_sin, rotate_heads, rotated_halves
 
 # Running maximum before any key was seen: finite, so rows whose keys are all masked in a tile (or a
 # split with no keys at all) never compute inf - inf.
@@ -46,6 +48,26 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, score_mask, m, l_
 
 
 @triton.jit
+def _store_kv(cache_ptr, x, mask, inv_scale, QUANTIZED: tl.constexpr):
+    """Store keys or values into the cache; QUANTIZED (an fp8 cache): value / scale, saturated to e4m3."""
+    if QUANTIZED:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
+    tl.store(cache_ptr, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _slot_rows(slot_ptr, token, stride_cb, stride_ch, stride_ct,
+               NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, KVH_PAD: tl.constexpr):
+    """Offsets [KVH_PAD, 1] of the token's cache rows (one per KV head), and which of them to write: all
+    real heads unless the slot is negative (padding)."""
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.arange(0, KVH_PAD)[:, None]
+    # (the slot test broadcast to a tensor first: the interpreter rejects scalar & tensor masks)
+    keep = (heads < NUM_KV_HEADS) & (tl.zeros([KVH_PAD, 1], dtype=tl.int64) + slot >= 0)
+    return (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + heads * stride_ch, keep
+
+
+@triton.jit
 def write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -54,27 +76,46 @@ def write_kv_kernel(
     KVH_PAD: tl.constexpr, D_PAD: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     """One program per token: copies its [kv_heads, head_dim] keys and values into slot
-    `slot_mapping[token]`; a negative slot (padding) writes nothing. QUANTIZED (an fp8 cache): stores
-    value / scale, saturated to the e4m3 range."""
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    heads = tl.arange(0, KVH_PAD)
-    dims = tl.arange(0, D_PAD)
-    # (the slot test broadcast to a vector first: the interpreter rejects scalar & tensor masks)
-    head_mask = (heads < NUM_KV_HEADS) & (tl.zeros([KVH_PAD], dtype=tl.int64) + slot >= 0)
-    mask = head_mask[:, None] & (dims[None, :] < HEAD_DIM)
-    src_k = key_ptr + token.to(tl.int64) * stride_kt + heads[:, None] * stride_kh + dims[None, :]
-    src_v = value_ptr + token.to(tl.int64) * stride_vt + heads[:, None] * stride_vh + dims[None, :]
-    dst = block * stride_cb + offset * stride_ct + heads[:, None] * stride_ch + dims[None, :]
-    k = tl.load(src_k, mask=mask)
-    v = tl.load(src_v, mask=mask)
-    if QUANTIZED:
-        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -FP8_MAX), FP8_MAX)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    `slot_mapping[token]`; a negative slot (padding) writes nothing."""
+    token = tl.program_id(0).to(tl.int64)
+    rows, keep = _slot_rows(slot_ptr, token, stride_cb, stride_ch, stride_ct, NUM_KV_HEADS, BLOCK_SIZE, KVH_PAD)
+    heads = tl.arange(0, KVH_PAD)[:, None]
+    dims = tl.arange(0, D_PAD)[None, :]
+    mask = keep & (dims < HEAD_DIM)
+    k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    _store_kv(k_cache_ptr + rows + dims, k, mask, inv_k_scale, QUANTIZED)
+    _store_kv(v_cache_ptr + rows + dims, v, mask, inv_v_scale, QUANTIZED)
+
+
+@triton.jit
+def rotary_write_kv_kernel(
+    positions_ptr, q_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rope,
+    stride_cb, stride_ch, stride_ct, inv_k_scale, inv_v_scale,
+    NUM_Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr, KVH_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr,
+):
+    """One program per token: `rotary_kernel` and `write_kv_kernel` in one launch. q is rotated in place;
+    the rotated keys go straight to the cache (nothing else reads them), with the values."""
+    token = tl.program_id(0).to(tl.int64)
+    dtype = q_ptr.dtype.element_ty
+    cos, sin = rotary_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, stride_rope, dtype, HALF, HALF_PAD)
+    q_row = q_ptr + token * stride_qt
+    rotate_heads(q_row, q_row, stride_qh, stride_qh, cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD)
+    k1, k2 = rotated_halves(key_ptr + token * stride_kt, stride_kh, cos, sin, dtype, NUM_KV_HEADS, KVH_PAD,
+                            HALF, HALF_PAD)
+    rows, keep = _slot_rows(slot_ptr, token, stride_cb, stride_ch, stride_ct, NUM_KV_HEADS, BLOCK_SIZE, KVH_PAD)
+    half_dims = tl.arange(0, HALF_PAD)[None, :]
+    half_mask = keep & (half_dims < HALF)
+    _store_kv(k_cache_ptr + rows + half_dims, k1, half_mask, inv_k_scale, QUANTIZED)
+    _store_kv(k_cache_ptr + rows + HALF + half_dims, k2, half_mask, inv_k_scale, QUANTIZED)
+    heads = tl.arange(0, KVH_PAD)[:, None]
+    dims = tl.arange(0, D_PAD)[None, :]
+    mask = keep & (dims < HEAD_DIM)
+    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    _store_kv(v_cache_ptr + rows + dims, v, mask, inv_v_scale, QUANTIZED)
 
 
 @triton.jit
