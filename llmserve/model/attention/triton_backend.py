@@ -160,7 +160,7 @@ class TritonAttentionBackend(AttentionBackend):
         rotary: layers.RotaryEmbedding | None = None, positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Where the model's rotary embedding would run as the fused Triton kernel, it runs inside the KV
-        write instead: one launch a layer fewer, and the rotated keys never leave registers."""
+        write instead: one launch a layer fewer, and the rotated keys are written to the cache alone."""
         if rotary is None or layers.fused_kernels_for(query) is not self.fused_kernels:
             return super().forward(query, key, value, k_cache, v_cache, meta, rotary, positions)
         query = _last_dim_contiguous(query)
