@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import astuple
 from typing import Any
 
 import torch
@@ -33,12 +34,15 @@ PER_STEP = {"qkv_proj": 32, "o_proj": 32, "gate_up_proj": 32, "down_proj": 32, "
 SMOKE_SHAPES = {"qkv_proj": (96, 64), "o_proj": (64, 64), "gate_up_proj": (256, 64), "down_proj": (64, 128),
                 "lm_head": (500, 64)}
 
-# (block_n, block_k, warps[, stages]) per weight width; the defaults in triton_linear._CONFIGS are always timed too
+# TileConfig fields (block_n, block_k, warps[, stages, unroll, vector]) per weight width; the defaults in
+# triton_linear._CONFIGS are always timed too. The 1-byte rows with vector 8 load slices ahead without a barrier
+# in the loop: up to 2-3x the bytes in flight an SM holds with the default tiles (`benchmarks/gpu_sass.py`).
 ONE_ROW_SWEEP = {
     2: [(4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (16, 256, 4),
-        (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 256, 4), (32, 512, 8)],
+        (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (4, 1024, 4, 1, 2), (2, 2048, 4, 1, 2)],
     1: [(4, 1024, 4), (4, 2048, 4), (4, 4096, 4), (8, 1024, 4), (8, 2048, 4), (16, 1024, 4), (16, 512, 8),
-        (16, 256, 4)],
+        (16, 256, 4), (8, 1024, 4, 1, 1, 8), (8, 1024, 4, 1, 2, 8), (4, 1024, 4, 1, 2, 8), (4, 1024, 4, 1, 4, 8),
+        (4, 2048, 4, 1, 1, 8), (4, 2048, 8, 1, 2, 8), (2, 2048, 4, 1, 4, 8), (2, 1024, 4, 1, 8, 8)],
 }
 MANY_ROW_SWEEP = {
     2: [(16, 64, 4, 3), (16, 128, 4, 3), (16, 256, 4, 2), (32, 64, 4, 3), (32, 128, 4, 4)],
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def config_label(c) -> str:
-    return f"n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
+    return f"n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages} u{c.unroll} v{c.vector}"
 
 
 def rotating(ws: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], torch.Tensor]:
@@ -221,9 +225,9 @@ def best_configs(summary: dict[str, Any], triton_linear) -> dict[str, list[int]]
 
 
 def parse_config(label: str, default) -> tuple[int, ...]:
-    """"triton_linear n8 k512 w4 s1" -> (8, 512, 4, 1); the bare label is the default tiles."""
+    """"triton_linear n8 k512 w4 s1 u1 v16" -> (8, 512, 4, 1, 1, 16); the bare label is the default tiles."""
     if label == "triton_linear":
-        return (default.block_n, default.block_k, default.num_warps, default.num_stages)
+        return astuple(default)
     return tuple(int(part[1:]) for part in label.split()[1:])
 
 

@@ -30,10 +30,17 @@ MAX_ROWS = 16  # past this the layers are compute-heavy enough for the library G
 
 @dataclass(frozen=True)
 class TileConfig:
+    """A program's tiles. `unroll` and `vector` shape the one-row kernel only: `unroll` BLOCK_K slices are
+    loaded before any is summed (more weight bytes in flight for the same accumulator registers), and
+    `vector` is the weight elements a thread loads at once (8 lines 1-byte weights up with x's 16-byte
+    loads of bf16, so x's slice needs no reshuffle through shared memory and its barriers)."""
+
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int = 1
+    unroll: int = 1
+    vector: int = 16
 
 
 @triton.jit
@@ -54,18 +61,21 @@ def _as_float32(w):
 def gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_wn,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr, VECTOR: tl.constexpr,
 ):
     """One row of x (contiguous) against BLOCK_N weight rows; out is one contiguous row."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    ks = tl.arange(0, BLOCK_K)
+    ks = tl.max_contiguous(tl.arange(0, BLOCK_K), VECTOR)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        k_mask = start + ks < K
-        w = tl.load(w_ptrs + start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + start + ks, mask=k_mask, other=0.0)
-        acc += _as_float32(w) * x.to(tl.float32)[None, :]
+    for start in range(0, K, BLOCK_K * UNROLL):
+        for part in tl.static_range(UNROLL):
+            k0 = start + part * BLOCK_K
+            k_mask = k0 + ks < K
+            w = tl.load(w_ptrs + k0, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptr + k0 + ks, mask=k_mask, other=0.0)
+            acc += _as_float32(w) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_SCALE:
         out = out * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
@@ -152,7 +162,8 @@ def linear(
     common = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK_N=config.block_n,
                   BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     if m == 1:
-        gemv_kernel[grid](x, weight, scale_arg, bias_arg, out, n, k, weight.stride(0), **common)
+        gemv_kernel[grid](x, weight, scale_arg, bias_arg, out, n, k, weight.stride(0), UNROLL=config.unroll,
+                          VECTOR=config.vector, **common)
     else:
         small_m_kernel[grid](x, weight, scale_arg, bias_arg, out, m, n, k, x.stride(0), weight.stride(0),
                              out.stride(0), **common)

@@ -73,3 +73,14 @@ def test_gpu_sh_refuses_without_cuda(tmp_path: Path) -> None:
     proc = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh")], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "sees no CUDA device" in proc.stderr
+
+
+def test_the_sass_report_sees_what_the_vector_width_changes(bench) -> None:
+    """gpu_sass.py compiles the one-row kernel for sm_90: with 1-byte weights loaded 16 at a time x's slice is
+    reshuffled through shared memory (barriers in the loop); loaded 8 at a time, two slices ahead, it is not,
+    and the loads issued before the first float instruction double."""
+    pytest.importorskip("triton.backends.nvidia")
+    sixteen, eight_ahead = bench("gpu_sass").main(["--weights", "fp8", "--tiles", "8,1024,4", "8,1024,4,1,2,8"])
+    assert sixteen["barriers"] > 0 and eight_ahead["barriers"] == 0
+    assert eight_ahead["weight_bytes_per_thread"] == 2 * sixteen["weight_bytes_per_thread"] == 128
+    assert eight_ahead["bytes_before_first_float"] > sixteen["bytes_before_first_float"]

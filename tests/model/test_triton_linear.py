@@ -55,11 +55,14 @@ def test_linear_matches_the_product_of_its_weights(kind, out_features, in_featur
     torch.testing.assert_close(out.double().cpu(), expected, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("config", [TileConfig(4, 256, 4), TileConfig(32, 64, 8, 3)])
-def test_every_tile_shape_computes_the_same_product(config):
-    """Tiles that do not divide N or K (and the benchmark's sweep overrides) give the same result."""
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("config", [TileConfig(4, 256, 4), TileConfig(32, 64, 8, 3), TileConfig(4, 64, 4, 1, 3, 8),
+                                    TileConfig(2, 128, 4, 1, 2, 16)])
+def test_every_tile_shape_computes_the_same_product(kind, config):
+    """Tiles that do not divide N or K, slices loaded ahead (`unroll`) past K's end, and other load widths
+    (the benchmark's sweep overrides) give the same result."""
     gen = torch.Generator().manual_seed(7)
-    w, scale, matrix = _weights("int8", 100, 300, gen)
+    w, scale, matrix = _weights(kind, 100, 300, gen)
     for rows in (1, 3):
         x = torch.randn(rows, 300, generator=gen)
         expected = x.to(DTYPE).double() @ matrix.T
@@ -81,15 +84,18 @@ _AOT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from llmserve.model.triton_linear import _CONFIGS, gemv_kernel, small_m_kernel
+    from llmserve.model.triton_linear import _CONFIGS, TileConfig, gemv_kernel, small_m_kernel
 
-    for (kind, one_row), config in _CONFIGS.items():
+    loaded_ahead = [(("fp8", True), TileConfig(4, 1024, 4, 1, 2, 8)), (("int8", True), TileConfig(2, 2048, 4, 1, 4, 8))]
+    for (kind, one_row), config in [*_CONFIGS.items(), *loaded_ahead]:
         fn = gemv_kernel if one_row else small_m_kernel
         for weight in {"16-bit": ("bf16", "fp16"), "int8": ("i8",), "fp8": ("fp8e4nv",)}[kind]:
             act = "fp16" if weight == "fp16" else "bf16"
             ptrs = {"x_ptr": "*" + act, "w_ptr": "*" + weight, "scale_ptr": "*fp32", "bias_ptr": "*" + act,
                     "out_ptr": "*" + act}
             consts = dict(HAS_SCALE=kind != "16-bit", HAS_BIAS=True, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+            if one_row:
+                consts.update(UNROLL=config.unroll, VECTOR=config.vector)
             sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
             triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
