@@ -7,8 +7,10 @@
 #
 # Steps, in order (STEPS picks a subset):
 #   gpu-tests     pytest -m gpu (the CUDA-only tests of $GPU_TESTS, default the whole suite)
-#   triton-tests  the Triton kernels' tests (attention, fused, int8, triton_linear, quantization), natively
+#   triton-tests  the Triton kernels' tests (attention, fused, int8, triton_linear, quantization, argmax), natively
 #   parity        float32 greedy outputs: torch backend = triton backend = triton + CUDA graphs
+#   linear-one-row  the sweep of triton_linear's one-row tiles for int8 and fp8 weights (gpu_linear.py --rows 1);
+#                 the decode step after it runs with the best (unless LINEAR_CONFIGS names a file)
 #   decode        batch-1 decode on the Llama-3.1-8B shape: tok/s and % of copy bandwidth (goal, bf16: >= 85%)
 #                 for each of $DECODE_VARIANTS (bf16, fp8 and int8 weights, fp8 KV, ...), with each
 #                 step's kernel times by kind
@@ -33,7 +35,7 @@ MODEL_8B=${MODEL_8B:-$OUT_DIR/llama-3.1-8b}
 NUM_PROMPTS=${NUM_PROMPTS:-1000}
 HF_SAMPLE_BATCHES=${HF_SAMPLE_BATCHES:-2}  # transformers static batches of 128 actually timed
 GPU_TESTS=${GPU_TESTS:-tests}
-DECODE_VARIANTS=${DECODE_VARIANTS:-bf16,bf16-cublas,fp8,fp8-scaled-mm,int8,bf16-fp8kv}
+DECODE_VARIANTS=${DECODE_VARIANTS:-bf16,bf16-cublas,fp8,fp8-head,fp8-scaled-mm,int8,bf16-fp8kv}
 DECODE_MODES=${DECODE_MODES:-graphs}
 LINEAR_CONFIGS=${LINEAR_CONFIGS:-}  # gpu_linear.py's JSON: decode with the tiles its sweep found best
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -69,7 +71,7 @@ if wanted gpu-tests; then
 fi
 if wanted triton-tests; then
   TRITON_TESTS=(tests/model/test_triton_attention.py tests/model/test_fused_kernels.py tests/model/test_triton_int8.py
-                tests/model/test_triton_linear.py tests/model/test_quantization.py)
+                tests/model/test_triton_linear.py tests/model/test_quantization.py tests/sampling/test_triton_argmax.py)
   if [ -f "${TRITON_TESTS[0]}" ]; then
     run_step triton-tests "$PYTHON" -m pytest -q -p no:cacheprovider -rs "${TRITON_TESTS[@]}"
   else
@@ -83,6 +85,10 @@ if wanted parity; then
 fi
 if wanted decode || wanted throughput || wanted overhead || wanted serving; then
   [ -f "$MODEL_8B/config.json" ] || "$PYTHON" -m llmserve.cli make-model "$MODEL_8B" --size 8b
+fi
+if wanted linear-one-row; then
+  run_step linear-one-row "$PYTHON" benchmarks/gpu_linear.py --rows 1 --weights fp8,int8 --json "$OUT_DIR/linear-one-row.json"
+  [ -f "$OUT_DIR/linear-one-row.json" ] && LINEAR_CONFIGS=${LINEAR_CONFIGS:-$OUT_DIR/linear-one-row.json}
 fi
 if wanted decode; then
   run_step decode "$PYTHON" benchmarks/gpu_decode.py --model "$MODEL_8B" --variants "$DECODE_VARIANTS" \
