@@ -22,6 +22,7 @@ decode is reported as weight bytes per second and % of it.
     python benchmarks/batch1_decode.py --rounds 3 --batch64 --json bench_out/batch1_decode.json
     python benchmarks/batch1_decode.py --threads 1 ...   # one core: robust to busy neighbours
     python benchmarks/batch1_decode.py --quantization int8 ...   # int8 weights, against llama.cpp Q8_0
+    python benchmarks/batch1_decode.py --quantization int8 --quantize-lm-head ...   # the lm_head in int8 too, as Q8_0
 """
 
 from __future__ import annotations
@@ -67,15 +68,17 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def streamed_weight_bytes(cfg, quantization: str | None) -> int:
+def streamed_weight_bytes(cfg, quantization: str | None, quantize_lm_head: bool = False) -> int:
     """Bytes of weights a decode step reads: all but the embedding table (unless tied to the lm_head), with
-    the decoder's linear layers at one byte per weight under int8 (their scales left out: < 0.1%)."""
-    bf16_bytes = 2 * (cfg.num_parameters() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size))
+    the decoder's linear layers (and the lm_head with `quantize_lm_head`) at one byte per weight under int8
+    (their scales left out: < 0.1%)."""
+    head = cfg.vocab_size * cfg.hidden_size
+    bf16_bytes = 2 * (cfg.num_parameters() - (0 if cfg.tie_word_embeddings else head))
     if quantization is None:
         return bf16_bytes
     h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     linear = cfg.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size)
-    return bf16_bytes - linear
+    return bf16_bytes - linear - (head if quantize_lm_head else 0)
 
 
 MODES = ("step", "kernels", "torch")
@@ -223,6 +226,8 @@ def main() -> None:
                     "--new-tokens / W runs of W tokens): what each reaches when the neighbours leave it the cores")
     ap.add_argument("--quantization", choices=["int8"], default=None,
                     help="llmserve's weights quantized at load (compare with llama.cpp Q8_0)")
+    ap.add_argument("--quantize-lm-head", action="store_true",
+                    help="with --quantization: the lm_head too (llama.cpp's Q8_0 conversion quantizes it)")
     ap.add_argument("--batch-sizes", default="", metavar="N,N,...",
                     help="also N sequences decoding together (e.g. 2,4,8): output tok/s of the decode steps, against "
                     "llama.cpp's llama-batched-bench (built by benchmarks/llama_cpp.sh)")
@@ -238,9 +243,10 @@ def main() -> None:
 
     model_dir = args.model or str(ensure_default_model("llama", "medium"))
     threads = torch.get_num_threads()
-    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=2 << 30, max_num_seqs=64, quantization=args.quantization)
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=2 << 30, max_num_seqs=64, quantization=args.quantization,
+              quantize_lm_head=args.quantize_lm_head)
     cfg = llm.engine.facts.model_config
-    weight_bytes = streamed_weight_bytes(cfg, args.quantization)
+    weight_bytes = streamed_weight_bytes(cfg, args.quantization, args.quantize_lm_head)
     rng = random.Random(0)
     vocab = cfg.vocab_size
     prompt = [rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)]

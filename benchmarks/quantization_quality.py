@@ -9,6 +9,7 @@ error of the final hidden state (||h - h_bf16|| / ||h_bf16|| over all positions)
     emulation (weights converted per call), which is what decode-sized batches compute on GPUs too
     (`triton_linear`); on a GPU with fp8 tensor cores these prefill-sized steps take the W8A8 path
     (per-token e4m3 activations, `_scaled_mm`),
+  - int8 / fp8 with the lm_head quantized too (`--quantize-lm-head`),
   - float32: the same checkpoint in float32, for scale: what bf16 itself costs against float32.
 A quantized KV cache (--kv-cache-dtypes: int8 on CPU, fp8 on a GPU) changes nothing when a whole sequence is
 prefilled in one step (a fresh prompt attends to its own keys), so those variants compute every position as a
@@ -51,9 +52,10 @@ def corpus_sequences(model_dir: Path, positions: int, seq_len: int) -> list[list
 
 
 def build_runner(model_dir: Path, dtype: str, quantization: str | None, seq_len: int, sequences: int = 1,
-                 kv_cache_dtype: str = "auto") -> ModelRunner:
+                 kv_cache_dtype: str = "auto", quantize_lm_head: bool = False) -> ModelRunner:
     config = EngineConfig(model=str(model_dir), dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                          num_kv_blocks=sequences * -(-seq_len // 16) + 1, block_size=16)
+                          quantize_lm_head=quantize_lm_head, num_kv_blocks=sequences * -(-seq_len // 16) + 1,
+                          block_size=16)
     return ModelRunner(config, ModelConfig.from_pretrained(model_dir), model_dir, max_model_len=seq_len)
 
 
@@ -128,10 +130,13 @@ def main() -> None:
     results = {}
     on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
     fp8_name = "fp8 (W8A8: e4m3 activations, _scaled_mm)" if on_hopper else "fp8 (weight-only emulation)"
-    for name, dtype, quantization in (("int8", "bfloat16", "int8"), (fp8_name, "bfloat16", "fp8"),
-                                      ("float32", "float32", None)):
-        variant = all_outputs(build_runner(model_dir, dtype, quantization, args.seq_len), sequences)
-        results[name] = compare(reference, variant)
+    for name, dtype, quantization, head in (
+        ("int8", "bfloat16", "int8", False), ("int8, lm_head too", "bfloat16", "int8", True),
+        (fp8_name, "bfloat16", "fp8", False), ("fp8, lm_head too", "bfloat16", "fp8", True),
+        ("float32", "float32", None, False),
+    ):
+        runner = build_runner(model_dir, dtype, quantization, args.seq_len, quantize_lm_head=head)
+        results[name] = compare(reference, all_outputs(runner, sequences))
     kv_dtypes = [name for name in args.kv_cache_dtypes.split(",") if name]
     if kv_dtypes:
         def decoded(kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

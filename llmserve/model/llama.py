@@ -117,8 +117,9 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is None:
+            return linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()  # through its quant_method when it is quantized
 
     # ---- weight loading -------------------------------------------------------------------------
     def shard_sizes(self, fused: str) -> list[int]:

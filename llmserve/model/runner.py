@@ -250,7 +250,9 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.quantization = resolve_quantization(config.quantization, model_config.raw, config.load_format == "dummy")
+        self.quantization = resolve_quantization(
+            config.quantization, model_config.raw, config.load_format == "dummy", config.quantize_lm_head
+        )
         self.model = self._load_model(model_dir, max_model_len)
         # on CPU, the weights on 2 MiB pages where the kernel has them (None elsewhere): see huge_pages
         self.weight_arena = huge_pages.move_parameters(self.model) if self.device.type == "cpu" else None

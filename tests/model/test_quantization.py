@@ -147,16 +147,20 @@ def _runner(model_dir: Path, **kwargs) -> ModelRunner:
 
 
 @torch.inference_mode()
-def _prompt_logits(runner: ModelRunner) -> torch.Tensor:
-    """Logits at every position of PROMPT, prefilled in one step into the runner's own cache."""
+def _prompt_hidden(runner: ModelRunner) -> torch.Tensor:
+    """The final hidden states at every position of PROMPT, prefilled in one step into the runner's own cache."""
     batch = StepBatch(
         input_ids=np.array(PROMPT, dtype=np.int64), num_computed=np.array([0]), num_new=np.array([len(PROMPT)]),
         block_tables=[[0]], logits_rows=[], sampling_rows=[],
     )
     input_ids, positions, meta = runner.prepare_inputs(batch)
     runner.attn_backend.prepare(meta)
-    hidden = runner.model(input_ids, positions, runner.kv_caches, runner.attn_backend, meta)
-    return runner.model.compute_logits(hidden)
+    return runner.model(input_ids, positions, runner.kv_caches, runner.attn_backend, meta)
+
+
+@torch.inference_mode()
+def _prompt_logits(runner: ModelRunner) -> torch.Tensor:
+    return runner.model.compute_logits(_prompt_hidden(runner))
 
 
 def _pack_int8(q: torch.Tensor) -> torch.Tensor:
@@ -285,12 +289,44 @@ def test_quantization_flag_must_match_a_quantized_checkpoint(tiny_llama_dir, tmp
         _runner(model_dir, quantization="fp8")
 
 
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantize_lm_head_gives_the_logits_of_its_quantized_weights(tiny_qwen3_dir, method):
+    """With --quantize-lm-head the head is quantized like the other layers (from the checkpoint's tensor, at
+    load) and the logits are the final hidden states times its dequantized weights; without it the head
+    keeps the checkpoint's weights and the rest of the model is the same."""
+    head = load_file(tiny_qwen3_dir / "model.safetensors")["lm_head.weight"]
+    # on the CPU, where fp8 is weight-only at every size (a GPU quantizes a prompt's activations too)
+    quantized_head = _runner(tiny_qwen3_dir, quantization=method, quantize_lm_head=True, device="cpu")
+    full_head = _runner(tiny_qwen3_dir, quantization=method, device="cpu")
+    q, scale = METHODS[method][1](head.float())
+    assert torch.equal(quantized_head.model.lm_head.weight.view(torch.int8), q.view(torch.int8))
+    assert full_head.model.lm_head.weight.dtype == torch.float32
+    hidden = _prompt_hidden(quantized_head)
+    torch.testing.assert_close(hidden, _prompt_hidden(full_head), rtol=0, atol=0)
+    expected = hidden.double() @ (q.double() * scale.double()[:, None]).T
+    logits = _prompt_logits(quantized_head)
+    torch.testing.assert_close(logits.double(), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    assert not torch.equal(logits, _prompt_logits(full_head))
+
+
+def test_quantize_lm_head_refuses_what_it_cannot_do(tiny_llama_dir, tiny_qwen3_dir, tmp_path):
+    with pytest.raises(ModelLoadError, match="lm_head is its input embedding table"):
+        _runner(tiny_llama_dir, quantization="int8", quantize_lm_head=True)  # tied embeddings
+    with pytest.raises(ValueError, match="--quantize-lm-head needs --quantization"):
+        _runner(tiny_qwen3_dir, quantize_lm_head=True)
+    quantized_dir = _write_checkpoint(tiny_qwen3_dir, tmp_path / "int8", _compressed_tensors_config("int", "int-quantized"),
+                                      _int8_tensors)
+    with pytest.raises(ModelLoadError, match="already quantized, and its quantization_config decides"):
+        _runner(quantized_dir, quantize_lm_head=True)
+
+
 def test_quantization_flag_values():
     assert QUANTIZATION_CHOICES == QUANTIZATION_METHODS  # the torch-free flag's copy
     parser = build_parser()
     args = parser.parse_args(["serve", "--quantization", "int8", "--kv-cache-dtype", "fp8"])
     kwargs = engine_config_kwargs(args)
-    assert (kwargs["quantization"], kwargs["kv_cache_dtype"]) == ("int8", "fp8")
+    assert (kwargs["quantization"], kwargs["kv_cache_dtype"], kwargs["quantize_lm_head"]) == ("int8", "fp8", False)
+    assert engine_config_kwargs(parser.parse_args(["serve", "--quantization", "fp8", "--quantize-lm-head"]))["quantize_lm_head"]
     assert engine_config_kwargs(parser.parse_args(["serve"]))["quantization"] is None
     assert engine_config_kwargs(parser.parse_args(["serve", "--kv-cache-dtype", "int8"]))["kv_cache_dtype"] == "int8"
     for bad in (["--quantization", "int4"], ["--kv-cache-dtype", "int4"]):

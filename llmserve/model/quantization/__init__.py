@@ -1,7 +1,7 @@
 """Quantized linear layers: int8 and fp8 weights with per-output-channel scales (see `config`).
 
 A model is built as usual; `QuantizedLoader` then gives its `Linear` layers (all but those the
-checkpoint leaves unquantized, the lm_head among them) int8 or e4m3 `weight`s, float32 `weight_scale`s
+checkpoint leaves unquantized; the lm_head too unless `--quantize-lm-head`) int8 or e4m3 `weight`s, float32 `weight_scale`s
 and a `quant_method` that runs their forward pass. The model's own `load_weights` fills them from the
 checkpoint stream rewritten to that canonical layout (`checkpoint`), and `finalize` prepares what the
 kernels want. With dummy weights the random full-precision weights are quantized in place instead.
@@ -36,6 +36,11 @@ class QuantizedLoader:
         self.model = model
         self.qconfig = qconfig
         self.method = linear_method(qconfig.method)
+        if not qconfig.ignores("lm_head") and getattr(model, "lm_head", False) is None:
+            raise ModelLoadError(
+                "--quantize-lm-head: this model's lm_head is its input embedding table (tie_word_embeddings), "
+                "which stays unquantized."
+            )
         self.layers = self._quantized_layers()
 
     def _quantized_layers(self) -> dict[str, Linear]:

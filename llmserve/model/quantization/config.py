@@ -62,16 +62,26 @@ class QuantizationConfig:
         return False
 
 
-def resolve_quantization(requested: str | None, hf_config: dict[str, Any], dummy_weights: bool) -> QuantizationConfig | None:
+def resolve_quantization(
+    requested: str | None, hf_config: dict[str, Any], dummy_weights: bool, quantize_lm_head: bool = False,
+) -> QuantizationConfig | None:
     """The quantization to run: the checkpoint's own when it has one (`requested` must then name the
-    same method or nothing), else `requested` applied at load. With dummy weights nothing is read from
-    the checkpoint, so its quantization is applied to the random weights instead."""
+    same method or nothing), else `requested` applied at load, the lm_head included with
+    `quantize_lm_head`. With dummy weights nothing is read from the checkpoint, so its quantization is
+    applied to the random weights instead."""
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (got {requested!r}).")
     raw = hf_config.get("quantization_config")
     checkpoint = parse_checkpoint_quantization(raw) if raw else None
+    if quantize_lm_head and checkpoint is not None:
+        raise ModelLoadError(
+            "--quantize-lm-head applies to weights quantized at load; this checkpoint is already quantized, and its "
+            "quantization_config decides which modules are."
+        )
+    if quantize_lm_head and requested is None:
+        raise ValueError("--quantize-lm-head needs --quantization (int8 or fp8).")
     if checkpoint is None:
-        return QuantizationConfig(requested) if requested else None
+        return QuantizationConfig(requested, ignore=() if quantize_lm_head else ("lm_head",)) if requested else None
     if requested is not None and requested != checkpoint.method:
         raise ModelLoadError(
             f"The checkpoint is already quantized to {checkpoint.method}; --quantization {requested} cannot "
