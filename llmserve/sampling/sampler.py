@@ -526,14 +526,14 @@ class Sampler:
     def _sample(self, work: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         rand = md.random
         if rand is None:
-            return work.argmax(dim=1)
+            return _argmax_rows(work)
         random_tokens = self._sample_random(self._scaled(work, rand), rand)
         if md.greedy_rows is None or rand.rows is None:
             return random_tokens
         greedy = self._buffer("greedy", (md.greedy_rows.numel(), work.shape[1]), work)
         torch.index_select(work, 0, md.greedy_rows, out=greedy)
         token_ids = torch.empty(md.batch_size, dtype=torch.int64, device=work.device)
-        token_ids.index_copy_(0, md.greedy_rows, greedy.argmax(dim=1))
+        token_ids.index_copy_(0, md.greedy_rows, _argmax_rows(greedy))
         token_ids.index_copy_(0, rand.rows, random_tokens)
         return token_ids
 
@@ -643,6 +643,16 @@ class Sampler:
         top_vals, top_ids = torch.topk(raw, md.max_num_logprobs, dim=1)
         top_logprobs = (top_vals - row_max) - log_total
         return SamplerOutput(token_ids, chosen.squeeze(1), top_ids, top_logprobs, ranks)
+
+
+def _argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token; on CUDA spread over many programs (`triton_argmax`), where torch's arg-reduction
+    of a vocabulary-wide row runs on one thread block."""
+    if scores.is_cuda:
+        from llmserve.sampling import triton_argmax  # imports triton: only where it runs
+
+        return triton_argmax.argmax_rows(scores)
+    return scores.argmax(dim=1)
 
 
 def _select(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
