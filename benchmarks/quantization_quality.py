@@ -9,7 +9,8 @@ error of the final hidden state (||h - h_bf16|| / ||h_bf16|| over all positions)
     emulation (weights converted per call), which is what decode-sized batches compute on GPUs too
     (`triton_linear`); on a GPU with fp8 tensor cores these prefill-sized steps take the W8A8 path
     (per-token e4m3 activations, `_scaled_mm`),
-  - int8 / fp8 with the lm_head quantized too (`--quantize-lm-head`),
+  - int8 / fp8 with the lm_head quantized too (`--quantize-lm-head`), also against int8 / fp8 alone: the same
+    hidden states into the two heads, so the head's own share of the damage,
   - float32: the same checkpoint in float32, for scale: what bf16 itself costs against float32.
 A quantized KV cache (--kv-cache-dtypes: int8 on CPU, fp8 on a GPU) changes nothing when a whole sequence is
 prefilled in one step (a fresh prompt attends to its own keys), so those variants compute every position as a
@@ -127,7 +128,7 @@ def main() -> None:
     print(f"medium model, {positions} positions in {len(sequences)} sequences of <= {args.seq_len} tokens")
     start = time.perf_counter()
     reference = all_outputs(build_runner(model_dir, "bfloat16", None, args.seq_len), sequences)
-    results = {}
+    results, outputs = {}, {}
     on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
     fp8_name = "fp8 (W8A8: e4m3 activations, _scaled_mm)" if on_hopper else "fp8 (weight-only emulation)"
     for name, dtype, quantization, head in (
@@ -136,7 +137,11 @@ def main() -> None:
         ("float32", "float32", None, False),
     ):
         runner = build_runner(model_dir, dtype, quantization, args.seq_len, quantize_lm_head=head)
-        results[name] = compare(reference, all_outputs(runner, sequences))
+        outputs[name] = all_outputs(runner, sequences)
+        results[name] = compare(reference, outputs[name])
+    for method in ("int8", "fp8"):  # the same hidden states into both heads: what quantizing the head alone costs
+        body = next(name for name in outputs if name.startswith(method) and "lm_head" not in name)
+        results[f"{method} lm_head alone (vs {method})"] = compare(outputs[body], outputs[f"{method}, lm_head too"])
     kv_dtypes = [name for name in args.kv_cache_dtypes.split(",") if name]
     if kv_dtypes:
         def decoded(kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +153,7 @@ def main() -> None:
         for kv_dtype in kv_dtypes:
             results[f"{kv_dtype} KV cache (decode steps)"] = compare(decoded_reference, decoded(kv_dtype))
     for name, r in results.items():
-        print(f"{name:>40} vs bf16: KL mean {r['kl_mean']:.5f}  p99 {r['kl_p99']:.5f}  max {r['kl_max']:.4f}  "
+        print(f"{name if '(vs ' in name else name + ' vs bf16':>48}: KL mean {r['kl_mean']:.5f}  p99 {r['kl_p99']:.5f}  max {r['kl_max']:.4f}  "
               f"top-1 agreement {100 * r['top1_agreement']:.2f}%  final hidden rel. error {r['hidden_rel_err']:.3f}")
     print(f"({time.perf_counter() - start:.0f} s)")
     device = "cuda" if torch.cuda.is_available() else "cpu"

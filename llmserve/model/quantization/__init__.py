@@ -1,8 +1,8 @@
 """Quantized linear layers: int8 and fp8 weights with per-output-channel scales (see `config`).
 
 A model is built as usual; `QuantizedLoader` then gives its `Linear` layers (all but those the
-checkpoint leaves unquantized; the lm_head too unless `--quantize-lm-head`) int8 or e4m3 `weight`s, float32 `weight_scale`s
-and a `quant_method` that runs their forward pass. The model's own `load_weights` fills them from the
+checkpoint leaves unquantized, and the lm_head unless `--quantize-lm-head`) int8 or e4m3 `weight`s,
+float32 `weight_scale`s and a `quant_method` that runs their forward pass. The model's own `load_weights` fills them from the
 checkpoint stream rewritten to that canonical layout (`checkpoint`), and `finalize` prepares what the
 kernels want. With dummy weights the random full-precision weights are quantized in place instead.
 """
