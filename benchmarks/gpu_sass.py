@@ -7,18 +7,23 @@ a stream of loads: on an H200 the bf16 tiles with ~64 KB an SM read at 95% of co
 what a GPU session sweeps, not timings.
 
     python benchmarks/gpu_sass.py                       # the defaults and gpu_linear.py's one-row sweep
-    python benchmarks/gpu_sass.py --weights fp8 --tiles 8,1024,4,1,2,8 16,512,8
+    python benchmarks/gpu_sass.py --weights fp8 --tiles 8,1024,4,1,2,8 16,512,8 --json bench_out/sass.json
+
+It compiles for real, so it runs without TRITON_INTERPRET (and refuses to start with it).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import astuple
+from pathlib import Path
 from typing import Any
 
 REGISTERS_PER_SM = 65536
@@ -36,8 +41,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--tiles", nargs="*", default=None,
                     help="TileConfig fields, comma-separated (block_n,block_k,warps[,stages,unroll,vector]); "
                          "default: triton_linear's one-row tiles and gpu_linear.py's one-row sweep")
+    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    os.environ.pop("TRITON_INTERPRET", None)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        ap.error("TRITON_INTERPRET is set: the kernels would be interpreted, not compiled")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     sys.path.insert(0, os.path.dirname(__file__))
     from gpu_linear import ONE_ROW_SWEEP
@@ -55,6 +62,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    **loop_facts(compile_one_row(triton_linear.gemv_kernel, TRITON_TYPES[kind], config), config, width)}
             rows.append(row)
             print(format_row(row), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([{**row, "tiles": astuple(row["tiles"])} for row in rows], indent=2))
     return rows
 
 
