@@ -8,12 +8,12 @@
 # Steps, in order (STEPS picks a subset):
 #   gpu-tests     pytest -m gpu (the CUDA-only tests of $GPU_TESTS, default the whole suite)
 #   triton-tests  the Triton kernels' tests (attention, fused, int8, triton_linear, quantization, argmax), natively
-#   parity        float32 greedy outputs: torch backend = triton backend = triton + CUDA graphs
+#   parity        float32 greedy outputs: torch backend = triton backend = triton + CUDA graphs (+ PDL)
 #   linear-one-row  the sweep of triton_linear's one-row tiles for int8 and fp8 weights (gpu_linear.py --rows 1);
 #                 the decode step after it runs with the best (unless LINEAR_CONFIGS names a file)
 #   decode        batch-1 decode on the Llama-3.1-8B shape: tok/s and % of copy bandwidth (goal, bf16: >= 85%)
-#                 for each of $DECODE_VARIANTS (bf16, fp8 and int8 weights, fp8 KV, ...), with each
-#                 step's kernel times by kind
+#                 for each of $DECODE_VARIANTS (bf16, fp8 and int8 weights, fp8 KV, ...; any + "-pdl": with
+#                 programmatic dependent launch), with each step's kernel times by kind
 #   linear        the 8B shape's linear layers at 1-16 rows, every kernel and a sweep of triton_linear's tiles
 #   quality       int8 / fp8 logits against bf16 on the medium model (KL, top-1 agreement)
 #   throughput    1,000 requests (in/out 100-1,024 tokens) against transformers static batches (goal >= 10x)

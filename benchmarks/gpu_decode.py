@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from gpu_common import (
     GB,
     bench_device,
@@ -36,11 +37,13 @@ from gpu_common import (
     write_json,
 )
 
-from llmserve import LLM, SamplingParams
+from llmserve import LLM, SamplingParams, pdl
 from llmserve.model import layers
 
 GOAL_PCT_OF_COPY_BW = 85.0
-# name -> (engine arguments, the CUDA linear path: layers.cuda_linear_path)
+# name -> (engine arguments, the CUDA linear path: layers.cuda_linear_path). Any name + "-pdl" runs that
+# variant with the Triton kernels launched by programmatic dependent launch (llmserve.pdl).
+PDL_SUFFIX = "-pdl"
 VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "bf16": ({}, "auto"),
     "bf16-cublas": ({}, "torch"),
@@ -168,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--modes", default="graphs,eager", help="graphs (the default engine) and/or eager")
-    ap.add_argument("--variants", default="bf16", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="bf16",
+                    help=f"comma-separated, of {', '.join(VARIANTS)}, each also with {PDL_SUFFIX}")
     ap.add_argument("--profile", action="store_true", help="kernel times of each graphs run's steps")
     ap.add_argument("--linear-configs", default=None,
                     help="gpu_linear.py's JSON: run triton_linear with the tiles its sweep found best")
@@ -187,23 +191,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"model": path, "machine": machine_info(device), "copy_gbs": copy_gbs,
                               "args": vars(args), "triton_linear_tiles": tiles, "runs": []}
     for variant in args.variants.split(","):
-        engine_overrides, linear_path = VARIANTS[variant]
+        engine_overrides, linear_path = VARIANTS[variant.removesuffix(PDL_SUFFIX)]
         layers.cuda_linear_path = linear_path
+        pdl.enabled = variant.endswith(PDL_SUFFIX)
         for mode in args.modes.split(","):
             llm = LLM(path, **engine_args(args.smoke, max_model_len=args.max_model_len, max_num_seqs=1,
                                           enforce_eager=mode == "eager", **engine_overrides))
             prompt = random_prompts(1, (args.prompt_len, args.prompt_len), llm.get_tokenizer().vocab_size, seed=0)[0]
-            run = {"variant": variant, "mode": mode, **measure_decode(llm, prompt, args.steps, args.warmup)}
+            launched_pdl = pdl.launch_options(torch.empty(0, device=device))["PDL"]  # False where unsupported
+            run = {"variant": variant, "mode": mode, "pdl": launched_pdl,
+                   **measure_decode(llm, prompt, args.steps, args.warmup)}
             run["pct_of_copy_bw"] = 100 * run["achieved_gbs"] / copy_gbs
             if args.profile and mode == "graphs":
                 run["profile"] = profile_steps(llm, prompt, min(args.steps, 32))
                 print_profile(variant, run["profile"])
             result["runs"].append(run)
             print(f"  {variant} {mode}: {run['step_ms_median']:.2f} ms/step, {run['achieved_gbs']:.0f} GB/s, "
-                  f"KV pool {run['kv_pool_tokens']} tokens", flush=True)
+                  f"KV pool {run['kv_pool_tokens']} tokens{', PDL' if launched_pdl else ''}", flush=True)
             del llm
             free_device_memory(device)
-    layers.cuda_linear_path = "auto"
+    layers.cuda_linear_path, pdl.enabled = "auto", False
     bf16 = [r for r in result["runs"] if r["variant"] == "bf16"] or result["runs"]
     best = max(bf16, key=lambda r: r["pct_of_copy_bw"])
     result["goal"] = {"pct_of_copy_bw": GOAL_PCT_OF_COPY_BW, "best": best["pct_of_copy_bw"],

@@ -1,5 +1,6 @@
 """Engine parity in float32 on one machine: the torch attention backend (eager), the triton backend
-(eager) and the triton backend with CUDA graphs must produce identical greedy outputs.
+(eager), the triton backend with CUDA graphs, and that again with programmatic dependent launch
+(`llmserve.pdl`) must produce identical greedy outputs.
 
 The model is the built-in `small` checkpoint (random weights, clear logit margins), so a difference
 means a bug, not rounding. Exit status 1 when any configuration differs from the first.
@@ -18,22 +19,27 @@ from typing import Any
 
 from gpu_common import bench_device, free_device_memory, machine_info, print_table, random_prompts, write_json
 
-from llmserve import LLM, SamplingParams
+from llmserve import LLM, SamplingParams, pdl
 from llmserve.model.builtin import make_model
 
-CUDA_CONFIGS = [("torch", True), ("triton", True), ("triton", False)]  # (backend, enforce_eager)
-SMOKE_CONFIGS = [("torch", True), ("torch", True)]
+# (backend, enforce_eager, programmatic dependent launch)
+CUDA_CONFIGS = [("torch", True, False), ("triton", True, False), ("triton", False, False), ("triton", False, True)]
+SMOKE_CONFIGS = [("torch", True, False), ("torch", True, False)]
 
 
-def generate(path: str, backend: str, eager: bool, prompts: list[list[int]], max_tokens: list[int],
+def generate(path: str, backend: str, eager: bool, use_pdl: bool, prompts: list[list[int]], max_tokens: list[int],
              smoke: bool) -> tuple[list[list[int]], bool]:
     extra: dict[str, Any] = {"device": "cpu", "num_kv_blocks": 256} if smoke else {"gpu_memory_utilization": 0.5}
-    llm = LLM(path, dtype="float32", attention_backend=backend, enforce_eager=eager, max_model_len=1024,
-              max_num_seqs=32, **extra)
-    graphs = llm.engine.core.runner.graphs is not None
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    outputs = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
-    del llm
+    pdl.enabled = use_pdl  # read at each launch, so also by the graphs captured while the engine starts
+    try:
+        llm = LLM(path, dtype="float32", attention_backend=backend, enforce_eager=eager, max_model_len=1024,
+                  max_num_seqs=32, **extra)
+        graphs = llm.engine.core.runner.graphs is not None
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+        outputs = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+        del llm
+    finally:
+        pdl.enabled = False
     return outputs, graphs
 
 
@@ -65,26 +71,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = SMOKE_CONFIGS if args.smoke else CUDA_CONFIGS
     runs = []
     reference: list[list[int]] | None = None
-    for backend, eager in configs:
+    for backend, eager, use_pdl in configs:
         try:
-            outputs, graphs = generate(path, backend, eager, prompts, max_tokens, args.smoke)
+            outputs, graphs = generate(path, backend, eager, use_pdl, prompts, max_tokens, args.smoke)
         except ValueError as exc:  # e.g. the triton backend is not registered
-            runs.append({"backend": backend, "cuda_graphs": False, "identical": 0, "requests": len(prompts),
-                         "first_difference": f"did not run: {exc}"})
+            runs.append({"backend": backend, "cuda_graphs": False, "pdl": use_pdl, "identical": 0,
+                         "requests": len(prompts), "first_difference": f"did not run: {exc}"})
             continue
         finally:
             free_device_memory(device)
         reference = reference if reference is not None else outputs
         same = sum(x == y for x, y in zip(outputs, reference, strict=True))
-        runs.append({"backend": backend, "cuda_graphs": graphs, "identical": same, "requests": len(outputs),
-                     "first_difference": first_difference(reference, outputs)})
+        runs.append({"backend": backend, "cuda_graphs": graphs, "pdl": use_pdl, "identical": same,
+                     "requests": len(outputs), "first_difference": first_difference(reference, outputs)})
     result = {"model": path, "machine": machine_info(device), "args": vars(args), "runs": runs,
               "passed": all(r["identical"] == r["requests"] for r in runs)}
     print_table(
         f"float32 greedy parity ({args.num_prompts} requests, up to {args.max_tokens} tokens; reference: first row)",
-        ["attention backend", "CUDA graphs", "identical outputs", "first difference"],
-        [[r["backend"], "yes" if r["cuda_graphs"] else "no", f"{r['identical']}/{r['requests']}",
-          r["first_difference"]] for r in runs],
+        ["attention backend", "CUDA graphs", "PDL", "identical outputs", "first difference"],
+        [[r["backend"], "yes" if r["cuda_graphs"] else "no", "yes" if r["pdl"] else "no",
+          f"{r['identical']}/{r['requests']}", r["first_difference"]] for r in runs],
     )
     print(f"\nparity: {'passed' if result['passed'] else 'FAILED'}")
     write_json(args.json, result)

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--tiles", nargs="*", default=None,
                     help="TileConfig fields, comma-separated (block_n,block_k,warps[,stages,unroll,vector]); "
                          "default: triton_linear's one-row tiles and gpu_linear.py's one-row sweep")
+    ap.add_argument("--pdl", action="store_true",
+                    help="compile for programmatic dependent launch (llmserve.pdl): the first slice's loads come first")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             default, *(triton_linear.TileConfig(*c) for c in ONE_ROW_SWEEP[width])]
         for config in dict.fromkeys(tiles):
             row = {"weights": kind, "tiles": config, "default": config == default,
-                   **loop_facts(compile_one_row(triton_linear.gemv_kernel, TRITON_TYPES[kind], config), config, width)}
+                   **loop_facts(compile_one_row(triton_linear.gemv_kernel, TRITON_TYPES[kind], config, args.pdl),
+                                  config, width)}
             rows.append(row)
             print(format_row(row), flush=True)
     if args.json:
@@ -68,17 +71,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-def compile_one_row(kernel, weight_type: str, config) -> bytes:
+def compile_one_row(kernel, weight_type: str, config, pdl: bool = False) -> bytes:
     """The cubin of the one-row kernel for sm_90, specialized as a launch on the 8B shapes would be (every
     size a multiple of 16)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from llmserve.model import triton_linear
+
     pointers = {"x_ptr": "*bf16", "w_ptr": "*" + weight_type, "scale_ptr": "*fp32", "bias_ptr": "*bf16",
                 "out_ptr": "*bf16"}
     constants = dict(HAS_SCALE=weight_type != "bf16", HAS_BIAS=False, BLOCK_N=config.block_n,
-                     BLOCK_K=config.block_k, UNROLL=config.unroll, VECTOR=config.vector)
+                     BLOCK_K=config.block_k, UNROLL=config.unroll, VECTOR=config.vector, PDL=pdl,
+                     **triton_linear.prefetch_span(config, 2 if weight_type == "bf16" else 1))
     signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name not in constants}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=attrs),

@@ -74,11 +74,13 @@ def quantized_decode_rows(runs: list[dict]) -> list[list[str]]:
     graphs = {r.get("variant"): r for r in runs if r["mode"] == "graphs"}
     rows = []
     bf16, fp8kv = graphs.get("bf16"), graphs.get("bf16-fp8kv")
-    for variant, what in (("fp8", "fp8 weights"), ("fp8-head", "fp8 weights and lm_head")):
+    for variant, what in (("fp8", "fp8 weights"), ("fp8-head", "fp8 weights and lm_head"),
+                          ("fp8-pdl", "fp8 weights, PDL"), ("fp8-head-pdl", "fp8 weights and lm_head, PDL")):
         fp8 = graphs.get(variant)
-        if bf16 and fp8:
-            ratio = fp8["tok_s"] / bf16["tok_s"]
-            rows.append([f"batch-1 decode, {what}: {fp8['tok_s']:.0f} tok/s against bf16's {bf16['tok_s']:.0f}",
+        baseline = graphs.get("bf16-pdl" if variant.endswith("-pdl") else "bf16")  # like with like
+        if baseline and fp8:
+            ratio = fp8["tok_s"] / baseline["tok_s"]
+            rows.append([f"batch-1 decode, {what}: {fp8['tok_s']:.0f} tok/s against bf16's {baseline['tok_s']:.0f}",
                          ">= 1.7x bf16", f"{ratio:.2f}x", _status(ratio >= 1.7)])
     if bf16 and fp8kv:
         ratio = fp8kv["kv_pool_tokens"] / bf16["kv_pool_tokens"]

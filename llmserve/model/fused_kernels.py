@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve import pdl
+
 
 def available(tensor: torch.Tensor) -> bool:
     """Whether the kernels can run on `tensor`: natively on CUDA, or in the interpreter."""
@@ -49,9 +51,11 @@ def rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     inner_rows, stride_x_outer, stride_x_inner, stride_residual, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per row. Rows of x are addressed as (outer, inner) so that per-head norms read
     [tokens, heads, head_dim] views of a fused projection in place; outputs are contiguous rows."""
+    pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     outer = row // inner_rows
     inner = row % inner_rows
@@ -125,8 +129,10 @@ def rotary_kernel(
     stride_q_out_token, stride_q_out_head, stride_k_out_token, stride_k_out_head, stride_cache,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token: its cos/sin row is read once and applied to all its q and k heads."""
+    pdl.wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = rotary_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, stride_cache, q_out_ptr.dtype.element_ty,
                               HALF, HALF_PAD)
@@ -137,8 +143,9 @@ def rotary_kernel(
 
 
 @triton.jit
-def silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_gate_up, n_cols, BLOCK: tl.constexpr):
+def silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_gate_up, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (token, column block): out = silu(gate) * up, gate and up the two halves of a row."""
+    pdl.wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -186,7 +193,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = _next_pow2(n)
         rms_norm_kernel[(rows,)](
             x, x, weight, out, out, inner_rows, stride_outer, stride_inner, 0, n, eps,
-            HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block), **NO_FP_FUSION,
+            HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block), **NO_FP_FUSION, **pdl.launch_options(x),
         )
     return out
 
@@ -203,7 +210,7 @@ def fused_add_rms_norm(
         block = _next_pow2(n)
         rms_norm_kernel[(rows,)](
             x, residual, weight, out, new_residual, 1, x.stride(0), 0, residual.stride(0), n, eps,
-            HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block), **NO_FP_FUSION,
+            HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block), **NO_FP_FUSION, **pdl.launch_options(x),
         )
     return out, new_residual
 
@@ -228,7 +235,7 @@ def apply_rotary(
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_cache.stride(0),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, Q_HEADS_PAD=_next_pow2(num_q_heads),
             K_HEADS_PAD=_next_pow2(num_k_heads), HALF=half, HALF_PAD=_next_pow2(half), num_warps=4,
-            **NO_FP_FUSION,
+            **NO_FP_FUSION, **pdl.launch_options(q),
         )
     return q_out, k_out
 
@@ -242,5 +249,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if tokens and n:
         silu_and_mul_kernel[(tokens, triton.cdiv(n, SILU_BLOCK))](
             gate_up, out, gate_up.stride(0), n, BLOCK=SILU_BLOCK, num_warps=4, **NO_FP_FUSION,
+            **pdl.launch_options(gate_up),
         )
     return out

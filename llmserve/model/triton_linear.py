@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve import pdl
+
 MAX_ROWS = 16  # past this the layers are compute-heavy enough for the library GEMMs
 
 
@@ -58,14 +60,30 @@ def _as_float32(w):
 
 
 @triton.jit
+def _prefetch_to_l2(w_ptr, cols, col_mask, stride_wn, K, LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the first LINES lines (LINE weights each) of the program's weight rows, without waiting
+    for them: the first loads after `pdl.wait_for_inputs` then hit L2. Only weights may be read before the
+    wait; nothing in the step writes them."""
+    starts = tl.arange(0, LINES) * LINE
+    ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + starts[None, :]
+    ptrs = tl.where(col_mask[:, None] & (starts < K)[None, :], ptrs, w_ptr)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_wn,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UNROLL: tl.constexpr, VECTOR: tl.constexpr,
+    UNROLL: tl.constexpr, VECTOR: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    LINE: tl.constexpr,
 ):
     """One row of x (contiguous) against BLOCK_N weight rows; out is one contiguous row."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    if PDL:
+        _prefetch_to_l2(w_ptr, cols, col_mask, stride_wn, K, PREFETCH_LINES, LINE)
+        pdl.wait_for_inputs(PDL)
     ks = tl.max_contiguous(tl.arange(0, BLOCK_K), VECTOR)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -88,12 +106,16 @@ def gemv_kernel(
 def small_m_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     """Up to 16 rows of x against BLOCK_N weight rows, through tl.dot (x padded to 16 rows)."""
     rows = tl.arange(0, 16)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
     col_mask = cols < N
+    if PDL:
+        _prefetch_to_l2(w_ptr, cols, col_mask, stride_wn, K, PREFETCH_LINES, LINE)
+        pdl.wait_for_inputs(PDL)
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
@@ -144,6 +166,13 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def prefetch_span(config: TileConfig, weight_bytes: int) -> dict[str, int]:
+    """The kernels' PREFETCH_LINES and LINE: what a program asks L2 for before its PDL wait, the 128-byte
+    lines of its first pass over K (`unroll` slices), LINE weights each."""
+    line = 128 // weight_bytes
+    return {"PREFETCH_LINES": triton.next_power_of_2(triton.cdiv(config.block_k * config.unroll, line)), "LINE": line}
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
     config: TileConfig | None = None,
@@ -160,7 +189,8 @@ def linear(
     scale_arg = scale if scale is not None else out
     bias_arg = bias if bias is not None else out
     common = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK_N=config.block_n,
-                  BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+                  BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+                  **prefetch_span(config, weight.element_size()), **pdl.launch_options(x))
     if m == 1:
         gemv_kernel[grid](x, weight, scale_arg, bias_arg, out, n, k, weight.stride(0), UNROLL=config.unroll,
                           VECTOR=config.vector, **common)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve import pdl
+
 CHUNK = 2048  # logits a program reads: 8 KB of float32, 63 programs a row for 128,256 tokens
 
 
@@ -29,7 +31,8 @@ def _first_max(values, index, valid, past_end):
 
 
 @triton.jit
-def chunk_max_kernel(logits_ptr, values_ptr, index_ptr, vocab_size, stride_row, num_chunks, CHUNK: tl.constexpr):
+def chunk_max_kernel(logits_ptr, values_ptr, index_ptr, vocab_size, stride_row, num_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     index = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = index < vocab_size
@@ -40,7 +43,8 @@ def chunk_max_kernel(logits_ptr, values_ptr, index_ptr, vocab_size, stride_row, 
 
 
 @triton.jit
-def row_argmax_kernel(values_ptr, index_ptr, out_ptr, num_chunks, vocab_size, BLOCK: tl.constexpr):
+def row_argmax_kernel(values_ptr, index_ptr, out_ptr, num_chunks, vocab_size, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     row = tl.program_id(0)
     chunks = tl.arange(0, BLOCK)
     valid = chunks < num_chunks
@@ -62,7 +66,8 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     chunk_max_kernel[(rows, num_chunks)](logits, values, index, vocab_size, logits.stride(0), num_chunks,
-                                         CHUNK=CHUNK, num_warps=4)
+                                         CHUNK=CHUNK, num_warps=4, **pdl.launch_options(logits))
     row_argmax_kernel[(rows,)](values, index, out, num_chunks, vocab_size,
-                               BLOCK=max(16, triton.next_power_of_2(num_chunks)), num_warps=1)
+                               BLOCK=max(16, triton.next_power_of_2(num_chunks)), num_warps=1,
+                               **pdl.launch_options(logits))
     return out

@@ -417,8 +417,13 @@ _AOT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from llmserve.model import fused_kernels as K
+    from tests.model.triton_aot import assert_pdl_order
 
     def build(fn, dtype, consts, typed):
+        for pdl in (False, True):
+            compile_one(fn, dtype, {**consts, "PDL": pdl}, typed)
+
+    def compile_one(fn, dtype, consts, typed):
         sig, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name in consts:
@@ -432,6 +437,7 @@ _AOT = textwrap.dedent("""
         opcodes = [line.split()[0] for line in compiled.asm["ptx"].splitlines() if line.strip()]
         fused = [op for op in opcodes if op.startswith("fma.") and "f16" in op]
         assert not fused, (fn.__name__, dtype, fused)
+        assert_pdl_order(compiled.asm["ptx"], consts["PDL"], fn.__name__)
 
     for dtype in ("bf16", "fp16", "fp32"):
         for has_residual in (True, False):

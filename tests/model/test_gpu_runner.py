@@ -391,6 +391,31 @@ def test_cuda_graphs_and_backends_agree_in_float32(small_llama_dir: Path) -> Non
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.skipif(not _has_triton_backend(), reason="needs the triton attention backend")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability 9.0")
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_programmatic_dependent_launch_changes_no_token(small_llama_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        quantization: str | None) -> None:
+    """The same kernels and sums with and without PDL (llmserve.pdl), in CUDA graphs: the same tokens, bf16."""
+    from llmserve import pdl
+
+    prompts, max_tokens = _cuda_prompts()
+    results = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(pdl, "enabled", enabled)
+        assert pdl.launch_options(torch.empty(1, device="cuda")).get("launch_pdl", False) == enabled
+        llm = LLM(str(small_llama_dir), max_model_len=1024, max_num_seqs=16, quantization=quantization,
+                  gpu_memory_utilization=0.3)
+        assert llm.engine.core.runner.graphs is not None
+        results[enabled] = _greedy_outputs(llm, prompts, max_tokens)
+        del llm
+        _release_cuda_memory()
+    assert results[True] == results[False]
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_step_reads_nothing_back_until_the_sampled_ids(small_llama_dir: Path) -> None:
     llm = LLM(str(small_llama_dir), max_model_len=1024, max_num_seqs=8, gpu_memory_utilization=0.3)
     engine = llm.engine

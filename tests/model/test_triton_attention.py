@@ -233,9 +233,16 @@ _AOT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from llmserve.model.attention import triton_kernels as K
+    from tests.model.triton_aot import assert_pdl_order
 
-    def build(fn, dtype, consts, floats=("qk_scale", "v_scale", "inv_k_scale", "inv_v_scale"), fp32_ptrs=(),
-              cache_dtype=None, options=None):
+    def build(fn, dtype, consts, **kwargs):
+        assert_pdl_order(compile_one(fn, dtype, {**consts, "PDL": True}, **kwargs).asm["ptx"], True, fn.__name__)
+        compiled = compile_one(fn, dtype, {**consts, "PDL": False}, **kwargs)
+        assert_pdl_order(compiled.asm["ptx"], False, fn.__name__)
+        return compiled
+
+    def compile_one(fn, dtype, consts, floats=("qk_scale", "v_scale", "inv_k_scale", "inv_v_scale"), fp32_ptrs=(),
+                    cache_dtype=None, options=None):
         sig, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name in consts:

@@ -84,7 +84,8 @@ _AOT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from llmserve.model.triton_linear import _CONFIGS, TileConfig, gemv_kernel, small_m_kernel
+    from llmserve.model.triton_linear import _CONFIGS, TileConfig, gemv_kernel, prefetch_span, small_m_kernel
+    from tests.model.triton_aot import assert_pdl_order
 
     loaded_ahead = [(("fp8", True), TileConfig(4, 1024, 4, 1, 2, 8)), (("int8", True), TileConfig(2, 2048, 4, 1, 4, 8))]
     for (kind, one_row), config in [*_CONFIGS.items(), *loaded_ahead]:
@@ -93,13 +94,18 @@ _AOT = textwrap.dedent("""
             act = "fp16" if weight == "fp16" else "bf16"
             ptrs = {"x_ptr": "*" + act, "w_ptr": "*" + weight, "scale_ptr": "*fp32", "bias_ptr": "*" + act,
                     "out_ptr": "*" + act}
-            consts = dict(HAS_SCALE=kind != "16-bit", HAS_BIAS=True, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
-            if one_row:
-                consts.update(UNROLL=config.unroll, VECTOR=config.vector)
-            sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
-            triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+            for use_pdl in (False, True):
+                consts = dict(HAS_SCALE=kind != "16-bit", HAS_BIAS=True, BLOCK_N=config.block_n,
+                              BLOCK_K=config.block_k, PDL=use_pdl, **prefetch_span(config, 2 if act == weight else 1))
+                if one_row:
+                    consts.update(UNROLL=config.unroll, VECTOR=config.vector)
+                sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
+                attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
+                ptx = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                                     options=dict(num_warps=config.num_warps, num_stages=config.num_stages)).asm["ptx"]
+                assert_pdl_order(ptx, use_pdl, fn.__name__)
+                if use_pdl:  # the first pass's weights are asked of L2 before the wait
+                    assert "prefetch.global.L2" in ptx[:ptx.index("griddepcontrol.wait")], config
     print("compiled")
 """)
 

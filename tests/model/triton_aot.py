@@ -18,3 +18,15 @@ def assert_compiles_for_sm90(script: str) -> None:
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's warning; launches set it themselves
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def assert_pdl_order(ptx: str, pdl: bool, kernel: str) -> None:
+    """Compiled for programmatic dependent launch (`llmserve.pdl`), a kernel touches global memory only
+    after its wait (an L2 prefetch of weights aside) and lets the next kernel launch; compiled without, it
+    does neither. Called by the compile scripts."""
+    wait = ptx.find("griddepcontrol.wait")
+    assert (wait >= 0) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl, (kernel, pdl)
+    if pdl:
+        before = ptx[:wait]
+        touched = [op for op in ("ld.global", "st.global", "atom.", "red.", "cp.async") if op in before]
+        assert not touched, (kernel, touched)

@@ -72,13 +72,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from llmserve.sampling.triton_argmax import CHUNK, chunk_max_kernel, row_argmax_kernel
+from tests.model.triton_aot import assert_pdl_order
 
 for fn, ptrs, consts, warps in (
     (chunk_max_kernel, {"logits_ptr": "*fp32", "values_ptr": "*fp32", "index_ptr": "*i32"}, {"CHUNK": CHUNK}, 4),
     (row_argmax_kernel, {"values_ptr": "*fp32", "index_ptr": "*i32", "out_ptr": "*i64"}, {"BLOCK": 64}, 1),
 ):
-    sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
-    triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    for pdl in (False, True):
+        sig = {name: ptrs.get(name, "constexpr" if name in {**consts, "PDL": pdl} else "i32") for name in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn, sig, constexprs={**consts, "PDL": pdl}), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps))
+        assert_pdl_order(compiled.asm["ptx"], pdl, fn.__name__)
 print("compiled")
 """
 

@@ -85,10 +85,12 @@ class TritonAttentionBackend(AttentionBackend):
             raise RuntimeError(
                 "The 'triton' attention backend needs the triton package (pip install 'llmserve[gpu]')."
             ) from e
+        from llmserve import pdl
         from llmserve.model import fused_kernels
 
         self.kernels = triton_kernels
         self.fused_kernels = fused_kernels
+        self.pdl = pdl
         self.group = num_heads // num_kv_heads
         self.d_pad = max(16, _next_pow2(head_dim))
         self.kvh_pad = _next_pow2(num_kv_heads)
@@ -182,7 +184,7 @@ class TritonAttentionBackend(AttentionBackend):
             NUM_Q_HEADS=self.num_heads, Q_HEADS_PAD=_next_pow2(self.num_heads), NUM_KV_HEADS=self.num_kv_heads,
             KVH_PAD=self.kvh_pad, HEAD_DIM=self.head_dim, D_PAD=self.d_pad, HALF=half, HALF_PAD=_next_pow2(half),
             BLOCK_SIZE=self.block_size, QUANTIZED=self._quantized_cache, num_warps=4,
-            **self.fused_kernels.NO_FP_FUSION,
+            **self.fused_kernels.NO_FP_FUSION, **self.pdl.launch_options(query),
         )
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
@@ -195,7 +197,7 @@ class TritonAttentionBackend(AttentionBackend):
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 1.0 / self.k_scale, 1.0 / self.v_scale,
             NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
-            KVH_PAD=self.kvh_pad, D_PAD=self.d_pad, QUANTIZED=self._quantized_cache,
+            KVH_PAD=self.kvh_pad, D_PAD=self.d_pad, QUANTIZED=self._quantized_cache, **self.pdl.launch_options(key),
         )
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -231,13 +233,13 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
             GROUP_PAD=self.group_pad, D_PAD=self.d_pad, TILE_N=self.decode_tile, NUM_SPLITS=splits,
-            DOT_PRECISION=precision,
+            DOT_PRECISION=precision, **self.pdl.launch_options(query),
         )
         if splits > 1:
             kernels.merge_splits_kernel[(nd, self.num_heads)](
                 out, part_acc, part_m, part_l, self.v_scale, out.stride(0), out.stride(1),
                 NUM_HEADS=self.num_heads, HEAD_DIM=self.head_dim, D_PAD=self.d_pad,
-                NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits),
+                NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits), **self.pdl.launch_options(out),
             )
 
     def _prefill(
@@ -250,7 +252,7 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             GROUP=self.group, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
             GROUP_PAD=self.prefill_group_pad, D_PAD=self.d_pad, BLOCK_Q=self._prefill_block_q(),
-            TILE_N=self.prefill_tile, DOT_PRECISION=precision,
+            TILE_N=self.prefill_tile, DOT_PRECISION=precision, **self.pdl.launch_options(query),
         )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from llmserve import pdl
 from llmserve.model.fused_kernels import rotary_cos_sin, rotate_heads, rotated_halves
 
 # Running maximum before any key was seen: finite, so rows whose keys are all masked in a tile (or a
@@ -74,9 +75,11 @@ def write_kv_kernel(
     stride_cb, stride_ch, stride_ct, inv_k_scale, inv_v_scale,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KVH_PAD: tl.constexpr, D_PAD: tl.constexpr, QUANTIZED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token: copies its [kv_heads, head_dim] keys and values into slot
     `slot_mapping[token]`; a negative slot (padding) writes nothing."""
+    pdl.wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     rows, keep = _slot_rows(slot_ptr, token, stride_cb, stride_ch, stride_ct, NUM_KV_HEADS, BLOCK_SIZE, KVH_PAD)
     heads = tl.arange(0, KVH_PAD)[:, None]
@@ -96,9 +99,11 @@ def rotary_write_kv_kernel(
     NUM_Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr, KVH_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token: `rotary_kernel` and `write_kv_kernel` in one launch. q is rotated in place;
     the rotated keys go straight to the cache (nothing else reads them), with the values."""
+    pdl.wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     dtype = q_ptr.dtype.element_ty
     cos, sin = rotary_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, stride_rope, dtype, HALF, HALF_PAD)
@@ -128,6 +133,7 @@ def decode_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (decodes, kv_heads, splits). Each sequence's context is cut into NUM_SPLITS equal runs of
     whole tiles, sized from its own length (so a grid sized for an upper bound, as a CUDA graph's is,
@@ -136,6 +142,7 @@ def decode_kernel(
     the normalised output; otherwise it writes its unnormalised accumulator and softmax statistics
     (running max m, sum l_sum) for `merge_splits_kernel`. A split that starts past the sequence's
     length runs no iteration and leaves the neutral partial (m = NEG_INIT, l_sum = 0, acc = 0)."""
+    pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -188,9 +195,11 @@ def merge_splits_kernel(
     stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (decodes, heads): the log-sum-exp merge of one head's split partials. Neutral splits
     (l_sum = 0) weigh nothing; a row with no key at all (length 0, padding) comes out as zeros."""
+    pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -217,12 +226,14 @@ def prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (query tiles, kv_heads). A tile is BLOCK_Q consecutive query tokens of one sequence
     (`tiles_ptr` holds [sequence, first token within its chunk] per tile); its rows are those tokens
     times the GROUP query heads of one KV head. The chunk's n tokens are the last n positions of a
     context of seq_len tokens, all already in the cache; each row attends causally, flash-attention
     style: key tiles of TILE_N positions, online softmax, no score matrix kept."""
+    pdl.wait_for_inputs(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(tiles_ptr + tile)
