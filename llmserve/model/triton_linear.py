@@ -62,8 +62,8 @@ def _as_float32(w):
 @triton.jit
 def _prefetch_to_l2(w_ptr, cols, col_mask, stride_wn, K, LINES: tl.constexpr, LINE: tl.constexpr):
     """Ask L2 for the first LINES lines (LINE weights each) of the program's weight rows, without waiting
-    for them: the first loads after `pdl.wait_for_inputs` then hit L2. Only weights may be read before the
-    wait; nothing in the step writes them."""
+    for them (`prefetch_span`). Only weights may be read before `pdl.wait_for_inputs`: nothing in the step
+    writes them."""
     starts = tl.arange(0, LINES) * LINE
     ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + starts[None, :]
     ptrs = tl.where(col_mask[:, None] & (starts < K)[None, :], ptrs, w_ptr)
@@ -166,11 +166,19 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def prefetch_span(config: TileConfig, weight_bytes: int) -> dict[str, int]:
-    """The kernels' PREFETCH_LINES and LINE: what a program asks L2 for before its PDL wait, the 128-byte
-    lines of its first pass over K (`unroll` slices), LINE weights each."""
+# What a program asks L2 for before its PDL wait. The kernel before a linear layer is a short one (a norm,
+# the attention's merge, SiLU) during which the device's memory would idle: the programs already resident
+# fetch up to this much of their weights meanwhile (32 KB: four rows of bf16 or eight of 1-byte weights
+# over K = 4,096, about 17 MB over an H100's first wave of programs, a third of its L2).
+PDL_PREFETCH_BYTES = 32 * 1024
+
+
+def prefetch_span(config: TileConfig, weight_bytes: int, k: int) -> dict[str, int]:
+    """The kernels' LINE (weights in a 128-byte line) and PREFETCH_LINES (lines of each weight row asked
+    of L2 before the PDL wait: all K, up to PDL_PREFETCH_BYTES a program)."""
     line = 128 // weight_bytes
-    return {"PREFETCH_LINES": triton.next_power_of_2(triton.cdiv(config.block_k * config.unroll, line)), "LINE": line}
+    budget = max(1, PDL_PREFETCH_BYTES // (128 * config.block_n))
+    return {"PREFETCH_LINES": min(triton.next_power_of_2(triton.cdiv(k, line)), budget), "LINE": line}
 
 
 def linear(
@@ -190,7 +198,7 @@ def linear(
     bias_arg = bias if bias is not None else out
     common = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK_N=config.block_n,
                   BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-                  **prefetch_span(config, weight.element_size()), **pdl.launch_options(x))
+                  **prefetch_span(config, weight.element_size(), k), **pdl.launch_options(x))
     if m == 1:
         gemv_kernel[grid](x, weight, scale_arg, bias_arg, out, n, k, weight.stride(0), UNROLL=config.unroll,
                           VECTOR=config.vector, **common)

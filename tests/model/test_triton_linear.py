@@ -96,7 +96,7 @@ _AOT = textwrap.dedent("""
                     "out_ptr": "*" + act}
             for use_pdl in (False, True):
                 consts = dict(HAS_SCALE=kind != "16-bit", HAS_BIAS=True, BLOCK_N=config.block_n,
-                              BLOCK_K=config.block_k, PDL=use_pdl, **prefetch_span(config, 2 if act == weight else 1))
+                              BLOCK_K=config.block_k, PDL=use_pdl, **prefetch_span(config, 2 if act == weight else 1, 4096))
                 if one_row:
                     consts.update(UNROLL=config.unroll, VECTOR=config.vector)
                 sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
