@@ -111,6 +111,11 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"stop_token_ids must be below the vocabulary size {self.vocab_size}.", param="stop_token_ids"
             )
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias names token {max(params.logit_bias)}; token ids must be below the vocabulary size "
+                f"{self.vocab_size}.", param="logit_bias",
+            )
         params = validate_structured_outputs(params)
         max_tokens = self.max_tokens(len(token_ids), params)
         if max_tokens != params.max_tokens:

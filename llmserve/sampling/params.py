@@ -56,6 +56,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top logprobs per prompt token (0: only the prompt token's own)
     # Keep only the prompt's last k tokens (-1: as many as the context window holds); None: all of it.
     truncate_prompt_tokens: int | None = None
+    # Added to the logits of these token ids before penalties and temperature (OpenAI's logit_bias: -100
+    # bans a token in practice, 100 all but forces it); logprobs stay those of the model's own logits.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +67,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = self.logit_bias or None
         self.validate()
 
     @property
@@ -111,3 +115,8 @@ class SamplingParams:
             raise bad("seed", "seed must be an integer.")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "stop_token_ids must be non-negative token ids.")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise bad("logit_bias", f"logit_bias keys must be non-negative token ids, got {token!r}.")
+            if not -100.0 <= bias <= 100.0:
+                raise bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {token}.")

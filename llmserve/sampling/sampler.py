@@ -271,6 +271,16 @@ def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int,
     return meta
 
 
+def _build_bias(rows: Sequence[SamplingRow], vocab_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(flat indices, values) of every row's logit_bias, on the CPU; (None, None) when no row has one."""
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return None, None
+    index = _flat_token_index([(i, list(bias)) for i, bias in biased], vocab_size)
+    values = [value for _, bias in biased for token, value in bias.items() if token < vocab_size]
+    return index, torch.tensor(values, dtype=torch.float32)
+
+
 def _nucleus_only(ks: list[int], ps: list[float]) -> bool:
     """Whether some row uses top-p without top-k."""
     return any(k == 0 and p < 1.0 for k, p in zip(ks, ps, strict=True))
@@ -326,6 +336,8 @@ class SamplingMetadata:
     greedy_rows: torch.Tensor | None  # [G] int64 batch positions of greedy rows, only in mixed batches
     random: _RandomMetadata | None  # None when every row is greedy
     banned_index: torch.Tensor | None  # flat (row * vocab + token) indices forced to -inf
+    bias_index: torch.Tensor | None  # flat indices of the rows' logit_bias entries (distinct)
+    bias: torch.Tensor | None  # [len(bias_index)] float32, added there
     penalties: _PenaltyMetadata | None
     max_num_logprobs: int | None  # K for top logprobs; None when no row asked for logprobs
     # Grammar-constrained rows (structured output): their batch positions and packed allowed-token
@@ -346,12 +358,15 @@ class SamplingMetadata:
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
         banned = [(i, r.banned_token_ids) for i, r in enumerate(rows) if len(r.banned_token_ids)]
+        bias_index, bias = _build_bias(rows, vocab_size)
         return cls(
             batch_size=len(rows),
             vocab_size=vocab_size,
             greedy_rows=to_device(torch.tensor(greedy, dtype=torch.int64), device) if greedy and random else None,
             random=_build_random(rows, random, len(rows), vocab_size, device) if random else None,
             banned_index=to_device(_flat_token_index(banned, vocab_size), device) if banned else None,
+            bias_index=None if bias_index is None else to_device(bias_index, device),
+            bias=None if bias is None else to_device(bias, device),
             penalties=_build_penalties(rows, vocab_size, device),
             max_num_logprobs=_max_logprobs(rows),
             mask_rows=None if mask_rows is None else to_device(torch.from_numpy(mask_rows), device),
@@ -474,7 +489,7 @@ class Sampler:
         return self._with_logprobs(raw, token_ids, metadata)
 
     def processed_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """The logits after banned tokens and penalties (before temperature), as a fresh tensor."""
+        """The logits after grammar masks, banned tokens, biases and penalties (before temperature), fresh."""
         raw = logits.float() if logits.dtype != torch.float32 else logits
         return self._processed(raw, metadata).clone()
 
@@ -485,9 +500,9 @@ class Sampler:
         return self._ws.get(name, shape, dtype, like.device)
 
     def _processed(self, raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Grammar masks, banned tokens and penalties applied to a private copy; `raw` itself is never
-        modified."""
-        if md.banned_index is None and md.penalties is None and md.token_bitmask is None:
+        """Grammar masks, banned tokens, logit biases and penalties applied, in that order, to a private
+        copy; `raw` itself is never modified."""
+        if md.banned_index is None and md.bias_index is None and md.penalties is None and md.token_bitmask is None:
             return raw
         work = self._buffer("work", tuple(raw.shape), raw).copy_(raw)
         if md.token_bitmask is not None and md.mask_rows is not None:
@@ -495,6 +510,8 @@ class Sampler:
         flat = work.view(-1)
         if md.banned_index is not None:
             flat.index_fill_(0, md.banned_index, -math.inf)
+        if md.bias_index is not None and md.bias is not None:
+            flat.index_add_(0, md.bias_index, md.bias)  # a banned token stays at -inf
         if md.penalties is not None:
             _apply_penalties_(flat, md.penalties)
         return work

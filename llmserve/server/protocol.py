@@ -263,8 +263,7 @@ class SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
-    # OpenAI parameters this server does not implement (a 400 names them when they are used)
-    logit_bias: dict[str, StrictFloat] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None  # token id (as a string, as OpenAI's) -> bias
 
     @field_validator("stop")
     @classmethod
@@ -297,8 +296,6 @@ class SamplingFields(_Request):
 
     def common_unsupported(self) -> list[tuple[str, str]]:
         found = []
-        if self.logit_bias:
-            found.append(("logit_bias", "logit_bias is not supported."))
         if self.truncate_prompt_tokens == 0:
             found.append(("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 or at least 1."))
         if self.stream_options is not None and not self.stream:

@@ -45,11 +45,24 @@ def to_sampling_params(
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured_outputs(body),
+            logit_bias=_logit_bias(body.logit_bias),
         )
     except InvalidRequestError as exc:
         if exc.param == "max_tokens":
             exc.param = max_tokens_param
         raise
+
+
+def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, keyed by token ids written as strings, keyed by ints."""
+    if not given:
+        return None
+    bias = {}
+    for key, value in given.items():
+        if not key.isascii() or not key.isdigit():
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias")
+        bias[int(key)] = value
+    return bias
 
 
 def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:

@@ -130,6 +130,31 @@ def test_penalties_follow_the_formulas_exactly() -> None:
     assert torch.equal(logits[0], logits[1]), "the caller's logits must not be modified"
 
 
+def test_logit_bias_is_added_per_row_after_bans_and_before_penalties() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]])
+    rows = [
+        make_row(SamplingParams(temperature=0.0, logit_bias={1: 5.0, 3: -100.0})),
+        make_row(SamplingParams(temperature=0.0, logit_bias={2: 100.0, 9: 1.0}), banned=[2]),  # 9: past the vocab
+        make_row(SamplingParams(temperature=0.0, logit_bias={0: 1.5}, presence_penalty=0.5), output=[0]),
+    ]
+    metadata = SamplingMetadata.build(rows, 4)
+    expected = torch.tensor([
+        [2.0, -1.0 + 5.0, 0.5, 3.0 - 100.0],
+        [2.0, -1.0, -math.inf, 3.0],  # a banned token stays banned whatever its bias
+        [2.0 + 1.5 - 0.5, -1.0, 0.5, 3.0],
+    ])
+    assert torch.equal(Sampler().processed_logits(logits, metadata), expected)
+    out = run(logits[:1], [make_row(SamplingParams(temperature=0.0, logprobs=0, logit_bias={1: 5.0}))])
+    assert out.token_ids.tolist() == [1]
+    assert out.logprobs.tolist() == pytest.approx([torch.log_softmax(logits[0], 0)[1].item()])  # the model's own
+
+
+def test_logit_bias_of_minus_100_leaves_a_token_undrawn() -> None:
+    logits = torch.zeros(1, 5)
+    rows = [make_row(SamplingParams(temperature=1.0, logit_bias={0: -100.0, 4: -100.0}), seed=i) for i in range(2000)]
+    assert set(run(logits.expand(2000, -1).contiguous(), rows).token_ids.tolist()) == {1, 2, 3}
+
+
 def test_penalties_change_the_greedy_choice() -> None:
     logits = torch.tensor([[3.0, 2.9, 0.0]] * 3)
     rows = [

@@ -297,6 +297,18 @@ def test_chat_vllm_sampling_extras_are_accepted(client):
     assert out.usage.completion_tokens >= 4 and out.choices[0].finish_reason in ("stop", "length")
 
 
+def test_logit_bias_reaches_the_sampler_in_chat_and_completions(server, client):
+    tokenizer = server.engine.tokenizer
+    token = tokenizer.encode(" fox", add_special_tokens=False)[0]
+    forced = tokenizer.decode([token] * 4)
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                    logit_bias={str(token): 100}, extra_body=NO_EOS)
+    assert out.choices[0].text == forced
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, temperature=0.7, seed=1,
+                                          logit_bias={str(token): 100}, extra_body=NO_EOS)
+    assert chat.choices[0].message.content == forced
+
+
 # ---- completions ----------------------------------------------------------------------------------
 
 
@@ -529,7 +541,11 @@ BAD_REQUESTS = [
         "response_format",
         "invalid_value",
     ),
-    (CHAT, _chat(logit_bias={"5": 10}), 400, "invalid_request_error", "logit_bias", "unsupported_parameter"),
+    (CHAT, _chat(logit_bias={"fox": 10}), 400, "invalid_request_error", "logit_bias", None),
+    (CHAT, _chat(logit_bias={"5": 101}), 400, "invalid_request_error", "logit_bias", None),
+    (CHAT, _chat(logit_bias={"5": "high"}), 400, "invalid_request_error", "logit_bias.5", "invalid_value"),
+    (COMPLETIONS, _completion(logit_bias={"-1": 10}), 400, "invalid_request_error", "logit_bias", None),
+    (COMPLETIONS, _completion(logit_bias={"1000000": 10}), 400, "invalid_request_error", "logit_bias", None),
     (
         CHAT,
         _chat(stream_options={"include_usage": True}),
