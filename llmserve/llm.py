@@ -67,11 +67,17 @@ class LLM:
         messages: Seq[Message] | Seq[Seq[Message]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
+        """Generate replies to conversations; `continue_final_message` (with `add_generation_prompt`
+        False) has the model go on with each conversation's final message instead."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         prompts = [
-            tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt, tokenize=True)
+            tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt, tokenize=True,
+                                          continue_final_message=continue_final_message)
             for c in conversations
         ]
         return self.generate(prompts, sampling_params)

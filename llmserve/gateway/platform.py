@@ -407,7 +407,8 @@ def _usage_asked(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool,
 def _tokenize_body(model: str, payload: dict[str, Any]) -> dict[str, Any]:
     """A chat prompt as the replica renders it: the tools' schemas and the template's variables too."""
     body = {"model": model, "messages": payload["messages"],
-            "add_generation_prompt": payload.get("add_generation_prompt", True)}
+            "add_generation_prompt": payload.get("add_generation_prompt", True),
+            "continue_final_message": payload.get("continue_final_message", False)}
     for name in ("tools", "chat_template_kwargs"):
         if payload.get(name):
             body[name] = payload[name]

@@ -149,7 +149,8 @@ async def _chat_prompt(
 
     def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         text = endpoint.engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tools=tools, **template_variables
+            messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
+            continue_final_message=body.continue_final_message, **template_variables,
         )
         return text, endpoint.continuations.encode(text, body.cache_salt)
 

@@ -382,6 +382,13 @@ class ChatMessage(_Request):
         return "".join(part["text"] for part in self.content)
 
 
+def continuation_conflicts(continue_final_message: bool, add_generation_prompt: bool) -> list[tuple[str, str]]:
+    if continue_final_message and add_generation_prompt:
+        return [("continue_final_message", "continue_final_message needs add_generation_prompt set to false: the "
+                 "model continues the final message instead of starting a new one.")]
+    return []
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -389,6 +396,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    # vLLM's: the model continues the final message (an assistant reply begun by the caller)
+    continue_final_message: StrictBool = False
     # llmserve's extras: continue a stored conversation (its history is sent before `messages`), from
     # its latest message or, to branch (regenerate or edit a turn), from `parent_message_id`.
     conversation_id: str | None = Field(None, min_length=1)
@@ -428,6 +437,9 @@ class ChatCompletionRequest(SamplingFields):
                 found.append((name, f"{name} is not supported."))
         if self.top_logprobs and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs requires logprobs to be true."))
+        found += continuation_conflicts(self.continue_final_message, self.add_generation_prompt)
+        if self.continue_final_message and self.conversation_id is not None:
+            found.append(("continue_final_message", "continue_final_message cannot be used with conversation_id."))
         if self.prompt_logprobs is not None and self.stream:
             found.append(("prompt_logprobs", "prompt_logprobs is not supported when streaming a chat completion "
                           "(it is on /v1/completions)."))
@@ -659,6 +671,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     # As a chat request's: the tools' schemas and the template's variables are part of its prompt.
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     chat_template_kwargs: dict[str, Any] | None = None

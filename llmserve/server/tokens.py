@@ -6,10 +6,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmserve.errors import InvalidRequestError
+from llmserve.server import errors
 from llmserve.server.gateway import request_key
 from llmserve.server.messages import template_messages
 from llmserve.server.openapi import documented
-from llmserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from llmserve.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    continuation_conflicts,
+)
 from llmserve.server.state import ModelEndpoint, get_state
 
 router = APIRouter()
@@ -23,6 +30,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     endpoint = state.endpoint(body.model, request_key(request.state))
     if body.messages is None and body.prompt is None:
         raise InvalidRequestError("Give either 'prompt' or 'messages'.", param="prompt")
+    errors.reject_unsupported(continuation_conflicts(body.continue_final_message, body.add_generation_prompt))
     return await state.workers.run(_tokenize, endpoint, body)
 
 
@@ -43,7 +51,7 @@ def _tokenize(endpoint: ModelEndpoint, body: TokenizeRequest) -> Response:
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         ids = tokenizer.apply_chat_template(
             template_messages(body.messages), add_generation_prompt=body.add_generation_prompt, tools=tools,
-            tokenize=True, **(body.chat_template_kwargs or {}),
+            tokenize=True, continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}),
         )
     else:
         assert body.prompt is not None

@@ -167,6 +167,25 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return normalized
 
 
+def _open_final_message(text: str, final: Mapping[str, Any]) -> str:
+    """The rendered chat cut just after the final message's text (its last occurrence; as stripped of
+    surrounding whitespace when the template strips it): what the template adds after a message, an
+    end-of-turn token, is gone."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequestError(
+            "continue_final_message needs a final message with text to continue", param="messages"
+        )
+    for piece in (content, content.strip()):
+        end = text.rfind(piece)
+        if end >= 0:
+            return text[: end + len(piece)]
+    raise InvalidRequestError(
+        "continue_final_message: the chat template does not render the final message's text as given, so "
+        "it cannot be continued", param="messages",
+    )
+
+
 def render_chat_template(template: str, context: dict[str, Any]) -> str:
     """Render `template` with `context`; any template failure becomes an InvalidRequestError."""
     try:
@@ -452,6 +471,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> str | list[int]:
         """Render the chat template; with `tokenize`, return the token ids (no special tokens re-added).
@@ -459,6 +479,8 @@ class Tokenizer:
         `tools` are OpenAI tool dicts ({"type": "function", "function": {...}}), given to the template as
         `tools`; `extra` are further template variables (a request's `chat_template_kwargs`, such as
         Qwen3's `enable_thinking`). Messages may hold assistant `tool_calls` and `role: "tool"` results.
+        `continue_final_message` (vLLM's) ends the text right after the final message's own text, so the
+        model goes on with that message (an assistant reply begun by the caller) instead of a new one.
         """
         if self._chat_template is None:
             raise InvalidRequestError(
@@ -472,4 +494,6 @@ class Tokenizer:
         context["messages"] = normalize_messages(messages)
         context["add_generation_prompt"] = add_generation_prompt
         text = render_chat_template(self._chat_template, context)
+        if continue_final_message:
+            text = _open_final_message(text, context["messages"][-1] if context["messages"] else {})
         return self.encode(text, add_special_tokens=False) if tokenize else text

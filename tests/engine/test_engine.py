@@ -213,6 +213,13 @@ def test_chat_applies_the_template(llm):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert out.prompt_token_ids == llm.get_tokenizer().apply_chat_template(messages, tokenize=True)
+    begun = [*messages, {"role": "assistant", "content": "Hello there"}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    continued = llm.chat(begun, params, add_generation_prompt=False, continue_final_message=True)[0]
+    text = llm.get_tokenizer().decode(continued.prompt_token_ids, skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\nHello there")
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat(begun, params, continue_final_message=True)
     _assert_pool_empty(llm)
 
 

@@ -297,6 +297,20 @@ def test_chat_vllm_sampling_extras_are_accepted(client):
     assert out.usage.completion_tokens >= 4 and out.choices[0].finish_reason in ("stop", "length")
 
 
+def test_continue_final_message_goes_on_with_the_assistants_text(server, client, http):
+    begun = [*MESSAGES, {"role": "assistant", "content": "Once upon a time, a fox"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    prompt = server.engine.tokenizer.apply_chat_template(begun, add_generation_prompt=False,
+                                                         continue_final_message=True, tokenize=True)
+    assert http.post("/tokenize", json={"messages": begun, **extra}).json()["tokens"] == prompt
+    assert http.post("/tokenize", json={"messages": begun, "continue_final_message": True}).status_code == 400
+    out = client.chat.completions.create(model=MODEL_NAME, messages=begun, max_tokens=5, temperature=0,
+                                         extra_body={**extra, **NO_EOS})
+    assert out.usage.prompt_tokens == len(prompt)
+    same = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0, extra_body=NO_EOS)
+    assert out.choices[0].message.content == same.choices[0].text  # the continuation alone, as vLLM's
+
+
 def test_logit_bias_reaches_the_sampler_in_chat_and_completions(server, client):
     tokenizer = server.engine.tokenizer
     token = tokenizer.encode(" fox", add_special_tokens=False)[0]
@@ -542,6 +556,11 @@ BAD_REQUESTS = [
         "invalid_value",
     ),
     (CHAT, _chat(logit_bias={"fox": 10}), 400, "invalid_request_error", "logit_bias", None),
+    (CHAT, _chat(continue_final_message=True), 400, "invalid_request_error", "continue_final_message",
+     "unsupported_parameter"),
+    (CHAT, _chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}],
+                 continue_final_message=True, add_generation_prompt=False), 400, "invalid_request_error", "messages",
+     None),
     (CHAT, _chat(logit_bias={"5": 101}), 400, "invalid_request_error", "logit_bias", None),
     (CHAT, _chat(logit_bias={"5": "high"}), 400, "invalid_request_error", "logit_bias.5", "invalid_value"),
     (COMPLETIONS, _completion(logit_bias={"-1": 10}), 400, "invalid_request_error", "logit_bias", None),

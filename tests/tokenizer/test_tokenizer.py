@@ -171,6 +171,23 @@ def test_chat_template_exact_text(tok: Tokenizer) -> None:
     )
 
 
+@pytest.mark.parametrize("final", ["Sure, the answer is", "  spaced out  ", "多语言 🙂"])
+def test_continue_final_message_matches_transformers(tok: Tokenizer, hf_tok: Any, final: str) -> None:
+    messages = [{"role": "user", "content": "U"}, {"role": "assistant", "content": final}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text == hf_tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                              tokenize=False)
+    assert text.endswith(final) and "<|im_end|>" not in text[text.rindex("assistant"):]
+
+
+def test_continue_final_message_needs_text_to_continue(tok: Tokenizer) -> None:
+    for content in ("", "   "):
+        with pytest.raises(InvalidRequestError, match="needs a final message with text") as info:
+            tok.apply_chat_template([{"role": "user", "content": "U"}, {"role": "assistant", "content": content}],
+                                    add_generation_prompt=False, continue_final_message=True)
+        assert info.value.param == "messages"
+
+
 def test_content_parts_are_joined(tok: Tokenizer) -> None:
     parts = [
         {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}
