@@ -48,8 +48,10 @@ def _device_supports(index: int) -> bool:
 def launch_options(t: torch.Tensor) -> dict[str, bool]:
     """Keyword arguments for a launch of one of the kernels here on t's device: the kernels' `PDL`
     constexpr and, where it is on, Triton's `launch_pdl`."""
-    if enabled and t.is_cuda and _device_supports(torch.cuda.current_device() if t.device.index is None else t.device.index):
-        return {"PDL": True, "launch_pdl": True}
+    if enabled and t.is_cuda:
+        index = torch.cuda.current_device() if t.device.index is None else t.device.index
+        if _device_supports(index):
+            return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 
 

@@ -31,7 +31,9 @@ def _first_max(values, index, valid, past_end):
 
 
 @triton.jit
-def chunk_max_kernel(logits_ptr, values_ptr, index_ptr, vocab_size, stride_row, num_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def chunk_max_kernel(
+    logits_ptr, values_ptr, index_ptr, vocab_size, stride_row, num_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr,
+):
     pdl.wait_for_inputs(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     index = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -43,7 +45,9 @@ def chunk_max_kernel(logits_ptr, values_ptr, index_ptr, vocab_size, stride_row, 
 
 
 @triton.jit
-def row_argmax_kernel(values_ptr, index_ptr, out_ptr, num_chunks, vocab_size, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def row_argmax_kernel(
+    values_ptr, index_ptr, out_ptr, num_chunks, vocab_size, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
     pdl.wait_for_inputs(PDL)
     row = tl.program_id(0)
     chunks = tl.arange(0, BLOCK)

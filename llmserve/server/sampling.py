@@ -54,7 +54,7 @@ def to_sampling_params(
 
 
 def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias, keyed by token ids written as strings, keyed by ints."""
+    """OpenAI's logit_bias (its keys are token ids written as strings) with int keys."""
     if not given:
         return None
     bias = {}
