@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -30,6 +30,8 @@ from pydantic import (
 )
 
 MAX_LOGPROBS = 20
+# Integers the engine receives must fit 64 bits (its messages are MessagePack), as vLLM bounds its own.
+Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_MESSAGES = 2048
 MAX_N = 128
@@ -231,7 +233,7 @@ class SamplingFields(_Request):
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     stop: Any = None
-    seed: StrictInt | None = None
+    seed: Int64 | None = None
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
     stream: StrictBool = False
@@ -242,19 +244,19 @@ class SamplingFields(_Request):
     store: StrictBool | None = None
     service_tier: str | None = None
     # vLLM's extras
-    top_k: StrictInt | None = None
+    top_k: Int64 | None = None
     min_p: StrictFloat | None = None
     repetition_penalty: StrictFloat | None = None
-    min_tokens: StrictInt = Field(0, ge=0)
+    min_tokens: Int64 = Field(0, ge=0)
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
-    priority: StrictInt = 0
+    priority: Int64 = 0
     echo: StrictBool = False
     cache_salt: str | None = Field(None, min_length=1)  # keeps this request's prefix cache private
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's, per prompt token
-    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)  # keep the prompt's last k tokens
+    truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)  # keep the prompt's last k tokens
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -391,8 +393,8 @@ def continuation_conflicts(continue_final_message: bool, add_generation_prompt: 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: Int64 | None = Field(None, ge=1)
+    max_completion_tokens: Int64 | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
@@ -579,7 +581,7 @@ def _check_prompt(value: Any) -> Any:
 
 class CompletionRequest(SamplingFields):
     prompt: Any
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    max_tokens: Int64 | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI parameters this server does not implement
     suffix: str | None = None
@@ -756,11 +758,11 @@ class EmbeddingRequest(_Request):
     model: str | None = None
     input: Any
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = Field(None, ge=1)
+    dimensions: Int64 | None = Field(None, ge=1)
     user: str | None = None
     # vLLM's extras
-    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
-    priority: StrictInt = 0
+    truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)
+    priority: Int64 = 0
 
     @field_validator("input")
     @classmethod

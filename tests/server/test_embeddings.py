@@ -152,6 +152,7 @@ def test_token_id_inputs(server: LiveServer, texts: list[str], reference: np.nda
         ({"input": [[1, 2], "mixed"]}, "input"),
         ({"input": [999_999]}, "input"),
         ({"input": "word", "best_of": 2}, "best_of"),
+        ({"input": "word", "priority": 2**64}, "priority"),  # past 64 bits: it could not reach the engine
     ],
 )
 def test_bad_requests_are_400_naming_the_param(server: LiveServer, body: dict, param: str) -> None:

@@ -556,6 +556,13 @@ BAD_REQUESTS = [
         "invalid_value",
     ),
     (CHAT, _chat(logit_bias={"fox": 10}), 400, "invalid_request_error", "logit_bias", None),
+    # integers past 64 bits could not reach the engine (its messages are MessagePack): 400s, never 500s
+    (CHAT, _chat(seed=2**64), 400, "invalid_request_error", "seed", "invalid_value"),
+    (COMPLETIONS, _completion(seed=-(2**63) - 1), 400, "invalid_request_error", "seed", "invalid_value"),
+    (COMPLETIONS, _completion(top_k=2**70), 400, "invalid_request_error", "top_k", "invalid_value"),
+    (CHAT, _chat(priority=2**70), 400, "invalid_request_error", "priority", "invalid_value"),
+    (COMPLETIONS, _completion(truncate_prompt_tokens=2**70), 400, "invalid_request_error", "truncate_prompt_tokens",
+     "invalid_value"),
     (CHAT, _chat(continue_final_message=True), 400, "invalid_request_error", "continue_final_message",
      "unsupported_parameter"),
     (CHAT, _chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}],
