@@ -143,6 +143,14 @@ def rotary_kernel(
 
 
 @triton.jit
+def silu_times(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in `dtype`, from float32 gate and up, rounded where the torch code stores (also the
+    epilogue of `triton_linear`'s fused gate/up projection, which must give the same bits)."""
+    activated = _rounded(gate / (1.0 + tl.exp(-gate)), dtype)
+    return (activated * up).to(dtype)
+
+
+@triton.jit
 def silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_gate_up, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (token, column block): out = silu(gate) * up, gate and up the two halves of a row."""
     pdl.wait_for_inputs(PDL)
@@ -153,8 +161,7 @@ def silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_gate_up, n_cols, BLOCK: tl.
     row = gate_up_ptr + token * stride_gate_up
     gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    activated = _rounded(gate / (1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + token * n_cols + cols, (activated * up).to(dtype), mask=mask)
+    tl.store(out_ptr + token * n_cols + cols, silu_times(gate, up, dtype), mask=mask)
 
 
 # ---- torch-facing wrappers ----------------------------------------------------------------------

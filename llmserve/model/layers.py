@@ -139,6 +139,19 @@ class Linear(nn.Module):
             return self.quant_method.apply(self, x)
         return linear(x, self.weight, self.bias)
 
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of x through this fused gate/up projection. One row on a GPU runs it in the
+        projection's own launch (`triton_linear`), saving a launch a layer; otherwise the projection, then
+        `silu_and_mul`. The bits are the same either way."""
+        x2 = x.reshape(-1, x.shape[-1])
+        quantized = self.quant_method is not None
+        scale = self.quant_method.triton_scale(self) if quantized else None
+        if x2.shape[0] == 1 and (scale is not None or not quantized):
+            kernels = triton_linear_for(x2, self.weight, quantized)
+            if kernels is not None:
+                return kernels.linear(x2, self.weight, scale, self.bias, swiglu=True).reshape(*x.shape[:-1], -1)
+        return silu_and_mul(self(x))
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from llmserve.errors import ModelLoadError
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
 from llmserve.model.config import ModelConfig
-from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, linear, silu_and_mul
+from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, linear
 
 
 class Attention(nn.Module):
@@ -55,7 +55,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, cfg.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.swiglu(x))
 
 
 class DecoderLayer(nn.Module):

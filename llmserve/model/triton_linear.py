@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from llmserve import pdl
+from llmserve.model import fused_kernels
 
 MAX_ROWS = 16  # past this the layers are compute-heavy enough for the library GEMMs
 
@@ -75,12 +76,20 @@ def _prefetch_to_l2(w_ptr, cols, col_mask, stride_wn, K, LINES: tl.constexpr, LI
 def gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_wn,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UNROLL: tl.constexpr, VECTOR: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-    LINE: tl.constexpr,
+    UNROLL: tl.constexpr, VECTOR: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
-    """One row of x (contiguous) against BLOCK_N weight rows; out is one contiguous row."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
+    """One row of x (contiguous) against BLOCK_N weight rows; out is one contiguous row. With SWIGLU the
+    weight is a fused gate/up projection (N rows: the gate's, then the up's) and out is silu(gate) * up,
+    N / 2 wide: a program takes the same BLOCK_N / 2 rows of each half and pairs them at the end (two blocks
+    of rows compile to the K loop of one; interleaved rows cost it instructions and loads in flight)."""
+    if SWIGLU:
+        pairs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+        cols = pairs + (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * (N // 2)  # gate rows, then up rows
+        col_mask = pairs < N // 2
+    else:
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
     if PDL:
         _prefetch_to_l2(w_ptr, cols, col_mask, stride_wn, K, PREFETCH_LINES, LINE)
         pdl.wait_for_inputs(PDL)
@@ -99,7 +108,13 @@ def gemv_kernel(
         out = out * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+    dtype = out_ptr.dtype.element_ty
+    if SWIGLU:  # gate and up rounded as the projection would store them, then SiLU-and-multiply's own steps
+        gate, up = tl.split(tl.trans(tl.reshape(out.to(dtype).to(tl.float32), [2, BLOCK_N // 2])))
+        outs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + outs, fused_kernels.silu_times(gate, up, dtype), mask=outs < N // 2)
+    else:
+        tl.store(out_ptr + cols, out.to(dtype), mask=col_mask)
 
 
 @triton.jit
@@ -183,16 +198,21 @@ def prefetch_span(config: TileConfig, weight_bytes: int, k: int) -> dict[str, in
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-    config: TileConfig | None = None,
+    config: TileConfig | None = None, swiglu: bool = False,
 ) -> torch.Tensor:
     """x [M, K] times `weight` [N, K] (x's dtype, int8 or float8_e4m3fn), times the float32 per-row
-    `scale` [N] when given, plus `bias` [N]; x's dtype out. `config` overrides the tiles (benchmarks)."""
+    `scale` [N] when given, plus `bias` [N]; x's dtype out. `config` overrides the tiles (benchmarks).
+    `swiglu` (one row of x only): `weight` is a fused gate/up projection and the result is
+    silu(gate) * up [1, N / 2], in the same launch."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
     config = config or config_for(weight, m)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if swiglu and (m != 1 or n % 2 or config.block_n % 2):
+        raise ValueError(f"swiglu takes one row of x, an even number of weight rows and even tiles, got {m}, {n}, "
+                         f"{config.block_n}")
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, config.block_n),)
     scale_arg = scale if scale is not None else out
     bias_arg = bias if bias is not None else out
@@ -201,7 +221,7 @@ def linear(
                   **prefetch_span(config, weight.element_size(), k), **pdl.launch_options(x))
     if m == 1:
         gemv_kernel[grid](x, weight, scale_arg, bias_arg, out, n, k, weight.stride(0), UNROLL=config.unroll,
-                          VECTOR=config.vector, **common)
+                          VECTOR=config.vector, SWIGLU=swiglu, **common)
     else:
         small_m_kernel[grid](x, weight, scale_arg, bias_arg, out, m, n, k, x.stride(0), weight.stride(0),
                              out.stride(0), **common)

@@ -71,6 +71,49 @@ def test_every_tile_shape_computes_the_same_product(kind, config):
                                    atol=(1e-2 if CUDA else 1e-5) * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("kind", ["full", "int8", "fp8"])
+@pytest.mark.parametrize("config", [None, TileConfig(2, 128, 4), TileConfig(16, 64, 4, 1, 2, 8)])
+def test_swiglu_gives_the_bits_of_the_projection_then_silu_and_mul(kind, config):
+    """The fused gate/up projection's epilogue (one row) against the projection stored, then the SiLU kernel:
+    the same bits, with half-widths that the tiles do not divide."""
+    from llmserve.model import fused_kernels
+
+    gen = torch.Generator().manual_seed(len(kind) + (config.block_n if config else 0))
+    w, scale, _ = _weights(kind, 2 * 37, 96, gen)
+    x = torch.randn(1, 96, generator=gen).to(DEVICE, DTYPE)
+    w, scale = w.to(DEVICE), None if scale is None else scale.to(DEVICE)
+    for bias in (None, torch.randn(2 * 37, generator=gen).to(DEVICE, DTYPE)):
+        fused = linear(x, w, scale, bias, config, swiglu=True)
+        assert fused.shape == (1, 37)
+        assert torch.equal(fused, fused_kernels.silu_and_mul(linear(x, w, scale, bias, config)))
+    with pytest.raises(ValueError, match="one row of x"):
+        linear(x.expand(2, -1), w, scale, None, config, swiglu=True)
+
+
+def test_a_gate_up_layer_fuses_silu_into_its_one_row_launch(monkeypatch):
+    """Linear.swiglu: one row takes triton_linear's fused launch (the bits of the projection, then the SiLU
+    kernel), two rows the projection, then silu_and_mul."""
+    from torch import nn
+
+    from llmserve.model import fused_kernels, triton_linear
+
+    gen = torch.Generator().manual_seed(11)
+    layer = layers.Linear(96, 74, True, DTYPE)
+    layer.weight = nn.Parameter((torch.randn(74, 96, generator=gen) * 0.05).to(DEVICE, DTYPE), requires_grad=False)
+    layer.bias = nn.Parameter(torch.randn(74, generator=gen).to(DEVICE, DTYPE), requires_grad=False)
+    launches = []
+    original = triton_linear.linear
+    monkeypatch.setattr(triton_linear, "linear", lambda *a, **k: launches.append(k.get("swiglu")) or original(*a, **k))
+    monkeypatch.setattr(layers, "triton_linear_for", lambda x, w, quantized: triton_linear)  # CPU tensors too
+    x = torch.randn(2, 96, generator=gen).to(DEVICE, DTYPE)
+    one = layer.swiglu(x[:1])
+    assert launches == [True] and one.shape == (1, 37)
+    assert torch.equal(one, fused_kernels.silu_and_mul(original(x[:1], layer.weight, None, layer.bias)))
+    two = layer.swiglu(x)
+    assert True not in launches[1:] and two.shape == (2, 37)
+    assert torch.equal(two, layers.silu_and_mul(layer(x)))
+
+
 def test_a_strided_row_is_read_as_contiguous():
     gen = torch.Generator().manual_seed(3)
     w, _, matrix = _weights("full", 64, 96, gen)
@@ -98,7 +141,7 @@ _AOT = textwrap.dedent("""
                 consts = dict(HAS_SCALE=kind != "16-bit", HAS_BIAS=True, BLOCK_N=config.block_n,
                               BLOCK_K=config.block_k, PDL=use_pdl, **prefetch_span(config, 2 if act == weight else 1, 4096))
                 if one_row:
-                    consts.update(UNROLL=config.unroll, VECTOR=config.vector)
+                    consts.update(UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=use_pdl)  # both ways
                 sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
                 attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
                 ptx = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),

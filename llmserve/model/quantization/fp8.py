@@ -66,12 +66,17 @@ class Fp8LinearMethod:
                 "fp8 matmul needs a CUDA GPU of compute capability 8.9 or newer", weight.device, dtype,
             )
 
+    def triton_scale(self, layer: nn.Module) -> torch.Tensor | None:
+        """The row scales `triton_linear` takes for this layer; None where the layer never runs there."""
+        return layer.kernel_scale.view(-1) if layer.use_scaled_mm else None
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        kernels = triton_linear_for(x2, layer.weight, quantized=True) if layer.use_scaled_mm else None
+        scale = self.triton_scale(layer)
+        kernels = triton_linear_for(x2, layer.weight, quantized=True) if scale is not None else None
         if kernels is not None:
-            out = kernels.linear(x2, layer.weight, layer.kernel_scale.view(-1), layer.bias)
+            out = kernels.linear(x2, layer.weight, scale, layer.bias)
         elif layer.use_scaled_mm:
             out = _scaled_mm(x2, layer.weight, layer.kernel_scale, layer.bias)
         else:

@@ -52,15 +52,20 @@ class Int8LinearMethod:
         if layer.triton_int8 is not None:
             layer.kernel_scale = layer.weight_scale.detach().float()  # applied to the float32 accumulator
 
+    def triton_scale(self, layer: nn.Module) -> torch.Tensor | None:
+        """The row scales `triton_linear` takes for this layer; None where the layer never runs there."""
+        return layer.kernel_scale if layer.triton_int8 is not None else None
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if cpu_linear.int8_kernel_fits(x2, layer.weight):
             out = cpu_linear.int8_linear(x2, layer.weight, layer.weight_scale, layer.bias)
             return out.reshape(*shape[:-1], out.shape[-1])
-        kernels = triton_linear_for(x2, layer.weight, quantized=True) if layer.triton_int8 is not None else None
+        scale = self.triton_scale(layer)
+        kernels = triton_linear_for(x2, layer.weight, quantized=True) if scale is not None else None
         if kernels is not None:
-            return kernels.linear(x2, layer.weight, layer.kernel_scale, layer.bias).reshape(*shape[:-1], -1)
+            return kernels.linear(x2, layer.weight, scale, layer.bias).reshape(*shape[:-1], -1)
         if layer.use_int8_kernel and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch._weight_int8pack_mm(x2, layer.weight, layer.kernel_scale)
         elif layer.triton_int8 is not None:
