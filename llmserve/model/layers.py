@@ -5,7 +5,8 @@ Linear layers on CUDA run a single row (batch-1 decode; every quantized layer up
 F.linear (`LLMSERVE_CUDA_LINEAR` = auto | triton | torch); on CPU through `cpu_linear`.
 
 On CUDA the norms (with the residual add), rotary embedding and SiLU-and-multiply run as fused Triton
-kernels (`fused_kernels`) when triton is installed; on CPU, for decode-sized bf16 batches, as C kernels
+kernels (`fused_kernels`) when triton is installed (for one row, SiLU-and-multiply runs inside the gate/up
+projection's own launch: `Linear.swiglu`); on CPU, for decode-sized bf16 batches, as C kernels
 (`cpu_fused`); elsewhere, and when LLMSERVE_FUSED_KERNELS=0, they run as the plain torch code below, whose
 numerics the kernels reproduce.
 """
