@@ -143,11 +143,11 @@ class Linear(nn.Module):
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of x through this fused gate/up projection. One row on a GPU runs it in the
         projection's own launch (`triton_linear`), saving a launch a layer; otherwise the projection, then
-        `silu_and_mul`. The bits are the same either way."""
+        `silu_and_mul` (also with LLMSERVE_FUSED_KERNELS=0). The bits are the same either way."""
         x2 = x.reshape(-1, x.shape[-1])
         quantized = self.quant_method is not None
         scale = self.quant_method.triton_scale(self) if quantized else None
-        if x2.shape[0] == 1 and (scale is not None or not quantized):
+        if x2.shape[0] == 1 and (scale is not None or not quantized) and use_fused_kernels is not False:
             kernels = triton_linear_for(x2, self.weight, quantized)
             if kernels is not None:
                 return kernels.linear(x2, self.weight, scale, self.bias, swiglu=True).reshape(*x.shape[:-1], -1)

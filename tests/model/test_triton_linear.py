@@ -106,6 +106,9 @@ def test_a_gate_up_layer_fuses_silu_into_its_one_row_launch(monkeypatch):
     monkeypatch.setattr(triton_linear, "linear", lambda *a, **k: launches.append(k.get("swiglu")) or original(*a, **k))
     monkeypatch.setattr(layers, "triton_linear_for", lambda x, w, quantized: triton_linear)  # CPU tensors too
     x = torch.randn(2, 96, generator=gen).to(DEVICE, DTYPE)
+    monkeypatch.setattr(layers, "use_fused_kernels", False)
+    assert torch.equal(layer.swiglu(x[:1]), layers.silu_and_mul(layer(x[:1]))) and not launches
+    monkeypatch.setattr(layers, "use_fused_kernels", None)
     one = layer.swiglu(x[:1])
     assert launches == [True] and one.shape == (1, 37)
     assert torch.equal(one, fused_kernels.silu_and_mul(original(x[:1], layer.weight, None, layer.bias)))
