@@ -14,7 +14,7 @@ import torch
 from llmserve import pdl
 
 
-def test_off_by_default_and_never_on_cpu_tensors(monkeypatch):
+def test_cpu_tensors_never_launch_with_it(monkeypatch):
     assert pdl.launch_options(torch.empty(1)) == {"PDL": False}
     monkeypatch.setattr(pdl, "enabled", True)
     assert pdl.launch_options(torch.empty(1)) == {"PDL": False}
