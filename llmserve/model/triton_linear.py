@@ -19,6 +19,7 @@ Runs on CPU tensors in Triton's interpreter when TRITON_INTERPRET=1 is set befor
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -188,6 +189,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 PDL_PREFETCH_BYTES = 32 * 1024
 
 
+@functools.cache
 def prefetch_span(config: TileConfig, weight_bytes: int, k: int) -> dict[str, int]:
     """The kernels' LINE (weights in a 128-byte line) and PREFETCH_LINES (lines of each weight row asked
     of L2 before the PDL wait: all K, up to PDL_PREFETCH_BYTES a program)."""
