@@ -10,7 +10,7 @@ lets the next one launch (`griddepcontrol.launch_dependents`). A kernel that doe
 torch op, is simply waited for in full, so the chain stays ordered whatever runs in it.
 
 Off unless LLMSERVE_PDL=1 (read once at import; benchmarks set `enabled`): the gain has yet to be timed
-against the default. Where it is on, the kernels launch with PDL on CUDA devices of capability 9.0 and
+against the default. Where it is on, the kernels launch with PDL on NVIDIA GPUs of capability 9.0 and
 later, when Triton can launch that way; elsewhere they run as before.
 """
 
@@ -42,7 +42,8 @@ enabled: bool = _setting_from_env()
 def _device_supports(index: int) -> bool:
     from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415 (CUDA builds of Triton only)
 
-    return torch.cuda.get_device_capability(index)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
+    nvidia = torch.version.hip is None  # a ROCm torch reports its GPUs as CUDA devices too
+    return nvidia and torch.cuda.get_device_capability(index)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 def launch_options(t: torch.Tensor) -> dict[str, bool]:
