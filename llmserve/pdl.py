@@ -42,8 +42,9 @@ enabled: bool = _setting_from_env()
 def _device_supports(index: int) -> bool:
     from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415 (CUDA builds of Triton only)
 
-    nvidia = torch.version.hip is None  # a ROCm torch reports its GPUs as CUDA devices too
-    return nvidia and torch.cuda.get_device_capability(index)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
+    if torch.version.hip is not None:  # a ROCm torch reports its GPUs as CUDA devices too
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 def launch_options(t: torch.Tensor) -> dict[str, bool]:
