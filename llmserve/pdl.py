@@ -40,10 +40,10 @@ enabled: bool = _setting_from_env()
 
 @functools.cache
 def _device_supports(index: int) -> bool:
-    from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415 (CUDA builds of Triton only)
-
     if torch.version.hip is not None:  # a ROCm torch reports its GPUs as CUDA devices too
         return False
+    from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415 (Triton's NVIDIA backend only)
+
     return torch.cuda.get_device_capability(index)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
