@@ -265,7 +265,8 @@ class SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
-    logit_bias: dict[str, StrictFloat] | None = None  # token id (as a string, as OpenAI's) -> bias
+    # token id (as a string, as OpenAI's) -> bias; at most 300 entries, as OpenAI: each is rebuilt every step
+    logit_bias: dict[str, StrictFloat] | None = Field(None, max_length=300)
 
     @field_validator("stop")
     @classmethod

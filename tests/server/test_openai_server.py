@@ -569,6 +569,8 @@ BAD_REQUESTS = [
                  continue_final_message=True, add_generation_prompt=False), 400, "invalid_request_error", "messages",
      None),
     (CHAT, _chat(logit_bias={"5": 101}), 400, "invalid_request_error", "logit_bias", None),
+    (CHAT, _chat(logit_bias={str(t): 1 for t in range(301)}), 400, "invalid_request_error", "logit_bias",
+     "invalid_value"),
     (CHAT, _chat(logit_bias={"5": "high"}), 400, "invalid_request_error", "logit_bias.5", "invalid_value"),
     (COMPLETIONS, _completion(logit_bias={"-1": 10}), 400, "invalid_request_error", "logit_bias", None),
     (COMPLETIONS, _completion(logit_bias={"1000000": 10}), 400, "invalid_request_error", "logit_bias", None),
