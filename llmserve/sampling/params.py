@@ -64,7 +64,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))  # each once: looked up every step
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = self.logit_bias or None

@@ -249,7 +249,8 @@ class SamplingFields(_Request):
     repetition_penalty: StrictFloat | None = None
     min_tokens: Int64 = Field(0, ge=0)
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
+    # at most 64: the scheduler looks each new token up in them, every step
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=64)
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     priority: Int64 = 0

@@ -571,6 +571,8 @@ BAD_REQUESTS = [
     (CHAT, _chat(logit_bias={"5": 101}), 400, "invalid_request_error", "logit_bias", None),
     (CHAT, _chat(logit_bias={str(t): 1 for t in range(301)}), 400, "invalid_request_error", "logit_bias",
      "invalid_value"),
+    (COMPLETIONS, _completion(stop_token_ids=[5] * 65), 400, "invalid_request_error", "stop_token_ids",
+     "invalid_value"),
     (CHAT, _chat(logit_bias={"5": "high"}), 400, "invalid_request_error", "logit_bias.5", "invalid_value"),
     (COMPLETIONS, _completion(logit_bias={"-1": 10}), 400, "invalid_request_error", "logit_bias", None),
     (COMPLETIONS, _completion(logit_bias={"1000000": 10}), 400, "invalid_request_error", "logit_bias", None),
