@@ -17,7 +17,7 @@ the same.
 
 Structured output: a request with a grammar waits here until its grammar is compiled (off the step
 loop, `structured_output`), then joins the scheduler; each step fills the token bitmask of every
-sampling row whose sequence is under a grammar. Under overlapped scheduling such a sequence skips a
+sampling row whose sequence is under a grammar (and of those with `allowed_token_ids`). Under overlapped scheduling such a sequence skips a
 step while its last token is pending (its mask needs that token), as penalised ones do.
 """
 
@@ -276,7 +276,7 @@ class EngineCore:
         pending = [(int(starts[i]) + row.num_new - 1, row.pending_source)
                    for i, row in enumerate(rows) if row.pending_source >= 0]
         total = int(num_new.sum())
-        mask_rows, bitmask = self._grammar_bitmask(scheduled.samples)
+        mask_rows, bitmask = self._token_bitmask(scheduled.samples)
         if total == count:  # decodes only: one token each
             tokens = (row.seq.token_ids[row.begin] if row.pending_source < 0 else 0 for row in rows)
         else:
@@ -302,23 +302,32 @@ class EngineCore:
             pool_dimensions=[target.seq.request.pooling.dimensions for target in scheduled.pools],  # type: ignore[union-attr]
         )
 
-    def _grammar_bitmask(self, samples: list[SampleTarget]) -> tuple[dict[int, int], np.ndarray | None]:
-        """{sampling row: bitmask row} of the rows under a grammar, and their packed allowed tokens.
-        The unforked choices of an n > 1 request all start from its first sequence's state."""
-        constrained = [i for i, target in enumerate(samples) if target.seq.grammar is not None
-                       and target.seq.grammar.constrains]
+    def _token_bitmask(self, samples: list[SampleTarget]) -> tuple[dict[int, int], np.ndarray | None]:
+        """{sampling row: bitmask row} of the rows under a grammar or `allowed_token_ids`, and their
+        packed allowed tokens (both constraints at once: the tokens both allow). The unforked choices of
+        an n > 1 request all start from its first sequence's state."""
+        constrained = [i for i, target in enumerate(samples) if _is_constrained(target.seq)]
         if not constrained:
             return {}, None
         bitmask = self.structured_output.new_bitmask(len(constrained))
         for j, i in enumerate(constrained):
-            samples[i].seq.grammar.fill_bitmask(bitmask, j)  # type: ignore[union-attr]
+            seq = samples[i].seq
+            if seq.grammar is not None and seq.grammar.constrains:
+                seq.grammar.fill_bitmask(bitmask, j)
+            else:
+                bitmask[j] = -1
+            request = seq.request
+            if request.params.allowed_token_ids is not None:
+                if request.allowed_mask is None:
+                    request.allowed_mask = _packed(request.params.allowed_token_ids, bitmask.shape[1])
+                bitmask[j] &= request.allowed_mask
         return {i: j for j, i in enumerate(constrained)}, bitmask
 
     def _sampling_row(self, target: SampleTarget, allowed: np.ndarray | None) -> SamplingRow:
-        """How to sample `target`; `allowed`: its grammar's packed allowed tokens, when it has one."""
+        """How to sample `target`; `allowed`: its packed allowed tokens (grammar, allowed_token_ids), when
+        it has them."""
         seq, choice = target.seq, target.choice
         params = seq.request.params
-        penalised = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
         num_outputs = seq.num_output_tokens + seq.num_pending - 1  # before this step's token
         banned: tuple[int, ...] = ()
         if num_outputs < params.min_tokens:
@@ -328,12 +337,19 @@ class EngineCore:
             banned = request.min_tokens_banned
             if allowed is not None and not _allows_other_than(allowed, banned):
                 banned = ()  # the grammar allows only an end: it wins over min_tokens
+        if params.bad_words_token_ids:
+            banned += _bad_word_ends(params.bad_words_token_ids, seq.token_ids, seq.num_output_tokens)
+        if allowed is not None and not _allows_other_than(allowed, banned):
+            # The request's own constraints leave no token (allowed_token_ids against its grammar or its
+            # bad words): the choice ends there, as the model would end it, rather than sample one of them.
+            allowed[:] = _packed(sorted(self.facts.eos_token_ids), len(allowed))
+            banned = ()
         return SamplingRow(
             params=params,
             seed=seq.seed if choice == seq.index else seq.request.seed_for_choice(choice),
             sample_index=num_outputs,
-            prompt_token_ids=seq.prompt_token_ids if penalised else (),
-            output_token_ids=seq.output_token_ids if penalised else (),
+            prompt_token_ids=seq.prompt_token_ids if params.penalised else (),
+            output_token_ids=seq.output_token_ids if params.penalised else (),
             banned_token_ids=banned,
         )
 
@@ -372,6 +388,30 @@ class EngineCore:
             self._in_flight.handle.result()
             self._in_flight = None
         self.structured_output.shutdown()
+
+
+def _is_constrained(seq: Sequence) -> bool:
+    """Whether a sequence samples from a subset of the vocabulary: a grammar's, or `allowed_token_ids`."""
+    return (seq.grammar is not None and seq.grammar.constrains) or seq.request.params.allowed_token_ids is not None
+
+
+def _packed(token_ids: list[int], width: int) -> np.ndarray:
+    """Token ids as a packed bitmask row (bit j of word w: token 32 * w + j), as the grammars fill them."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    words = np.zeros(width, dtype=np.uint32)
+    np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    return words.view(np.int32)
+
+
+def _bad_word_ends(words: list[list[int]], token_ids: list[int], num_outputs: int) -> tuple[int, ...]:
+    """The last token of each bad word whose other tokens end the output so far (vLLM's rule: the
+    prompt does not count)."""
+    ends = []
+    for word in words:
+        before = len(word) - 1
+        if before == 0 or (before <= num_outputs and token_ids[-1] == word[-2] and token_ids[-before:] == word[:-1]):
+            ends.append(word[-1])
+    return tuple(ends)
 
 
 def _allows_other_than(bitmask_row: np.ndarray, banned: tuple[int, ...]) -> bool:

@@ -26,6 +26,8 @@ from llmserve.sampling.params import SamplingParams
 from llmserve.tokenizer.tokenizer import Tokenizer
 
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# A bad word's earlier tokens are compared with the output's last ones every step.
+MAX_BAD_WORD_TOKENS = 128
 _EMBEDDING_SAMPLING = SamplingParams(max_tokens=1)  # what an embedding request carries: it samples nothing
 
 
@@ -61,6 +63,22 @@ class InputProcessor:
         if ids is None or min(ids) < 0 or max(ids) >= self.vocab_size:
             raise InvalidRequestError(f"Prompt token ids must be integers in [0, {self.vocab_size}).", param="prompt")
         return token_ids
+
+    def bad_word_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each bad word's token sequences: as written and after a space, where the two differ (a word
+        mid-sentence is usually one token with its space), without special tokens (vLLM's rule)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise InvalidRequestError(
+                        f"Each bad word may be at most {MAX_BAD_WORD_TOKENS} tokens long; {word[:40]!r}... is "
+                        f"{len(ids)}.", param="bad_words",
+                    )
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last `keep` tokens (truncate_prompt_tokens; -1: as many as the context holds)."""
@@ -116,6 +134,13 @@ class InputProcessor:
                 f"logit_bias names token {max(params.logit_bias)}; token ids must be below the vocabulary size "
                 f"{self.vocab_size}.", param="logit_bias",
             )
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"allowed_token_ids names token {max(params.allowed_token_ids)}; token ids must be below the "
+                f"vocabulary size {self.vocab_size}.", param="allowed_token_ids",
+            )
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=self.bad_word_token_ids(params.bad_words))
         params = validate_structured_outputs(params)
         max_tokens = self.max_tokens(len(token_ids), params)
         if max_tokens != params.max_tokens:

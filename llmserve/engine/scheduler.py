@@ -25,8 +25,8 @@ after a preemption are never appended again, so they never advance it twice.
 Scheduling may run one step ahead of the results (overlapped scheduling): a sequence whose last
 token is still pending decodes it in the next step straight from the device, so its next input token
 is named, not known. What needs the pending token's value waits for it: a preempted sequence is not
-re-admitted until its pending token arrived, and a request with repetition penalties (which read its
-history) or with a grammar (structured output: its token mask depends on every token so far) skips
+re-admitted until its pending token arrived, and a request with penalties or a bad word of several
+tokens (which read its history) or with a grammar (structured output: its token mask depends on every token so far) skips
 a step rather than sample from a stale one. A sequence that will have reached its
 length limit once its pending tokens arrive is not scheduled again.
 
@@ -217,7 +217,7 @@ class Scheduler:
         if not seq.num_pending:
             return True
         params = seq.request.params
-        if params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0:
+        if params.reads_history:
             return False
         if seq.grammar is not None and not seq.grammar.done:
             return False

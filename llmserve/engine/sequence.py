@@ -15,6 +15,8 @@ from llmserve.model.pooling import PoolingParams
 from llmserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from llmserve.engine.grammar import GrammarState
 
 _seq_ids = itertools.count()
@@ -115,6 +117,7 @@ class Request:
     first_scheduled_time: float | None = None  # time.monotonic() of its first admission
     num_preemptions: int = 0
     min_tokens_banned: tuple[int, ...] | None = None  # what would end it early: banned until min_tokens
+    allowed_mask: np.ndarray | None = None  # allowed_token_ids as a packed bitmask row, built at its first sample
     new_grammar: Callable[[], GrammarState] | None = None  # structured output: a fresh grammar state
     # Prompt positions (from 0) whose next prompt token a scheduled step scores (prompt_logprobs).
     num_prompt_positions_scored: int = 0

@@ -59,6 +59,13 @@ class SamplingParams:
     # Added to the logits of these token ids before penalties and temperature (OpenAI's logit_bias: -100
     # bans a token in practice, 100 all but forces it); logprobs stay those of the model's own logits.
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled (None: any)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output never contains, as written and after a space. The input processor, which
+    # has the tokenizer, fills in their token sequences; the last token of one is banned wherever the
+    # output so far ends with the ones before it.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,11 +75,23 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = self.logit_bias or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         self.validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling the next token needs the tokens so far: penalties, or a bad word of several
+        tokens (a single-token one is banned everywhere)."""
+        return self.penalised or any(len(ids) > 1 for ids in self.bad_words_token_ids or ())
 
     def validate(self) -> None:
         def bad(param: str, message: str) -> InvalidRequestError:
@@ -120,3 +139,10 @@ class SamplingParams:
                 raise bad("logit_bias", f"logit_bias keys must be non-negative token ids, got {token!r}.")
             if not -100.0 <= bias <= 100.0:
                 raise bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {token}.")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "allowed_token_ids must name at least one token id.")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "allowed_token_ids must be non-negative token ids.")
+        if any(not isinstance(word, str) for word in self.bad_words or ()):
+            raise bad("bad_words", "bad_words must be strings.")

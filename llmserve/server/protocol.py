@@ -33,6 +33,7 @@ MAX_LOGPROBS = 20
 # Integers the engine receives must fit 64 bits (its messages are MessagePack), as vLLM bounds its own.
 Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_BAD_WORDS = 128
 MAX_MESSAGES = 2048
 MAX_N = 128
 MAX_PROMPTS = 2048  # in one completions request, as OpenAI
@@ -268,11 +269,20 @@ class SamplingFields(_Request):
     guided_decoding_backend: str | None = None
     # token id (as a string, as OpenAI's) -> bias; at most 300 entries, as OpenAI: each is rebuilt every step
     logit_bias: dict[str, StrictFloat] | None = Field(None, max_length=300)
+    # vLLM's: only these tokens may be sampled (a bitmask built once per request)
+    allowed_token_ids: list[StrictInt] | None = Field(None, min_length=1)
+    # vLLM's: words the output never contains; each is looked up every step, so at most 128 of them
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
 
     @field_validator("stop")
     @classmethod
     def _validate_stop(cls, value: Any) -> Any:
         return _check_stop(value)
+
+    @field_validator("bad_words")
+    @classmethod
+    def _validate_bad_words(cls, value: list[str] | None) -> list[str] | None:
+        return value if value is None else [_check_unicode(word) for word in value]
 
     @field_validator("guided_json")
     @classmethod

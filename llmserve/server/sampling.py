@@ -46,6 +46,8 @@ def to_sampling_params(
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured_outputs(body),
             logit_bias=_logit_bias(body.logit_bias),
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
         )
     except InvalidRequestError as exc:
         if exc.param == "max_tokens":

@@ -323,6 +323,35 @@ def test_logit_bias_reaches_the_sampler_in_chat_and_completions(server, client):
     assert chat.choices[0].message.content == forced
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_sampler_in_chat_and_completions(server, client):
+    tokenizer = server.engine.tokenizer
+    base = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                     extra_body=NO_EOS)
+    ids = tokenizer.encode(base.choices[0].text, add_special_tokens=False)
+    allowed = sorted(set(ids[2:6]))
+    narrowed = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                         extra_body={**NO_EOS, "allowed_token_ids": allowed})
+    lifted = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                       logit_bias={str(t): 100 for t in allowed}, extra_body=NO_EOS)
+    assert narrowed.choices[0].text == lifted.choices[0].text != base.choices[0].text
+    words = {w: tokenizer.encode(f" {w}", add_special_tokens=False) for w in ("the", "and", "of", "to")}
+    assert all(len(ids) == 1 for ids in words.values())
+
+    def chat(bad_words: list[str]) -> list[str]:
+        out = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=1,
+            extra_body={**NO_EOS, "bad_words": bad_words, "allowed_token_ids": [ids[0] for ids in words.values()]},
+        )
+        return out.choices[0].message.content.split()
+
+    free = chat([])
+    assert set(free) <= set(words) and len(free) == 8
+    banned = max(words, key=free.count)
+    assert free.count(banned) >= 2
+    constrained = chat([banned])
+    assert set(constrained) <= set(words) - {banned} and len(constrained) == 8
+
+
 # ---- completions ----------------------------------------------------------------------------------
 
 
@@ -576,6 +605,13 @@ BAD_REQUESTS = [
     (CHAT, _chat(logit_bias={"5": "high"}), 400, "invalid_request_error", "logit_bias.5", "invalid_value"),
     (COMPLETIONS, _completion(logit_bias={"-1": 10}), 400, "invalid_request_error", "logit_bias", None),
     (COMPLETIONS, _completion(logit_bias={"1000000": 10}), 400, "invalid_request_error", "logit_bias", None),
+    (COMPLETIONS, _completion(allowed_token_ids=[]), 400, "invalid_request_error", "allowed_token_ids",
+     "invalid_value"),
+    (CHAT, _chat(allowed_token_ids=[1, 2**70]), 400, "invalid_request_error", "allowed_token_ids", None),
+    (CHAT, _chat(allowed_token_ids=[-3]), 400, "invalid_request_error", "allowed_token_ids", None),
+    (CHAT, _chat(bad_words=["fox"] * 129), 400, "invalid_request_error", "bad_words", "invalid_value"),
+    (COMPLETIONS, _completion(bad_words=["fox " * 200]), 400, "invalid_request_error", "bad_words", None),
+    (COMPLETIONS, _completion(bad_words=["\ud800"]), 400, "invalid_request_error", "bad_words", "invalid_value"),
     (
         CHAT,
         _chat(stream_options={"include_usage": True}),
