@@ -24,7 +24,14 @@ from llmserve.gateway.lane import LaneApp, ProxyLane
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.platform import GatewayPlatform
 from llmserve.gateway.pool import HealthChecker, Pool
-from llmserve.gateway.proxy import FIRST_BYTE_TIMEOUT_S, HOP_HEADERS, STREAM_IDLE_TIMEOUT_S, Proxy, prompt_key
+from llmserve.gateway.proxy import (
+    FIRST_BYTE_TIMEOUT_S,
+    HOP_HEADERS,
+    STREAM_IDLE_TIMEOUT_S,
+    Proxy,
+    prompt_cache_key,
+    prompt_key,
+)
 from llmserve.gateway.routing import policy_by_name
 from llmserve.platform.routing import ModelRouter
 from llmserve.server import conversations, streams, usage
@@ -168,7 +175,8 @@ def build_gateway_app(
                 # (resume.py buffers the platform's relay), so a stream stays plain: its generation
                 # stops when its client leaves.
                 body = json.dumps(payload).encode()
-            return await state.proxy.forward(pool, path, body, prompt_key(payload), headers)
+            return await state.proxy.forward(pool, path, body, prompt_key(payload), headers,
+                                             cache_key=prompt_cache_key(payload))
 
         return forward
 

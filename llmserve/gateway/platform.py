@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from llmserve.errors import InvalidRequestError
 from llmserve.gateway.errors import error_body
 from llmserve.gateway.pool import Pool
-from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_key
+from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_cache_key, prompt_key
 from llmserve.gateway.relay import CONTENT_FILTER, RelayMeter, Reply, StreamRelay
 from llmserve.gateway.resume import resumable_response
 from llmserve.gateway.shutdown import GuardedStream, StreamCutoff
@@ -270,7 +270,8 @@ class GatewayPlatform:
             return GuardedStream(made, self.cutoff)
 
         def forward() -> Awaitable[Response]:
-            return self.proxy.forward(call.pool, call.path, body, prompt_key(call.payload), replica_headers, relay)
+            return self.proxy.forward(call.pool, call.path, body, prompt_key(call.payload), replica_headers, relay,
+                                      cache_key=prompt_cache_key(call.payload))
 
         if call.stream:
             call.payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

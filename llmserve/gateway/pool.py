@@ -94,10 +94,11 @@ class Pool:
         if self.on_change is not None:
             self.on_change(self)
 
-    def choose(self, prompt: PromptKey, excluded: Sequence[Replica] = ()) -> Replica:
-        """A routable replica for the prompt, never one of `excluded` (raises `NoReplicaAvailable`)."""
+    def choose(self, prompt: PromptKey, excluded: Sequence[Replica] = (), cache_key: str | None = None) -> Replica:
+        """A routable replica for the prompt (and its `prompt_cache_key`), never one of `excluded` (raises
+        `NoReplicaAvailable`)."""
         candidates = [replica for replica in self.replicas if replica not in excluded]
-        return self.policy.choose(prompt, candidates)
+        return self.policy.choose(prompt, candidates, cache_key)
 
     def eject(self, replica: Replica, reason: str) -> None:
         """Out of routing until healthy again. A draining replica that stops answering has just finished

@@ -24,14 +24,19 @@ from collections.abc import Sequence
 PromptKey = str | Sequence[int]
 
 
-def block_hashes(prompt: PromptKey, *, tokens_per_block: int, chars_per_block: int) -> list[int]:
+def block_hashes(prompt: PromptKey, *, tokens_per_block: int, chars_per_block: int,
+                 cache_key: str | None = None) -> list[int]:
     """The chained hashes of the prompt's full blocks: token ids in blocks of `tokens_per_block`, text
-    in blocks of `chars_per_block` characters. Python's hash: stable within a process, which is all
-    an in-memory index needs."""
+    in blocks of `chars_per_block` characters. A `cache_key` (the request's `prompt_cache_key`) is a
+    block of its own before them. Python's hash: stable within a process, which is all an in-memory
+    index needs."""
     text = isinstance(prompt, str)
     size = chars_per_block if text else tokens_per_block
     hashes: list[int] = []
     parent = 0
+    if cache_key is not None:
+        parent = hash(("prompt_cache_key", cache_key))
+        hashes.append(parent)
     for start in range(0, len(prompt) - size + 1, size):
         block = prompt[start:start + size]
         parent = hash((parent, block if text else tuple(block)))

@@ -66,6 +66,12 @@ def prompt_key(payload: dict) -> PromptKey:
     return prompt if isinstance(prompt, str) else ""
 
 
+def prompt_cache_key(payload: dict) -> str | None:
+    """The request's `prompt_cache_key` (OpenAI's), when it is a non-empty string."""
+    key = payload.get("prompt_cache_key")
+    return key if isinstance(key, str) and key else None
+
+
 def _message_text(message: object) -> str:
     if not isinstance(message, dict):
         return ""
@@ -108,16 +114,17 @@ class Proxy:
 
     async def forward(
         self, pool: Pool, path: str, body: bytes, prompt: PromptKey, headers: Mapping[str, str],
-        stream_filter: Callable[[], StreamFilter] | None = None,
+        stream_filter: Callable[[], StreamFilter] | None = None, cache_key: str | None = None,
     ) -> Response:
         """The replica's response; a stream's events go through the filter `stream_filter` makes (called
-        once the stream is handed over to the client, so never for a request that failed before)."""
+        once the stream is handed over to the client, so never for a request that failed before).
+        `cache_key`: the request's `prompt_cache_key`, which routing takes with the prompt."""
         tried: list[Replica] = []
         failures = 0
         reason = ""
         while failures < MAX_ATTEMPTS:
             try:
-                replica = pool.choose(prompt, tried)
+                replica = pool.choose(prompt, tried, cache_key)
             except NoReplicaAvailable:
                 return errors.no_replica(pool.name)
             if tried:

@@ -22,6 +22,9 @@ Each choice is counted by the reason it was made in `policy.decisions` (and pass
        hold equally long prefixes, the least loaded.
     3. Otherwise (`prefix_miss`) the least loaded, ties going to the replica with the fewest cached
        blocks (the most room: SGLang's choice of the smallest tree), so new prefixes spread.
+  A request's `prompt_cache_key` (OpenAI's) heads its chain of blocks: requests with the same key and
+  prefix meet on one replica, even prompts shorter than a block, and a prefix many keys share spreads
+  by key instead of piling onto one replica.
   The chosen replica is then recorded as holding the prompt's blocks. An ejected replica's record is
   dropped (its cache is presumed lost), also when it comes back: a replica's `cache_epoch` changes on
   each ejection, so a record older than that is never trusted.
@@ -59,13 +62,14 @@ class RoutingPolicy(ABC):
         self.decisions: Counter[str] = Counter()
         self._on_decision = on_decision
 
-    def choose(self, prompt: PromptKey, replicas: Sequence[Replica]) -> Replica:
-        """The replica for a request whose prompt is `prompt` (token ids, or text)."""
+    def choose(self, prompt: PromptKey, replicas: Sequence[Replica], cache_key: str | None = None) -> Replica:
+        """The replica for a request whose prompt is `prompt` (token ids, or text) and whose
+        `prompt_cache_key` is `cache_key`."""
         routable = [replica for replica in replicas if replica.routable]
         if not routable:
             self.decisions[NO_REPLICA] += 1
             raise NoReplicaAvailable(f"none of the {len(replicas)} replicas can take requests now.")
-        replica, reason = self._pick(prompt, routable, replicas)
+        replica, reason = self._pick(prompt, routable, replicas, cache_key)
         self.decisions[reason] += 1
         if self._on_decision is not None:
             self._on_decision(reason, replica)
@@ -84,7 +88,7 @@ class RoutingPolicy(ABC):
 
     @abstractmethod
     def _pick(
-        self, prompt: PromptKey, routable: list[Replica], replicas: Sequence[Replica]
+        self, prompt: PromptKey, routable: list[Replica], replicas: Sequence[Replica], cache_key: str | None
     ) -> tuple[Replica, str]:
         """The replica among `routable` (never empty; in pool order) and the reason."""
 
@@ -102,7 +106,7 @@ class RoundRobinPolicy(RoutingPolicy):
         self._next = 0  # position in the pool to look from
 
     def _pick(
-        self, prompt: PromptKey, routable: list[Replica], replicas: Sequence[Replica]
+        self, prompt: PromptKey, routable: list[Replica], replicas: Sequence[Replica], cache_key: str | None
     ) -> tuple[Replica, str]:
         count = len(replicas)
         for step in range(count):
@@ -117,7 +121,7 @@ class LeastLoadPolicy(RoutingPolicy):
     name = LEAST_LOAD
 
     def _pick(
-        self, prompt: PromptKey, routable: list[Replica], replicas: Sequence[Replica]
+        self, prompt: PromptKey, routable: list[Replica], replicas: Sequence[Replica], cache_key: str | None
     ) -> tuple[Replica, str]:
         return _least_loaded(routable), LEAST_LOAD
 
@@ -164,11 +168,11 @@ class PrefixPolicy(RoutingPolicy):
         )
 
     def _pick(
-        self, prompt: PromptKey, routable: list[Replica], replicas: Sequence[Replica]
+        self, prompt: PromptKey, routable: list[Replica], replicas: Sequence[Replica], cache_key: str | None
     ) -> tuple[Replica, str]:
         self._forget_lost_caches(replicas)
         hashes = block_hashes(prompt, tokens_per_block=self.tokens_per_block,
-                              chars_per_block=self.chars_per_block)
+                              chars_per_block=self.chars_per_block, cache_key=cache_key)
         replica, reason = self._decide(hashes, routable)
         self.index.insert(replica.name, hashes)
         self._epochs[replica.name] = replica.cache_epoch

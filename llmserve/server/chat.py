@@ -76,6 +76,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
+        obfuscate=bool(body.stream_options and body.stream_options.include_obfuscation),
         resumable=bool(body.stream_options and body.stream_options.resumable),
         screen_texts=lambda: [m["content"] for m in new_messages],
         screen_param="messages",

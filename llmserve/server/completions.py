@@ -52,6 +52,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
+        obfuscate=bool(body.stream_options and body.stream_options.include_obfuscation),
         resumable=bool(body.stream_options and body.stream_options.resumable),
         screen_texts=lambda: [_prompt_text(p, endpoint.token_texts) for p in prompts],
         screen_param="prompt",

@@ -114,6 +114,7 @@ class PreparedRequest:
     stream: bool
     include_usage: bool  # streamed: a last chunk with the usage
     continuous_usage: bool  # streamed: every chunk with the usage so far
+    obfuscate: bool  # streamed: each chunk padded with random characters (`include_obfuscation`)
     screen_texts: Callable[[], Sequence[str]]  # what the safety pre-filter reads (called on a worker)
     screen_param: str  # the parameter a blocked prompt is reported on
     resumable: bool = False  # streamed: kept generating into a buffer when the client drops (server/streams.py)
@@ -254,7 +255,8 @@ class _Run:
         numbered = EventIds()
         streams, meter = started.streams, started.meter
         created = now()
-        envelope = ChunkEnvelope(shape.empty_chunk(started.response_id, created, self.model, None))
+        envelope = ChunkEnvelope(shape.empty_chunk(started.response_id, created, self.model, None),
+                                 obfuscate=self.prepared.obfuscate)
         status = "disconnected"  # unless the streams get to their end
         try:
             for choices in shape.opening_chunks(len(streams), self.n):

@@ -80,10 +80,18 @@ class _Response(BaseModel):
 # ---- shared pieces ------------------------------------------------------------------------------
 
 
+class PromptCacheOptions(_Request):
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: Literal["30m"] = "30m"
+
+
 class StreamOptions(_Request):
     include_usage: StrictBool = False
     # vLLM's: every chunk carries the usage so far (the gateway meters a broken stream by it)
     continuous_usage_stats: StrictBool = False
+    # OpenAI's (on by default there; off here, as vLLM, where the network is the operator's own): each
+    # chunk padded with random characters in an `obfuscation` field, hiding its text's length
+    include_obfuscation: StrictBool = False
     resumable: StrictBool = Field(False, description=(
         "llmserve: keep generating through a dropped connection for a grace period; resume with "
         "GET /v1/streams/{id} (the x-stream-id header) and Last-Event-ID."
@@ -241,9 +249,16 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     # metadata only: accepted without effect
     user: str | None = None
+    safety_identifier: str | None = Field(None, max_length=128)  # OpenAI's successor to `user`
     metadata: dict[str, str] | None = None
     store: StrictBool | None = None
     service_tier: str | None = None
+    # OpenAI's prompt caching. This server caches every prompt's KV blocks by itself (prefix caching,
+    # evicted least recently used, never kept past the process); a gateway sends requests with the same
+    # key to the same replica. Neither changes the output.
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     # vLLM's extras
     top_k: Int64 | None = None
     min_p: StrictFloat | None = None
@@ -432,6 +447,7 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
+    moderation: Any = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -449,6 +465,9 @@ class ChatCompletionRequest(SamplingFields):
         for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
             if getattr(self, name) is not None:
                 found.append((name, f"{name} is not supported."))
+        if self.moderation is not None:
+            found.append(("moderation", "moderation is not supported per request: the server screens prompts and "
+                          "outputs with the safety filter it was started with (--safety-filter)."))
         if self.top_logprobs and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs requires logprobs to be true."))
         found += continuation_conflicts(self.continue_final_message, self.add_generation_prompt)

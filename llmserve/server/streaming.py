@@ -5,9 +5,11 @@ into one (a /v1/completions prompt list)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
+import os
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -43,12 +45,29 @@ def sse(payload: BaseModel | str) -> str:
     return f"data: {data}\n\n"
 
 
+# With OpenAI's `stream_options.include_obfuscation`, a chunk's event is padded to a multiple of this many
+# bytes, so that its size no longer tells how long its text is (a token-length side channel).
+OBFUSCATION_BLOCK = 64
+
+
+def obfuscated(event: str) -> str:
+    """An SSE event of one JSON object (`data: {...}\n\n`) with an `obfuscation` field of random
+    characters that brings its size to a multiple of OBFUSCATION_BLOCK bytes."""
+    body = event[:-3]  # without the closing "}\n\n"
+    size = len(body.encode()) + len(',"obfuscation":""}\n\n')
+    pad = -size % OBFUSCATION_BLOCK
+    noise = base64.urlsafe_b64encode(os.urandom(pad)).decode()[:pad]
+    return f'{body},"obfuscation":"{noise}"}}\n\n'
+
+
 class ChunkEnvelope:
     """What every chunk of one streamed response repeats (id, object, created, model, ...), serialized
     once from the response model with no choices and no usage; `event` puts choices in it, giving
-    `sse(response)`'s bytes at a fraction of the cost (a chunk per token per stream adds up)."""
+    `sse(response)`'s bytes at a fraction of the cost (a chunk per token per stream adds up).
+    `obfuscate`: each event padded (`obfuscated`)."""
 
-    def __init__(self, empty: BaseModel) -> None:
+    def __init__(self, empty: BaseModel, obfuscate: bool = False) -> None:
+        self._obfuscate = obfuscate
         head, marker, tail = empty.model_dump_json().partition('"choices":[]')
         if not marker:
             raise ValueError("the envelope needs a response whose choices are empty")
@@ -63,8 +82,10 @@ class ChunkEnvelope:
         with `usage` in it when given (`stream_options.continuous_usage_stats`)."""
         joined = ",".join(c if isinstance(c, str) else c.model_dump_json() for c in choices)
         if usage is None:
-            return self._head + joined + self._tail
-        return f'{self._head}{joined}{self._usage_head}"usage":{usage.model_dump_json()}{self._usage_tail}'
+            event = self._head + joined + self._tail
+        else:
+            event = f'{self._head}{joined}{self._usage_head}"usage":{usage.model_dump_json()}{self._usage_tail}'
+        return obfuscated(event) if self._obfuscate else event
 
 
 def text_choice_json(index: int, text: str, finish_reason: str | None) -> str:

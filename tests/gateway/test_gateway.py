@@ -162,6 +162,26 @@ def test_requests_sharing_a_system_prompt_land_on_one_replica(gateway: Gateway, 
     assert _metric(text, "llmserve:gateway_routing_decisions_total", pool=MODEL, reason="prefix_hit") >= 6
 
 
+def test_a_prompt_cache_key_keeps_short_prompts_on_one_replica(gateway: Gateway, replicas: list[Process]) -> None:
+    def hits() -> float:
+        text = httpx.get(f"{gateway.url}/metrics").text
+        return _metric(text, "llmserve:gateway_routing_decisions_total", pool=MODEL, reason="prefix_hit")
+
+    before, hits_before = _requests_by_replica(gateway, replicas), hits()
+    chosen: dict[str, list[str]] = {"tenant-a": [], "tenant-b": []}
+    for turn in range(3):
+        for key, urls in chosen.items():
+            body = {**_chat(f"hi {turn}", max_tokens=2), "prompt_cache_key": key}  # shorter than a block
+            assert httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+            after = _requests_by_replica(gateway, replicas)
+            urls.append(next(url for url in after if after[url] - before[url] == 1))
+            before = after
+    assert [len(set(urls)) for urls in chosen.values()] == [1, 1], chosen
+    # Each key's later turns matched its first (a prompt without a full block and without a key has
+    # nothing to match: a miss every time).
+    assert hits() - hits_before == 4
+
+
 def test_responses_pass_through_unchanged(gateway: Gateway, replicas: list[Process]) -> None:
     body = _chat("Tell me a story.", max_tokens=8)
     direct = httpx.post(f"{replicas[0].url}/v1/chat/completions", json=body, timeout=30)

@@ -195,6 +195,31 @@ def test_prefix_short_or_unmatched_prompts_go_to_the_least_loaded() -> None:
     assert policy.decisions == {PREFIX_MISS: 3}
 
 
+def test_prefix_cache_key_keeps_a_key_on_one_replica_and_spreads_a_shared_prefix_by_key() -> None:
+    rng = random.Random(5)
+    replicas = pool()
+    policy = PrefixPolicy()
+    users = [f"user-{i}" for i in range(3)]
+
+    def route(prompt: list[int], key: str) -> Replica:
+        replica = policy.choose(prompt, replicas, cache_key=key)
+        policy.on_start(replica)
+        policy.on_finish(replica)
+        return replica
+
+    # Prompts shorter than a block have nothing to match, but their key does.
+    first = [route(tokens(rng, 5), user) for user in users]
+    assert len(set(first)) == 3
+    assert [route(tokens(rng, 5), user) for user in users * 3] == first * 3
+    # One long prefix under three keys: three chains, one replica each, where without keys one holds it.
+    system = tokens(rng, 320)
+    keyed = [route(system + tokens(rng, 10), user) for user in users]
+    assert len(set(keyed)) == 3 and keyed == first
+    assert len({route_and_finish(policy, system + tokens(rng, 10), replicas) for _ in range(3)}) == 1
+    assert block_hashes([1] * 40, tokens_per_block=BLOCK, chars_per_block=64, cache_key="k")[1:] != block_hashes(
+        [1] * 40, tokens_per_block=BLOCK, chars_per_block=64)
+
+
 def test_prefix_load_term_overrides_affinity_past_the_threshold_only() -> None:
     rng = random.Random(4)
     system = tokens(rng, 320)

@@ -605,6 +605,13 @@ BAD_REQUESTS = [
     (CHAT, _chat(logit_bias={"5": "high"}), 400, "invalid_request_error", "logit_bias.5", "invalid_value"),
     (COMPLETIONS, _completion(logit_bias={"-1": 10}), 400, "invalid_request_error", "logit_bias", None),
     (COMPLETIONS, _completion(logit_bias={"1000000": 10}), 400, "invalid_request_error", "logit_bias", None),
+    (CHAT, _chat(safety_identifier="u" * 129), 400, "invalid_request_error", "safety_identifier", "invalid_value"),
+    (CHAT, _chat(prompt_cache_retention="1h"), 400, "invalid_request_error", "prompt_cache_retention",
+     "invalid_value"),
+    (COMPLETIONS, _completion(prompt_cache_options={"ttl": "12h"}), 400, "invalid_request_error",
+     "prompt_cache_options.ttl", "invalid_value"),
+    (CHAT, _chat(moderation={"model": "omni-moderation-latest"}), 400, "invalid_request_error", "moderation",
+     "unsupported_parameter"),
     (COMPLETIONS, _completion(allowed_token_ids=[]), 400, "invalid_request_error", "allowed_token_ids",
      "invalid_value"),
     (CHAT, _chat(allowed_token_ids=[1, 2**70]), 400, "invalid_request_error", "allowed_token_ids", None),
@@ -726,6 +733,42 @@ def test_malformed_bodies_are_400(http, path, raw):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] is None
+
+
+def test_openais_newer_fields_that_change_no_output_are_taken(client, http):
+    cache = {"prompt_cache_key": "tenant-1", "prompt_cache_retention": "24h", "safety_identifier": "h4sh",
+             "prompt_cache_options": {"mode": "explicit", "ttl": "30m"}}
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, temperature=0)
+    marked = [{**MESSAGES[0], "content": [{"type": "text", "text": MESSAGES[0]["content"],
+                                           "prompt_cache_breakpoint": {"mode": "explicit"}}]}, MESSAGES[1]]
+    same = client.chat.completions.create(model=MODEL_NAME, messages=marked, max_tokens=6, temperature=0,
+                                          **cache)
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    completion = http.post(COMPLETIONS, json=_completion(max_tokens=2, **cache))
+    assert completion.status_code == 200, completion.text
+
+
+def test_include_obfuscation_pads_every_chunk_to_a_block_and_changes_no_text(client, http):
+    def stream(**options) -> list[str]:
+        body = _chat(max_tokens=12, temperature=0, stream=True, stream_options=options, **NO_EOS)
+        with http.stream("POST", CHAT, json=body) as response:
+            return [line + "\n\n" for line in response.iter_lines() if line.startswith("data: {")]
+
+    plain, padded = stream(), stream(include_obfuscation=True, include_usage=True)
+    chunks = [json.loads(event[6:]) for event in padded]
+    assert all(len(event.encode()) % 64 == 0 and chunk["obfuscation"] for event, chunk in zip(padded[:-1], chunks[:-1], strict=True))
+    assert "obfuscation" not in chunks[-1] and chunks[-1]["usage"]["completion_tokens"] == 12  # the usage chunk
+    assert all("obfuscation" not in json.loads(event[6:]) for event in plain)
+
+    def text(events: list[dict]) -> str:
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c["choices"])
+
+    assert text(chunks) == text([json.loads(event[6:]) for event in plain]) != ""
+    # the openai client takes the padded chunks as it takes OpenAI's
+    streamed = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=12, temperature=0,
+                                              stream=True, stream_options={"include_obfuscation": True},
+                                              extra_body=NO_EOS)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text(chunks)
 
 
 def test_unknown_fields_are_400s_and_errors_never_break_the_server(server, client, http):
