@@ -18,7 +18,7 @@ from llmserve.server import errors
 from llmserve.server.assistant_output import ReplyPlan, plan_reply, reasoning_start, whole_tool_calls
 from llmserve.server.conversations import ConversationTurn, fit_history, open_turn
 from llmserve.server.gateway import request_key
-from llmserve.server.logprobs import TokenTexts, chat_logprobs, vllm_prompt_logprobs
+from llmserve.server.logprobs import TokenTexts, chat_logprobs, logprob_texts, vllm_prompt_logprobs
 from llmserve.server.messages import template_messages, uses_tools
 from llmserve.server.openapi import documented
 from llmserve.server.pipeline import Choice, ChoiceRenderer, PreparedRequest, ResponseShape, respond
@@ -88,7 +88,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     shape = ChatShape(
         top_logprobs=top_logprobs,
         echo=_echo_text(body),
-        texts=endpoint.token_texts,
+        texts=logprob_texts(endpoint.token_texts, body.return_tokens_as_token_ids),
         endpoint=endpoint,
         prompt_text=prompt_text,
         cache_salt=body.cache_salt,

@@ -17,6 +17,7 @@ from llmserve.server.logprobs import (
     TokenTexts,
     completion_logprobs,
     echoed_completion_logprobs,
+    logprob_texts,
     vllm_prompt_logprobs,
 )
 from llmserve.server.openapi import documented
@@ -62,7 +63,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     )
     echo_texts = [_prompt_text(p, endpoint.token_texts) if body.echo else "" for p in prompts]
     shape = CompletionShape(
-        body.logprobs, echo_texts, endpoint.token_texts, body.echoes_logprobs, body.prompt_logprobs
+        body.logprobs, echo_texts, logprob_texts(endpoint.token_texts, body.return_tokens_as_token_ids),
+        body.echoes_logprobs, body.prompt_logprobs
     )
     return await respond(request, prepared, shape)
 

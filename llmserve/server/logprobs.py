@@ -30,17 +30,30 @@ class TokenTexts:
     """The text of single tokens, cached (the vocabulary is fixed)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self.text = functools.lru_cache(maxsize=65536)(self._text)
 
     def _text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(token_ids)
+        return self.tokenizer.decode(token_ids)
 
     def utf8(self, token_id: int) -> list[int]:
         return list(self.text(token_id).encode("utf-8"))
+
+
+class TokenIdTexts(TokenTexts):
+    """vLLM's `return_tokens_as_token_ids`: logprobs name each token `token_id:{id}`, which tells apart
+    tokens whose own text does not (a piece of a UTF-8 character decodes to U+FFFD)."""
+
+    def _text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
+def logprob_texts(texts: TokenTexts, as_token_ids: bool) -> TokenTexts:
+    """How a request's logprobs name tokens: by their text, or by their id."""
+    return TokenIdTexts(texts.tokenizer) if as_token_ids else texts
 
 
 def _top(entry: dict[int, Logprob], top_n: int) -> list[tuple[int, float]]:

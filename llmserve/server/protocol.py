@@ -288,6 +288,8 @@ class SamplingFields(_Request):
     allowed_token_ids: list[StrictInt] | None = Field(None, min_length=1)
     # vLLM's: words the output never contains; each is looked up every step, so at most 128 of them
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    # vLLM's: logprobs name each token `token_id:{id}` instead of its text
+    return_tokens_as_token_ids: StrictBool = False
 
     @field_validator("stop")
     @classmethod

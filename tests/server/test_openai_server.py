@@ -352,6 +352,27 @@ def test_allowed_token_ids_and_bad_words_reach_the_sampler_in_chat_and_completio
     assert set(constrained) <= set(words) - {banned} and len(constrained) == 8
 
 
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(server, client):
+    tokenizer = server.engine.tokenizer
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2, extra_body=NO_EOS)
+    plain = client.completions.create(**kwargs).choices[0]
+    by_id = client.completions.create(**{**kwargs, "extra_body": {**NO_EOS, "return_tokens_as_token_ids": True}})
+    by_id = by_id.choices[0]
+    ids = [int(token.removeprefix("token_id:")) for token in by_id.logprobs.tokens]
+    assert by_id.text == plain.text == tokenizer.decode(ids)
+    assert [tokenizer.decode([i]) for i in ids] == plain.logprobs.tokens
+    # (the logprobs themselves may differ in the last bits: the second run reads the prompt's KV from the cache)
+    assert all(key.startswith("token_id:") for top in by_id.logprobs.top_logprobs for key in top)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2,
+                                          extra_body={**NO_EOS, "return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    ids = [int(entry.token.removeprefix("token_id:")) for entry in content]
+    assert tokenizer.decode(ids) == chat.choices[0].message.content
+    assert all(entry.bytes == list(entry.token.encode()) for entry in content)
+    assert all(top.token.startswith("token_id:") for entry in content for top in entry.top_logprobs)
+
+
 # ---- completions ----------------------------------------------------------------------------------
 
 
