@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,10 +34,19 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: SampleLogprobs | None = None  # per token: chosen token and top alternatives
     cumulative_logprob: float | None = None
+    # With logprobs: per token whose text is out, the length of `text` then (see `tokens_within`)
+    text_ends: list[int] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def tokens_within(self, length: int) -> int:
+        """How many leading tokens produced text only within `text[:length]` (all of them when the
+        text ends are not tracked)."""
+        if self.text_ends is None:
+            return len(self.token_ids)
+        return bisect.bisect_right(self.text_ends, length)
 
 
 @dataclass(slots=True)

@@ -55,6 +55,10 @@ class ChoiceState:
         self.token_text = token_text
         self.text = ""
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
+        # With logprobs: per token whose text is out, the text's length once it was (a token whose text
+        # the detokenizer still holds, such as part of a UTF-8 character, has none yet). A server that
+        # shows only part of the text (a safety screen) shows the logprobs of those tokens alone.
+        self.text_ends: list[int] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -82,13 +86,20 @@ class ChoiceState:
             if self._append_text(self.detokenizer.flush()):
                 return True
             self.detokenizer.token_ids.append(token)
+            self._mark_text_ends()  # the stop token adds no text
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
             return False
         if self._append_text(self.detokenizer.add((token,))):
             return True
         if output.finish_reason is not None and not self._append_text(self.detokenizer.flush()):
+            self._mark_text_ends()  # tokens that never made text (a special token left out of it)
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
         return False
+
+    def _mark_text_ends(self) -> None:
+        """The tokens whose text is not out yet: it is now, up to the text's current end."""
+        if self.text_ends is not None:
+            self.text_ends.extend([len(self.text)] * (len(self.token_ids) - len(self.text_ends)))
 
     def _append_text(self, piece: str) -> bool:
         """Add detokenized text; finish the choice if a stop string now appears in it."""
@@ -96,6 +107,7 @@ class ChoiceState:
             return False
         previous = len(self.text)
         self.text += piece
+        self._mark_text_ends()
         stops = self.params.stop
         if not stops:
             return False
@@ -123,6 +135,7 @@ class ChoiceState:
             stop_reason=self.stop_reason,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            text_ends=list(self.text_ends) if self.text_ends is not None else None,
         )
 
 

@@ -6,9 +6,9 @@ A streamed request is sent to the replica with `stream_options.continuous_usage_
 chunk carries the usage so far: a stream that breaks off (the replica died) or that the client
 leaves is metered with the tokens of the last chunk that came through. The usage fields the client
 did not ask for are taken out again. With a safety filter, each choice's text goes out only as its
-`OutputGuard` releases it (the server's rule, a window held back until checked); a blocked choice
-ends with finish_reason "content_filter", and once every choice has ended so, the replica's stream
-is closed, which aborts the generation there."""
+`OutputGuard` releases it (the server's rule, a window held back until checked), and its logprobs
+with it; a blocked choice ends with finish_reason "content_filter", and once every choice has ended
+so, the replica's stream is closed, which aborts the generation there."""
 
 from __future__ import annotations
 
@@ -61,22 +61,60 @@ def dumps(data: Chunk) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
+# A completion choice's logprobs: four lists, one item per token each.
+COMPLETION_LOGPROBS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def logprob_items(logprobs: Chunk | None) -> list[Any]:
+    """A choice's logprobs, one item per token: a chat entry, or a completion's four values."""
+    if not logprobs:
+        return []
+    if "content" in logprobs:
+        return list(logprobs["content"] or [])
+    columns = [logprobs.get(name) or [] for name in COMPLETION_LOGPROBS]
+    return [dict(zip(COMPLETION_LOGPROBS, values, strict=True)) for values in zip(*columns, strict=True)]
+
+
+def joined_logprobs(items: list[Any], chat: bool) -> Chunk | None:
+    if not items:
+        return None
+    if chat:
+        return {"content": items, "refusal": None}
+    return {name: [item[name] for item in items] for name in COMPLETION_LOGPROBS}
+
+
 class ChoiceScreen:
-    """The output guard of one choice over its text so far (a chat delta's content, a completion's text)."""
+    """The output guard of one choice over its text so far (a chat delta's content, a completion's text),
+    and the logprobs of that text: a chunk's logprobs go out once all of its text has (tokens that made
+    no text yet wait for the next chunk that has some), and never once the choice is blocked, so that
+    no logprob tells text the guard holds back or withheld."""
 
     def __init__(self, guard: OutputGuard) -> None:
         self.guard = guard
         self.text = ""
         self.sent = 0
+        self.waiting: list[tuple[int, list[Any]]] = []  # (where their text ends, logprob items)
+        self.textless: list[Any] = []  # logprob items of tokens whose text has not come yet
 
-    def take(self, piece: str, finished: bool) -> tuple[str, Verdict | None]:
-        """What of the text so far (with `piece`) may go out now, and the verdict when it blocks."""
+    def take(self, piece: str, finished: bool, items: list[Any]) -> tuple[str, list[Any], Verdict | None]:
+        """What of the text so far (with `piece`) and of its logprob items may go out now, and the
+        verdict when it blocks."""
         self.text += piece
+        self.textless += items
+        if (piece or finished) and self.textless:
+            self.waiting.append((len(self.text), self.textless))
+            self.textless = []
         step = self.guard.feed(self.text, finished=finished)
         released = self.guard.released_text
         new = released[self.sent :]
         self.sent = len(released)
-        return new, step.verdict if step.blocked else None
+        if step.blocked:
+            self.waiting.clear()
+            return new, [], step.verdict
+        out: list[Any] = []
+        while self.waiting and self.waiting[0][0] <= len(released):
+            out += self.waiting.pop(0)[1]
+        return new, out, None
 
 
 class Reply:
@@ -110,10 +148,13 @@ class Reply:
         piece = holder.get(self.text_field) or ""
         finished = final or choice.get("finish_reason") is not None
         screen = self._screen(index)
+        logprobs: list[Any] = []
         if screen is not None:
-            piece, verdict = screen.take(piece, finished)
+            piece, logprobs, verdict = screen.take(piece, finished, logprob_items(choice.get("logprobs")))
             if holder.get(self.text_field) is not None or piece:
                 holder[self.text_field] = piece
+            if "logprobs" in choice:
+                choice["logprobs"] = joined_logprobs(logprobs, chat=self.text_field == "content")
             if verdict is not None:
                 self.blocked.append(verdict)
                 choice["finish_reason"] = CONTENT_FILTER
@@ -122,7 +163,7 @@ class Reply:
             self.first_text += piece
         if finished:
             self.ended.add(index)
-        return bool(piece) or finished or _carries_more(holder, self.text_field)
+        return bool(piece) or bool(logprobs) or finished or _carries_more(holder, self.text_field)
 
     def _screen(self, index: int) -> ChoiceScreen | None:
         if index not in self.screens:

@@ -244,8 +244,10 @@ class _Run:
         for position, output in enumerate(outputs):
             for completion in output.outputs:
                 index = position * self.n + completion.index
-                text, finish_reason = self.cursors[index].visible(completion)
-                choices.append(self.renderers[index].response_choice(completion, text, finish_reason, output))
+                cursor = self.cursors[index]
+                text, finish_reason = cursor.visible(completion)
+                shown = cursor.shown(completion, len(text))
+                choices.append(self.renderers[index].response_choice(shown, text, finish_reason, output))
         usage = usage_of(self.started.meter)
         return self.shape.response(self.started.response_id, self.model, choices, usage, outputs).model_dump()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -215,7 +216,8 @@ class StreamCursor:
 
     With a safety `guard`, only the text the guard releases is sent (it holds back a window of
     characters until they are checked); once it blocks, the choice ends with finish_reason
-    "content_filter" and nothing after the last released character is ever sent."""
+    "content_filter" and nothing after the last released character is ever sent, nor any token (a
+    logprob) whose text goes past it."""
 
     def __init__(self, guard: OutputGuard | None = None) -> None:
         self.text_sent = 0
@@ -246,11 +248,28 @@ class StreamCursor:
         if not new_text and not finished:
             return None
         start = self.tokens_sent
-        logprobs = completion.logprobs[start:] if completion.logprobs is not None else None
+        end = max(start, self._shown_tokens(completion, len(text)))
+        logprobs = completion.logprobs[start:end] if completion.logprobs is not None else None
         self.text_sent = max(self.text_sent, len(text))
-        self.tokens_sent = len(completion.token_ids)
+        self.tokens_sent = end
         self.done = finished
-        return Delta(new_text, completion.token_ids[start:], logprobs, finish_reason)
+        return Delta(new_text, completion.token_ids[start:end], logprobs, finish_reason)
+
+    def shown(self, completion: CompletionOutput, length: int) -> CompletionOutput:
+        """`completion` with only the tokens (and logprobs) that `length` characters of its text show."""
+        end = self._shown_tokens(completion, length)
+        if end == len(completion.token_ids):
+            return completion
+        logprobs = completion.logprobs[:end] if completion.logprobs is not None else None
+        return dataclasses.replace(completion, token_ids=completion.token_ids[:end], logprobs=logprobs)
+
+    def _shown_tokens(self, completion: CompletionOutput, length: int) -> int:
+        """How many of the choice's tokens its first `length` characters show: all of them without a guard;
+        with one, only those whose text is within it, so that a token's logprob never tells text the
+        guard holds back or blocked."""
+        if self.guard is None:
+            return len(completion.token_ids)
+        return completion.tokens_within(length)
 
 
 # ---- numbered events and resumable streams ---------------------------------------------------------

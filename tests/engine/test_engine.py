@@ -209,6 +209,29 @@ def test_stop_token_ids_min_tokens_and_logprobs(llm):
     _assert_pool_empty(llm)
 
 
+def test_with_logprobs_each_token_records_where_its_text_ended(llm):
+    tokenizer = llm.get_tokenizer()
+    free = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    stop = free.text[12:15]
+    params = [SamplingParams(temperature=1.0, seed=7, max_tokens=48, ignore_eos=True, logprobs=0) for _ in PROMPTS]
+    params[3] = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0, stop=[stop])
+    outputs = [out.outputs[0] for out in llm.generate(PROMPTS, params)]
+    assert outputs[3].finish_reason == "stop" and [c.finish_reason for c in outputs].count("length") == 4
+    for c in outputs:
+        ends = c.text_ends
+        assert len(ends) == len(c.token_ids) and ends == sorted(ends)
+        for i, end in enumerate(ends):
+            assert c.tokens_within(end) >= i + 1 and c.tokens_within(end - 1) <= i
+            # a token's text is out once it is whole: a piece of a character waits for what completes it
+            assert len(tokenizer.decode(c.token_ids[: i + 1]).rstrip("\ufffd")) <= end
+        if c.finish_reason == "length":
+            assert ends[-1] == len(c.text) and c.tokens_within(len(c.text)) == len(c.token_ids)
+        else:  # the tokens of the stop string made text past the end it was cut at
+            assert ends[-1] > len(c.text) and c.tokens_within(len(c.text)) < len(c.token_ids)
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4))[0].outputs[0].text_ends is None
+    _assert_pool_empty(llm)
+
+
 def test_chat_applies_the_template(llm):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]

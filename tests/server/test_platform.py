@@ -478,6 +478,37 @@ def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
         assert server.wait_until(lambda: server.engine.num_aborted > aborted)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_blocked_output_shows_no_logprob_of_the_text_it_withholds(server: PlatformServer, stream: bool) -> None:
+    body = chat_body("Write a long story about a cat.", max_tokens=60, ignore_eos=True, temperature=0,
+                     logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True)
+    reference = _reference_reply(server, body)
+    word, _ = _blockable_word(reference)
+    server.platform.safety = RuleSetFilter(words=[word])
+    with server.client() as client:
+        if stream:
+            text, entries = "", []
+            with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {") and (choices := json.loads(line[6:])["choices"]):
+                        text += choices[0]["delta"].get("content") or ""
+                        entries += (choices[0]["logprobs"] or {}).get("content", [])
+        else:
+            choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+            text, entries = choice["message"]["content"], (choice["logprobs"] or {}).get("content") or []
+    ids = [int(entry["token"].removeprefix("token_id:")) for entry in entries]
+    top = [int(t["token"].removeprefix("token_id:")) for entry in entries for t in entry["top_logprobs"]]
+    shown = server.engine.tokenizer.decode(ids)
+    # The logprobs are those of the text shown, and nothing past it.
+    assert text.startswith(shown) and word.lower() not in shown.lower()
+    assert top == ids  # greedy: each top token is the one chosen
+    if not stream and server.app is not None and not hasattr(server.app.state, "gateway"):
+        # The server maps its tokens to the text they made: all of the text shown but a token whose
+        # character is not whole. A gateway sees text and logprobs, not how they align: a reply it
+        # blocks whole goes out without logprobs.
+        assert len(shown) >= len(text) - 2 and text
+
+
 def test_a_blocked_completion_stream_stops_with_content_filter(server: PlatformServer) -> None:
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
     with server.client() as client:
