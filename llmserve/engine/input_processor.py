@@ -67,18 +67,17 @@ class InputProcessor:
     def bad_word_token_ids(self, words: Sequence[str]) -> list[list[int]]:
         """Each bad word's token sequences: as written and after a space, where the two differ (a word
         mid-sentence is usually one token with its space), without special tokens (vLLM's rule)."""
-        sequences: list[list[int]] = []
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if len(ids) > MAX_BAD_WORD_TOKENS:
-                    raise InvalidRequestError(
-                        f"Each bad word may be at most {MAX_BAD_WORD_TOKENS} tokens long; {word[:40]!r}... is "
-                        f"{len(ids)}.", param="bad_words",
-                    )
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return sequences
+        texts = [text for word in words for text in (word.lstrip(), " " + word.lstrip())]
+        sequences: dict[tuple[int, ...], None] = {}
+        for text, ids in zip(texts, self.tokenizer.encode_pieces(texts), strict=True):
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise InvalidRequestError(
+                    f"Each bad word may be at most {MAX_BAD_WORD_TOKENS} tokens long; {text.strip()[:40]!r}... "
+                    f"is {len(ids)}.", param="bad_words",
+                )
+            if ids:
+                sequences[tuple(ids)] = None
+        return [list(ids) for ids in sequences]
 
     def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last `keep` tokens (truncate_prompt_tokens; -1: as many as the context holds)."""

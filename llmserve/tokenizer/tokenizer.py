@@ -314,6 +314,10 @@ class Tokenizer:
             return [self._prepend_bos_id, *ids]
         return ids
 
+    def encode_pieces(self, texts: Sequence[str]) -> list[list[int]]:
+        """Several short texts' ids without special tokens, in one call (no BOS either)."""
+        return [encoding.ids for encoding in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+
     def encode_truncated(self, text: str, max_length: int) -> list[int]:
         """The text's tokens with the special tokens, the text cut from the right so that all of it fits
         in `max_length` (transformers' `truncation=True`, as sentence-transformers embeds)."""
