@@ -75,12 +75,13 @@ def logprob_items(logprobs: Chunk | None) -> list[Any]:
     return [dict(zip(COMPLETION_LOGPROBS, values, strict=True)) for values in zip(*columns, strict=True)]
 
 
-def joined_logprobs(items: list[Any], chat: bool) -> Chunk | None:
+def joined_logprobs(logprobs: Chunk, items: list[Any]) -> Chunk | None:
+    """`logprobs` (a choice's) holding only `items` (from `logprob_items`); None for no item."""
     if not items:
         return None
-    if chat:
-        return {"content": items, "refusal": None}
-    return {name: [item[name] for item in items] for name in COMPLETION_LOGPROBS}
+    if "content" in logprobs:
+        return {**logprobs, "content": items}
+    return {**logprobs, **{name: [item[name] for item in items] for name in COMPLETION_LOGPROBS}}
 
 
 class ChoiceScreen:
@@ -95,6 +96,7 @@ class ChoiceScreen:
         self.sent = 0
         self.waiting: list[tuple[int, list[Any]]] = []  # (where their text ends, logprob items)
         self.textless: list[Any] = []  # logprob items of tokens whose text has not come yet
+        self.logprobs_shape: Chunk | None = None  # the choice's logprobs object, to put released items in
 
     def take(self, piece: str, finished: bool, items: list[Any]) -> tuple[str, list[Any], Verdict | None]:
         """What of the text so far (with `piece`) and of its logprob items may go out now, and the
@@ -153,8 +155,10 @@ class Reply:
             piece, logprobs, verdict = screen.take(piece, finished, logprob_items(choice.get("logprobs")))
             if holder.get(self.text_field) is not None or piece:
                 holder[self.text_field] = piece
-            if "logprobs" in choice:
-                choice["logprobs"] = joined_logprobs(logprobs, chat=self.text_field == "content")
+            if choice.get("logprobs"):
+                screen.logprobs_shape = choice["logprobs"]
+            if screen.logprobs_shape is not None and (logprobs or choice.get("logprobs")):
+                choice["logprobs"] = joined_logprobs(screen.logprobs_shape, logprobs)
             if verdict is not None:
                 self.blocked.append(verdict)
                 choice["finish_reason"] = CONTENT_FILTER

@@ -509,6 +509,26 @@ def test_a_blocked_output_shows_no_logprob_of_the_text_it_withholds(server: Plat
         assert len(shown) >= len(text) - 2 and text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_screened_output_that_passes_keeps_every_logprob(server: PlatformServer, stream: bool) -> None:
+    server.platform.safety = RuleSetFilter(words=["zebrafinch"])  # screened, never matched
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+            "logprobs": 1, "return_tokens_as_token_ids": True}
+    with server.client() as client:
+        if stream:
+            text, tokens = "", []
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {") and (choices := json.loads(line[6:])["choices"]):
+                        text += choices[0]["text"]
+                        tokens += (choices[0]["logprobs"] or {}).get("tokens", [])
+        else:
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+            text, tokens = choice["text"], choice["logprobs"]["tokens"]
+    assert len(tokens) == 40
+    assert server.engine.tokenizer.decode([int(t.removeprefix("token_id:")) for t in tokens]) == text
+
+
 def test_a_blocked_completion_stream_stops_with_content_filter(server: PlatformServer) -> None:
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
     with server.client() as client:
