@@ -17,8 +17,9 @@ the same.
 
 Structured output: a request with a grammar waits here until its grammar is compiled (off the step
 loop, `structured_output`), then joins the scheduler; each step fills the token bitmask of every
-sampling row whose sequence is under a grammar (and of those with `allowed_token_ids`). Under overlapped scheduling such a sequence skips a
-step while its last token is pending (its mask needs that token), as penalised ones do.
+sampling row whose sequence is under a grammar (or `allowed_token_ids`: the same row, ANDed). Under
+overlapped scheduling a sequence under a grammar skips a step while its last token is pending (its mask
+needs that token), as penalised ones and those with a bad word of several tokens do.
 """
 
 from __future__ import annotations
