@@ -133,6 +133,23 @@ def _echo_text(body: ChatCompletionRequest) -> str:
     return last.text() if body.echo and last.role == "assistant" else ""
 
 
+def _template_variables(body: ChatCompletionRequest, endpoint: ModelEndpoint) -> dict[str, Any]:
+    """The chat template's variables from the request: `chat_template_kwargs`, and `reasoning_effort`
+    where the template reads it."""
+    variables = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is None:
+        return variables
+    if not endpoint.engine.tokenizer.template_reads("reasoning_effort"):
+        raise errors.unsupported("reasoning_effort", (
+            f"reasoning_effort is not supported by {endpoint.name}: its chat template does not read it (a model "
+            "that thinks may take a switch in chat_template_kwargs instead, such as Qwen3's enable_thinking)."
+        ))
+    if variables.setdefault("reasoning_effort", body.reasoning_effort) != body.reasoning_effort:
+        raise errors.unsupported("reasoning_effort", "reasoning_effort and chat_template_kwargs.reasoning_effort "
+                                 "differ: give it once.")
+    return variables
+
+
 async def _chat_prompt(
     workers: WorkerPool,
     endpoint: ModelEndpoint,
@@ -145,7 +162,7 @@ async def _chat_prompt(
     context window as `truncation` says, leaving room for `max_tokens`), then the new messages; the
     request's `chat_template_kwargs` are the template's variables too."""
 
-    template_variables = body.chat_template_kwargs or {}
+    template_variables = _template_variables(body, endpoint)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
 
     def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:

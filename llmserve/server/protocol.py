@@ -437,6 +437,9 @@ class ChatCompletionRequest(SamplingFields):
     truncation: Literal["auto", "disabled"] = "disabled"
     # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; given to the chat template as the variable of that name (as vLLM does for gpt-oss), and a
+    # 400 for a model whose template does not read it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # "auto" when tools are given, else "none"
     parallel_tool_calls: StrictBool | None = None
@@ -447,7 +450,6 @@ class ChatCompletionRequest(SamplingFields):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    reasoning_effort: Any = None
     verbosity: Any = None
     moderation: Any = None
 
@@ -464,7 +466,7 @@ class ChatCompletionRequest(SamplingFields):
             found.append(("function_call", "function_call is not supported."))
         if self.modalities is not None and set(self.modalities) - {"text"}:
             found.append(("modalities", "only the 'text' modality is supported."))
-        for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
+        for name in ("audio", "prediction", "web_search_options", "verbosity"):
             if getattr(self, name) is not None:
                 found.append((name, f"{name} is not supported."))
         if self.moderation is not None:

@@ -16,6 +16,7 @@ from typing import Any, Literal, NoReturn, overload
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
@@ -103,16 +104,27 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@functools.lru_cache(maxsize=16)
-def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile a chat template in the same sandboxed environment transformers uses."""
+@functools.cache
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    """The sandboxed environment transformers renders chat templates in."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(template)
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(template: str) -> jinja2.Template:
+    return _template_environment().from_string(template)
+
+
+@functools.lru_cache(maxsize=16)
+def chat_template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads from its context (`messages`, `enable_thinking`, ...)."""
+    return frozenset(jinja2.meta.find_undeclared_variables(_template_environment().parse(template)))
 
 
 def _content_text(content: list[Any]) -> str:
@@ -428,6 +440,10 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._chat_template
+
+    def template_reads(self, variable: str) -> bool:
+        """Whether the chat template reads `variable` (so that a request setting it changes the prompt)."""
+        return self._chat_template is not None and variable in chat_template_variables(self._chat_template)
 
     @property
     def model_max_length(self) -> int | None:

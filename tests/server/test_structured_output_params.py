@@ -102,6 +102,7 @@ def test_conflicting_asks_name_the_field(fields, param):
 # ---- over HTTP: shape errors and the chat template's variables -----------------------------------
 
 THINKING_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|im_start|>system\nReasoning: {{ reasoning_effort }}<|im_end|>\n{% endif %}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
@@ -181,6 +182,19 @@ def test_chat_template_kwargs_reach_the_template(http):
               (("plain", plain), ("off", thinking_off), ("on", thinking_on))}
     # "<think>\n\n</think>\n\n" is in the prompt only when thinking is turned off.
     assert tokens["plain"] == tokens["on"] < tokens["off"]
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(http):
+    plain, low = _post(http, CHAT, {}), _post(http, CHAT, {"reasoning_effort": "low"})
+    assert plain.status_code == low.status_code == 200, low.text
+    # "<|im_start|>system\nReasoning: low<|im_end|>\n" leads the prompt only when it is given.
+    assert low.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"]
+    same = _post(http, CHAT, {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "low"}})
+    assert same.json()["usage"]["prompt_tokens"] == low.json()["usage"]["prompt_tokens"]
+    for fields in ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
+                   {"reasoning_effort": "extreme"}):
+        response = _post(http, CHAT, fields)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning_effort"
 
 
 @pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "tokenize", "tools", "self"])
