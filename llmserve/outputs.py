@@ -34,7 +34,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: SampleLogprobs | None = None  # per token: chosen token and top alternatives
     cumulative_logprob: float | None = None
-    # With logprobs: per token whose text is out, the length of `text` then (see `tokens_within`)
+    # With SamplingParams.track_text_ends: per token whose text is out, the length of `text` then
     text_ends: list[int] | None = None
 
     @property

@@ -55,10 +55,9 @@ class ChoiceState:
         self.token_text = token_text
         self.text = ""
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
-        # With logprobs: per token whose text is out, the text's length once it was (a token whose text
-        # the detokenizer still holds, such as part of a UTF-8 character, has none yet). A server that
-        # shows only part of the text (a safety screen) shows the logprobs of those tokens alone.
-        self.text_ends: list[int] | None = [] if params.logprobs is not None else None
+        # Per token whose text is out, the text's length once it was (a token whose text the detokenizer
+        # still holds, such as part of a UTF-8 character, has none yet), when the params ask for them.
+        self.text_ends: list[int] | None = [] if params.track_text_ends else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

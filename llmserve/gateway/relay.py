@@ -6,9 +6,9 @@ A streamed request is sent to the replica with `stream_options.continuous_usage_
 chunk carries the usage so far: a stream that breaks off (the replica died) or that the client
 leaves is metered with the tokens of the last chunk that came through. The usage fields the client
 did not ask for are taken out again. With a safety filter, each choice's text goes out only as its
-`OutputGuard` releases it (the server's rule, a window held back until checked), and its logprobs
-with it; a blocked choice ends with finish_reason "content_filter", and once every choice has ended
-so, the replica's stream is closed, which aborts the generation there."""
+`OutputGuard` releases it (the server's rule, a window held back until checked), and its tokens'
+logprobs and ids with it; a blocked choice ends with finish_reason "content_filter", and once every
+choice has ended so, the replica's stream is closed, which aborts the generation there."""
 
 from __future__ import annotations
 
@@ -84,25 +84,37 @@ def joined_logprobs(logprobs: Chunk, items: list[Any]) -> Chunk | None:
     return {**logprobs, **{name: [item[name] for item in items] for name in COMPLETION_LOGPROBS}}
 
 
+# One token of a choice as a reply carries it: its logprobs entry and its id (vLLM's return_token_ids),
+# each None when the reply does not carry it.
+Token = tuple[Any, int | None]
+
+
+def tokens_of(choice: Chunk) -> list[Token]:
+    entries = logprob_items(choice.get("logprobs"))
+    ids = choice.get("token_ids") or []
+    return [(entries[i] if i < len(entries) else None, ids[i] if i < len(ids) else None)
+            for i in range(max(len(entries), len(ids)))]
+
+
 class ChoiceScreen:
     """The output guard of one choice over its text so far (a chat delta's content, a completion's text),
-    and the logprobs of that text: a chunk's logprobs go out once all of its text has (tokens that made
-    no text yet wait for the next chunk that has some), and never once the choice is blocked, so that
-    no logprob tells text the guard holds back or withheld."""
+    and the tokens of that text (their logprobs and ids): a chunk's tokens go out once all of its text
+    has (tokens that made no text yet wait for the next chunk that has some), and never once the choice
+    is blocked, so that no logprob or token id tells text the guard holds back or withheld."""
 
     def __init__(self, guard: OutputGuard) -> None:
         self.guard = guard
         self.text = ""
         self.sent = 0
-        self.waiting: list[tuple[int, list[Any]]] = []  # (where their text ends, logprob items)
-        self.textless: list[Any] = []  # logprob items of tokens whose text has not come yet
-        self.logprobs_shape: Chunk | None = None  # the choice's logprobs object, to put released items in
+        self.waiting: list[tuple[int, list[Token]]] = []  # (where their text ends, tokens)
+        self.textless: list[Token] = []  # tokens whose text has not come yet
+        self.logprobs_shape: Chunk | None = None  # the choice's logprobs object, to put released entries in
 
-    def take(self, piece: str, finished: bool, items: list[Any]) -> tuple[str, list[Any], Verdict | None]:
-        """What of the text so far (with `piece`) and of its logprob items may go out now, and the
-        verdict when it blocks."""
+    def take(self, piece: str, finished: bool, tokens: list[Token]) -> tuple[str, list[Token], Verdict | None]:
+        """What of the text so far (with `piece`) and of its tokens may go out now, and the verdict when
+        it blocks."""
         self.text += piece
-        self.textless += items
+        self.textless += tokens
         if (piece or finished) and self.textless:
             self.waiting.append((len(self.text), self.textless))
             self.textless = []
@@ -113,7 +125,7 @@ class ChoiceScreen:
         if step.blocked:
             self.waiting.clear()
             return new, [], step.verdict
-        out: list[Any] = []
+        out: list[Token] = []
         while self.waiting and self.waiting[0][0] <= len(released):
             out += self.waiting.pop(0)[1]
         return new, out, None
@@ -150,15 +162,12 @@ class Reply:
         piece = holder.get(self.text_field) or ""
         finished = final or choice.get("finish_reason") is not None
         screen = self._screen(index)
-        logprobs: list[Any] = []
+        tokens: list[Token] = []
         if screen is not None:
-            piece, logprobs, verdict = screen.take(piece, finished, logprob_items(choice.get("logprobs")))
+            piece, tokens, verdict = screen.take(piece, finished, tokens_of(choice))
             if holder.get(self.text_field) is not None or piece:
                 holder[self.text_field] = piece
-            if choice.get("logprobs"):
-                screen.logprobs_shape = choice["logprobs"]
-            if screen.logprobs_shape is not None and (logprobs or choice.get("logprobs")):
-                choice["logprobs"] = joined_logprobs(screen.logprobs_shape, logprobs)
+            _put_tokens(choice, screen, tokens)
             if verdict is not None:
                 self.blocked.append(verdict)
                 choice["finish_reason"] = CONTENT_FILTER
@@ -167,7 +176,7 @@ class Reply:
             self.first_text += piece
         if finished:
             self.ended.add(index)
-        return bool(piece) or bool(logprobs) or finished or _carries_more(holder, self.text_field)
+        return bool(piece) or bool(tokens) or finished or _carries_more(holder, self.text_field)
 
     def _screen(self, index: int) -> ChoiceScreen | None:
         if index not in self.screens:
@@ -176,6 +185,17 @@ class Reply:
                 return None
             self.screens[index] = ChoiceScreen(guard)
         return self.screens[index]
+
+
+def _put_tokens(choice: Chunk, screen: ChoiceScreen, tokens: list[Token]) -> None:
+    """The choice's logprobs and token ids: those of `tokens` (what its screen released) alone."""
+    if choice.get("logprobs"):
+        screen.logprobs_shape = choice["logprobs"]
+    entries = [entry for entry, _ in tokens if entry is not None]
+    if screen.logprobs_shape is not None and (entries or choice.get("logprobs")):
+        choice["logprobs"] = joined_logprobs(screen.logprobs_shape, entries)
+    if "token_ids" in choice:
+        choice["token_ids"] = [token_id for _, token_id in tokens if token_id is not None]
 
 
 def _carries_more(holder: Chunk, text_field: str) -> bool:

@@ -66,6 +66,9 @@ class SamplingParams:
     # output so far ends with the ones before it.
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # The front end records where each token's text ended (`CompletionOutput.text_ends`): a server that
+    # shows only part of the text (a safety screen) shows only those tokens' ids and logprobs.
+    track_text_ends: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -78,6 +78,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
         obfuscate=bool(body.stream_options and body.stream_options.include_obfuscation),
         resumable=bool(body.stream_options and body.stream_options.resumable),
+        return_token_ids=body.return_token_ids,
         screen_texts=lambda: [m["content"] for m in new_messages],
         screen_param="messages",
         priority=body.priority,
@@ -96,6 +97,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         turn_messages=new_messages,
         prompt_logprobs=body.prompt_logprobs,
         plan=plan,
+        prompt_token_ids=prompt_ids if body.return_token_ids else None,
     )
     return await respond(request, prepared, shape)
 
@@ -190,27 +192,31 @@ class ChatChoiceRenderer(ChoiceRenderer):
     the content as is), becomes the assistant message or its deltas."""
 
     def __init__(
-        self, index: int, top_logprobs: int | None, texts: TokenTexts, echo: str, processor: TextPostProcessor | None
+        self, index: int, top_logprobs: int | None, texts: TokenTexts, echo: str, processor: TextPostProcessor | None,
+        token_ids: bool = False,
     ) -> None:
         self.index = index
         self.top_logprobs = top_logprobs  # None: no logprobs
         self.texts = texts
         self.echo = echo  # prepended to the non-streamed content (streamed, it has a chunk of its own)
         self.processor = processor
+        self.token_ids = token_ids  # vLLM's return_token_ids
 
     def chunk_choice(self, delta: Delta, output: RequestOutput) -> Choice | None:
-        if self.processor is None and (self.top_logprobs is None or delta.logprobs is None):
+        plain = self.top_logprobs is None or delta.logprobs is None
+        if self.processor is None and plain and not self.token_ids:
             return content_choice_json(self.index, delta.text, delta.finish_reason)  # the hot path
         pieces, finish_reason = self._pieces(delta.text, delta.finish_reason)
         logprobs = None
-        if self.top_logprobs is not None and delta.logprobs is not None:
+        if not plain:
             logprobs = chat_logprobs(delta.token_ids, delta.logprobs, self.top_logprobs, self.texts)
-        elif pieces.is_content_only:
+        elif not self.token_ids and pieces.is_content_only:
             if not pieces.content and finish_reason is None:
                 return None  # the post-processor holds this text back
             return content_choice_json(self.index, pieces.content, finish_reason)
         return ChatChunkChoice(
-            index=self.index, delta=_delta_message(pieces), logprobs=logprobs, finish_reason=finish_reason
+            index=self.index, delta=_delta_message(pieces), logprobs=logprobs, finish_reason=finish_reason,
+            token_ids=list(delta.token_ids) if self.token_ids else None,
         )
 
     def response_choice(
@@ -228,7 +234,8 @@ class ChatChoiceRenderer(ChoiceRenderer):
             reasoning_content=pieces.reasoning_content or None,
             tool_calls=whole_tool_calls(pieces.tool_calls) or None,
         )
-        return ChatChoice(index=self.index, message=message, logprobs=logprobs, finish_reason=finish_reason)
+        return ChatChoice(index=self.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
+                          token_ids=list(completion.token_ids) if self.token_ids else None)
 
     def _pieces(self, text: str, finish_reason: str | None) -> tuple[MessagePieces, str | None]:
         """What the newly released `text` adds to the message, and the finish reason to report."""
@@ -267,8 +274,10 @@ class ChatShape(ResponseShape):
         turn_messages: list[dict[str, str]],
         prompt_logprobs: int | None = None,
         plan: ReplyPlan | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
         self.plan = plan  # the tool calls and reasoning replies are parsed for (None: plain content)
+        self.prompt_token_ids = prompt_token_ids  # vLLM's return_token_ids: the response carries them
         self.top_logprobs = top_logprobs
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field, with this many top logprobs
         self.echo = echo
@@ -280,7 +289,8 @@ class ChatShape(ResponseShape):
         self.turn_messages = turn_messages
 
     def renderer(self, position: int, index: int) -> ChatChoiceRenderer:
-        return ChatChoiceRenderer(index, self.top_logprobs, self.texts, self.echo, self.post_processor())
+        return ChatChoiceRenderer(index, self.top_logprobs, self.texts, self.echo, self.post_processor(),
+                                  token_ids=self.prompt_token_ids is not None)
 
     def post_processor(self) -> TextPostProcessor | None:
         """A fresh post-processor for one choice (a tool-call or reasoning parser); None: the text is
@@ -290,12 +300,19 @@ class ChatShape(ResponseShape):
     def empty_chunk(self, response_id: str, created: int, model: str, usage: Usage | None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage)
 
+    def first_chunk(self, response_id: str, created: int, model: str) -> ChatCompletionChunk | None:
+        if self.prompt_token_ids is None:
+            return None
+        return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[],
+                                   prompt_token_ids=self.prompt_token_ids)
+
     def response(
         self, response_id: str, model: str, choices: list[BaseModel], usage: Usage, outputs: Sequence[RequestOutput]
     ) -> ChatCompletionResponse:
         prompt_logprobs = vllm_prompt_logprobs(outputs[0].prompt_logprobs, self.prompt_logprobs)
         return ChatCompletionResponse(
-            id=response_id, model=model, choices=choices, usage=usage, prompt_logprobs=prompt_logprobs
+            id=response_id, model=model, choices=choices, usage=usage, prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=None if self.prompt_token_ids is None else list(outputs[0].prompt_token_ids),
         )
 
     def opening_chunks(self, prompts: int, n: int) -> list[list[Choice]]:

@@ -60,11 +60,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         priority=body.priority,
         cache_salt=body.cache_salt,
         renames={"structured_outputs": field} if (field := constraint_field(body)) is not None else None,
+        return_token_ids=body.return_token_ids,
     )
     echo_texts = [_prompt_text(p, endpoint.token_texts) if body.echo else "" for p in prompts]
     shape = CompletionShape(
         body.logprobs, echo_texts, logprob_texts(endpoint.token_texts, body.return_tokens_as_token_ids),
-        body.echoes_logprobs, body.prompt_logprobs
+        body.echoes_logprobs, body.prompt_logprobs, token_ids=body.return_token_ids,
     )
     return await respond(request, prepared, shape)
 
@@ -90,9 +91,10 @@ class CompletionChoiceRenderer(ChoiceRenderer):
 
     def __init__(
         self, index: int, logprobs: int | None, texts: TokenTexts, echo: str, echo_logprobs: bool,
-        prompt_logprobs: int | None,
+        prompt_logprobs: int | None, token_ids: bool = False,
     ) -> None:
         self.index = index
+        self.token_ids = token_ids  # vLLM's return_token_ids
         self.logprobs = logprobs  # None: no logprobs
         self.texts = texts
         self.echo = echo
@@ -104,12 +106,21 @@ class CompletionChoiceRenderer(ChoiceRenderer):
     def chunk_choice(self, delta: Delta, output: RequestOutput) -> Choice:
         first, self.first = self.first, False
         if first and (self.echo_logprobs or self.prompt_logprobs is not None):
-            return self._first_with_prompt_logprobs(delta, output)
-        if self.logprobs is None or delta.logprobs is None:
-            return text_choice_json(self.index, delta.text, delta.finish_reason)
-        logprobs = completion_logprobs(delta.token_ids, delta.logprobs, self.logprobs, self.texts, self.offset)
-        self.offset += sum(len(t) for t in logprobs.tokens)
-        return CompletionChoice(index=self.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)
+            choice = self._first_with_prompt_logprobs(delta, output)
+        elif self.logprobs is None or delta.logprobs is None:
+            if not self.token_ids:
+                return text_choice_json(self.index, delta.text, delta.finish_reason)
+            choice = CompletionChoice(index=self.index, text=delta.text, finish_reason=delta.finish_reason)
+        else:
+            logprobs = completion_logprobs(delta.token_ids, delta.logprobs, self.logprobs, self.texts, self.offset)
+            self.offset += sum(len(t) for t in logprobs.tokens)
+            choice = CompletionChoice(index=self.index, text=delta.text, logprobs=logprobs,
+                                      finish_reason=delta.finish_reason)
+        if self.token_ids:
+            choice.token_ids = list(delta.token_ids)
+            if first:
+                choice.prompt_token_ids = list(output.prompt_token_ids)
+        return choice
 
     def _first_with_prompt_logprobs(self, delta: Delta, output: RequestOutput) -> CompletionChoice:
         """The first chunk, which the prompt's logprobs come with (the engine scores the whole prompt
@@ -148,6 +159,8 @@ class CompletionChoiceRenderer(ChoiceRenderer):
             logprobs=logprobs,
             finish_reason=finish_reason,
             prompt_logprobs=vllm_prompt_logprobs(output.prompt_logprobs, self.prompt_logprobs),
+            prompt_token_ids=list(output.prompt_token_ids) if self.token_ids else None,
+            token_ids=list(completion.token_ids) if self.token_ids else None,
         )
 
 
@@ -158,8 +171,9 @@ class CompletionShape(ResponseShape):
 
     def __init__(
         self, logprobs: int | None, echo_texts: list[str], texts: TokenTexts, echo_logprobs: bool,
-        prompt_logprobs: int | None,
+        prompt_logprobs: int | None, token_ids: bool = False,
     ) -> None:
+        self.token_ids = token_ids
         self.logprobs = logprobs
         self.echo_texts = echo_texts  # per prompt: the text echoed before its choices ("" without echo)
         self.texts = texts
@@ -168,7 +182,8 @@ class CompletionShape(ResponseShape):
 
     def renderer(self, position: int, index: int) -> CompletionChoiceRenderer:
         return CompletionChoiceRenderer(
-            index, self.logprobs, self.texts, self.echo_texts[position], self.echo_logprobs, self.prompt_logprobs
+            index, self.logprobs, self.texts, self.echo_texts[position], self.echo_logprobs, self.prompt_logprobs,
+            token_ids=self.token_ids,
         )
 
     def empty_chunk(self, response_id: str, created: int, model: str, usage: Usage | None) -> CompletionResponse:

@@ -12,6 +12,7 @@ response's last byte, error events, aborts and `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -91,6 +92,11 @@ class ResponseShape(ABC):
     ) -> BaseModel:
         """The non-streamed response (`outputs`: its requests' last outputs)."""
 
+    def first_chunk(self, response_id: str, created: int, model: str) -> BaseModel | None:
+        """The envelope of the first chunk when it carries more than the others (vLLM's prompt token ids
+        in chat's); None: the same as theirs."""
+        return None
+
     def opening_chunks(self, prompts: int, n: int) -> list[list[Choice]]:
         """The choices of the chunks sent before any output (chat's role, echoed text), one list a chunk."""
         return []
@@ -118,6 +124,7 @@ class PreparedRequest:
     screen_texts: Callable[[], Sequence[str]]  # what the safety pre-filter reads (called on a worker)
     screen_param: str  # the parameter a blocked prompt is reported on
     resumable: bool = False  # streamed: kept generating into a buffer when the client drops (server/streams.py)
+    return_token_ids: bool = False  # the choices' token ids go out (vLLM's return_token_ids)
     priority: int = 0
     cache_salt: str | None = None
     renames: Mapping[str, str] | None = None  # engine parameter names -> the request's own
@@ -128,6 +135,9 @@ async def respond(request: Request, prepared: PreparedRequest, shape: ResponseSh
     """Check, screen and start the request's engine requests, and answer: a JSON response, or an event stream."""
     state, endpoint = prepared.state, prepared.endpoint
     check_request_size(endpoint, prepared.prompts, prepared.params, prepared.renames)
+    if state.screens_outputs and (prepared.params.logprobs is not None or prepared.return_token_ids):
+        # Only the tokens within the text the screen releases may be shown: the engine says which.
+        prepared.params = dataclasses.replace(prepared.params, track_text_ends=True)
     if prepared.params.structured_outputs is not None:
         await check_structured_outputs(state, prepared.params, prepared.renames)
     await screen_prompts(state, endpoint, prepared.screen_texts, prepared.screen_param)
@@ -259,10 +269,12 @@ class _Run:
         created = now()
         envelope = ChunkEnvelope(shape.empty_chunk(started.response_id, created, self.model, None),
                                  obfuscate=self.prepared.obfuscate)
+        first = shape.first_chunk(started.response_id, created, self.model)
         status = "disconnected"  # unless the streams get to their end
         try:
-            for choices in shape.opening_chunks(len(streams), self.n):
-                yield numbered(envelope.event(choices, self._usage_so_far()))
+            for i, choices in enumerate(shape.opening_chunks(len(streams), self.n)):
+                opening = ChunkEnvelope(first, obfuscate=self.prepared.obfuscate) if i == 0 and first else envelope
+                yield numbered(opening.event(choices, self._usage_so_far()))
             if len(streams) == 1:  # iterated directly: a merging generator costs a hop per token
                 async for output in streams[0]:
                     choices = self._advance(0, output)

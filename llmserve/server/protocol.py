@@ -129,10 +129,15 @@ class PromptTokenLogprob(_Response):
 PromptLogprobsField = list[dict[int, PromptTokenLogprob] | None] | None
 
 
-def _without_unset_prompt_logprobs(data: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's `prompt_logprobs` appears only when it was asked for: other responses keep OpenAI's shape."""
-    if data.get("prompt_logprobs", ...) is None:
-        del data["prompt_logprobs"]
+VLLM_RESPONSE_EXTRAS = ("prompt_logprobs", "prompt_token_ids", "token_ids")
+
+
+def _without_unset_extras(data: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's response fields (`prompt_logprobs`, `prompt_token_ids`, `token_ids`) appear only when they
+    were asked for: other responses keep OpenAI's shape."""
+    for name in VLLM_RESPONSE_EXTRAS:
+        if data.get(name, ...) is None:
+            del data[name]
     return data
 
 
@@ -290,6 +295,9 @@ class SamplingFields(_Request):
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     # vLLM's: logprobs name each token `token_id:{id}` instead of its text
     return_tokens_as_token_ids: StrictBool = False
+    # vLLM's: the response carries the prompt's token ids and each choice's (streamed: the prompt's in the
+    # first chunk, each chunk's own)
+    return_token_ids: StrictBool = False
 
     @field_validator("stop")
     @classmethod
@@ -542,6 +550,11 @@ class ChatChoice(_Response):
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unset_extras(handler(self))
 
 
 class ChatCompletionResponse(_Response):
@@ -553,10 +566,11 @@ class ChatCompletionResponse(_Response):
     usage: Usage
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobsField = None  # vLLM's
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_unset_prompt_logprobs(handler(self))
+        return _without_unset_extras(handler(self))
 
 
 class DeltaMessage(_Response):
@@ -577,6 +591,11 @@ class ChatChunkChoice(_Response):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: this chunk's
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unset_extras(handler(self))
 
 
 class ChatCompletionChunk(_Response):
@@ -587,6 +606,11 @@ class ChatCompletionChunk(_Response):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: in the first chunk
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unset_extras(handler(self))
 
 
 # ---- (legacy) completions ---------------------------------------------------------------------------
@@ -668,10 +692,13 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     prompt_logprobs: PromptLogprobsField = None
+    # vLLM's return_token_ids (streamed: the prompt's in the choice's first chunk, each chunk's own)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_unset_prompt_logprobs(handler(self))
+        return _without_unset_extras(handler(self))
 
 
 class CompletionResponse(_Response):

@@ -163,6 +163,10 @@ class ServerState:
     def default(self) -> ModelEndpoint:
         return self.endpoint(None)
 
+    @property
+    def screens_outputs(self) -> bool:
+        return self.platform is not None and self.platform.safety is not None
+
     def output_guard(self) -> OutputGuard | None:
         """A fresh streaming post-filter for one choice, when a safety filter is on."""
         if self.platform is None or self.platform.safety is None:

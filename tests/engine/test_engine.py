@@ -209,12 +209,13 @@ def test_stop_token_ids_min_tokens_and_logprobs(llm):
     _assert_pool_empty(llm)
 
 
-def test_with_logprobs_each_token_records_where_its_text_ended(llm):
+def test_each_token_records_where_its_text_ended_when_asked(llm):
     tokenizer = llm.get_tokenizer()
     free = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
     stop = free.text[12:15]
-    params = [SamplingParams(temperature=1.0, seed=7, max_tokens=48, ignore_eos=True, logprobs=0) for _ in PROMPTS]
-    params[3] = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0, stop=[stop])
+    params = [SamplingParams(temperature=1.0, seed=7, max_tokens=48, ignore_eos=True, track_text_ends=True)
+              for _ in PROMPTS]
+    params[3] = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, track_text_ends=True, stop=[stop])
     outputs = [out.outputs[0] for out in llm.generate(PROMPTS, params)]
     assert outputs[3].finish_reason == "stop" and [c.finish_reason for c in outputs].count("length") == 4
     for c in outputs:
@@ -228,7 +229,7 @@ def test_with_logprobs_each_token_records_where_its_text_ended(llm):
             assert ends[-1] == len(c.text) and c.tokens_within(len(c.text)) == len(c.token_ids)
         else:  # the tokens of the stop string made text past the end it was cut at
             assert ends[-1] > len(c.text) and c.tokens_within(len(c.text)) < len(c.token_ids)
-    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4))[0].outputs[0].text_ends is None
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, logprobs=1))[0].outputs[0].text_ends is None
     _assert_pool_empty(llm)
 
 

@@ -373,6 +373,43 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(server, client):
     assert all(top.token.startswith("token_id:") for entry in content for top in entry.top_logprobs)
 
 
+def _token_id_chunks(http, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_token_ids(server, http):
+    tokenizer = server.engine.tokenizer
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 7, "temperature": 0, "return_token_ids": True,
+            **NO_EOS}
+    whole = http.post(COMPLETIONS, json=body).json()
+    choice = whole["choices"][0]
+    assert choice["prompt_token_ids"] == tokenizer.encode(PROMPTS[1])
+    assert len(choice["token_ids"]) == whole["usage"]["completion_tokens"] == 7
+    assert tokenizer.decode(choice["token_ids"]) == choice["text"]
+    chunks = _token_id_chunks(http, COMPLETIONS, body)
+    streamed = [c for chunk in chunks for c in chunk["choices"]]
+    assert streamed[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in streamed[1:])
+    assert [t for c in streamed for t in c["token_ids"]] == choice["token_ids"]
+
+    chat_body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 6, "temperature": 0,
+                 "return_token_ids": True, **NO_EOS}
+    chat = http.post(CHAT, json=chat_body).json()
+    prompt = http.post("/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES}).json()["tokens"]
+    assert chat["prompt_token_ids"] == prompt and len(chat["choices"][0]["token_ids"]) == 6
+    assert tokenizer.decode(chat["choices"][0]["token_ids"]) == chat["choices"][0]["message"]["content"]
+    chunks = _token_id_chunks(http, CHAT, chat_body)
+    assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in chunks[1:])
+    # the role chunk has none
+    assert [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids", [])] == chat["choices"][0][
+        "token_ids"]
+    # Not asked for, the responses keep OpenAI's shape.
+    plain = http.post(CHAT, json={**chat_body, "return_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    assert all("token_ids" not in c["choices"][0] for c in _token_id_chunks(http, COMPLETIONS, {**body, "return_token_ids": False}) if c["choices"])
+
+
 # ---- completions ----------------------------------------------------------------------------------
 
 

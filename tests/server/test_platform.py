@@ -478,15 +478,20 @@ def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
         assert server.wait_until(lambda: server.engine.num_aborted > aborted)
 
 
-def _text_and_logprob_ids(server: PlatformServer, path: str, body: dict, stream: bool) -> tuple[str, list[int]]:
-    """Choice 0's text and the ids of the tokens its logprobs name (`return_tokens_as_token_ids`), from a
-    chat or completions reply, whole or streamed."""
+def _text_and_logprob_ids(
+    server: PlatformServer, path: str, body: dict, stream: bool, field: str = "logprobs"
+) -> tuple[str, list[int]]:
+    """Choice 0's text and the ids of its tokens, from a chat or completions reply, whole or streamed:
+    those its logprobs name (`return_tokens_as_token_ids`), or with `field="token_ids"` its
+    `return_token_ids`."""
     chat = path.endswith("/chat/completions")
 
     def text_of(choice: dict, part: str) -> str:
         return (choice[part].get("content") or "") if chat else choice["text"]
 
     def tokens_of(choice: dict) -> list[str]:
+        if field == "token_ids":
+            return [f"token_id:{token_id}" for token_id in choice.get("token_ids") or []]
         logprobs = choice["logprobs"] or {}
         return [entry["token"] for entry in logprobs.get("content") or []] if chat else logprobs.get("tokens", [])
 
@@ -521,6 +526,19 @@ def test_a_blocked_output_shows_no_logprob_of_the_text_it_withholds(server: Plat
         # character is not whole. A gateway sees text and logprobs, not how they align: a reply it
         # blocks whole goes out without logprobs.
         assert len(shown) >= len(text) - 2 and text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_blocked_output_shows_no_token_id_of_the_text_it_withholds(server: PlatformServer, stream: bool) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0,
+            "return_token_ids": True}
+    with server.client() as client:
+        reference = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    word, _ = _blockable_word(reference)
+    server.platform.safety = RuleSetFilter(words=[word])
+    text, ids = _text_and_logprob_ids(server, "/v1/completions", body, stream, field="token_ids")
+    shown = server.engine.tokenizer.decode(ids)
+    assert text.startswith(shown) and word.lower() not in shown.lower() and word.lower() not in text.lower()
 
 
 @pytest.mark.parametrize("stream", [False, True])
