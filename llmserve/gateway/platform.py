@@ -167,6 +167,8 @@ class GatewayPlatform:
     async def forward_tokenizer(self, request: Request, path: str) -> Response:
         """/tokenize and /detokenize, answered by a replica of the model's pool."""
         payload = await _json(request)
+        if not isinstance(payload.get("model"), str | None):
+            raise APIError(400, "`model` must be a string.", param="model", code="invalid_value")
         key = request_key(request.state)
         model, pool = self.resolve(payload.get("model"), key, key.id if key is not None else None)
         payload["model"] = model

@@ -446,6 +446,16 @@ def _blockable_word(text: str) -> tuple[str, int]:
     pytest.skip("the reference reply has no usable word")
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+def test_a_model_that_is_not_a_string_is_a_400_naming_it(server: PlatformServer, path: str) -> None:
+    body = {"prompt": "hi"} if path == "/tokenize" else {"tokens": [1, 2]}
+    with server.client() as client:
+        for model in ({}, [MODEL], 7):
+            response = client.post(path, json={**body, "model": model})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "model", response.text
+        assert client.post(path, json={**body, "model": MODEL}).status_code == 200
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
     server: PlatformServer, stream: bool
