@@ -40,7 +40,8 @@ class TokenTexts:
         return self.tokenizer.decode(token_ids)
 
     def utf8(self, token_id: int) -> list[int]:
-        return list(self.text(token_id).encode("utf-8"))
+        """The token's bytes (OpenAI's `bytes`): a piece of a character is its own bytes, not U+FFFD's."""
+        return list(self.tokenizer.token_bytes(token_id))
 
 
 class TokenIdTexts(TokenTexts):

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmserve.tokenizer.tokenizer import Tokenizer
-
-REPLACEMENT_CHAR = "\ufffd"
+from llmserve.tokenizer.tokenizer import REPLACEMENT_CHAR, Tokenizer
 
 
 class IncrementalDetokenizer:

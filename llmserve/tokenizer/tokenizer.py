@@ -65,6 +65,24 @@ def _added_token(content: str, spec: Mapping[str, Any]) -> AddedToken:
     )
 
 
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def _byte_level_bytes() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as in a byte-level BPE vocabulary
+    (printable bytes as themselves, the others as the characters from U+0100 on, in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    written = {byte: chr(byte) for byte in printable}
+    others = (byte for byte in range(256) if byte not in written)
+    written |= {byte: chr(256 + i) for i, byte in enumerate(others)}
+    return {char: byte for byte, char in written.items()}
+
+
+BYTE_LEVEL_BYTES = _byte_level_bytes()
+SENTENCEPIECE_SPACE = "\u2581"
+
+
 def _decoder_types(node: Any) -> set[str]:
     """Every decoder "type" named in a (possibly nested) decoder config."""
     found: set[str] = set()
@@ -240,6 +258,10 @@ class Tokenizer:
             token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
         )
         self._byte_fallback_ids = self._find_byte_fallback_ids()
+        decoder = backend.decoder
+        decoders = _decoder_types(json.loads(decoder.__getstate__())) if decoder is not None else set()
+        self._byte_level = "ByteLevel" in decoders  # GPT-2's byte alphabet
+        self._word_marks = bool({"Metaspace", "Replace"} & decoders)  # SentencePiece's "▁" for a space
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -350,6 +372,20 @@ class Tokenizer:
         if text is None:
             text = self._single_token_text[key] = self.decode([token_id], skip_special_tokens)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes this token stands for (OpenAI's logprobs `bytes`, which join into the text): a piece
+        of a UTF-8 character is its own bytes, not U+FFFD's, and a SentencePiece word keeps the space
+        that decoding it alone strips."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is not None and token_id not in self._skip_special_ids:
+            if token_id in self._byte_fallback_ids:  # "<0xE4>"
+                return bytes([int(piece[3:5], 16)])
+            if self._byte_level and all(char in BYTE_LEVEL_BYTES for char in piece):
+                return bytes(BYTE_LEVEL_BYTES[char] for char in piece)
+            if self._word_marks and SENTENCEPIECE_SPACE in piece:
+                return piece.replace(SENTENCEPIECE_SPACE, " ").encode()
+        return self.decode_one(token_id, skip_special_tokens=False).encode()
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         tokens: list[str] = []

@@ -253,3 +253,17 @@ def test_decodes_only_a_short_window(kind: str, byte_level: Tokenizer) -> None:
     assert max(counting.window_lengths) <= 8 + _longest_byte_run(ids, tokenizer.byte_fallback_ids)
     assert sum(counting.window_lengths) <= 4 * len(ids)
     assert len(counting.window_lengths) <= 2 * len(ids) + 1
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("kind", ["byte_level", "llama2", "metaspace"])
+def test_each_tokens_bytes_join_into_the_text(kind: str, text: str, byte_level: Tokenizer) -> None:
+    """OpenAI's logprobs `bytes`: a piece of a character is its own bytes (its text alone is U+FFFD)."""
+    tokenizer = byte_level if kind == "byte_level" else build_byte_fallback_tokenizer(kind)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    joined = b"".join(tokenizer.token_bytes(token) for token in ids)
+    # SentencePiece writes the space before the first word as well (its "▁"), which decoding drops
+    assert joined in (text.encode(), b" " + text.encode())
+    split = [token for token in ids if "\ufffd" in tokenizer.decode([token])]
+    if any(ord(char) > 0x7FF for char in text):  # a 3- or 4-byte character: some token holds a piece of it
+        assert split and all(tokenizer.token_bytes(token) != "\ufffd".encode() for token in split)
