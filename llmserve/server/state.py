@@ -169,8 +169,9 @@ class ServerState:
 
     def output_guard(self) -> OutputGuard | None:
         """A fresh streaming post-filter for one choice, when a safety filter is on."""
-        if self.platform is None or self.platform.safety is None:
+        if not self.screens_outputs:
             return None
+        assert self.platform is not None and self.platform.safety is not None
         return OutputGuard(self.platform.safety, self.platform.holdback_chars)
 
 
