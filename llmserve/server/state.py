@@ -165,13 +165,12 @@ class ServerState:
 
     @property
     def screens_outputs(self) -> bool:
-        return self.platform is not None and self.platform.safety is not None
+        return self.output_guard() is not None
 
     def output_guard(self) -> OutputGuard | None:
         """A fresh streaming post-filter for one choice, when a safety filter is on."""
-        if not self.screens_outputs:
+        if self.platform is None or self.platform.safety is None:
             return None
-        assert self.platform is not None and self.platform.safety is not None
         return OutputGuard(self.platform.safety, self.platform.holdback_chars)
 
 
