@@ -77,6 +77,7 @@ class _Call:
     include_usage: bool  # what the client asked for (the replica is always asked for the usage)
     continuous_usage: bool
     choices: int  # n × prompts
+    obfuscate: bool = False  # the client's chunks padded (`include_obfuscation`), after the gateway's rewrite
     resumable: bool = False  # streamed into the gateway's buffer, to be resumed from it (resume.py)
     reserve_tokens: int = 0
     prompt_tokens: int = 0  # as far as known before the replica answers
@@ -123,6 +124,7 @@ class GatewayPlatform:
         call = _Call(
             "/v1/chat/completions", "chatcmpl", "content", model, pool, key, payload, body.stream,
             *_usage_asked(body), choices=body.n, resumable=_resumable(body), turn=turn, turn_messages=new_messages,
+            obfuscate=_obfuscation_asked(body),
         )
         if self._limits_tokens(key):
             count, max_model_len = await self._count(pool, _tokenize_body(model, payload))
@@ -141,7 +143,7 @@ class GatewayPlatform:
             await self._screen(lambda: texts, model, "prompt")
         call = _Call(
             "/v1/completions", "cmpl", "text", model, pool, key, payload, body.stream, *_usage_asked(body),
-            choices=body.n * len(prompts), resumable=_resumable(body),
+            choices=body.n * len(prompts), resumable=_resumable(body), obfuscate=_obfuscation_asked(body),
         )
         if self._limits_tokens(key):
             counts, max_model_len = await self._counts(pool, model, prompts)
@@ -267,6 +269,7 @@ class GatewayPlatform:
             made = StreamRelay(
                 meter, self._reply(call), response_id, include_usage=call.include_usage,
                 continuous_usage=call.continuous_usage, on_completed=lambda reply: self._completed(call, meter, reply),
+                obfuscate=call.obfuscate,
             )
             relays.append(made)
             return GuardedStream(made, self.cutoff)
@@ -400,6 +403,10 @@ async def _payload(request: Request, model: str) -> dict[str, Any]:
 
 def _resumable(body: ChatCompletionRequest | CompletionRequest) -> bool:
     return body.stream and body.stream_options is not None and body.stream_options.resumable
+
+
+def _obfuscation_asked(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_obfuscation
 
 
 def _usage_asked(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:

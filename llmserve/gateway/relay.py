@@ -22,6 +22,7 @@ from llmserve.platform.safety import OutputGuard, Verdict
 from llmserve.platform.usage import UsageStatus
 from llmserve.server.gateway import Meter
 from llmserve.server.protocol import Usage
+from llmserve.server.streaming import obfuscated
 
 SSE_DONE = b"data: [DONE]\n\n"
 EVENT_END = b"\n\n"
@@ -212,8 +213,9 @@ class StreamRelay:
 
     def __init__(
         self, meter: RelayMeter, reply: Reply, response_id: str, *, include_usage: bool, continuous_usage: bool,
-        on_completed: OnCompleted,
+        on_completed: OnCompleted, obfuscate: bool = False,
     ) -> None:
+        self.obfuscate = obfuscate  # pad each chunk as the server does (`include_obfuscation`)
         self.meter = meter
         self.reply = reply
         self.response_id = response_id
@@ -267,7 +269,8 @@ class StreamRelay:
             return None
         if not self.continuous_usage:
             data["usage"] = None
-        return f"data: {dumps(data)}\n\n".encode()
+        event = f"data: {dumps(data)}\n\n"
+        return (obfuscated(event) if self.obfuscate else event).encode()
 
     def _usage_event(self) -> bytes:
         if not self.include_usage:

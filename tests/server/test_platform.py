@@ -446,6 +446,19 @@ def _blockable_word(text: str) -> tuple[str, int]:
     pytest.skip("the reference reply has no usable word")
 
 
+@pytest.mark.parametrize("screened", [False, True])
+def test_include_obfuscation_pads_each_chunk_the_client_gets(server: PlatformServer, screened: bool) -> None:
+    if screened:  # the gateway's screen rewrites the chunks: it pads them again
+        server.platform.safety = RuleSetFilter(words=["zebrafinch"])
+    body = chat_body("Tell me a story.", max_tokens=16, ignore_eos=True, temperature=0, stream=True,
+                     stream_options={"include_obfuscation": True})
+    with server.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: {")]
+    assert len(events) >= 3
+    for event in events:
+        assert len(f"{event}\n\n".encode()) % 64 == 0 and json.loads(event[6:])["obfuscation"], event
+
+
 @pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
 def test_a_model_that_is_not_a_string_is_a_400_naming_it(server: PlatformServer, path: str) -> None:
     body = {"prompt": "hi"} if path == "/tokenize" else {"tokens": [1, 2]}
