@@ -340,7 +340,8 @@ class EngineCore:
                 banned = ()  # the grammar allows only an end: it wins over min_tokens
         if params.bad_words_token_ids:
             banned += _bad_word_ends(params.bad_words_token_ids, seq.token_ids, seq.num_output_tokens)
-        if allowed is not None and not _allows_other_than(allowed, banned):
+        narrowed = bool(banned) or params.allowed_token_ids is not None  # a grammar alone always allows a token
+        if allowed is not None and narrowed and not _allows_other_than(allowed, banned):
             # The request's own constraints leave no token (allowed_token_ids against its grammar or its
             # bad words): the choice ends there, as the model would end it, rather than sample one of them.
             allowed[:] = _packed(sorted(self.facts.eos_token_ids), len(allowed))
