@@ -53,10 +53,10 @@ OBFUSCATION_BLOCK = 64
 
 def obfuscated(event: str) -> str:
     """An SSE event of one JSON object (`data: {...}\n\n`) with an `obfuscation` field of random
-    characters that brings its size to a multiple of OBFUSCATION_BLOCK bytes."""
+    characters (at least one) that brings its size to a multiple of OBFUSCATION_BLOCK bytes."""
     body = event[:-3]  # without the closing "}\n\n"
     size = len(body.encode()) + len(',"obfuscation":""}\n\n')
-    pad = -size % OBFUSCATION_BLOCK
+    pad = -size % OBFUSCATION_BLOCK or OBFUSCATION_BLOCK  # never empty, as OpenAI's
     noise = base64.urlsafe_b64encode(os.urandom(pad)).decode()[:pad]
     return f'{body},"obfuscation":"{noise}"}}\n\n'
 
