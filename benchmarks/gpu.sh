@@ -9,10 +9,11 @@
 #   gpu-tests     pytest -m gpu (the CUDA-only tests of $GPU_TESTS, default the whole suite)
 #   triton-tests  the Triton kernels' tests (attention, fused, int8, triton_linear, quantization, argmax), natively
 #   parity        float32 greedy outputs: torch backend = triton backend = triton + CUDA graphs (+ PDL)
-#   linear-one-row  the sweep of triton_linear's one-row tiles for int8 and fp8 weights (gpu_linear.py --rows 1);
-#                 the decode step after it runs with the best (unless LINEAR_CONFIGS names a file)
+#   linear-one-row  the sweep of triton_linear's one-row tiles for $LINEAR_WEIGHTS (gpu_linear.py --rows 1);
+#                 the decode step after it runs with the best, per kind and per shape (unless LINEAR_CONFIGS
+#                 names a file)
 #   decode        batch-1 decode on the Llama-3.1-8B shape: tok/s and % of copy bandwidth (goal, bf16: >= 85%)
-#                 for each of $DECODE_VARIANTS (bf16, fp8 and int8 weights, fp8 KV, ...; any + "-pdl": with
+#                 for each of $DECODE_VARIANTS (bf16, fp8 and int8 weights, fp8 KV, ...; any + "-nopdl": without
 #                 programmatic dependent launch), with each step's kernel times by kind
 #   linear        the 8B shape's linear layers at 1-16 rows, every kernel and a sweep of triton_linear's tiles
 #   quality       int8 / fp8 logits against bf16 on the medium model (KL, top-1 agreement)
@@ -35,9 +36,10 @@ MODEL_8B=${MODEL_8B:-$OUT_DIR/llama-3.1-8b}
 NUM_PROMPTS=${NUM_PROMPTS:-1000}
 HF_SAMPLE_BATCHES=${HF_SAMPLE_BATCHES:-2}  # transformers static batches of 128 actually timed
 GPU_TESTS=${GPU_TESTS:-tests}
-DECODE_VARIANTS=${DECODE_VARIANTS:-bf16,bf16-cublas,fp8,fp8-head,fp8-scaled-mm,int8,bf16-fp8kv}
+DECODE_VARIANTS=${DECODE_VARIANTS:-bf16,bf16-cublas,fp8,fp8-head,fp8-scaled-mm,int8,bf16-fp8kv,bf16-nopdl,fp8-head-nopdl}
 DECODE_MODES=${DECODE_MODES:-graphs}
 LINEAR_CONFIGS=${LINEAR_CONFIGS:-}  # gpu_linear.py's JSON: decode with the tiles its sweep found best
+LINEAR_WEIGHTS=${LINEAR_WEIGHTS:-bf16,fp8,int8}  # the weight kinds the linear-one-row sweep times
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR"
 # steps.tsv keeps each step's latest status, so a run split over several calls sums up as one.
@@ -87,7 +89,7 @@ if wanted decode || wanted throughput || wanted overhead || wanted serving; then
   [ -f "$MODEL_8B/config.json" ] || "$PYTHON" -m llmserve.cli make-model "$MODEL_8B" --size 8b
 fi
 if wanted linear-one-row; then
-  run_step linear-one-row "$PYTHON" benchmarks/gpu_linear.py --rows 1 --weights fp8,int8 --json "$OUT_DIR/linear-one-row.json"
+  run_step linear-one-row "$PYTHON" benchmarks/gpu_linear.py --rows 1 --weights "$LINEAR_WEIGHTS" --json "$OUT_DIR/linear-one-row.json"
   [ -f "$OUT_DIR/linear-one-row.json" ] && LINEAR_CONFIGS=${LINEAR_CONFIGS:-$OUT_DIR/linear-one-row.json}
 fi
 if wanted decode; then

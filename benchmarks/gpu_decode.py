@@ -41,9 +41,10 @@ from llmserve import LLM, SamplingParams, pdl
 from llmserve.model import layers
 
 GOAL_PCT_OF_COPY_BW = 85.0
-# name -> (engine arguments, the CUDA linear path: layers.cuda_linear_path). Any name + "-pdl" runs that
-# variant with the Triton kernels launched by programmatic dependent launch (llmserve.pdl).
-PDL_SUFFIX = "-pdl"
+# name -> (engine arguments, the CUDA linear path: layers.cuda_linear_path). Each runs with the Triton kernels
+# launched as the product launches them; any name + "-nopdl" runs that variant without programmatic dependent
+# launch (llmserve.pdl).
+NO_PDL_SUFFIX = "-nopdl"
 VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "bf16": ({}, "auto"),
     "bf16-cublas": ({}, "torch"),
@@ -103,18 +104,23 @@ def streamed_weight_bytes(model) -> int:
                if tied or "embed_tokens" not in name)
 
 
-def use_linear_configs(path: str) -> dict[str, list[int]]:
-    """Put the tiles gpu_linear.py found best into triton_linear (before any engine captures its graphs)."""
+def use_linear_configs(path: str) -> dict[str, Any]:
+    """Put the tiles gpu_linear.py found best into triton_linear (before any engine captures its graphs):
+    per weight kind, and at one row per shape where the sweep found tiles faster than the product's."""
     import json
 
     from llmserve.model import triton_linear
 
-    best = json.loads(Path(path).read_text())["best_configs"]
+    found = json.loads(Path(path).read_text())
+    best, by_shape = found["best_configs"], found.get("best_shape_configs", {})
     for key, config in best.items():
         kind, one_row = key.split(",")
         triton_linear._CONFIGS[(kind, one_row == "1")] = triton_linear.TileConfig(*config)
-    print(f"triton_linear tiles from {path}: {best}", flush=True)
-    return best
+    for key, (config, _, _) in by_shape.items():
+        kind, n, k = key.split(",")
+        triton_linear._SHAPE_CONFIGS[(kind, int(n), int(k))] = triton_linear.TileConfig(*config)
+    print(f"triton_linear tiles from {path}: {best}, by shape {by_shape}", flush=True)
+    return {"by_kind": best, "by_shape": by_shape}
 
 
 def profile_steps(llm: LLM, prompt: list[int], steps: int) -> dict[str, Any]:
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--modes", default="graphs,eager", help="graphs (the default engine) and/or eager")
     ap.add_argument("--variants", default="bf16",
-                    help=f"comma-separated, of {', '.join(VARIANTS)}, each also with {PDL_SUFFIX}")
+                    help=f"comma-separated, of {', '.join(VARIANTS)}, each also with {NO_PDL_SUFFIX}")
     ap.add_argument("--profile", action="store_true", help="kernel times of each graphs run's steps")
     ap.add_argument("--linear-configs", default=None,
                     help="gpu_linear.py's JSON: run triton_linear with the tiles its sweep found best")
@@ -190,10 +196,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
     result: dict[str, Any] = {"model": path, "machine": machine_info(device), "copy_gbs": copy_gbs,
                               "args": vars(args), "triton_linear_tiles": tiles, "runs": []}
+    pdl_default = pdl.enabled  # LLMSERVE_PDL's setting
     for variant in args.variants.split(","):
-        engine_overrides, linear_path = VARIANTS[variant.removesuffix(PDL_SUFFIX)]
+        engine_overrides, linear_path = VARIANTS[variant.removesuffix(NO_PDL_SUFFIX)]
         layers.cuda_linear_path = linear_path
-        pdl.enabled = variant.endswith(PDL_SUFFIX)
+        pdl.enabled = pdl_default and not variant.endswith(NO_PDL_SUFFIX)
         for mode in args.modes.split(","):
             llm = LLM(path, **engine_args(args.smoke, max_model_len=args.max_model_len, max_num_seqs=1,
                                           enforce_eager=mode == "eager", **engine_overrides))
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"KV pool {run['kv_pool_tokens']} tokens{', PDL' if launched_pdl else ''}", flush=True)
             del llm
             free_device_memory(device)
-    layers.cuda_linear_path, pdl.enabled = "auto", False
+    layers.cuda_linear_path, pdl.enabled = "auto", pdl_default
     bf16 = [r for r in result["runs"] if r["variant"] == "bf16"] or result["runs"]
     best = max(bf16, key=lambda r: r["pct_of_copy_bw"])
     result["goal"] = {"pct_of_copy_bw": GOAL_PCT_OF_COPY_BW, "best": best["pct_of_copy_bw"],

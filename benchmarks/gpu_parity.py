@@ -30,7 +30,7 @@ SMOKE_CONFIGS = [("torch", True, False), ("torch", True, False)]
 def generate(path: str, backend: str, eager: bool, use_pdl: bool, prompts: list[list[int]], max_tokens: list[int],
              smoke: bool) -> tuple[list[list[int]], bool]:
     extra: dict[str, Any] = {"device": "cpu", "num_kv_blocks": 256} if smoke else {"gpu_memory_utilization": 0.5}
-    pdl.enabled = use_pdl  # read at each launch, so also by the graphs captured while the engine starts
+    setting, pdl.enabled = pdl.enabled, use_pdl  # read at each launch, so also by the graphs captured at start
     try:
         llm = LLM(path, dtype="float32", attention_backend=backend, enforce_eager=eager, max_model_len=1024,
                   max_num_seqs=32, **extra)
@@ -39,7 +39,7 @@ def generate(path: str, backend: str, eager: bool, use_pdl: bool, prompts: list[
         outputs = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
         del llm
     finally:
-        pdl.enabled = False
+        pdl.enabled = setting
     return outputs, graphs
 
 

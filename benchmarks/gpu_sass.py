@@ -78,13 +78,11 @@ def compile_one_row(kernel, weight_type: str, config, pdl: bool = False) -> byte
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from llmserve.model import triton_linear
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*" + weight_type, "scale_ptr": "*fp32", "bias_ptr": "*bf16",
                 "out_ptr": "*bf16"}
     constants = dict(HAS_SCALE=weight_type != "bf16", HAS_BIAS=False, BLOCK_N=config.block_n,
-                     BLOCK_K=config.block_k, UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=False, PDL=pdl,
-                     **triton_linear.prefetch_span(config, 2 if weight_type == "bf16" else 1, 4096))
+                     BLOCK_K=config.block_k, UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=False, PDL=pdl)
     signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name not in constants}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=attrs),

@@ -75,9 +75,9 @@ def quantized_decode_rows(runs: list[dict]) -> list[list[str]]:
     rows = []
     bf16, fp8kv = graphs.get("bf16"), graphs.get("bf16-fp8kv")
     for variant, what in (("fp8", "fp8 weights"), ("fp8-head", "fp8 weights and lm_head"),
-                          ("fp8-pdl", "fp8 weights, PDL"), ("fp8-head-pdl", "fp8 weights and lm_head, PDL")):
+                          ("fp8-nopdl", "fp8 weights, no PDL"), ("fp8-head-nopdl", "fp8 weights and lm_head, no PDL")):
         fp8 = graphs.get(variant)
-        baseline = graphs.get("bf16-pdl" if variant.endswith("-pdl") else "bf16")  # like with like
+        baseline = graphs.get("bf16-nopdl" if variant.endswith("-nopdl") else "bf16")  # like with like
         if baseline and fp8:
             ratio = fp8["tok_s"] / baseline["tok_s"]
             rows.append([f"batch-1 decode, {what}: {fp8['tok_s']:.0f} tok/s against bf16's {baseline['tok_s']:.0f}",

@@ -3,15 +3,18 @@
 A batch-1 decode step of an 8B model is about 300 kernels, most of them a few microseconds long, so
 each one's launch and ramp-up, and the tail of the one before it, are a measurable share of the step.
 With PDL a kernel is launched while the kernel before it still runs. Until it waits
-(`griddepcontrol.wait`: the kernel before it has finished and its writes are visible) it may read only
-what no kernel of the step writes, which for a linear layer is its weights: their first loads overlap
-the end of the kernel before. Every kernel here waits before it reads or writes anything else, and then
-lets the next one launch (`griddepcontrol.launch_dependents`). A kernel that does neither, such as a
-torch op, is simply waited for in full, so the chain stays ordered whatever runs in it.
+(`griddepcontrol.wait`: the kernel before it has finished and its writes are visible) it only gets
+ready: its launch and its programs' placement overlap the end of the kernel before. Every kernel here
+waits before it reads or writes memory, and then lets the next one launch
+(`griddepcontrol.launch_dependents`). A kernel that does neither, such as a torch op, is simply waited
+for in full, so the chain stays ordered whatever runs in it.
 
-Off unless LLMSERVE_PDL=1 (read once at import; benchmarks set `enabled`): the gain has yet to be timed
-against the default. Where it is on, the kernels launch with PDL on NVIDIA GPUs of capability 9.0 and
-later, when Triton can launch that way; elsewhere they run as before.
+On an H200 (8B shape, batch 1, CUDA graphs) it took 0.9% off a bf16 step and 1.4% off an fp8 one. Having
+the linears ask L2 for their first weights before the wait made both steps 7% slower instead: those
+requests take DRAM from the kernel still running (BENCHMARKS.md, issue 18, ninth session).
+
+On unless LLMSERVE_PDL=0 (read once at import; benchmarks set `enabled`). The kernels launch with PDL
+on NVIDIA GPUs of capability 9.0 and later, when Triton can launch that way; elsewhere they run as before.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ ENV = "LLMSERVE_PDL"
 
 
 def _setting_from_env() -> bool:
-    value = os.environ.get(ENV, "0").strip().lower()
-    if value in ("", "0", "false", "off", "no"):
+    value = os.environ.get(ENV, "1").strip().lower()
+    if value in ("0", "false", "off", "no"):
         return False
-    if value in ("1", "true", "on", "yes"):
+    if value in ("", "1", "true", "on", "yes"):
         return True
     raise ValueError(f"{ENV} must be 1 or 0 (got {value!r})")
 

@@ -20,10 +20,10 @@ def test_cpu_tensors_never_launch_with_it(monkeypatch):
     assert pdl.launch_options(torch.empty(1)) == {"PDL": False}
 
 
-@pytest.mark.parametrize(("value", "expected"), [("", "False"), ("0", "False"), ("1", "True"), ("on", "True"),
-                                                 ("sometimes", None)])
-def test_the_environment_variable_turns_it_on(value, expected):
-    env = {**os.environ, pdl.ENV: value}
+@pytest.mark.parametrize(("value", "expected"), [(None, "True"), ("", "True"), ("0", "False"), ("off", "False"),
+                                                 ("1", "True"), ("sometimes", None)])
+def test_the_environment_variable_turns_it_off(value, expected):
+    env = {name: v for name, v in os.environ.items() if name != pdl.ENV} | ({} if value is None else {pdl.ENV: value})
     done = subprocess.run([sys.executable, "-c", "from llmserve import pdl; print(pdl.enabled)"], env=env,
                           capture_output=True, text=True, timeout=120)
     if expected is None:

@@ -12,14 +12,13 @@ programs per multiprocessor, which keeps enough loads in flight. int8 and e4m3 w
 bytes of bf16 ones: weight-only quantization (W8A16) is what pays at batch 1, where quantizing the
 activations too (fp8 `_scaled_mm`) adds kernels and saves nothing.
 
-The tile shapes per weight kind were chosen on an H200 (`benchmarks/gpu_linear.py`, BENCHMARKS.md);
-`config_for` is the one place that picks them. Launch grids depend on shapes alone (CUDA graphs).
+The tile shapes per weight kind, and per weight shape where one does better, were chosen on an H200
+(`benchmarks/gpu_linear.py`, BENCHMARKS.md); `config_for` is the one place that picks them. Launch grids depend on shapes alone (CUDA graphs).
 Runs on CPU tensors in Triton's interpreter when TRITON_INTERPRET=1 is set before import (tests).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -62,23 +61,10 @@ def _as_float32(w):
 
 
 @triton.jit
-def _prefetch_to_l2(w_ptr, cols, col_mask, stride_wn, K, LINES: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for the first LINES lines (LINE weights each) of the program's weight rows, without waiting
-    for them (`prefetch_span`). Only weights may be read before `pdl.wait_for_inputs`: nothing in the step
-    writes them."""
-    starts = tl.arange(0, LINES) * LINE
-    ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + starts[None, :]
-    ptrs = tl.where(col_mask[:, None] & (starts < K)[None, :], ptrs, w_ptr)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_wn,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr, VECTOR: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     """One row of x (contiguous) against BLOCK_N weight rows; out is one contiguous row. With SWIGLU the
     weight is a fused gate/up projection (N rows: the gate's, then the up's) and out is silu(gate) * up,
@@ -91,9 +77,7 @@ def gemv_kernel(
     else:
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
-    if PDL:
-        _prefetch_to_l2(w_ptr, cols, col_mask, stride_wn, K, PREFETCH_LINES, LINE)
-        pdl.wait_for_inputs(PDL)
+    pdl.wait_for_inputs(PDL)
     ks = tl.max_contiguous(tl.arange(0, BLOCK_K), VECTOR)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -122,16 +106,14 @@ def gemv_kernel(
 def small_m_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Up to 16 rows of x against BLOCK_N weight rows, through tl.dot (x padded to 16 rows)."""
     rows = tl.arange(0, 16)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
     col_mask = cols < N
-    if PDL:
-        _prefetch_to_l2(w_ptr, cols, col_mask, stride_wn, K, PREFETCH_LINES, LINE)
-        pdl.wait_for_inputs(PDL)
+    pdl.wait_for_inputs(PDL)
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
@@ -170,8 +152,23 @@ def weight_kind(weight: torch.Tensor) -> str:
     return "fp8" if weight.element_size() == 1 else "16-bit"  # float32 weights: tests in the interpreter
 
 
+# One-row tiles for the weight shapes where the sweep (`gpu_linear.py --rows 1`, H200, 2026-11-28) found some
+# at least 5% faster than the kind's own: (kind, N, K) -> tiles. The 8B shape's fp8 linears of a decode step
+# took 2.28 ms with these against 2.45 with one tile for all (BENCHMARKS.md, issue 18, ninth session).
+_SHAPE_CONFIGS: dict[tuple[str, int, int], TileConfig] = {
+    ("fp8", 6144, 4096): TileConfig(block_n=16, block_k=512, num_warps=8),  # Llama-3 8B qkv_proj
+    ("fp8", 28672, 4096): TileConfig(block_n=16, block_k=256, num_warps=4),  # gate_up_proj
+    ("fp8", 128256, 4096): TileConfig(block_n=4, block_k=1024, num_warps=4, unroll=4, vector=8),  # lm_head
+    ("int8", 4096, 4096): TileConfig(block_n=8, block_k=1024, num_warps=4),  # o_proj
+    ("int8", 4096, 14336): TileConfig(block_n=8, block_k=1024, num_warps=4),  # down_proj
+}
+
+
 def config_for(weight: torch.Tensor, rows: int) -> TileConfig:
-    return _CONFIGS[(weight_kind(weight), rows == 1)]
+    kind = weight_kind(weight)
+    if rows == 1 and (tuned := _SHAPE_CONFIGS.get((kind, *weight.shape))) is not None:
+        return tuned
+    return _CONFIGS[(kind, rows == 1)]
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -180,22 +177,6 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
         x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
         and weight.stride(1) == 1 and x.device == weight.device
     )
-
-
-# What a program asks L2 for before its PDL wait. The kernel before a linear layer is a short one (a norm,
-# the attention's merge, SiLU) during which the device's memory would idle: the programs already resident
-# fetch up to this much of their weights meanwhile (32 KB: four rows of bf16 or eight of 1-byte weights
-# over K = 4,096, about 17 MB over an H100's first wave of programs, a third of its L2).
-PDL_PREFETCH_BYTES = 32 * 1024
-
-
-@functools.cache
-def prefetch_span(config: TileConfig, weight_bytes: int, k: int) -> dict[str, int]:
-    """The kernels' LINE (weights in a 128-byte line) and PREFETCH_LINES (lines of each weight row asked
-    of L2 before the PDL wait: all K, up to PDL_PREFETCH_BYTES a program)."""
-    line = 128 // weight_bytes
-    budget = max(1, PDL_PREFETCH_BYTES // (128 * config.block_n))
-    return {"PREFETCH_LINES": min(triton.next_power_of_2(triton.cdiv(k, line)), budget), "LINE": line}
 
 
 def linear(
@@ -220,7 +201,7 @@ def linear(
     bias_arg = bias if bias is not None else out
     common = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK_N=config.block_n,
                   BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-                  **prefetch_span(config, weight.element_size(), k), **pdl.launch_options(x))
+                  **pdl.launch_options(x))
     if m == 1:
         gemv_kernel[grid](x, weight, scale_arg, bias_arg, out, n, k, weight.stride(0), UNROLL=config.unroll,
                           VECTOR=config.vector, SWIGLU=swiglu, **common)

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from llmserve.model import layers  # noqa: E402
 from llmserve.model.quantization.fp8 import quantize_fp8  # noqa: E402
 from llmserve.model.quantization.int8 import quantize_int8  # noqa: E402
-from llmserve.model.triton_linear import MAX_ROWS, TileConfig, linear  # noqa: E402
+from llmserve.model.triton_linear import _SHAPE_CONFIGS, MAX_ROWS, TileConfig, config_for, linear  # noqa: E402
 from tests.model.triton_aot import assert_compiles_for_sm90  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -57,10 +57,10 @@ def test_linear_matches_the_product_of_its_weights(kind, out_features, in_featur
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("config", [TileConfig(4, 256, 4), TileConfig(32, 64, 8, 3), TileConfig(4, 64, 4, 1, 3, 8),
-                                    TileConfig(2, 128, 4, 1, 2, 16)])
+                                    TileConfig(2, 128, 4, 1, 2, 16), *dict.fromkeys(_SHAPE_CONFIGS.values())])
 def test_every_tile_shape_computes_the_same_product(kind, config):
     """Tiles that do not divide N or K, slices loaded ahead (`unroll`) past K's end, and other load widths
-    (the benchmark's sweep overrides) give the same result."""
+    (the benchmark's sweep overrides, the tuned shapes' tiles) give the same result."""
     gen = torch.Generator().manual_seed(7)
     w, scale, matrix = _weights(kind, 100, 300, gen)
     for rows in (1, 3):
@@ -107,14 +107,24 @@ def test_a_gate_up_layer_fuses_silu_into_its_one_row_launch(monkeypatch):
     monkeypatch.setattr(layers, "triton_linear_for", lambda x, w, quantized: triton_linear)  # CPU tensors too
     x = torch.randn(2, 96, generator=gen).to(DEVICE, DTYPE)
     monkeypatch.setattr(layers, "use_fused_kernels", False)
-    assert torch.equal(layer.swiglu(x[:1]), layers.silu_and_mul(layer(x[:1]))) and not launches
+    assert torch.equal(layer.swiglu(x[:1]), layers.silu_and_mul(layer(x[:1])))
+    assert True not in launches  # on CUDA the plain projection is triton_linear's too, unfused
     monkeypatch.setattr(layers, "use_fused_kernels", None)
+    launches.clear()
     one = layer.swiglu(x[:1])
     assert launches == [True] and one.shape == (1, 37)
     assert torch.equal(one, fused_kernels.silu_and_mul(original(x[:1], layer.weight, None, layer.bias)))
     two = layer.swiglu(x)
     assert True not in launches[1:] and two.shape == (2, 37)
     assert torch.equal(two, layers.silu_and_mul(layer(x)))
+
+
+def test_a_tuned_shape_takes_its_tiles_at_one_row_only():
+    (kind, n, k), tuned = next(iter(_SHAPE_CONFIGS.items()))
+    weight = torch.empty(n, k, dtype=torch.int8 if kind == "int8" else torch.float8_e4m3fn, device="meta")
+    other = torch.empty(n + 16, k, dtype=weight.dtype, device="meta")
+    assert config_for(weight, 1) == tuned
+    assert config_for(weight, 2) == config_for(other, 2) and config_for(other, 1) != tuned
 
 
 def test_a_strided_row_is_read_as_contiguous():
@@ -130,11 +140,12 @@ _AOT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from llmserve.model.triton_linear import _CONFIGS, TileConfig, gemv_kernel, prefetch_span, small_m_kernel
+    from llmserve.model.triton_linear import _CONFIGS, _SHAPE_CONFIGS, TileConfig, gemv_kernel, small_m_kernel
     from tests.model.triton_aot import assert_pdl_order
 
     loaded_ahead = [(("fp8", True), TileConfig(4, 1024, 4, 1, 2, 8)), (("int8", True), TileConfig(2, 2048, 4, 1, 4, 8))]
-    for (kind, one_row), config in [*_CONFIGS.items(), *loaded_ahead]:
+    tuned = [((kind, True), config) for (kind, _, _), config in _SHAPE_CONFIGS.items()]
+    for (kind, one_row), config in [*_CONFIGS.items(), *loaded_ahead, *tuned]:
         fn = gemv_kernel if one_row else small_m_kernel
         for weight in {"16-bit": ("bf16", "fp16"), "int8": ("i8",), "fp8": ("fp8e4nv",)}[kind]:
             act = "fp16" if weight == "fp16" else "bf16"
@@ -142,7 +153,7 @@ _AOT = textwrap.dedent("""
                     "out_ptr": "*" + act}
             for use_pdl in (False, True):
                 consts = dict(HAS_SCALE=kind != "16-bit", HAS_BIAS=True, BLOCK_N=config.block_n,
-                              BLOCK_K=config.block_k, PDL=use_pdl, **prefetch_span(config, 2 if act == weight else 1, 4096))
+                              BLOCK_K=config.block_k, PDL=use_pdl)
                 if one_row:
                     consts.update(UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=use_pdl)  # both ways
                 sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
@@ -150,8 +161,6 @@ _AOT = textwrap.dedent("""
                 ptx = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                                      options=dict(num_warps=config.num_warps, num_stages=config.num_stages)).asm["ptx"]
                 assert_pdl_order(ptx, use_pdl, fn.__name__)
-                if use_pdl:  # the first pass's weights are asked of L2 before the wait
-                    assert "prefetch.global.L2" in ptx[:ptx.index("griddepcontrol.wait")], config
     print("compiled")
 """)
 

@@ -22,8 +22,8 @@ def assert_compiles_for_sm90(script: str) -> None:
 
 def assert_pdl_order(ptx: str, pdl: bool, kernel: str) -> None:
     """Compiled for programmatic dependent launch (`llmserve.pdl`), a kernel touches global memory only
-    after its wait (an L2 prefetch of weights aside) and lets the next kernel launch; compiled without, it
-    does neither. Called by the compile scripts."""
+    after its wait and lets the next kernel launch; compiled without, it does neither. Called by the
+    compile scripts."""
     wait = ptx.find("griddepcontrol.wait")
     assert (wait >= 0) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl, (kernel, pdl)
     if pdl:

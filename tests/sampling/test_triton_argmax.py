@@ -62,7 +62,8 @@ def test_the_sampler_takes_it_for_greedy_rows_on_cuda(monkeypatch):
     taken = []
     original = triton_argmax.argmax_rows
     monkeypatch.setattr(triton_argmax, "argmax_rows", lambda scores: taken.append(scores.shape) or original(scores))
-    rows = [SamplingRow(SamplingParams(temperature=0.0), output_token_ids=[]) for _ in range(len(logits))]
+    rows = [SamplingRow(SamplingParams(temperature=0.0), seed=i, sample_index=0, prompt_token_ids=(), output_token_ids=())
+            for i in range(len(logits))]
     out = Sampler()(logits.cuda(), SamplingMetadata.build(rows, logits.shape[1], device="cuda"))
     assert taken == [logits.shape] and out.token_ids.cpu().tolist() == logits.argmax(dim=1).tolist()
 
