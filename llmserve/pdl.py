@@ -10,8 +10,8 @@ waits before it reads or writes memory, and then lets the next one launch
 for in full, so the chain stays ordered whatever runs in it.
 
 On an H200 (8B shape, batch 1, CUDA graphs) it took 0.9% off a bf16 step and 1.4% off an fp8 one. Having
-the linears ask L2 for their first weights before the wait made both steps 7% slower instead: those
-requests take DRAM from the kernel still running (BENCHMARKS.md, issue 18, ninth session).
+the linears ask L2 for their first weights before the wait made both steps 7% slower instead
+(BENCHMARKS.md, issue 18, ninth session), so nothing is read before the wait.
 
 On unless LLMSERVE_PDL=0 (read once at import; benchmarks set `enabled`). The kernels launch with PDL
 on NVIDIA GPUs of capability 9.0 and later, when Triton can launch that way; elsewhere they run as before.
