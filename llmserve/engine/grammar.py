@@ -42,8 +42,8 @@ _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 class GrammarSpec:
     """What a grammar is compiled from: the cache key of compiled grammars."""
 
-    kind: str  # "json" | "regex" | "grammar" | "choice"
-    text: str  # the JSON schema, the regex, the EBNF, or the choices as a JSON list
+    kind: str  # "json" | "regex" | "grammar" | "choice" | "structural_tag"
+    text: str  # the JSON schema, the regex, the EBNF, the choices as a JSON list, or the structural tag
 
 
 def grammar_spec(so: StructuredOutputsParams) -> GrammarSpec:
@@ -52,17 +52,20 @@ def grammar_spec(so: StructuredOutputsParams) -> GrammarSpec:
         name for name, is_set in (
             ("json", so.json is not None), ("json_object", bool(so.json_object)), ("regex", so.regex is not None),
             ("choice", so.choice is not None), ("grammar", so.grammar is not None),
+            ("structural_tag", so.structural_tag is not None),
         ) if is_set
     ]
     if len(kinds) != 1:
         found = ", ".join(kinds) if kinds else "none"
         raise InvalidRequestError(
-            f"structured_outputs must set exactly one of json, json_object, regex, choice, grammar (got {found}).",
+            "structured_outputs must set exactly one of json, json_object, regex, choice, grammar, structural_tag "
+            f"(got {found}).",
             param=PARAM,
         )
     kind = kinds[0]
-    if kind == "json":
-        return GrammarSpec("json", so.json if isinstance(so.json, str) else json.dumps(so.json))
+    if kind in ("json", "structural_tag"):
+        value = getattr(so, kind)
+        return GrammarSpec(kind, value if isinstance(value, str) else json.dumps(value))
     if kind == "json_object":
         return GrammarSpec("json", _ANY_OBJECT_SCHEMA)
     if kind == "choice":
@@ -87,14 +90,18 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
         if spec.kind == "choice":
             alternatives = " | ".join(_ebnf_literal(c) for c in json.loads(spec.text))
             return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+        if spec.kind == "structural_tag":
+            return _json_strings(xgr.Grammar.from_structural_tag(spec.text))
         return xgr.Grammar.from_ebnf(spec.text)
     except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises these for bad input
-        what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}[spec.kind]
+        what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                "structural_tag": "structural tag"}[spec.kind]
         raise InvalidRequestError(f"Invalid structured_outputs {what}: {_first_line(exc)}", param=PARAM) from exc
 
 
 def validate_structured_outputs(params: SamplingParams) -> SamplingParams:
-    """The front end's check: exactly one kind, and it compiles. A `json` dict becomes JSON text."""
+    """The front end's check: exactly one kind, and it compiles. A `json` or `structural_tag` dict becomes
+    JSON text."""
     so = params.structured_outputs
     if so is None:
         return params
@@ -104,8 +111,9 @@ def validate_structured_outputs(params: SamplingParams) -> SamplingParams:
     _check_grammar(spec)
     if not all(isinstance(t, int) and t >= 0 for t in so.start_after):
         raise InvalidRequestError("structured_outputs.start_after must be token ids.", param=PARAM)
-    if so.json is not None and not isinstance(so.json, str):
-        return replace(params, structured_outputs=replace(so, json=spec.text))
+    for kind in ("json", "structural_tag"):
+        if getattr(so, kind) is not None and not isinstance(getattr(so, kind), str):
+            return replace(params, structured_outputs=replace(so, **{kind: spec.text}))
     return params
 
 
@@ -117,7 +125,11 @@ def _check_grammar(spec: GrammarSpec) -> None:
 
 
 def _json_grammar(schema: str) -> xgr.Grammar:
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    return _json_strings(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+
+
+def _json_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    """The grammar with its length-bounded JSON strings kept free of raw control characters."""
     ebnf = str(grammar)
     if _LOOSE_STRING_CHAR not in ebnf:
         return grammar

@@ -27,6 +27,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # an EBNF grammar (xgrammar's / GBNF syntax)
+    # xgrammar's structural tag, as JSON text (a dict is accepted and dumped): free text with constrained
+    # parts where triggers appear, e.g. tool calls whose arguments follow their schemas
+    structural_tag: str | None = None
     # The constraint applies after this token sequence appears in the output (a reasoning model's
     # end-of-thinking token); empty: from the first output token.
     start_after: list[int] = field(default_factory=list)

@@ -5,7 +5,8 @@ own for `tool_choice: "auto"`; for `"required"` or a named function, vLLM's JSON
 a JSON schema of the tools' parameters so that even a random-weight model returns a valid call), and
 whether the reply starts with reasoning (so that structured output starts after it). Each choice then
 gets a `ReplyParser`: the pipeline's post-processor that splits the released text into
-`reasoning_content`, `content` and `tool_calls` deltas, the reasoning parser first.
+`reasoning_content`, `content` and `tool_calls` deltas, the reasoning parser first. Under "auto", strict
+functions have their calls decoded under their schemas too (`tool_calls.strict`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from llmserve.server.tool_calls import (
     named_tool_call_schema,
     required_tool_calls_schema,
 )
+from llmserve.server.tool_calls.strict import any_strict, strict_calls_tag
 
 
 @dataclass
@@ -38,6 +40,10 @@ class ReplyPlan:
     reasoning: ReasoningParser | None
     prompt_opened_reasoning: bool  # the prompt ends inside an open reasoning block
     structured_outputs: StructuredOutputsParams | None  # the constraint the tools add (None: none)
+    # Whether the reply must be a call (tool_choice "required" or named). Else (strict functions under
+    # "auto") the tools' constraint only shapes calls, and gives way to a response_format: under one, the
+    # reply is that JSON and holds no call.
+    calls_required: bool = False
 
     @property
     def parses_anything(self) -> bool:
@@ -64,6 +70,7 @@ def plan_reply(
 
     parser: ToolParser | None = None
     schema: dict[str, Any] | None = None
+    parallel = body.parallel_tool_calls is not False
     if choice == "auto":
         if family_parser is None:
             raise InvalidRequestError(
@@ -72,8 +79,12 @@ def plan_reply(
                 param="tools",
             )
         parser = family_parser
+        if any_strict(tools):
+            tag = strict_calls_tag(parser, tools, parallel)
+            return ReplyPlan(tool_parser=parser, reasoning=reasoning, prompt_opened_reasoning=False,
+                             structured_outputs=StructuredOutputsParams(structural_tag=tag))
     elif choice == "required":
-        schema = required_tool_calls_schema(tools, parallel_tool_calls=body.parallel_tool_calls is not False)
+        schema = required_tool_calls_schema(tools, parallel_tool_calls=parallel)
         parser = RequiredToolCallParser()
     elif isinstance(choice, NamedToolChoice):
         name = choice.function.name
@@ -86,6 +97,7 @@ def plan_reply(
         reasoning=reasoning,
         prompt_opened_reasoning=False,
         structured_outputs=None if schema is None else StructuredOutputsParams(json=json.dumps(schema)),
+        calls_required=schema is not None,
     )
 
 

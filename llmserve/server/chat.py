@@ -107,10 +107,11 @@ def _with_reply_plan(
 ) -> tuple[SamplingParams, str | None]:
     """The sampling parameters with what the tools and the reasoning ask of decoding: the tools'
     schema as the output constraint (tool_choice "required" or named), special tokens kept when the
-    tool-call format is written in them, structured output starting after the reasoning. Also the
-    request field the constraint came from."""
+    tool-call format is written in them, structured output starting after the reasoning. Strict functions
+    under tool_choice "auto" shape the calls unless a response_format is given, which then holds alone.
+    Also the request field the constraint came from."""
     constraint, param = params.structured_outputs, constraint_field(body)
-    if plan.structured_outputs is not None:
+    if plan.structured_outputs is not None and (constraint is None or plan.calls_required):
         if constraint is not None:
             raise InvalidRequestError(
                 f"tool_choice {body.tool_choice!r} constrains the reply to a tool call; it cannot be combined "

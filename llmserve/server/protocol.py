@@ -165,19 +165,55 @@ class JsonSchemaFormat(_Request):
     strict: StrictBool | None = None
 
 
-class ResponseFormat(_Request):
-    """OpenAI's `response_format`: free text, any JSON object, or JSON under a schema."""
+class TagStructure(_Request):
+    """One tag of vLLM's older `response_format` structural tag: text, JSON under a schema, text."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    begin: str = Field(min_length=1)
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: str
+
+
+class _OlderStructuralTag(_Request):
+    structures: list[TagStructure]
+    triggers: list[str]
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON under a schema; and vLLM's
+    structural tag: xgrammar's `format`, or (older) `structures` opened by `triggers`."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[TagStructure] | None = None
+    triggers: list[str] | None = None
 
     @model_validator(mode="after")
-    def _schema_with_its_type(self) -> ResponseFormat:
+    def _fields_of_its_type(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type 'json_schema' needs a 'json_schema' object")
         if self.type != "json_schema" and self.json_schema is not None:
             raise ValueError("'json_schema' is only allowed with type 'json_schema'")
+        tag_fields = [name for name in ("format", "structures", "triggers") if getattr(self, name) is not None]
+        if self.type != "structural_tag" and tag_fields:
+            raise ValueError(f"'{tag_fields[0]}' is only allowed with type 'structural_tag'")
+        if self.type == "structural_tag" and tag_fields not in (["format"], ["structures", "triggers"]):
+            raise ValueError("type 'structural_tag' needs either 'format' or both 'structures' and 'triggers'")
         return self
+
+    def structural_tag(self) -> dict[str, Any]:
+        """xgrammar's structural tag of a `structural_tag` response format."""
+        if self.format is not None:
+            return {"type": "structural_tag", "format": self.format}
+        assert self.structures is not None and self.triggers is not None  # the validator checks it
+        return older_structural_tag([s.model_dump(by_alias=True) for s in self.structures], self.triggers)
+
+
+def older_structural_tag(structures: list[dict[str, Any]], triggers: list[str]) -> dict[str, Any]:
+    """xgrammar's structural tag of vLLM's older form: `structures` ({begin, schema, end}) opened by `triggers`."""
+    tags = [{"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]},
+             "end": s["end"]} for s in structures]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
 
 
 def _check_json_schema(value: Any) -> Any:
@@ -208,11 +244,27 @@ class StructuredOutputsRequest(_Request):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: StrictBool | None = None
+    structural_tag: Any = None  # xgrammar's structural tag, as an object or its JSON text
 
     @field_validator("json_")
     @classmethod
     def _validate_json(cls, value: Any) -> Any:
         return _check_json_schema(value)
+
+    @field_validator("structural_tag")
+    @classmethod
+    def _validate_structural_tag(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError("a structural tag given as a string must be valid JSON") from None
+        if value is not None and not isinstance(value, dict):
+            raise ValueError("a structural tag must be an object (or its JSON text)")
+        if value is not None and "structures" in value:  # vLLM's older form
+            older = _OlderStructuralTag.model_validate(value)
+            return older_structural_tag([s.model_dump(by_alias=True) for s in older.structures], older.triggers)
+        return value
 
     @field_validator("choice")
     @classmethod
@@ -226,10 +278,11 @@ class StructuredOutputsRequest(_Request):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputsRequest:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if self.kind_set(name)]
+        kinds = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+        given = [name for name in kinds if self.kind_set(name)]
         if len(given) != 1:
             raise ValueError(
-                "give exactly one of json, regex, choice, grammar, json_object"
+                "give exactly one of json, regex, choice, grammar, json_object, structural_tag"
                 + (f" (got {', '.join(given)})" if given else "")
             )
         return self

@@ -117,6 +117,8 @@ def _check_backend(backend: str | None) -> None:
 def _from_response_format(response_format: ResponseFormat) -> StructuredOutputsParams:
     if response_format.type == "json_object":
         return StructuredOutputsParams(json_object=True)
+    if response_format.type == "structural_tag":
+        return StructuredOutputsParams(structural_tag=json.dumps(response_format.structural_tag()))
     assert response_format.json_schema is not None  # the protocol model checks it
     return StructuredOutputsParams(json=_schema_text(response_format.json_schema.schema_))
 
@@ -127,6 +129,8 @@ def _from_structured_outputs(request: StructuredOutputsRequest) -> StructuredOut
         return StructuredOutputsParams(json=_schema_text(request.json_))
     if request.json_object:
         return StructuredOutputsParams(json_object=True)
+    if request.structural_tag is not None:
+        return StructuredOutputsParams(structural_tag=json.dumps(request.structural_tag))
     return StructuredOutputsParams(
         regex=request.regex, choice=list(request.choice) if request.choice is not None else None, grammar=request.grammar
     )

@@ -131,6 +131,27 @@ def test_tool_choice_auto_and_none_answer_with_content_from_the_random_model(liv
         assert choice["finish_reason"] == "length" and choice["message"]["content"]
 
 
+def test_strict_functions_under_auto_are_compiled_and_give_way_to_a_response_format(live_server: LiveServer) -> None:
+    """The calls' grammar is built only with a strict function (an invalid schema is then a 400 naming
+    tools); the random model answers in text (each call it would open is decoded under its schema:
+    test_strict_tool_calls.py); a response_format holds alone, so the reply is its JSON."""
+    strict = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+    response = chat(live_server, tools=strict, tool_choice="auto", temperature=0, max_tokens=16)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"]
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "intger"}}}}}
+    assert chat(live_server, tools=[broken], max_tokens=4).status_code == 200
+    response = chat(live_server, tools=[{**broken, "function": {**broken["function"], "strict": True}}], max_tokens=4)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    for seed in range(3):
+        reply = chat(live_server, tools=strict, response_format=response_format, seed=seed, max_tokens=32).json()
+        jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), schema)
+    assert live_server.idle_stats().num_used_blocks == 0
+
+
 def test_tool_results_in_the_history_are_rendered_and_answered(live_server: LiveServer) -> None:
     messages = [
         {"role": "user", "content": "What is the weather in Paris?"},
@@ -195,9 +216,19 @@ def test_the_openai_clients_parse_returns_a_valid_object_every_time(live_server:
         assert isinstance(parsed, Weather), completion.choices[0].message.content
 
 
+def tagged_json(text: str, schema: dict) -> bool:
+    """`<n>` + JSON under `schema` + `</n>`, the whole text."""
+    assert text.startswith("<n>") and text.endswith("</n>"), text
+    jsonschema.validate(json.loads(text[3:-4]), schema)
+    return True
+
+
 def test_response_format_and_vllms_constraint_fields_hold(live_server: LiveServer) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["n"]}
+    tagged = {"type": "structural_tag", "format": {"type": "tag", "begin": "<n>", "end": "</n>",
+                                                   "content": {"type": "json_schema", "json_schema": schema,
+                                                               "max_whitespace_cnt": 1}}}
     json_schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
     for seed in range(3):
         text = chat(live_server, response_format=json_schema, seed=seed, max_tokens=32).json()
@@ -214,6 +245,8 @@ def test_response_format_and_vllms_constraint_fields_hold(live_server: LiveServe
         ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
         ({"structured_outputs": {"choice": ["red", "green"]}}, lambda t: t in ("red", "green")),
         ({"structured_outputs": {"json": schema}}, lambda t: jsonschema.validate(json.loads(t), schema) is None),
+        ({"structured_outputs": {"structural_tag": json.dumps(tagged)}}, lambda t: tagged_json(t, schema)),
+        ({"response_format": {"type": "structural_tag", "format": tagged["format"]}}, lambda t: tagged_json(t, schema)),
     ):
         response = httpx.post(completions, json={"model": live_server.model, "prompt": "Answer:", "max_tokens": 32,
                                                  **body}, timeout=60)
@@ -229,6 +262,12 @@ def test_response_format_and_vllms_constraint_fields_hold(live_server: LiveServe
             "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "intger"}}}}}}, "response_format"),
         ("completions", {"guided_regex": "(unclosed"}, "guided_regex"),
         ("completions", {"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs"),
+        ("completions", {"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": {
+            "type": "nope"}}}}, "structured_outputs"),
+        ("chat/completions", {"response_format": {"type": "structural_tag", "triggers": ["<a"], "structures": [
+            {"begin": "<a>", "schema": {"type": "object", "properties": {"a": {"type": "intger"}}}, "end": "</a>"}]}},
+         "response_format"),
+        ("chat/completions", {"response_format": {"type": "structural_tag", "triggers": ["<a"]}}, "response_format"),
     ],
 )
 def test_an_invalid_constraint_is_a_400_naming_its_field(live_server: LiveServer, endpoint: str, body: dict,

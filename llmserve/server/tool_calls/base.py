@@ -463,6 +463,10 @@ class ToolParser(abc.ABC):
     name: ClassVar[str]
     # The output must be decoded with skip_special_tokens=False: the markers are special tokens.
     keep_special_tokens: ClassVar[bool] = False
+    # Where a call starts in free text, for decoding strict calls under tool_choice "auto" (`call_tag`);
+    # empty: this format has no such form.
+    call_triggers: ClassVar[tuple[str, ...]] = ()
+    call_separator: ClassVar[str] = ""  # between two calls written one after the other
 
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
         self._new_id = new_id
@@ -473,6 +477,11 @@ class ToolParser(abc.ABC):
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         stream = self.stream()
         return assemble([*stream.feed(text), *stream.finish()])
+
+    def call_tag(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """One call of function `name` as xgrammar's structural-tag `tag`: the text before the arguments,
+        the arguments under the `arguments` format, the text after. Only for formats with `call_triggers`."""
+        raise NotImplementedError(f"the {self.name} tool-call format has no tag for strict calls")
 
     @abc.abstractmethod
     def _make_stream(self, out: Output) -> ToolCallStream: ...

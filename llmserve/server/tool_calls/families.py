@@ -6,6 +6,9 @@ malformed call becomes).
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from llmserve.server.tool_calls.base import (
     WHITESPACE,
     ArgumentsObject,
@@ -90,9 +93,15 @@ class HermesToolParser(ToolParser):
     """Hermes 2 Pro / Qwen 2.5 / Qwen 3: `<tool_call>` JSON blocks; text before them is content."""
 
     name = "hermes"
+    call_triggers = (HERMES_START,)
+    call_separator = "\n"
 
     def _make_stream(self, out: Output) -> ToolCallStream:
         return _HermesStream(out)
+
+    def call_tag(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        begin = f'{HERMES_START}\n{{"name": {json.dumps(name)}, "arguments": '  # as the chat templates write it
+        return {"type": "tag", "begin": begin, "content": arguments, "end": f"}}\n{HERMES_END}"}
 
 
 class _Llama3JsonStream(ToolCallStream):
@@ -169,9 +178,14 @@ class Llama3JsonToolParser(ToolParser):
 
     name = "llama3_json"
     keep_special_tokens = True  # <|python_tag|>
+    call_triggers = ('{"name": ',)
+    call_separator = "; "
 
     def _make_stream(self, out: Output) -> ToolCallStream:
         return _Llama3JsonStream(out)
+
+    def call_tag(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "tag", "begin": f'{{"name": {json.dumps(name)}, "parameters": ', "content": arguments, "end": "}"}
 
 
 class _MistralStream(ToolCallStream):

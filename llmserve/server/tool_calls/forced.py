@@ -28,7 +28,7 @@ EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 _DEFINITION_KEYS = ("$defs", "definitions")
 
 
-def _function(tool: Any, position: int) -> Mapping[str, Any]:
+def function_of(tool: Any, position: int) -> Mapping[str, Any]:
     function = tool.get("function") if isinstance(tool, Mapping) and tool.get("type") == "function" else None
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
         raise InvalidRequestError(
@@ -38,7 +38,7 @@ def _function(tool: Any, position: int) -> Mapping[str, Any]:
     return function
 
 
-def _parameters(function: Mapping[str, Any]) -> dict[str, Any]:
+def parameters_of(function: Mapping[str, Any]) -> dict[str, Any]:
     parameters = function.get("parameters")
     if parameters is None:
         return copy.deepcopy(EMPTY_PARAMETERS)
@@ -67,8 +67,8 @@ def required_tool_calls_schema(tools: Sequence[Any], parallel_tool_calls: bool =
     definitions: dict[str, dict[str, Any]] = {}
     choices: list[dict[str, Any]] = []
     for position, tool in enumerate(tools):
-        function = _function(tool, position)
-        parameters = _parameters(function)
+        function = function_of(tool, position)
+        parameters = parameters_of(function)
         _hoist_definitions(parameters, definitions)
         choices.append(
             {
@@ -89,9 +89,9 @@ def required_tool_calls_schema(tools: Sequence[Any], parallel_tool_calls: bool =
 def named_tool_call_schema(tools: Sequence[Any], name: str) -> dict[str, Any]:
     """The schema of a named `tool_choice` output: that function's parameters."""
     for position, tool in enumerate(tools or ()):
-        function = _function(tool, position)
+        function = function_of(tool, position)
         if function["name"] == name:
-            return _parameters(function)
+            return parameters_of(function)
     raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
 
 
