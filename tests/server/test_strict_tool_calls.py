@@ -15,7 +15,14 @@ from tokenizers import Tokenizer
 
 from llmserve.engine.grammar import GrammarCompiler, GrammarSpec, GrammarState, tokenizer_info
 from llmserve.errors import InvalidRequestError
-from llmserve.server.tool_calls import HermesToolParser, Llama3JsonToolParser, MistralToolParser, ToolParser
+from llmserve.server.tool_calls import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    RequiredToolCallParser,
+    ToolParser,
+    tool_parser_for,
+)
 from llmserve.server.tool_calls.strict import any_strict, strict_calls_tag
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
@@ -27,7 +34,6 @@ TIME = {"type": "function", "function": {"name": "get_time", "strict": True, "pa
 LOOSE = {"type": "function", "function": {"name": "note", "parameters": {
     "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, TIME)}
-END = {"hermes": "</tool_call>", "llama3_json": "}"}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +46,7 @@ def vocabulary(tiny_llama_dir):
 
 def _decode_a_call(vocabulary, parser: ToolParser, tools: list, seed: int, lead: str) -> str:
     """Text that writes `lead` (free text, then the start of a call), then tokens drawn at random among
-    those the grammar allows until the call is closed (or EOS)."""
+    those the grammar allows until a call parses (or EOS)."""
     tokenizer, compiler, eos = vocabulary
     spec = GrammarSpec("structural_tag", strict_calls_tag(parser, tools, parallel_tool_calls=True))
     state = GrammarState(compiler.compile(spec), start_after=[])
@@ -59,14 +65,24 @@ def _decode_a_call(vocabulary, parser: ToolParser, tools: list, seed: int, lead:
         state.accept(token)
         ids.append(token)
         text = tokenizer.decode(ids, skip_special_tokens=False)
-        if text.endswith(END[parser.name]) and len(text) > len(lead) + 1:
+        if _whole_calls(parser, text):
             return text
     return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _whole_calls(parser: ToolParser, text: str) -> bool:
+    """Whether `text` holds a call whose arguments are complete JSON (the parser streams them as they come)."""
+    try:
+        return any(isinstance(json.loads(call.arguments), dict) for call in parser.parse(text)[1])
+    except ValueError:
+        return False
 
 
 @pytest.mark.parametrize(("parser", "text", "opening"), [
     (HermesToolParser(), "Let me look.", " <tool_call>"),
     (Llama3JsonToolParser(), "", '{"name": '),  # Llama 3 calls open the reply
+    (MistralToolParser(), "Sure.", "[TOOL_CALLS]"),  # an array of calls
+    (MistralToolParser(calls_by_name=True), "Sure.", "[TOOL_CALLS]"),  # [TOOL_CALLS]name[ARGS]{...}
 ])
 def test_every_call_the_decoding_opens_follows_its_schema(vocabulary, parser: ToolParser, text: str,
                                                           opening: str) -> None:
@@ -74,10 +90,11 @@ def test_every_call_the_decoding_opens_follows_its_schema(vocabulary, parser: To
     for seed in range(12):
         output = _decode_a_call(vocabulary, parser, [WEATHER, TIME], seed, text + opening)
         content, calls = parser.parse(output)
-        assert len(calls) == 1 and (content or "") == text, output
-        name, arguments = calls[0].name, json.loads(calls[0].arguments)
-        jsonschema.validate(arguments, SCHEMAS[name])
-        names.add(name)
+        # the call's last token may carry free text after it: content then
+        assert len(calls) == 1 and (content or "").startswith(text), output
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+            names.add(call.name)
     assert names == {"get_weather", "get_time"}  # either tool may be called
 
 
@@ -114,7 +131,15 @@ def test_only_requests_with_a_strict_function_are_constrained() -> None:
     assert tag["format"]["triggers"] == ['{"name": ']
 
 
-def test_a_format_without_a_call_tag_is_a_400_naming_tools() -> None:
-    with pytest.raises(InvalidRequestError, match="not supported for the mistral tool-call format") as raised:
-        strict_calls_tag(MistralToolParser(), [WEATHER], parallel_tool_calls=True)
+def test_a_mistral_template_decides_which_form_strict_calls_take() -> None:
+    by_name = tool_parser_for(None, "{{ '[TOOL_CALLS]' + name + '[ARGS]' + arguments }}", "MistralForCausalLM")
+    array = tool_parser_for("mistral", "{{ '[TOOL_CALLS]' + calls | tojson }}", "MistralForCausalLM")
+    assert isinstance(by_name, MistralToolParser) and by_name.calls_by_name and not array.calls_by_name
+    tag = json.loads(strict_calls_tag(array, [WEATHER], parallel_tool_calls=False))["format"]
+    assert tag["tags"][0]["content"]["json_schema"]["maxItems"] == 1
+
+
+def test_a_format_without_call_triggers_is_a_400_naming_tools() -> None:
+    with pytest.raises(InvalidRequestError, match="not supported for the required tool-call format") as raised:
+        strict_calls_tag(RequiredToolCallParser(), [WEATHER], parallel_tool_calls=True)
     assert raised.value.param == "tools"

@@ -457,16 +457,25 @@ class ToolCallStream(abc.ABC):
     def _end(self) -> None: ...
 
 
+# At most one whitespace character where JSON allows any in a strict call's arguments: a real model writes
+# `{"city": "Paris"}`, and a random-weight one cannot pad forever.
+STRICT_MAX_WHITESPACE = 1
+
+
+def json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    """xgrammar's structural-tag format of JSON under `schema`."""
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": STRICT_MAX_WHITESPACE}
+
+
 class ToolParser(abc.ABC):
     """One family's tool-call format: `parse` a whole output, or `stream` one as it is generated."""
 
     name: ClassVar[str]
     # The output must be decoded with skip_special_tokens=False: the markers are special tokens.
     keep_special_tokens: ClassVar[bool] = False
-    # Where a call starts in free text, for decoding strict calls under tool_choice "auto" (`call_tag`);
-    # empty: this format has no such form.
+    # Where a call starts in free text, for decoding strict calls under tool_choice "auto" (`calls_format`);
+    # empty for the forced formats, whose whole reply is decoded under a schema.
     call_triggers: ClassVar[tuple[str, ...]] = ()
-    call_separator: ClassVar[str] = ""  # between two calls written one after the other
 
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
         self._new_id = new_id
@@ -478,10 +487,18 @@ class ToolParser(abc.ABC):
         stream = self.stream()
         return assemble([*stream.feed(text), *stream.finish()])
 
+    def calls_format(self, functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> dict[str, Any]:
+        """xgrammar's structural-tag format of replies in this family's form whose calls of the `functions`
+        ((name, arguments schema) pairs) follow their schemas: free text until a call opens, each call
+        whole, free text again; with `parallel` false, nothing after the first call."""
+        tags = [self.call_tag(name, json_schema_format(schema)) for name, schema in functions]
+        return {"type": "triggered_tags", "triggers": list(self.call_triggers), "tags": tags,
+                "stop_after_first": not parallel}
+
     def call_tag(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
         """One call of function `name` as xgrammar's structural-tag `tag`: the text before the arguments,
-        the arguments under the `arguments` format, the text after. Only for formats with `call_triggers`."""
-        raise NotImplementedError(f"the {self.name} tool-call format has no tag for strict calls")
+        the arguments under the `arguments` format, the text after; `begin` starts with a call trigger."""
+        raise NotImplementedError(f"the {self.name} tool-call format has no call tag")
 
     @abc.abstractmethod
     def _make_stream(self, out: Output) -> ToolCallStream: ...

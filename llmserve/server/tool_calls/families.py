@@ -7,6 +7,7 @@ malformed call becomes).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from llmserve.server.tool_calls.base import (
@@ -19,7 +20,10 @@ from llmserve.server.tool_calls.base import (
     Status,
     ToolCallStream,
     ToolParser,
+    json_schema_format,
+    new_call_id,
 )
+from llmserve.server.tool_calls.forced import hoist_definitions
 
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
@@ -94,7 +98,6 @@ class HermesToolParser(ToolParser):
 
     name = "hermes"
     call_triggers = (HERMES_START,)
-    call_separator = "\n"
 
     def _make_stream(self, out: Output) -> ToolCallStream:
         return _HermesStream(out)
@@ -179,7 +182,6 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     keep_special_tokens = True  # <|python_tag|>
     call_triggers = ('{"name": ',)
-    call_separator = "; "
 
     def _make_stream(self, out: Output) -> ToolCallStream:
         return _Llama3JsonStream(out)
@@ -277,10 +279,34 @@ class _MistralStream(ToolCallStream):
 
 
 class MistralToolParser(ToolParser):
-    """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` or `[TOOL_CALLS]name[ARGS]{...}`."""
+    """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` or `[TOOL_CALLS]name[ARGS]{...}`.
+    `calls_by_name`: the model writes the second form (its chat template does), which strict calls follow."""
 
     name = "mistral"
     keep_special_tokens = True  # [TOOL_CALLS] and [ARGS] are special tokens
+    call_triggers = (MISTRAL_TOOL_CALLS,)
+
+    def __init__(self, new_id: Callable[[], str] = new_call_id, calls_by_name: bool = False) -> None:
+        super().__init__(new_id)
+        self.calls_by_name = calls_by_name
 
     def _make_stream(self, out: Output) -> ToolCallStream:
         return _MistralStream(out)
+
+    def calls_format(self, functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> dict[str, Any]:
+        if self.calls_by_name:
+            return super().calls_format(functions, parallel)
+        definitions: dict[str, dict[str, Any]] = {}
+        calls = []
+        for name, schema in functions:
+            hoist_definitions(schema, definitions)  # to the array's root, where their references point
+            calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "arguments": schema},
+                          "required": ["name", "arguments"], "additionalProperties": False})
+        array = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, **definitions}
+        if not parallel:
+            array["maxItems"] = 1
+        tag = {"type": "tag", "begin": MISTRAL_TOOL_CALLS, "content": json_schema_format(array), "end": ""}
+        return {"type": "triggered_tags", "triggers": [MISTRAL_TOOL_CALLS], "tags": [tag], "stop_after_first": True}
+
+    def call_tag(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "tag", "begin": f"{MISTRAL_TOOL_CALLS}{name}{MISTRAL_ARGS}", "content": arguments, "end": ""}

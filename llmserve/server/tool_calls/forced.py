@@ -47,7 +47,7 @@ def parameters_of(function: Mapping[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(dict(parameters))
 
 
-def _hoist_definitions(schema: dict[str, Any], into: dict[str, dict[str, Any]]) -> None:
+def hoist_definitions(schema: dict[str, Any], into: dict[str, dict[str, Any]]) -> None:
     """Move `$defs`/`definitions` to the root, where their `#/$defs/...` references point."""
     for key in _DEFINITION_KEYS:
         for name, definition in (schema.pop(key, None) or {}).items():
@@ -69,7 +69,7 @@ def required_tool_calls_schema(tools: Sequence[Any], parallel_tool_calls: bool =
     for position, tool in enumerate(tools):
         function = function_of(tool, position)
         parameters = parameters_of(function)
-        _hoist_definitions(parameters, definitions)
+        hoist_definitions(parameters, definitions)
         choices.append(
             {
                 "type": "object",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from llmserve.server.tool_calls.base import ToolParser
 from llmserve.server.tool_calls.families import (
     HERMES_START,
+    MISTRAL_ARGS,
     MISTRAL_TOOL_CALLS,
     PYTHON_TAG,
     HermesToolParser,
@@ -44,10 +45,12 @@ def tool_parser(name: str) -> ToolParser:
 
 def tool_parser_for(name: str | None, chat_template: str | None, architecture: str) -> ToolParser | None:
     """An explicit `name` wins; else the format the chat template writes; else the architecture's; else None."""
-    if name is not None:
-        return tool_parser(name)
-    for signs, parser_name in _TEMPLATE_SIGNS:
-        if chat_template is not None and any(sign in chat_template for sign in signs):
-            return tool_parser(parser_name)
-    parser_name = ARCHITECTURE_PARSERS.get(architecture)
-    return tool_parser(parser_name) if parser_name is not None else None
+    if name is None:
+        found = (parser for signs, parser in _TEMPLATE_SIGNS if chat_template and any(s in chat_template for s in signs))
+        name = next(found, ARCHITECTURE_PARSERS.get(architecture))
+    if name is None:
+        return None
+    parser = tool_parser(name)
+    if isinstance(parser, MistralToolParser):  # which of its two forms the template writes calls in
+        parser.calls_by_name = chat_template is not None and MISTRAL_ARGS in chat_template
+    return parser
