@@ -1,5 +1,6 @@
-"""What vLLM's `allowed_token_ids` and `bad_words` cost a decode step, against the same requests without
-them, in one run, alternated round by round. Workload: the built-in model (offline `LLM`), `--batch`
+"""What vLLM's `allowed_token_ids` and `bad_words`, and the calls' grammar of strict functions under
+`tool_choice: "auto"` (a structural tag: free text until a call opens), cost a decode step, against the same
+requests without them, in one run, alternated round by round. Workload: the built-in model (offline `LLM`), `--batch`
 greedy requests of `--tokens` tokens after a 4-token prompt; the per-step time is the whole `generate`
 call (the per-request work included: tokenizing the bad words) over its tokens.
 
@@ -15,8 +16,14 @@ import statistics
 import time
 
 from llmserve import LLM, SamplingParams
+from llmserve.sampling.params import StructuredOutputsParams
+from llmserve.server.tool_calls import HermesToolParser
+from llmserve.server.tool_calls.strict import strict_calls_tag
 
 PROMPT = "Once upon a time"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
 
 
 def variants(vocab_size: int) -> dict[str, dict]:
@@ -29,6 +36,8 @@ def variants(vocab_size: int) -> dict[str, dict]:
         # the most the HTTP caps allow: 128 words, each under 128 tokens
         "bad_words, 128 words of 121 tokens": {"bad_words": [("a " * 120) + f"b{i}" for i in range(128)]},
         "repetition_penalty 1.1 (for scale)": {"repetition_penalty": 1.1},
+        "strict tools under tool_choice auto": {"structured_outputs": StructuredOutputsParams(
+            structural_tag=strict_calls_tag(HermesToolParser(), [WEATHER], parallel_tool_calls=True))},
     }
 
 
