@@ -167,6 +167,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return APIError(400, "Invalid request.")
     first = errors[0]
+    if first.get("type") == "json_too_deep":
+        return APIError(400, first["msg"], code="invalid_json")
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(

@@ -28,6 +28,7 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 MAX_LOGPROBS = 20
 # Integers the engine receives must fit 64 bits (its messages are MessagePack), as vLLM bounds its own.
@@ -62,6 +63,30 @@ def now() -> int:
 class _Request(BaseModel):
     # Unknown fields are a 400 (no silent ignores); NaN and infinity are refused.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# JSON nested deeper than this in a request body is a 400: schemas and structural tags are copied, dumped
+# and compiled by recursive code, which a body a few hundred levels deep would exhaust (a 500).
+MAX_JSON_DEPTH = 100
+
+
+class _Body(_Request):
+    """A whole request body: its nesting is checked once, before its fields are."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_too_deep(cls, data: Any) -> Any:
+        stack = [(data, 1)]
+        while stack:
+            value, depth = stack.pop()
+            if depth > MAX_JSON_DEPTH:
+                raise PydanticCustomError("json_too_deep", "The request body nests JSON deeper than {limit} levels.",
+                                          {"limit": MAX_JSON_DEPTH})
+            if isinstance(value, dict):
+                stack.extend((item, depth + 1) for item in value.values())
+            elif isinstance(value, list):
+                stack.extend((item, depth + 1) for item in value)
+        return data
 
 
 def _check_unicode(text: str) -> str:
@@ -292,7 +317,7 @@ class StructuredOutputsRequest(_Request):
         return bool(value) if name == "json_object" else value is not None
 
 
-class SamplingFields(_Request):
+class SamplingFields(_Body):
     """Parameters both endpoints share, with vLLM's extras."""
 
     model: str | None = None
@@ -781,7 +806,7 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Body):
     model: str | None = None
     # One prompt, or several (counted in one call: the gateway reserves an embeddings batch's tokens so).
     prompt: str | list[str] | None = None
@@ -815,7 +840,7 @@ class TokenizeResponse(_Response):
     counts: list[int] | None = None  # per prompt, when `prompt` was a list
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[StrictInt]
 
@@ -824,7 +849,7 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
-class ReloadRequest(_Request):
+class ReloadRequest(_Body):
     model: str | None = None  # unset: the first served model
     path: str = Field(min_length=1)  # a checkpoint directory on the server: same architecture and shapes
 
@@ -869,7 +894,7 @@ def _check_input(value: Any) -> Any:
         ) from None
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(_Body):
     model: str | None = None
     input: Any
     encoding_format: Literal["float", "base64"] = "float"

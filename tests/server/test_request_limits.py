@@ -197,8 +197,8 @@ def test_client_errors_are_400s_naming_the_param(http, path, fields, param):
          "messages[0].function_call", "unsupported_parameter"),
         (CHAT, {"messages": [{"role": "user", "content": "hi", "tool_calls_x": []}]}, "messages[0].tool_calls_x",
          "unknown_parameter"),
-        (COMPLETIONS, {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag",
-         "unknown_parameter"),
+        (COMPLETIONS, {"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " "}},
+         "structured_outputs.whitespace_pattern", "unknown_parameter"),
         ("/tokenize", {"prompt": "hi", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
     ],
 )
@@ -218,6 +218,32 @@ def test_metadata_only_fields_are_accepted_without_effect(http, path):
     with_metadata = _post(http, path, {**base, **extra, "max_tokens": 4, "temperature": 0})
     assert plain.status_code == with_metadata.status_code == 200, with_metadata.text
     assert plain.json()["choices"] == with_metadata.json()["choices"]
+
+
+def _nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, "/tokenize"])
+def test_json_nested_too_deep_is_a_400_not_a_recursion_error(http, live_server, path):
+    """A few hundred levels pass the JSON parser but would exhaust the recursion of the code that copies,
+    dumps and compiles schemas (it was a 500); 100 levels are the limit, and a schema within it works."""
+    deep = {"type": "function", "function": {"name": "f", "strict": True, "parameters": _nested_schema(240)}}
+    body = {
+        CHAT: {"model": MODEL_NAME, "max_tokens": 2, "messages": MESSAGES, "tools": [deep]},
+        COMPLETIONS: {"model": MODEL_NAME, "max_tokens": 2, "prompt": "x", "structured_outputs": {
+            "json": _nested_schema(240)}},
+        "/tokenize": {"model": MODEL_NAME, "messages": MESSAGES, "tools": [deep]},
+    }[path]
+    error = _error(_post(http, path, body), 400)
+    assert error["code"] == "invalid_json" and "deeper than 100 levels" in error["message"]
+    within = {"model": MODEL_NAME, "max_tokens": 2, "messages": MESSAGES,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": _nested_schema(30)}}}
+    assert _post(http, CHAT, within).status_code == 200
+    assert live_server.idle_stats().num_used_blocks == 0
 
 
 def test_health_and_version_answer_json(http):
