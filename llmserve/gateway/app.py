@@ -160,7 +160,7 @@ def build_gateway_app(
         async def forward(body: bytes, headers: dict[str, str]) -> Response:
             try:
                 payload = json.loads(body)
-            except ValueError:
+            except (ValueError, RecursionError):  # nested past the parser's depth: not JSON it can read
                 return errors.error_response(400, "The request body is not valid JSON.", code="invalid_json")
             model = payload.get("model") if isinstance(payload, dict) else None
             if not isinstance(model, str):

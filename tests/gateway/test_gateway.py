@@ -236,6 +236,9 @@ def test_errors_models_and_health(gateway: Gateway, replicas: list[Process]) -> 
                                          "code": "model_not_found"}}
     bad = httpx.post(f"{gateway.url}/v1/completions", content=b"{not json")
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    deep = b'{"model": "tiny", "prompt": "x", "user": ' + b'{"a": ' * 3000 + b'"x"' + b"}" * 3001
+    bad = httpx.post(f"{gateway.url}/v1/completions", content=deep)  # past the JSON parser's depth: was a 500
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
     # The replica's own 400 comes back as it is.
     response = httpx.post(f"{gateway.url}/v1/chat/completions", json={**_chat("hi"), "max_tokens": -1})
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"

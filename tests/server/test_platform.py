@@ -70,6 +70,19 @@ def test_without_keys_the_server_is_open_and_meters_requests_as_local(server: Pl
     assert (row.prompt_tokens, row.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
 
 
+def test_a_body_nested_past_any_limit_is_a_400_and_metered_as_nothing(server: PlatformServer) -> None:
+    """Past the JSON parser's own depth, and past the server's 100 levels (copying or compiling schemas
+    that deep was a 500)."""
+    for levels in (3000, 300):
+        deep = b'{"a": ' * levels + b'"x"' + b"}" * levels
+        body = json.dumps(chat_body()).encode()[:-1] + b', "user": ' + deep + b"}"
+        with server.client() as client:
+            response = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    assert server.idle_stats().num_used_blocks == 0
+
+
 def test_once_a_key_exists_every_v1_request_needs_a_valid_one(server: PlatformServer) -> None:
     key, secret = server.new_key("alice")
     _, bob = server.new_key("bob")  # stays active: revoking alice's key must not reopen the server
