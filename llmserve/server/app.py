@@ -23,6 +23,7 @@ from llmserve.server import (
     embeddings,
     health,
     metrics,
+    responses,
     streams,
     tokens,
     usage,
@@ -211,7 +212,8 @@ def build_app(
     app.add_middleware(DrainMiddleware, state=state)
     install_cors(app, allowed_origins)
     for module in (
-        chat, completions, embeddings, streams, models_api, tokens, health, metrics, usage, conversations, admin,
+        chat, completions, responses, embeddings, streams, models_api, tokens, health, metrics, usage, conversations,
+        admin,
     ):
         app.include_router(module.router)
     install_page(app)

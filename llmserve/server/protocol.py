@@ -70,7 +70,7 @@ class _Request(BaseModel):
 MAX_JSON_DEPTH = 100
 
 
-class _Body(_Request):
+class RequestBody(_Request):
     """A whole request body: its nesting is checked once, before its fields are."""
 
     @model_validator(mode="before")
@@ -317,7 +317,7 @@ class StructuredOutputsRequest(_Request):
         return bool(value) if name == "json_object" else value is not None
 
 
-class SamplingFields(_Body):
+class SamplingFields(RequestBody):
     """Parameters both endpoints share, with vLLM's extras."""
 
     model: str | None = None
@@ -806,7 +806,7 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     # One prompt, or several (counted in one call: the gateway reserves an embeddings batch's tokens so).
     prompt: str | list[str] | None = None
@@ -840,7 +840,7 @@ class TokenizeResponse(_Response):
     counts: list[int] | None = None  # per prompt, when `prompt` was a list
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[StrictInt]
 
@@ -849,7 +849,7 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
-class ReloadRequest(_Body):
+class ReloadRequest(RequestBody):
     model: str | None = None  # unset: the first served model
     path: str = Field(min_length=1)  # a checkpoint directory on the server: same architecture and shapes
 
@@ -894,7 +894,7 @@ def _check_input(value: Any) -> Any:
         ) from None
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(RequestBody):
     model: str | None = None
     input: Any
     encoding_format: Literal["float", "base64"] = "float"

@@ -1,0 +1,149 @@
+"""OpenAI's Responses API (`POST /v1/responses`) through the openai client, on the random-weight tiny model:
+each answer is the chat completion of the same conversation (exact text, usage), in output items; streamed,
+the client's own event models parse every event and the deltas add up to the final response; tools,
+`text.format` and the 400s in OpenAI's shape."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.server.conftest import LiveServer, serving
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                         "unit": {"enum": ["c", "f"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_llama_dir) -> Iterator[LiveServer]:
+    with serving(tiny_llama_dir, max_num_batched_tokens=256, max_model_len=2048) as server:
+        yield server
+
+
+def _chat_text(server: LiveServer, messages: list[dict], **body) -> tuple[str | None, dict]:
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                          json={"model": server.model, "messages": messages, "temperature": 0, **body})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    return answer["choices"][0]["message"]["content"], answer["usage"]
+
+
+def test_a_response_is_the_chat_completion_of_the_same_conversation(live_server: LiveServer) -> None:
+    client = live_server.client()
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees, sunny"},
+        {"role": "user", "content": [{"type": "input_text", "text": "And "}, {"type": "input_text", "text": "tomorrow?"}]},
+    ]
+    response = client.responses.create(model=live_server.model, instructions="Be brief.", input=history, tools=[WEATHER],
+                                       tool_choice="none", temperature=0, max_output_tokens=24)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    # a Responses function tool is strict unless it says otherwise
+    chat_tool = {"type": "function", "function": {**{k: WEATHER[k] for k in ("name", "description", "parameters")},
+                                                  "strict": True}}
+    text, usage = _chat_text(live_server, messages, tools=[chat_tool], tool_choice="none", max_completion_tokens=24)
+    assert response.output_text == text and response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (usage["prompt_tokens"], 24)
+    assert response.id.startswith("resp_") and response.output[0].type == "message"
+    assert live_server.idle_stats().num_used_blocks == 0
+
+
+def test_streamed_events_parse_and_add_up_to_the_response(live_server: LiveServer) -> None:
+    client = live_server.client()
+    whole = client.responses.create(model=live_server.model, input="Tell me a story.", temperature=0,
+                                    max_output_tokens=20)
+    with client.responses.stream(model=live_server.model, input="Tell me a story.", temperature=0,
+                                 max_output_tokens=20) as stream:
+        events = list(stream)
+    final = events[-1].response  # cut short: `response.incomplete` (the client's get_final_response wants completed)
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert deltas == final.output_text == whole.output_text and len(deltas) > 0
+    assert final.usage.output_tokens == whole.usage.output_tokens == 20
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 1
+
+
+def test_required_tool_calls_come_back_as_function_call_items(live_server: LiveServer) -> None:
+    client = live_server.client()
+    for seed_input in ("Weather in Oslo?", "Weather in Rome?"):
+        response = client.responses.create(model=live_server.model, input=seed_input, tools=[WEATHER],
+                                           tool_choice="required", max_output_tokens=300)
+        calls = [item for item in response.output if item.type == "function_call"]
+        assert calls and all(call.name == "get_weather" and call.call_id.startswith("call_") for call in calls)
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    with client.responses.stream(model=live_server.model, input="Weather?", tools=[WEATHER],
+                                 tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                 max_output_tokens=300) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert streamed == call.arguments and json.loads(call.arguments)["unit"] in ("c", "f")
+
+
+def test_text_format_json_schema_holds(live_server: LiveServer) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    client = live_server.client()
+    for seed in range(3):
+        response = client.responses.create(
+            model=live_server.model, input=f"A number, please ({seed}).", max_output_tokens=32,
+            text={"format": {"type": "json_schema", "name": "number", "schema": schema, "strict": True}},
+        )
+        jsonschema.validate(json.loads(response.output_text), schema)
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "unsupported_parameter"),
+    ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", None),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
+     "unsupported_parameter"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", None),
+    ({"max_output_tokens": 0}, "max_output_tokens", None),
+    ({"max_output_tokens": 10**6}, "max_output_tokens", None),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "intger"}}}}, "text.format", None),
+    ({"truncation": "auto"}, "truncation", None),
+])
+def test_bad_requests_are_400s_naming_the_field(live_server: LiveServer, body: dict, param: str,
+                                                code: str | None) -> None:
+    payload = {"model": live_server.model, "input": "hi", **body}
+    response = httpx.post(f"{live_server.base_url}/v1/responses", json=payload, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code
+    assert live_server.idle_stats().num_used_blocks == 0
+
+
+def test_a_client_that_hangs_up_mid_stream_aborts_its_generation(live_server: LiveServer) -> None:
+    aborted_before = live_server.engine.num_aborted
+    body = {"model": live_server.model, "input": "Tell me a long story.", "max_output_tokens": 1500, "stream": True}
+    with httpx.stream("POST", f"{live_server.base_url}/v1/responses", json=body, timeout=60) as response:
+        deltas = 0
+        for line in response.iter_lines():
+            deltas += line.startswith("event: response.output_text.delta")
+            if deltas == 3:
+                break  # leaving the block closes the connection mid-stream
+    stats = live_server.idle_stats()
+    assert stats.num_used_blocks == 0 and live_server.engine.num_aborted - aborted_before == 1
