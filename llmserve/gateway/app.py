@@ -51,7 +51,9 @@ from llmserve.server.streaming import ResumeLimits, StreamRegistry
 from llmserve.server.workers import WorkerPool
 from llmserve.web import install_page, page_paths
 
-PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# Passed on as they are by a gateway without its platform (with it, /v1/responses is not served: its platform
+# meters and screens the chat, completions and embeddings shapes).
+PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
 
 @dataclass(frozen=True)

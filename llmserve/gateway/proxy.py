@@ -53,10 +53,14 @@ def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 def prompt_key(payload: dict) -> PromptKey:
     """What the prefix policy routes on: a chat's message texts joined (a conversation's next turn
-    starts with the same text), a completion's prompt, or an embeddings request's input. O(prompt) on
+    starts with the same text), a response's instructions and input texts, a completion's prompt, or an
+    embeddings request's input. O(prompt) on
     the event loop, as is parsing the body; fine at a few hundred KB."""
     if "messages" in payload:
         return "\n".join(_message_text(message) for message in payload.get("messages") or ())
+    items = payload.get("input")
+    if isinstance(items, list) and items and isinstance(items[0], dict):  # the Responses API's input items
+        return "\n".join([payload.get("instructions") or "", *(_message_text(item) for item in items)])
     prompt = payload.get("prompt", payload.get("input", ""))
     if isinstance(prompt, list) and prompt:
         first = prompt[0]

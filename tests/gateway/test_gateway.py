@@ -22,6 +22,7 @@ import pytest
 import uvicorn
 
 from llmserve.gateway.app import build_gateway_app
+from llmserve.gateway.proxy import prompt_key
 from llmserve.gateway.replica import ReplicaState
 from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 
@@ -215,6 +216,13 @@ def test_responses_pass_through_unchanged(gateway: Gateway, replicas: list[Proce
     proxied = httpx.post(f"{gateway.url}/v1/completions", json=completion, timeout=30)
     direct = httpx.post(f"{replicas[1].url}/v1/completions", json=completion, timeout=30)
     assert proxied.status_code == 200 and proxied.json()["choices"] == direct.json()["choices"]
+
+    response = {"model": MODEL, "instructions": "Be brief.", "temperature": 0, "max_output_tokens": 5,
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "Once upon a time"}]}]}
+    proxied = httpx.post(f"{gateway.url}/v1/responses", json=response, timeout=30)
+    direct = httpx.post(f"{replicas[1].url}/v1/responses", json=response, timeout=30)
+    assert proxied.status_code == 200 and proxied.json()["output"][0]["content"] == direct.json()["output"][0]["content"]
+    assert prompt_key(response) == "Be brief.\nOnce upon a time"  # routed by prefix as a chat would be
 
 
 def test_a_resumable_stream_is_forwarded_plain(gateway: Gateway, replicas: list[Process]) -> None:
