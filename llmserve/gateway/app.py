@@ -34,7 +34,7 @@ from llmserve.gateway.proxy import (
 )
 from llmserve.gateway.routing import policy_by_name
 from llmserve.platform.routing import ModelRouter
-from llmserve.server import conversations, streams, usage
+from llmserve.server import conversations, responses_api, streams, usage
 from llmserve.server.cors import install_cors
 from llmserve.server.errors import install_error_handlers
 from llmserve.server.gateway import AuthMiddleware, Platform, public_paths, request_key
@@ -47,12 +47,13 @@ from llmserve.server.protocol import (
     ModelCard,
     ModelList,
 )
+from llmserve.server.responses_api import ResponsesRequest
 from llmserve.server.streaming import ResumeLimits, StreamRegistry
 from llmserve.server.workers import WorkerPool
 from llmserve.web import install_page, page_paths
 
-# Passed on as they are by a gateway without its platform (with it, /v1/responses is not served: its platform
-# meters and screens the chat, completions and embeddings shapes).
+# Passed on as they are by a gateway without its platform (with it, each has a route; a Responses API request
+# runs there as a chat completion, metered and screened as one).
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
 
@@ -196,6 +197,10 @@ def build_gateway_app(
         @app.post("/v1/embeddings", response_model=None)
         async def embeddings_with_platform(body: EmbeddingRequest, request: Request) -> Response:
             return await front.embeddings(request, body)
+
+        @app.post("/v1/responses", response_model=None)
+        async def responses_with_platform(body: ResponsesRequest, request: Request) -> Response:
+            return await responses_api.answer(body, lambda chat, payload: front.chat(request, chat, payload))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -104,7 +104,8 @@ class GatewayPlatform:
         self.cutoff.cut_all()
 
     # ---- the endpoints ----------------------------------------------------------------------------
-    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+    async def chat(self, request: Request, body: ChatCompletionRequest, payload: dict[str, Any] | None = None) -> Response:
+        """`payload`: the body as JSON when it is not the request's own (a Responses API request's chat)."""
         key = request_key(request.state)
         model, pool = self.resolve(body.model, key, key.id if key is not None else body.user)
         errors.reject_unsupported(body.unsupported_params())
@@ -115,7 +116,7 @@ class GatewayPlatform:
                 "conversation_id.", param="conversation_id",
             )
         turn = await open_turn(self.platform, key, body.conversation_id, body.parent_message_id, new_messages)
-        payload = await _payload(request, model)
+        payload = _as_sent(await _json(request) if payload is None else dict(payload), model)
         max_tokens, _ = body.requested_max_tokens()
         if turn is not None:
             history = await self._fitted_history(pool, model, turn, payload, max_tokens, body.truncation)
@@ -393,8 +394,12 @@ async def _json(request: Request) -> dict[str, Any]:
 
 
 async def _payload(request: Request, model: str) -> dict[str, Any]:
-    """The request's body as the replica gets it: the concrete model, without the platform's fields."""
-    payload = await _json(request)
+    """The request's body as the replica gets it."""
+    return _as_sent(await _json(request), model)
+
+
+def _as_sent(payload: dict[str, Any], model: str) -> dict[str, Any]:
+    """A body as the replica gets it: the concrete model, without the platform's fields."""
     payload["model"] = model
     for name in CONVERSATION_FIELDS:
         payload.pop(name, None)

@@ -83,6 +83,26 @@ def test_a_body_nested_past_any_limit_is_a_400_and_metered_as_nothing(server: Pl
     assert server.idle_stats().num_used_blocks == 0
 
 
+def test_a_responses_api_request_is_metered_and_keyed_as_its_chat(server: PlatformServer) -> None:
+    """/v1/responses runs as a chat completion through either platform: the key is checked, and the
+    usage stored is the response's, whole or streamed."""
+    body = {"model": MODEL, "input": "Hello there", "max_output_tokens": 4, "temperature": 0}
+    key, secret = server.new_key("alice")
+    with server.client() as client:
+        assert client.post("/v1/responses", json=body).status_code == 401
+    with server.client(secret) as client:
+        whole = client.post("/v1/responses", json=body)
+        streamed = client.post("/v1/responses", json={**body, "stream": True})
+    assert whole.status_code == streamed.status_code == 200, whole.text
+    usage = whole.json()["usage"]
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["usage"] == usage
+    assert events[-1]["response"]["output"] == [{**whole.json()["output"][0], "id": events[-1]["response"]["output"][0]["id"]}]
+    rows = server.wait_for_usage_rows(2)
+    assert [(r.key_id, r.prompt_tokens, r.completion_tokens) for r in rows] == [
+        (key.id, usage["input_tokens"], usage["output_tokens"])] * 2
+
+
 def test_once_a_key_exists_every_v1_request_needs_a_valid_one(server: PlatformServer) -> None:
     key, secret = server.new_key("alice")
     _, bob = server.new_key("bob")  # stays active: revoking alice's key must not reopen the server

@@ -1,0 +1,484 @@
+"""OpenAI's Responses API as a chat completion: the request's shapes, and `answer`, which translates one.
+
+A request is translated into a chat completion (its `input` items into messages, `instructions` into the
+first system message, its flat function tools into chat's, `text.format` into `response_format`), run by
+the caller's chat endpoint (the server's, or a gateway platform's: so keys, limits, metering, safety,
+disconnects and the tool and reasoning parsers are chat's), and its answer translated back: output items
+(`reasoning`, `message`, `function_call`) and the Responses usage; streamed, chat's chunks become the
+Responses events, each numbered by `sequence_number`. As in the Responses API, function tools are strict
+unless they say otherwise. Nothing is stored: `store` is answered false, and `previous_response_id` is a
+400 (send the conversation as `input`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field, StrictBool, StrictFloat, ValidationError
+
+from llmserve.errors import InvalidRequestError
+from llmserve.server import errors
+from llmserve.server.openapi import documented
+from llmserve.server.protocol import ChatCompletionRequest, Int64, RequestBody, now
+
+# Chat's parameter names in errors -> the Responses request's own.
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+           "stream_options": "stream_options"}
+# Known Responses fields this server does not implement (each would change the output or needs storage).
+_UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "background", "include", "top_logprobs",
+                "max_tool_calls")
+
+
+class ResponsesRequest(RequestBody):
+    """The Responses API's request, as far as it is served here (other fields are 400s)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Int64 | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["disabled"] | None = None  # "auto" (dropping the oldest items) is not served
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    # metadata only
+    store: StrictBool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = Field(None, max_length=128)
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024)
+    service_tier: str | None = None
+    # known, not served
+    previous_response_id: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    background: Any = None
+    include: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A response, as the Responses API answers it (the fields this server fills)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    truncation: Literal["disabled"] = "disabled"
+    store: bool = False
+    metadata: dict[str, str]
+    user: str | None
+    previous_response_id: None = None
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, Any] | None
+    usage: ResponseUsage | None
+
+
+# Streamed, each event names its type (`event:`) as OpenAI's do, besides the JSON in `data:`.
+DOCUMENTED = documented(ResponseObject, stream=True)
+DOCUMENTED[200]["content"]["text/event-stream"]["schema"] = {
+    "type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}}, "required": ["data"],
+}
+
+# The caller's chat endpoint: the chat request, validated and as JSON, in; its response out.
+RunChat = Callable[[ChatCompletionRequest, dict[str, Any]], Awaitable[Response]]
+
+
+async def answer(body: ResponsesRequest, run_chat: RunChat) -> Response:
+    """The response to `body`, by way of a chat completion that `run_chat` runs."""
+    chat, payload = _chat_request(body)
+    try:
+        reply = await run_chat(chat, payload)
+    except errors.APIError as exc:
+        exc.param = _rename(exc.param)
+        raise
+    except InvalidRequestError as exc:
+        exc.param = _rename(exc.param)
+        raise
+    headers = {k: v for k, v in reply.headers.items() if k.startswith("x-")}
+    response_id = f"resp_{uuid.uuid4().hex}"
+    if body.stream:
+        assert isinstance(reply, StreamingResponse)
+        events = _Translation(body, response_id).events(reply.body_iterator)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+    completion = json.loads(bytes(reply.body))
+    choice = completion["choices"][0]
+    message = choice["message"]
+    output = []
+    if message.get("reasoning_content"):
+        output.append(_reasoning_item(_item_id("rs"), message["reasoning_content"]))
+    if message.get("content"):
+        output.append(_message_item(_item_id("msg"), message["content"]))
+    for call in message.get("tool_calls") or ():
+        output.append(_call_item(_item_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
+    answer_json = _response(body, response_id, completion["model"], output, choice["finish_reason"], completion["usage"])
+    return JSONResponse(answer_json, headers=headers)
+
+
+def _rename(param: str | None) -> str | None:
+    if param is None:
+        return None
+    head, dot, rest = param.partition(".")
+    head, bracket, index = head.partition("[")
+    if head == "messages":
+        return "input"  # the messages do not line up with the input items one to one
+    return _PARAMS.get(head, head) + (bracket + index if bracket else "") + dot + rest
+
+
+def _invalid(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param)
+
+
+# ---- the request, as a chat completion -----------------------------------------------------------
+
+
+def _chat_request(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Any]]:
+    for name in _UNSUPPORTED:
+        if getattr(body, name) is not None:
+            raise errors.unsupported(name, f"{name} is not supported: nothing is stored here; send the whole "
+                                           "conversation as input." if name == "previous_response_id" else
+                                     f"{name} is not supported by this server.")
+    options = dict(body.stream_options or {})
+    if options.pop("include_obfuscation", False):
+        raise errors.unsupported("stream_options.include_obfuscation", "include_obfuscation is not supported here.")
+    if options:
+        raise _invalid(f"Unrecognized stream option: {next(iter(options))}", "stream_options")
+    fields: dict[str, Any] = {
+        "model": body.model, "messages": _messages(body), "stream": body.stream,
+        "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
+        "tools": _tools(body.tools), "tool_choice": _tool_choice(body.tool_choice),
+        "parallel_tool_calls": body.parallel_tool_calls, "response_format": _response_format(body.text),
+        "reasoning_effort": _reasoning_effort(body.reasoning), "metadata": body.metadata, "user": body.user,
+        "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
+        "service_tier": body.service_tier,
+    }
+    if body.stream:
+        fields["stream_options"] = {"include_usage": True}
+    payload = {k: v for k, v in fields.items() if v is not None}
+    try:
+        return ChatCompletionRequest.model_validate(payload), payload
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _rename(errors.param_path(first.get("loc", ())))
+        raise _invalid(f"Invalid value for '{param}': {first.get('msg', 'invalid value')}", param or "input") from None
+
+
+def _text(content: Any, param: str, kinds: tuple[str, ...]) -> str:
+    """An item's content as text: a string, or its text parts (of `kinds`) joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _invalid("content must be a string or a list of content parts.", param)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise errors.unsupported(f"{param}[{j}]", f"Content parts of type {kind!r} are not supported here "
+                                                      f"(this model reads {' and '.join(kinds)} parts).")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _string(item: dict[str, Any], name: str, param: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise _invalid(f"{param}.{name} is required (a string).", f"{param}.{name}")
+    return value
+
+
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _invalid(f"{param}.role must be one of user, system, developer, assistant.", f"{param}.role")
+            parts = ("output_text", "refusal") if role == "assistant" else ("input_text",)
+            messages.append({"role": role, "content": _text(item.get("content"), f"{param}.content", parts)})
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", param), "type": "function",
+                    "function": {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = _text(item.get("output"), f"{param}.output", ("input_text",))
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param), "content": output})
+        elif kind != "reasoning":  # an earlier turn's reasoning: chat templates leave it out
+            raise errors.unsupported(f"{param}.type", f"Input items of type {kind!r} are not supported here.")
+    return messages
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    converted = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise errors.unsupported(f"tools[{i}].type", f"Tools of type {tool.get('type')!r} are not supported "
+                                                         "here: only function tools.")
+        unknown = set(tool) - {"type", "name", "description", "parameters", "strict"}
+        if unknown:
+            raise _invalid(f"Unrecognized tool field: {sorted(unknown)[0]}", f"tools[{i}].{sorted(unknown)[0]}")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        function["strict"] = tool.get("strict") is not False  # the Responses API's default: strict
+        converted.append({"type": "function", "function": function})
+    return converted
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str) and set(choice) == {"type", "name"}:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise errors.unsupported("tool_choice", "tool_choice must be none, auto, required or {'type': 'function', "
+                                            "'name': ...} here.")
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    if text.get("verbosity") is not None:
+        raise errors.unsupported("text.verbosity", "text.verbosity is not supported by this server.")
+    unknown = set(text) - {"format", "verbosity"}
+    if unknown:
+        raise _invalid(f"Unrecognized field: text.{sorted(unknown)[0]}", f"text.{sorted(unknown)[0]}")
+    fmt = text.get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    return fmt  # json_object; anything else is chat's 400 on text.format
+
+
+def _reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
+    """`reasoning.effort`, for the chat templates that read it; the reasoning comes back whole, as
+    `reasoning_text` content, whatever `reasoning.summary` asks (nothing is summarized)."""
+    if reasoning is None:
+        return None
+    unknown = set(reasoning) - {"effort", "summary", "generate_summary"}
+    if unknown:
+        raise _invalid(f"Unrecognized field: reasoning.{sorted(unknown)[0]}", f"reasoning.{sorted(unknown)[0]}")
+    return reasoning.get("effort")
+
+
+# ---- the answer, as a response ---------------------------------------------------------------------
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+def _response(body: ResponsesRequest, response_id: str, model: str, output: list[dict[str, Any]],
+              finish_reason: str | None, usage: dict[str, Any] | None, status: str | None = None,
+              error: dict[str, Any] | None = None) -> dict[str, Any]:
+    reason = _INCOMPLETE.get(finish_reason or "")
+    status = status or ("incomplete" if reason else "completed")
+    return ResponseObject(
+        id=response_id, created_at=now(), status=status, model=model, output=output, instructions=body.instructions,
+        max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
+        tools=body.tools or [], tool_choice=body.tool_choice or "auto",
+        parallel_tool_calls=body.parallel_tool_calls is not False, text=body.text or {"format": {"type": "text"}},
+        metadata=body.metadata or {}, user=body.user, error=error,
+        incomplete_details={"reason": reason} if reason and status == "incomplete" else None,
+        usage=None if usage is None else ResponseUsage(
+            input_tokens=usage["prompt_tokens"],
+            input_tokens_details={"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
+            output_tokens=usage["completion_tokens"],
+            output_tokens_details={"reasoning_tokens": 0},
+            total_tokens=usage["total_tokens"],
+        ),
+    ).model_dump()
+
+
+class _Translation:
+    """Chat's streamed chunks of one choice in, the Responses events out: an output item is opened on the
+    first delta of its kind (reasoning, text, each call) and closed when another kind begins or the
+    stream ends."""
+
+    def __init__(self, body: ResponsesRequest, response_id: str) -> None:
+        self.body = body
+        self.response_id = response_id
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []  # the finished items
+        self.open: dict[str, Any] | None = None  # the item being written: its item, kind and text so far
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.model: str | None = None  # from chat's first chunk
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        data = json.dumps({"type": kind, "sequence_number": self.sequence, **fields}, ensure_ascii=False)
+        self.sequence += 1
+        return f"event: {kind}\ndata: {data}\n\n"
+
+    async def events(self, chunks: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
+        pending = ""
+        try:
+            async for raw in chunks:
+                if self.model is None:  # chat's first chunk names the model served
+                    first = (raw if isinstance(raw, str) else raw.decode()).partition("data: ")[2]
+                    self.model = json.loads(first.partition("\n")[0]).get("model", "") if first.startswith("{") else ""
+                    snapshot = self._snapshot("in_progress")
+                    yield self._event("response.created", response=snapshot)
+                    yield self._event("response.in_progress", response=snapshot)
+                pending += raw if isinstance(raw, str) else raw.decode()
+                *lines, pending = pending.split("\n")
+                for line in lines:
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        for event in self._close():
+                            yield event
+                        error = data["error"]
+                        yield self._event("error", code=error.get("code"), message=error.get("message"),
+                                          param=error.get("param"))
+                        failed = {"code": error.get("code") or "server_error", "message": error.get("message")}
+                        yield self._event("response.failed", response=self._snapshot("failed", failed))
+                        return
+                    for event in self._chunk(data):
+                        yield event
+        finally:
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()  # a client gone: the chat run aborts
+        for event in self._close():
+            yield event
+        final = self._snapshot(None)
+        yield self._event("response.completed" if final["status"] == "completed" else "response.incomplete",
+                          response=final)
+
+    def _snapshot(self, status: str | None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The response so far (`status` None: as the finish reason makes it)."""
+        return _response(self.body, self.response_id, self.model or "", self.output, self.finish_reason, self.usage,
+                         status=status, error=error)
+
+    def _chunk(self, data: dict[str, Any]) -> list[str]:
+        if data.get("usage"):
+            self.usage = data["usage"]
+        events: list[str] = []
+        for choice in data.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._text_delta("reasoning", delta["reasoning_content"])
+            if delta.get("content"):
+                events += self._text_delta("message", delta["content"])
+            for call in delta.get("tool_calls") or ():
+                events += self._call_delta(call)
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        return events
+
+    def _start(self, kind: str, item: dict[str, Any]) -> list[str]:
+        events = self._close()
+        self.open = {"kind": kind, "item": item, "text": ""}
+        events.append(self._event("response.output_item.added", output_index=len(self.output), item=item))
+        if kind == "message":
+            events.append(self._event("response.content_part.added", output_index=len(self.output), item_id=item["id"],
+                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        return events
+
+    def _text_delta(self, kind: str, text: str) -> list[str]:
+        events: list[str] = []
+        if self.open is None or self.open["kind"] != kind:
+            prefix = "msg" if kind == "message" else "rs"
+            item = {"type": "message", "id": _item_id(prefix), "status": "in_progress", "role": "assistant",
+                    "content": []} if kind == "message" else {"type": "reasoning", "id": _item_id(prefix), "summary": []}
+            events = self._start(kind, item)
+        self.open["text"] += text
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        events.append(self._event(name, output_index=len(self.output), item_id=self.open["item"]["id"],
+                                  content_index=0, delta=text, **extra))
+        return events
+
+    def _call_delta(self, call: dict[str, Any]) -> list[str]:
+        events: list[str] = []
+        function = call.get("function") or {}
+        if "id" in call:  # a new call: its id and name come first
+            item = _call_item(_item_id("fc"), call["id"], function.get("name", ""), "", status="in_progress")
+            events = self._start("call", item)
+        arguments = function.get("arguments")
+        if arguments and self.open is not None and self.open["kind"] == "call":
+            self.open["text"] += arguments
+            events.append(self._event("response.function_call_arguments.delta", output_index=len(self.output),
+                                      item_id=self.open["item"]["id"], delta=arguments))
+        return events
+
+    def _close(self) -> list[str]:
+        """The done events of the item being written, which joins the output."""
+        if self.open is None:
+            return []
+        kind, item, text, index = self.open["kind"], self.open["item"], self.open["text"], len(self.output)
+        self.open = None
+        events = []
+        if kind == "message":
+            done = _message_item(item["id"], text)
+            events.append(self._event("response.output_text.done", output_index=index, item_id=item["id"],
+                                      content_index=0, text=text, logprobs=[]))
+            events.append(self._event("response.content_part.done", output_index=index, item_id=item["id"],
+                                      content_index=0, part=done["content"][0]))
+        elif kind == "reasoning":
+            done = _reasoning_item(item["id"], text)
+            events.append(self._event("response.reasoning_text.done", output_index=index, item_id=item["id"],
+                                      content_index=0, text=text))
+        else:
+            done = _call_item(item["id"], item["call_id"], item["name"], text)
+            events.append(self._event("response.function_call_arguments.done", output_index=index,
+                                      item_id=item["id"], name=item["name"], arguments=text))
+        events.append(self._event("response.output_item.done", output_index=index, item=done))
+        self.output.append(done)
+        return events
