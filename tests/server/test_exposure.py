@@ -41,6 +41,7 @@ ROUTE_ACCESS = {
     "/v1/models/{model_id:path}": KEY,
     "/v1/completions": KEY,
     "/v1/chat/completions": KEY,
+    "/v1/responses": KEY,
     "/v1/embeddings": KEY,
     "/v1/usage": KEY,
     "/v1/conversations": KEY,
