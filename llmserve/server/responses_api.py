@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, ValidationError
 
@@ -127,7 +129,7 @@ async def answer(body: ResponsesRequest, run_chat: RunChat) -> Response:
     response_id = f"resp_{uuid.uuid4().hex}"
     if body.stream:
         assert isinstance(reply, StreamingResponse)
-        events = _Translation(body, response_id).events(reply.body_iterator)
+        events = ResponseEvents(body, response_id).events(reply.body_iterator)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     completion = json.loads(bytes(reply.body))
@@ -345,7 +347,17 @@ def _response(body: ResponsesRequest, response_id: str, model: str, output: list
     ).model_dump()
 
 
-class _Translation:
+@dataclass
+class _OpenItem:
+    kind: str  # "reasoning", "message" or "call"
+    item: dict[str, Any]  # as announced
+    pieces: list[str] = field(default_factory=list)  # its text or arguments so far
+
+
+_JSON = msgspec.json.Encoder()
+
+
+class ResponseEvents:
     """Chat's streamed chunks of one choice in, the Responses events out: an output item is opened on the
     first delta of its kind (reasoning, text, each call) and closed when another kind begins or the
     stream ends."""
@@ -355,13 +367,13 @@ class _Translation:
         self.response_id = response_id
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # the finished items
-        self.open: dict[str, Any] | None = None  # the item being written: its item, kind and text so far
+        self.open: _OpenItem | None = None  # the item being written
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.model: str | None = None  # from chat's first chunk
 
     def _event(self, kind: str, **fields: Any) -> str:
-        data = json.dumps({"type": kind, "sequence_number": self.sequence, **fields}, ensure_ascii=False)
+        data = _JSON.encode({"type": kind, "sequence_number": self.sequence, **fields}).decode()
         self.sequence += 1
         return f"event: {kind}\ndata: {data}\n\n"
 
@@ -380,7 +392,7 @@ class _Translation:
                 for line in lines:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    data = json.loads(line[6:])
+                    data = msgspec.json.decode(line[6:])
                     if "error" in data:
                         for event in self._close():
                             yield event
@@ -424,7 +436,7 @@ class _Translation:
 
     def _start(self, kind: str, item: dict[str, Any]) -> list[str]:
         events = self._close()
-        self.open = {"kind": kind, "item": item, "text": ""}
+        self.open = _OpenItem(kind, item)
         events.append(self._event("response.output_item.added", output_index=len(self.output), item=item))
         if kind == "message":
             events.append(self._event("response.content_part.added", output_index=len(self.output), item_id=item["id"],
@@ -433,15 +445,15 @@ class _Translation:
 
     def _text_delta(self, kind: str, text: str) -> list[str]:
         events: list[str] = []
-        if self.open is None or self.open["kind"] != kind:
+        if self.open is None or self.open.kind != kind:
             prefix = "msg" if kind == "message" else "rs"
             item = {"type": "message", "id": _item_id(prefix), "status": "in_progress", "role": "assistant",
                     "content": []} if kind == "message" else {"type": "reasoning", "id": _item_id(prefix), "summary": []}
             events = self._start(kind, item)
-        self.open["text"] += text
+        self.open.pieces.append(text)
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         extra = {"logprobs": []} if kind == "message" else {}
-        events.append(self._event(name, output_index=len(self.output), item_id=self.open["item"]["id"],
+        events.append(self._event(name, output_index=len(self.output), item_id=self.open.item["id"],
                                   content_index=0, delta=text, **extra))
         return events
 
@@ -452,17 +464,17 @@ class _Translation:
             item = _call_item(_item_id("fc"), call["id"], function.get("name", ""), "", status="in_progress")
             events = self._start("call", item)
         arguments = function.get("arguments")
-        if arguments and self.open is not None and self.open["kind"] == "call":
-            self.open["text"] += arguments
+        if arguments and self.open is not None and self.open.kind == "call":
+            self.open.pieces.append(arguments)
             events.append(self._event("response.function_call_arguments.delta", output_index=len(self.output),
-                                      item_id=self.open["item"]["id"], delta=arguments))
+                                      item_id=self.open.item["id"], delta=arguments))
         return events
 
     def _close(self) -> list[str]:
         """The done events of the item being written, which joins the output."""
         if self.open is None:
             return []
-        kind, item, text, index = self.open["kind"], self.open["item"], self.open["text"], len(self.output)
+        kind, item, text, index = self.open.kind, self.open.item, "".join(self.open.pieces), len(self.output)
         self.open = None
         events = []
         if kind == "message":
