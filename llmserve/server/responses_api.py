@@ -339,7 +339,8 @@ def _response(body: ResponsesRequest, response_id: str, model: str, output: list
         incomplete_details={"reason": reason} if reason and status == "incomplete" else None,
         usage=None if usage is None else ResponseUsage(
             input_tokens=usage["prompt_tokens"],
-            input_tokens_details={"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
+            input_tokens_details={"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                                  "cache_write_tokens": 0},  # nothing is billed for writing the prefix cache
             output_tokens=usage["completion_tokens"],
             output_tokens_details={"reasoning_tokens": 0},
             total_tokens=usage["total_tokens"],
@@ -381,18 +382,17 @@ class ResponseEvents:
         pending = ""
         try:
             async for raw in chunks:
-                if self.model is None:  # chat's first chunk names the model served
-                    first = (raw if isinstance(raw, str) else raw.decode()).partition("data: ")[2]
-                    self.model = json.loads(first.partition("\n")[0]).get("model", "") if first.startswith("{") else ""
-                    snapshot = self._snapshot("in_progress")
-                    yield self._event("response.created", response=snapshot)
-                    yield self._event("response.in_progress", response=snapshot)
                 pending += raw if isinstance(raw, str) else raw.decode()
                 *lines, pending = pending.split("\n")
                 for line in lines:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     data = msgspec.json.decode(line[6:])
+                    if self.model is None:  # chat's first chunk names the model served
+                        self.model = data.get("model") or ""
+                        snapshot = self._snapshot("in_progress")
+                        yield self._event("response.created", response=snapshot)
+                        yield self._event("response.in_progress", response=snapshot)
                     if "error" in data:
                         for event in self._close():
                             yield event

@@ -5,12 +5,15 @@ the client's own event models parse every event and the deltas add up to the fin
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from tests.server.conftest import LiveServer, serving
 
@@ -60,6 +63,10 @@ def test_a_response_is_the_chat_completion_of_the_same_conversation(live_server:
     assert response.incomplete_details.reason == "max_output_tokens"
     assert (response.usage.input_tokens, response.usage.output_tokens) == (usage["prompt_tokens"], 24)
     assert response.id.startswith("resp_") and response.output[0].type == "message"
+    # the client builds its models without validating them: validated here, the JSON as sent
+    raw = httpx.post(f"{live_server.base_url}/v1/responses", timeout=60, json={
+        "model": live_server.model, "input": history, "tools": [WEATHER], "max_output_tokens": 4})
+    Response.model_validate_json(raw.content)
     assert live_server.idle_stats().num_used_blocks == 0
 
 
@@ -78,6 +85,10 @@ def test_streamed_events_parse_and_add_up_to_the_response(live_server: LiveServe
     assert deltas == final.output_text == whole.output_text and len(deltas) > 0
     assert final.usage.output_tokens == whole.usage.output_tokens == 20
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 1
+    body = {"model": live_server.model, "input": "Tell me a story.", "max_output_tokens": 5, "stream": True}
+    raw = httpx.post(f"{live_server.base_url}/v1/responses", json=body, timeout=60)
+    data = [line[6:] for line in raw.text.splitlines() if line.startswith("data: ")]
+    assert len(data) > 5 and all(TypeAdapter(ResponseStreamEvent).validate_json(event) for event in data)
 
 
 def test_required_tool_calls_come_back_as_function_call_items(live_server: LiveServer) -> None:
@@ -89,6 +100,10 @@ def test_required_tool_calls_come_back_as_function_call_items(live_server: LiveS
         assert calls and all(call.name == "get_weather" and call.call_id.startswith("call_") for call in calls)
         for call in calls:
             jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    raw = httpx.post(f"{live_server.base_url}/v1/responses", timeout=60, json={
+        "model": live_server.model, "input": "Weather?", "tools": [WEATHER], "tool_choice": "required",
+        "max_output_tokens": 300})
+    assert Response.model_validate_json(raw.content).output[0].type == "function_call"
     with client.responses.stream(model=live_server.model, input="Weather?", tools=[WEATHER],
                                  tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
                                  max_output_tokens=300) as stream:
@@ -147,3 +162,50 @@ def test_a_client_that_hangs_up_mid_stream_aborts_its_generation(live_server: Li
                 break  # leaving the block closes the connection mid-stream
     stats = live_server.idle_stats()
     assert stats.num_used_blocks == 0 and live_server.engine.num_aborted - aborted_before == 1
+
+
+def _chat_chunks(*deltas: dict, finish_reason: str = "tool_calls") -> list[str]:
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "qwen"}
+    chunks = [{**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+    chunks += [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]} for delta in deltas]
+    chunks.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason}]})
+    chunks.append({**head, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 9, "total_tokens": 16}})
+    return [f"id: {i}\ndata: {json.dumps(chunk)}\n\n" for i, chunk in enumerate(chunks)] + ["data: [DONE]\n\n"]
+
+
+def test_reasoning_text_and_calls_become_items_in_order_as_the_client_reads_them() -> None:
+    """Chat's chunks of a reasoning model that thinks, answers and calls two tools (split across reads
+    anywhere): the events the openai client's models accept, an item per kind in order, and the texts
+    and arguments whole in the done events and the final response."""
+    from llmserve.server.responses_api import ResponseEvents, ResponsesRequest
+
+    call = {"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    second = {"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": ""}}
+    text = "".join(_chat_chunks(
+        {"reasoning_content": "Let me"}, {"reasoning_content": " think."}, {"content": "Checking."},
+        {"tool_calls": [call]}, {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]},
+        {"tool_calls": [{**second, "function": {**second["function"], "arguments": "{}"}}]},
+    ))
+
+    async def chunks():  # the same stream cut at arbitrary points
+        for start in range(0, len(text), 37):
+            yield text[start:start + 37]
+
+    async def events() -> list[str]:
+        body = ResponsesRequest(model="qwen", input="hi", stream=True)
+        return [event async for event in ResponseEvents(body, "resp_1").events(chunks())]
+
+    parsed = [TypeAdapter(ResponseStreamEvent).validate_json(event.split("data: ", 1)[1]) for event in asyncio.run(events())]
+    assert [event.sequence_number for event in parsed] == list(range(len(parsed)))
+    added = [event.item.type for event in parsed if event.type == "response.output_item.added"]
+    assert added == ["reasoning", "message", "function_call", "function_call"]
+    final = Response.model_validate(parsed[-1].response.model_dump())
+    assert parsed[-1].type == "response.completed" and final.status == "completed"
+    reasoning, message, weather, time_call = final.output
+    assert reasoning.content[0].text == "Let me think." and message.content[0].text == "Checking."
+    assert (weather.call_id, weather.name, weather.arguments) == ("call_a", "get_weather", '{"city": "Oslo"}')
+    assert (time_call.call_id, time_call.arguments) == ("call_b", "{}")
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (7, 9) and final.model == "qwen"
+    done = [event.arguments for event in parsed if event.type == "response.function_call_arguments.done"]
+    assert done == ['{"city": "Oslo"}', "{}"]
