@@ -132,7 +132,7 @@ async def answer(body: ResponsesRequest, run_chat: RunChat) -> Response:
         events = ResponseEvents(body, response_id).events(reply.body_iterator)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-    completion = json.loads(bytes(reply.body))
+    completion = await _whole(reply)
     choice = completion["choices"][0]
     message = choice["message"]
     output = []
@@ -144,6 +144,22 @@ async def answer(body: ResponsesRequest, run_chat: RunChat) -> Response:
         output.append(_call_item(_item_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
     answer_json = _response(body, response_id, completion["model"], output, choice["finish_reason"], completion["usage"])
     return JSONResponse(answer_json, headers=headers)
+
+
+async def _whole(reply: Response) -> dict[str, Any]:
+    """A non-streamed chat completion's JSON. Asked for progress events (the header a gateway sends), chat
+    answers with them instead, the completion last: read to it."""
+    if not isinstance(reply, StreamingResponse):
+        return json.loads(bytes(reply.body))
+    last = ""
+    async for raw in reply.body_iterator:
+        for line in (raw if isinstance(raw, str) else raw.decode()).splitlines():
+            last = line[6:] if line.startswith("data: {") else last
+    completion = json.loads(last)
+    if "choices" not in completion:  # the engine failed on the way: its error event
+        error = completion.get("error") or {}
+        raise errors.APIError(500, error.get("message") or "The request failed.", code=error.get("code"))
+    return completion
 
 
 def _rename(param: str | None) -> str | None:
@@ -258,6 +274,8 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         unknown = set(tool) - {"type", "name", "description", "parameters", "strict"}
         if unknown:
             raise _invalid(f"Unrecognized tool field: {sorted(unknown)[0]}", f"tools[{i}].{sorted(unknown)[0]}")
+        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
+            raise _invalid("strict must be a boolean.", f"tools[{i}].strict")
         function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         function["strict"] = tool.get("strict") is not False  # the Responses API's default: strict
         converted.append({"type": "function", "function": function})
@@ -282,6 +300,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if unknown:
         raise _invalid(f"Unrecognized field: text.{sorted(unknown)[0]}", f"text.{sorted(unknown)[0]}")
     fmt = text.get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise _invalid("text.format must be an object: {'type': 'text' | 'json_object' | 'json_schema', ...}.",
+                       "text.format")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":

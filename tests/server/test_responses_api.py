@@ -15,6 +15,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from llmserve.server.streaming import PROGRESS_HEADER
 from tests.server.conftest import LiveServer, serving
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -67,6 +68,10 @@ def test_a_response_is_the_chat_completion_of_the_same_conversation(live_server:
     raw = httpx.post(f"{live_server.base_url}/v1/responses", timeout=60, json={
         "model": live_server.model, "input": history, "tools": [WEATHER], "max_output_tokens": 4})
     Response.model_validate_json(raw.content)
+    # a client sending the gateway's progress header still gets the JSON (the chat answers in events then)
+    progress = httpx.post(f"{live_server.base_url}/v1/responses", headers={PROGRESS_HEADER: "1"}, timeout=60,
+                          json={"model": live_server.model, "input": "hi", "max_output_tokens": 4})
+    assert progress.status_code == 200 and Response.model_validate_json(progress.content).usage.output_tokens == 4
     assert live_server.idle_stats().num_used_blocks == 0
 
 
@@ -138,6 +143,8 @@ def test_text_format_json_schema_holds(live_server: LiveServer) -> None:
     ({"max_output_tokens": 10**6}, "max_output_tokens", None),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "intger"}}}}, "text.format", None),
     ({"truncation": "auto"}, "truncation", None),
+    ({"text": {"format": "json"}}, "text.format", None),
+    ({"tools": [{**WEATHER, "strict": "yes"}]}, "tools[0].strict", None),
 ])
 def test_bad_requests_are_400s_naming_the_field(live_server: LiveServer, body: dict, param: str,
                                                 code: str | None) -> None:
