@@ -70,22 +70,40 @@ class _Request(BaseModel):
 MAX_JSON_DEPTH = 100
 
 
+def _too_deep(data: Any) -> bool:
+    """Whether `data` nests dicts and lists deeper than MAX_JSON_DEPTH (without recursing itself)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        if isinstance(value, dict):
+            stack.extend((item, depth + 1) for item in value.values())
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+    return False
+
+
+def _json_text(text: str, what: str) -> Any:
+    """JSON given as a string inside the body (a schema, a structural tag), held to the body's depth."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):  # nested past the parser's own depth
+        raise ValueError(f"{what} given as a string must be valid JSON") from None
+    if _too_deep(value):
+        raise ValueError(f"{what} nests JSON deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
 class RequestBody(_Request):
     """A whole request body: its nesting is checked once, before its fields are."""
 
     @model_validator(mode="before")
     @classmethod
     def _not_too_deep(cls, data: Any) -> Any:
-        stack = [(data, 1)]
-        while stack:
-            value, depth = stack.pop()
-            if depth > MAX_JSON_DEPTH:
-                raise PydanticCustomError("json_too_deep", "The request body nests JSON deeper than {limit} levels.",
-                                          {"limit": MAX_JSON_DEPTH})
-            if isinstance(value, dict):
-                stack.extend((item, depth + 1) for item in value.values())
-            elif isinstance(value, list):
-                stack.extend((item, depth + 1) for item in value)
+        if _too_deep(data):
+            raise PydanticCustomError("json_too_deep", "The request body nests JSON deeper than {limit} levels.",
+                                      {"limit": MAX_JSON_DEPTH})
         return data
 
 
@@ -246,10 +264,7 @@ def _check_json_schema(value: Any) -> Any:
     if value is None or isinstance(value, dict):
         return value
     if isinstance(value, str):
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            raise ValueError("a JSON schema given as a string must be valid JSON") from None
+        parsed = _json_text(value, "a JSON schema")
         if isinstance(parsed, dict):
             return parsed
     raise ValueError("a JSON schema must be an object (or its JSON text)")
@@ -280,10 +295,7 @@ class StructuredOutputsRequest(_Request):
     @classmethod
     def _validate_structural_tag(cls, value: Any) -> Any:
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise ValueError("a structural tag given as a string must be valid JSON") from None
+            value = _json_text(value, "a structural tag")
         if value is not None and not isinstance(value, dict):
             raise ValueError("a structural tag must be an object (or its JSON text)")
         if value is not None and "structures" in value:  # vLLM's older form

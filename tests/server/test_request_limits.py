@@ -240,6 +240,13 @@ def test_json_nested_too_deep_is_a_400_not_a_recursion_error(http, live_server, 
     }[path]
     error = _error(_post(http, path, body), 400)
     assert error["code"] == "invalid_json" and "deeper than 100 levels" in error["message"]
+    if path == COMPLETIONS:  # JSON inside a string is held to the same depth (5,000 levels were a 500)
+        for levels in (240, 5000):
+            text = '{"a": ' * levels + "1" + "}" * levels
+            for field, param in (({"guided_json": text}, "guided_json"),
+                                 ({"structured_outputs": {"structural_tag": text}}, "structured_outputs.structural_tag")):
+                error = _error(_post(http, path, {"model": MODEL_NAME, "prompt": "x", **field}), 400)
+                assert error["param"] == param
     within = {"model": MODEL_NAME, "max_tokens": 2, "messages": MESSAGES,
               "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": _nested_schema(30)}}}
     assert _post(http, CHAT, within).status_code == 200
