@@ -28,8 +28,7 @@ from llmserve.server.openapi import documented
 from llmserve.server.protocol import ChatCompletionRequest, Int64, RequestBody, now
 
 # Chat's parameter names in errors -> the Responses request's own.
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-           "stream_options": "stream_options"}
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 # Known Responses fields this server does not implement (each would change the output or needs storage).
 _UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "background", "include", "top_logprobs",
                 "max_tool_calls")
@@ -119,10 +118,7 @@ async def answer(body: ResponsesRequest, run_chat: RunChat) -> Response:
     chat, payload = _chat_request(body)
     try:
         reply = await run_chat(chat, payload)
-    except errors.APIError as exc:
-        exc.param = _rename(exc.param)
-        raise
-    except InvalidRequestError as exc:
+    except (errors.APIError, InvalidRequestError) as exc:
         exc.param = _rename(exc.param)
         raise
     headers = {k: v for k, v in reply.headers.items() if k.startswith("x-")}

@@ -23,7 +23,7 @@ from llmserve.server.tool_calls.base import (
     json_schema_format,
     new_call_id,
 )
-from llmserve.server.tool_calls.forced import hoist_definitions
+from llmserve.server.tool_calls.forced import calls_array_schema
 
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
@@ -296,15 +296,7 @@ class MistralToolParser(ToolParser):
     def calls_format(self, functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> dict[str, Any]:
         if self.calls_by_name:
             return super().calls_format(functions, parallel)
-        definitions: dict[str, dict[str, Any]] = {}
-        calls = []
-        for name, schema in functions:
-            hoist_definitions(schema, definitions)  # to the array's root, where their references point
-            calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "arguments": schema},
-                          "required": ["name", "arguments"], "additionalProperties": False})
-        array = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, **definitions}
-        if not parallel:
-            array["maxItems"] = 1
+        array = calls_array_schema(functions, "arguments", parallel)
         tag = {"type": "tag", "begin": MISTRAL_TOOL_CALLS, "content": json_schema_format(array), "end": ""}
         return {"type": "triggered_tags", "triggers": [MISTRAL_TOOL_CALLS], "tags": [tag], "stop_after_first": True}
 

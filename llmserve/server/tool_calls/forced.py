@@ -47,14 +47,14 @@ def parameters_of(function: Mapping[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(dict(parameters))
 
 
-def hoist_definitions(schema: dict[str, Any], into: dict[str, dict[str, Any]]) -> None:
+def _hoist_definitions(schema: dict[str, Any], into: dict[str, dict[str, Any]]) -> None:
     """Move `$defs`/`definitions` to the root, where their `#/$defs/...` references point."""
     for key in _DEFINITION_KEYS:
         for name, definition in (schema.pop(key, None) or {}).items():
             known = into.setdefault(key, {})
             if name in known and known[name] != definition:
                 raise InvalidRequestError(
-                    f"two tools define {key}/{name} differently; under tool_choice 'required' they share one schema",
+                    f"two tools define {key}/{name} differently; their calls share one schema",
                     param="tools",
                 )
             known[name] = definition
@@ -64,23 +64,30 @@ def required_tool_calls_schema(tools: Sequence[Any], parallel_tool_calls: bool =
     """The schema of `tool_choice: "required"` output: a non-empty array of {name, parameters} calls."""
     if not tools:
         raise InvalidRequestError("tool_choice 'required' needs at least one tool", param="tool_choice")
+    functions = [function_of(tool, position) for position, tool in enumerate(tools)]
+    return calls_array_schema([(f["name"], parameters_of(f)) for f in functions], "parameters", parallel_tool_calls)
+
+
+def calls_array_schema(functions: Sequence[tuple[str, dict[str, Any]]], arguments_key: str,
+                       parallel: bool) -> dict[str, Any]:
+    """A non-empty array of `{"name": ..., arguments_key: ...}` calls of the `functions` ((name, arguments
+    schema) pairs, whose definitions move to the array's root, where their references point); one call
+    at most without `parallel`."""
     definitions: dict[str, dict[str, Any]] = {}
     choices: list[dict[str, Any]] = []
-    for position, tool in enumerate(tools):
-        function = function_of(tool, position)
-        parameters = parameters_of(function)
-        hoist_definitions(parameters, definitions)
+    for name, arguments in functions:
+        _hoist_definitions(arguments, definitions)
         choices.append(
             {
                 "type": "object",
-                "properties": {"name": {"type": "string", "enum": [function["name"]]}, "parameters": parameters},
-                "required": ["name", "parameters"],
+                "properties": {"name": {"type": "string", "enum": [name]}, arguments_key: arguments},
+                "required": ["name", arguments_key],
                 "additionalProperties": False,
             }
         )
     items = choices[0] if len(choices) == 1 else {"anyOf": choices}
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
-    if not parallel_tool_calls:
+    if not parallel:
         schema["maxItems"] = 1
     schema.update(definitions)
     return schema
