@@ -70,17 +70,21 @@ class _Request(BaseModel):
 MAX_JSON_DEPTH = 100
 
 
+_CONTAINERS = frozenset((dict, list))  # JSON's, as parsed: exactly these types
+
+
 def _too_deep(data: Any) -> bool:
-    """Whether `data` nests dicts and lists deeper than MAX_JSON_DEPTH (without recursing itself)."""
+    """Whether `data` nests dicts and lists deeper than MAX_JSON_DEPTH (without recursing itself). Runs
+    on the event loop for every body, so a list of scalars (a prompt of token ids) is passed over by a
+    look at its types in C: 2M token ids take ~40 ms, a third of parsing their JSON."""
     stack = [(data, 1)]
     while stack:
         value, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
             return True
-        if isinstance(value, dict):
-            stack.extend((item, depth + 1) for item in value.values())
-        elif isinstance(value, list):
-            stack.extend((item, depth + 1) for item in value)
+        items = value.values() if isinstance(value, dict) else value
+        if not _CONTAINERS.isdisjoint(map(type, items)):
+            stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)))
     return False
 
 
