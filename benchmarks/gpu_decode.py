@@ -42,9 +42,12 @@ from llmserve.model import layers
 
 GOAL_PCT_OF_COPY_BW = 85.0
 # name -> (engine arguments, the CUDA linear path: layers.cuda_linear_path). Each runs with the Triton kernels
-# launched as the product launches them; any name + "-nopdl" runs that variant without programmatic dependent
-# launch (llmserve.pdl).
+# launched as the product launches them; a name may end in any of SUFFIXES: "-nopdl" runs that variant without
+# programmatic dependent launch (llmserve.pdl), "-foldnorms" with each decode row's RMSNorm run inside the next
+# projection's launch (layers.fold_norms).
 NO_PDL_SUFFIX = "-nopdl"
+FOLD_NORMS_SUFFIX = "-foldnorms"
+SUFFIXES = (NO_PDL_SUFFIX, FOLD_NORMS_SUFFIX)
 VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "bf16": ({}, "auto"),
     "bf16-cublas": ({}, "torch"),
@@ -57,6 +60,17 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "bf16-fp8kv": ({"kv_cache_dtype": "fp8"}, "auto"),
     "fp8-fp8kv": ({"quantization": "fp8", "kv_cache_dtype": "fp8"}, "auto"),
 }
+
+
+def split_variant(name: str) -> tuple[str, set[str]]:
+    """(the VARIANTS entry, the SUFFIXES it carries) of a --variants name."""
+    suffixes: set[str] = set()
+    while found := next((suffix for suffix in SUFFIXES if name.endswith(suffix)), None):
+        suffixes.add(found)
+        name = name.removesuffix(found)
+    if name not in VARIANTS:
+        raise SystemExit(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, with any of {', '.join(SUFFIXES)}")
+    return name, suffixes
 
 
 def measure_decode(llm: LLM, prompt: list[int], steps: int, warmup: int) -> dict[str, Any]:
@@ -178,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--modes", default="graphs,eager", help="graphs (the default engine) and/or eager")
     ap.add_argument("--variants", default="bf16",
-                    help=f"comma-separated, of {', '.join(VARIANTS)}, each also with {NO_PDL_SUFFIX}")
+                    help=f"comma-separated, of {', '.join(VARIANTS)}, each also with any of {', '.join(SUFFIXES)}")
     ap.add_argument("--profile", action="store_true", help="kernel times of each graphs run's steps")
     ap.add_argument("--linear-configs", default=None,
                     help="gpu_linear.py's JSON: run triton_linear with the tiles its sweep found best")
@@ -196,17 +210,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
     result: dict[str, Any] = {"model": path, "machine": machine_info(device), "copy_gbs": copy_gbs,
                               "args": vars(args), "triton_linear_tiles": tiles, "runs": []}
-    pdl_default = pdl.enabled  # LLMSERVE_PDL's setting
+    pdl_default, fold_default = pdl.enabled, layers.fold_norms  # LLMSERVE_PDL's and LLMSERVE_FOLD_NORMS' settings
     for variant in args.variants.split(","):
-        engine_overrides, linear_path = VARIANTS[variant.removesuffix(NO_PDL_SUFFIX)]
-        layers.cuda_linear_path = linear_path
-        pdl.enabled = pdl_default and not variant.endswith(NO_PDL_SUFFIX)
+        base, suffixes = split_variant(variant)
+        engine_overrides, layers.cuda_linear_path = VARIANTS[base]
+        pdl.enabled = pdl_default and NO_PDL_SUFFIX not in suffixes
+        layers.fold_norms = fold_default or FOLD_NORMS_SUFFIX in suffixes
         for mode in args.modes.split(","):
             llm = LLM(path, **engine_args(args.smoke, max_model_len=args.max_model_len, max_num_seqs=1,
                                           enforce_eager=mode == "eager", **engine_overrides))
             prompt = random_prompts(1, (args.prompt_len, args.prompt_len), llm.get_tokenizer().vocab_size, seed=0)[0]
             launched_pdl = pdl.launch_options(torch.empty(0, device=device))["PDL"]  # False where unsupported
-            run = {"variant": variant, "mode": mode, "pdl": launched_pdl,
+            run = {"variant": variant, "mode": mode, "pdl": launched_pdl, "fold_norms": layers.fold_norms,
                    **measure_decode(llm, prompt, args.steps, args.warmup)}
             run["pct_of_copy_bw"] = 100 * run["achieved_gbs"] / copy_gbs
             if args.profile and mode == "graphs":
@@ -217,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"KV pool {run['kv_pool_tokens']} tokens{', PDL' if launched_pdl else ''}", flush=True)
             del llm
             free_device_memory(device)
-    layers.cuda_linear_path, pdl.enabled = "auto", pdl_default
+    layers.cuda_linear_path, pdl.enabled, layers.fold_norms = "auto", pdl_default, fold_default
     bf16 = [r for r in result["runs"] if r["variant"] == "bf16"] or result["runs"]
     best = max(bf16, key=lambda r: r["pct_of_copy_bw"])
     result["goal"] = {"pct_of_copy_bw": GOAL_PCT_OF_COPY_BW, "best": best["pct_of_copy_bw"],

@@ -12,6 +12,8 @@ that they never sit in L2 (the median of several replays), so launch gaps and ca
 The sweep's best tiles per (weight width, one row or more) are picked by the time of a whole decode
 step's linears (32 x (qkv + o + gate_up + down) + lm_head) and printed as `triton_linear._CONFIGS` rows;
 at one row, each shape whose best tile is 5% faster than the product's is printed as a `_SHAPE_CONFIGS` row.
+The layers after an RMSNorm are also timed at one row with the norm folded into their launch, against the norm
+kernel and then the projection.
 
     python benchmarks/gpu_linear.py --json bench_out/gpu/linear.json
     python benchmarks/gpu_linear.py --smoke     # CPU interpreter, tiny shapes: checks the script only
@@ -46,6 +48,12 @@ ONE_ROW_SWEEP = {
         (16, 256, 4), (8, 1024, 4, 1, 1, 8), (8, 1024, 4, 1, 2, 8), (4, 1024, 4, 1, 2, 8), (4, 1024, 4, 1, 4, 8),
         (4, 2048, 4, 1, 1, 8), (4, 2048, 8, 1, 2, 8), (2, 2048, 4, 1, 4, 8), (2, 1024, 4, 1, 8, 8)],
 }
+# The layers that follow an RMSNorm -> whether SiLU-and-multiply runs in their launch. At one row each is also
+# timed with the norm folded into its launch (`triton_linear.normed_linear`) against the norm kernel, then the
+# projection: for the product's tiles and these, which give fewer programs (every program reads the row for
+# its own mean square, so fewer programs read less of it from L2).
+NORM_FOLDED = {"qkv_proj": False, "gate_up_proj": True}
+NORM_FOLD_SWEEP = [(16, 512, 8), (32, 256, 4), (32, 512, 8), (64, 256, 8)]
 MANY_ROW_SWEEP = {
     2: [(16, 64, 4, 3), (16, 128, 4, 3), (16, 256, 4, 2), (32, 64, 4, 3), (32, 128, 4, 4)],
     1: [(32, 128, 4, 4), (16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (32, 128, 4, 6), (16, 512, 4, 3)],
@@ -78,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timer = GraphTimer(device, 2 if args.smoke else args.reps)
     wanted = args.weights.split(",")
     results: list[dict[str, Any]] = []
+    norm_fold: list[dict[str, Any]] = []
     gen = torch.Generator(device=device).manual_seed(0)
     for name, (n, k) in shapes.items():
         full = torch.randn(n, k, device=device, generator=gen, dtype=torch.float32).mul_(0.02)
@@ -116,6 +125,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                               list(parse_config(label)) if label.startswith("triton_linear") else None),
                                     "us": us, "gbs": nbytes / us / 1e3, "pct_copy": 100 * nbytes / us / 1e3 / copy_gbs,
                                     "rel_err": err})
+                if m == 1 and name in NORM_FOLDED:
+                    fold_configs = [None] + ([] if args.no_sweep else NORM_FOLD_SWEEP[: 1 if args.smoke else None])
+                    norm_fold += time_norm_fold(name, wname, ws, scale, x, timer, fold_configs)
                 best = min((r for r in results if r["layer"] == name and r["weights"] == wname and r["rows"] == m),
                            key=lambda r: r["us"])
                 print(f"{name:>13} {wname:>5} M={m:<2}: best {best['kernel']} {best['us']:.1f} us "
@@ -126,8 +138,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     best = best_configs(summary, results)
     by_shape = best_shape_configs(results)
     out = {"machine": machine_info(device), "copy_gbs": copy_gbs, "reps": timer.reps, "results": results,
-           "summary": summary, "best_configs": best, "best_shape_configs": by_shape}
+           "summary": summary, "best_configs": best, "best_shape_configs": by_shape, "norm_fold": norm_fold}
     print_summary(summary, copy_gbs, print_table, GB)
+    if norm_fold:
+        print_table("One row after an add + RMSNorm: the norm kernel, then the projection, against the norm folded "
+                    "into the projection's launch (us a call)", ["layer", "weights", "tiles", "norm kernel + projection",
+                                                                  "norm folded in", "saved"],
+                    [[r["layer"], r["weights"], r["tiles"], f"{r['two_launches_us']:.1f}", f"{r['folded_us']:.1f}",
+                      f"{r['two_launches_us'] - r['folded_us']:.1f}"] for r in norm_fold])
     print("\nbest tiles by a decode step's linears (weight kind, one row):")
     for key, config in best.items():
         print(f"  {key}: TileConfig{tuple(config)}")
@@ -144,6 +162,34 @@ def config_label(c) -> str:
 
 def rotating(ws: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], torch.Tensor]:
     return lambda i: fn(ws[i % len(ws)])
+
+
+def time_norm_fold(layer, wname, ws, scale, x, timer, configs) -> list[dict[str, Any]]:
+    """One row x after an add + RMSNorm: the norm kernel, then the projection (two launches), against the norm
+    folded into the projection's launch, for each of `configs` (None: the product's tiles)."""
+    from llmserve.model import fused_kernels, triton_linear
+
+    swiglu = NORM_FOLDED[layer]
+    residual, norm_w = torch.randn_like(x), torch.rand(x.shape[1], device=x.device).add_(0.5).to(x.dtype)
+    norm = triton_linear.FoldedNorm(norm_w, 1e-5, residual)
+    rows = []
+    for tiles in configs:
+        config = None if tiles is None else triton_linear.TileConfig(*tiles)
+
+        def two_launches(w, c=config):
+            normed, _ = fused_kernels.fused_add_rms_norm(x, residual, norm_w, 1e-5)
+            return triton_linear.linear(normed, w, scale, None, c, swiglu=swiglu)
+
+        def folded(w, c=config):
+            return triton_linear.normed_linear(x, norm, w, scale, None, c, swiglu=swiglu)[0]
+
+        times = {label: timer.time_us(rotating(ws, fn), len(ws)) for label, fn in
+                 (("two_launches_us", two_launches), ("folded_us", folded))}
+        label = "the product's" if config is None else config_label(config)
+        rows.append({"layer": layer, "weights": wname, "tiles": label, **times})
+        print(f"  {layer} {wname} M=1 {label}: norm + projection {times['two_launches_us']:.1f} us, folded "
+              f"{times['folded_us']:.1f} us", flush=True)
+    return rows
 
 
 def library_kernels(wname, ws, scale, x, smoke, fp8, triton_int8) -> dict[str, Callable[[int], torch.Tensor]]:

@@ -80,11 +80,14 @@ def compile_one_row(kernel, weight_type: str, config, pdl: bool = False) -> byte
 
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*" + weight_type, "scale_ptr": "*fp32", "bias_ptr": "*bf16",
-                "out_ptr": "*bf16"}
+                "out_ptr": "*bf16", "norm_w_ptr": "*bf16", "residual_ptr": "*bf16", "residual_out_ptr": "*bf16",
+                "eps": "fp32"}
     constants = dict(HAS_SCALE=weight_type != "bf16", HAS_BIAS=False, BLOCK_N=config.block_n,
-                     BLOCK_K=config.block_k, UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=False, PDL=pdl)
+                     BLOCK_K=config.block_k, UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=False, NORM=False,
+                     HAS_RESIDUAL=False, PDL=pdl)
     signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in kernel.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name not in constants}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if name not in constants and signature[name] != "fp32"}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))

@@ -41,7 +41,7 @@ def available(tensor: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _rounded(x, dtype: tl.constexpr):
+def rounded(x, dtype: tl.constexpr):
     """x (float32) rounded to `dtype` and back: where the torch code stores an intermediate."""
     return x.to(dtype).to(tl.float32)
 
@@ -66,10 +66,10 @@ def rms_norm_kernel(
     x = x.to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-        x = _rounded(x + residual.to(tl.float32), dtype)  # the new residual stream, as torch's add stores it
+        x = rounded(x + residual.to(tl.float32), dtype)  # the new residual stream, as torch's add stores it
         tl.store(residual_out_ptr + row * n_cols + cols, x.to(dtype), mask=mask)
     mean_square = tl.sum(x * x, axis=0) / n_cols
-    normed = _rounded(x * tl.math.rsqrt(mean_square + eps), dtype)  # cast before the scale, as the reference
+    normed = rounded(x * tl.math.rsqrt(mean_square + eps), dtype)  # cast before the scale, as the reference
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (normed * weight).to(dtype), mask=mask)
 
@@ -89,8 +89,8 @@ def rotated_halves(
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     # each product and sum rounded to the tensor's dtype, as the torch ops store them (NO_FP_FUSION keeps
     # the compiler from contracting a product and the sum into one multiply-add)
-    out1 = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
-    out2 = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
+    out1 = rounded(x1 * cos, dtype) - rounded(x2 * sin, dtype)
+    out2 = rounded(x2 * cos, dtype) + rounded(x1 * sin, dtype)
     return out1.to(dtype), out2.to(dtype)
 
 
@@ -117,8 +117,8 @@ def rotary_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, stride_cache, dtype: 
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)[None, :]
     in_half = dims < HALF
-    cos = _rounded(tl.load(cos_ptr + position * stride_cache + dims, mask=in_half, other=0.0), dtype)
-    sin = _rounded(tl.load(sin_ptr + position * stride_cache + dims, mask=in_half, other=0.0), dtype)
+    cos = rounded(tl.load(cos_ptr + position * stride_cache + dims, mask=in_half, other=0.0), dtype)
+    sin = rounded(tl.load(sin_ptr + position * stride_cache + dims, mask=in_half, other=0.0), dtype)
     return cos, sin
 
 
@@ -146,7 +146,7 @@ def rotary_kernel(
 def silu_times(gate, up, dtype: tl.constexpr):
     """silu(gate) * up in `dtype`, from float32 gate and up, rounded where the torch code stores (also the
     epilogue of `triton_linear`'s fused gate/up projection, which must give the same bits)."""
-    activated = _rounded(gate / (1.0 + tl.exp(-gate)), dtype)
+    activated = rounded(gate / (1.0 + tl.exp(-gate)), dtype)
     return (activated * up).to(dtype)
 
 

@@ -6,7 +6,8 @@ F.linear (`LLMSERVE_CUDA_LINEAR` = auto | triton | torch); on CPU through `cpu_l
 
 On CUDA the norms (with the residual add), rotary embedding and SiLU-and-multiply run as fused Triton
 kernels (`fused_kernels`) when triton is installed (for one row, SiLU-and-multiply runs inside the gate/up
-projection's own launch: `Linear.swiglu`); on CPU, for decode-sized bf16 batches, as C kernels
+projection's own launch: `Linear.swiglu`, and with LLMSERVE_FOLD_NORMS=1 a row's RMSNorm in the next
+projection's: `Linear.after_norm`); on CPU, for decode-sized bf16 batches, as C kernels
 (`cpu_fused`); elsewhere, and when LLMSERVE_FUSED_KERNELS=0, they run as the plain torch code below, whose
 numerics the kernels reproduce.
 """
@@ -93,6 +94,11 @@ if cuda_linear_path not in CUDA_LINEAR_CHOICES:
 _triton_linear: ModuleType | None = None
 _triton_linear_failed = False
 
+# Whether a decode row's RMSNorm runs inside the next projection's launch (`Linear.after_norm`), one launch less
+# a norm. Off until a GPU has timed it (BENCHMARKS.md, issue 18). Read once at import; benchmarks set it directly.
+FOLD_NORMS_ENV = "LLMSERVE_FOLD_NORMS"
+fold_norms: bool = os.environ.get(FOLD_NORMS_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+
 
 def triton_linear_for(x: torch.Tensor, weight: torch.Tensor, quantized: bool) -> ModuleType | None:
     """The `triton_linear` module when x [M, K] on CUDA should run through it, else None. "auto" takes it
@@ -145,13 +151,35 @@ class Linear(nn.Module):
         projection's own launch (`triton_linear`), saving a launch a layer; otherwise the projection, then
         `silu_and_mul` (also with LLMSERVE_FUSED_KERNELS=0). The bits are the same either way."""
         x2 = x.reshape(-1, x.shape[-1])
+        one_row = self._one_row_kernel(x2)
+        if one_row is not None:
+            kernels, scale = one_row
+            return kernels.linear(x2, self.weight, scale, self.bias, swiglu=True).reshape(*x.shape[:-1], -1)
+        return silu_and_mul(self(x))
+
+    def after_norm(
+        self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None, swiglu: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this projection of norm(x + residual), the residual stream x + residual); with `swiglu`, silu(gate) *
+        up of it (`swiglu`). Without a residual, x is the stream. Where norms are folded (LLMSERVE_FOLD_NORMS=1),
+        one row on a GPU runs the norm inside the projection's launch (`triton_linear.normed_linear`)."""
+        one_row = self._one_row_kernel(x.reshape(-1, x.shape[-1])) if fold_norms else None
+        if one_row is None:
+            hidden, residual = (norm(x), x) if residual is None else norm(x, residual)
+            return (self.swiglu(hidden) if swiglu else self(hidden)), residual
+        kernels, scale = one_row
+        folded = kernels.FoldedNorm(norm.weight, norm.eps, None if residual is None else residual.reshape(1, -1))
+        out, stream = kernels.normed_linear(x.reshape(1, -1), folded, self.weight, scale, self.bias, swiglu=swiglu)
+        return out.reshape(*x.shape[:-1], -1), stream.reshape(x.shape)
+
+    def _one_row_kernel(self, x2: torch.Tensor) -> tuple[ModuleType, torch.Tensor | None] | None:
+        """(`triton_linear`, this layer's row scales) when x2, one row, runs there with the fused kernels on."""
         quantized = self.quant_method is not None
         scale = self.quant_method.triton_scale(self) if quantized else None
-        if x2.shape[0] == 1 and (scale is not None or not quantized) and use_fused_kernels is not False:
-            kernels = triton_linear_for(x2, self.weight, quantized)
-            if kernels is not None:
-                return kernels.linear(x2, self.weight, scale, self.bias, swiglu=True).reshape(*x.shape[:-1], -1)
-        return silu_and_mul(self(x))
+        if x2.shape[0] != 1 or (quantized and scale is None) or use_fused_kernels is False:
+            return None
+        kernels = triton_linear_for(x2, self.weight, quantized)
+        return None if kernels is None else (kernels, scale)
 
 
 class RMSNorm(nn.Module):

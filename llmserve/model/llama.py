@@ -34,18 +34,21 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-        backend: AttentionBackend, meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention of norm(x + residual), the residual stream x + residual): the layer's input norm runs
+        with the qkv projection (`Linear.after_norm`)."""
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv, residual = self.qkv_proj.after_norm(x, norm, residual)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.rotary, positions)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return self.o_proj(out.reshape(tokens, self.q_size)), residual
 
 
 class MLP(nn.Module):
@@ -54,8 +57,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, cfg.dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, cfg.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.swiglu(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP of norm(x + residual), the residual stream x + residual)."""
+        hidden, residual = self.gate_up_proj.after_norm(x, norm, residual, swiglu=True)
+        return self.down_proj(hidden), residual
 
 
 class DecoderLayer(nn.Module):
@@ -72,13 +77,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the caller adds them, fused into the
         next norm. `residual` is None for the first layer, whose input is the residual stream itself."""
-        if residual is None:
-            residual, hidden = x, self.input_layernorm(x)
-        else:
-            hidden, residual = self.input_layernorm(x, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, backend, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.self_attn(positions, x, residual, self.input_layernorm, kv_cache, backend, meta)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):

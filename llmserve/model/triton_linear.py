@@ -12,6 +12,10 @@ programs per multiprocessor, which keeps enough loads in flight. int8 and e4m3 w
 bytes of bf16 ones: weight-only quantization (W8A16) is what pays at batch 1, where quantizing the
 activations too (fp8 `_scaled_mm`) adds kernels and saves nothing.
 
+`normed_linear` also runs the RMSNorm before a one-row projection (with the residual stream's add) in the
+projection's launch: every program computes the row's mean square itself and normalises each slice of x as it
+multiplies it in, with the norm kernel's roundings, so a decoder layer launches no norm kernel of its own.
+
 The tile shapes per weight kind, and per weight shape where one does better, were chosen on an H200
 (`benchmarks/gpu_linear.py`, BENCHMARKS.md); `config_for` is the one place that picks them. Launch grids depend on shapes alone (CUDA graphs).
 Runs on CPU tensors in Triton's interpreter when TRITON_INTERPRET=1 is set before import (tests).
@@ -61,15 +65,50 @@ def _as_float32(w):
 
 
 @triton.jit
+def _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, ks, dtype: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr):
+    """1 / rms(x + residual) over the row of K, as `fused_kernels.rms_norm_kernel` computes it; with a residual,
+    the first program also stores the new residual stream x + residual (rounded as torch's add stores it)."""
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    first = (tl.zeros([BLOCK_K], dtype=tl.int32) + tl.program_id(0)) == 0  # a tensor: the interpreter wants one
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = k0 + ks < K
+        x = tl.load(x_ptr + k0 + ks, mask=k_mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x = fused_kernels.rounded(x + tl.load(residual_ptr + k0 + ks, mask=k_mask, other=0.0).to(tl.float32), dtype)
+            tl.store(residual_out_ptr + k0 + ks, x.to(dtype), mask=k_mask & first)
+        squares += x * x
+    return tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+
+
+@triton.jit
+def _row_slice(x_ptr, residual_ptr, norm_w_ptr, offsets, k_mask, inv_rms, dtype: tl.constexpr, NORM: tl.constexpr,
+               HAS_RESIDUAL: tl.constexpr):
+    """The row's slice at `offsets` in float32: x itself, or with NORM norm(x + residual) * norm weight, with
+    the norm kernel's roundings (the norm, then the weight's product, each stored in `dtype`)."""
+    x = tl.load(x_ptr + offsets, mask=k_mask, other=0.0).to(tl.float32)
+    if NORM:
+        if HAS_RESIDUAL:
+            x = fused_kernels.rounded(x + tl.load(residual_ptr + offsets, mask=k_mask, other=0.0).to(tl.float32), dtype)
+        norm_w = tl.load(norm_w_ptr + offsets, mask=k_mask, other=0.0).to(tl.float32)
+        x = fused_kernels.rounded(fused_kernels.rounded(x * inv_rms, dtype) * norm_w, dtype)
+    return x
+
+
+@triton.jit
 def gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_wn,
+    norm_w_ptr, residual_ptr, residual_out_ptr, eps,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UNROLL: tl.constexpr, VECTOR: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
+    UNROLL: tl.constexpr, VECTOR: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row of x (contiguous) against BLOCK_N weight rows; out is one contiguous row. With SWIGLU the
     weight is a fused gate/up projection (N rows: the gate's, then the up's) and out is silu(gate) * up,
     N / 2 wide: a program takes the same BLOCK_N / 2 rows of each half and pairs them at the end (two blocks
-    of rows compile to the K loop of one; interleaved rows cost it instructions and loads in flight)."""
+    of rows compile to the K loop of one; interleaved rows cost it instructions and loads in flight).
+    With NORM the row multiplied in is RMSNorm(x (+ residual)) * norm_w, which every program computes for
+    itself (a pass over the row from L2 for its mean square), in place of a norm kernel's launch."""
     if SWIGLU:
         pairs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
         cols = pairs + (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * (N // 2)  # gate rows, then up rows
@@ -78,7 +117,11 @@ def gemv_kernel(
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
     pdl.wait_for_inputs(PDL)
+    dtype = out_ptr.dtype.element_ty
     ks = tl.max_contiguous(tl.arange(0, BLOCK_K), VECTOR)
+    inv_rms = 1.0
+    if NORM:
+        inv_rms = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, ks, dtype, BLOCK_K, HAS_RESIDUAL)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for start in range(0, K, BLOCK_K * UNROLL):
@@ -86,14 +129,13 @@ def gemv_kernel(
             k0 = start + part * BLOCK_K
             k_mask = k0 + ks < K
             w = tl.load(w_ptrs + k0, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + k0 + ks, mask=k_mask, other=0.0)
-            acc += _as_float32(w) * x.to(tl.float32)[None, :]
+            x = _row_slice(x_ptr, residual_ptr, norm_w_ptr, k0 + ks, k_mask, inv_rms, dtype, NORM, HAS_RESIDUAL)
+            acc += _as_float32(w) * x[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_SCALE:
         out = out * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
     if SWIGLU:  # gate and up rounded as the projection would store them, then SiLU-and-multiply's own steps
         gate, up = tl.split(tl.trans(tl.reshape(out.to(dtype).to(tl.float32), [2, BLOCK_N // 2])))
         outs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -189,6 +231,40 @@ def linear(
     silu(gate) * up [1, N / 2], in the same launch."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    return _launch(x, weight, scale, bias, config, swiglu, None)
+
+
+@dataclass(frozen=True)
+class FoldedNorm:
+    """An RMSNorm run inside a one-row projection's launch: its weight and eps, and the residual stream added to
+    the row first (None: the row is the stream itself)."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None
+
+
+def normed_linear(
+    x: torch.Tensor, norm: FoldedNorm, weight: torch.Tensor, scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, config: TileConfig | None = None, swiglu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`linear` of RMSNorm(x + norm.residual) * norm.weight, the new residual stream x + norm.residual) for one
+    row x [1, K], in one launch: what `fused_kernels.fused_add_rms_norm` (or `rms_norm` without a residual)
+    then `linear` give, with the norm's launch saved. The stream is x itself without a residual."""
+    x = x.contiguous()
+    if x.shape[0] != 1:
+        raise ValueError(f"normed_linear takes one row of x, got {x.shape[0]}")
+    residual = None if norm.residual is None else norm.residual.contiguous()
+    new_residual = x if residual is None else torch.empty_like(x)
+    out = _launch(x, weight, scale, bias, config, swiglu, (norm.weight, norm.eps, residual, new_residual))
+    return out, new_residual
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+    config: TileConfig | None, swiglu: bool,
+    norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor] | None,
+) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     config = config or config_for(weight, m)
@@ -203,8 +279,11 @@ def linear(
                   BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
                   **pdl.launch_options(x))
     if m == 1:
-        gemv_kernel[grid](x, weight, scale_arg, bias_arg, out, n, k, weight.stride(0), UNROLL=config.unroll,
-                          VECTOR=config.vector, SWIGLU=swiglu, **common)
+        norm_w, eps, residual, new_residual = norm if norm is not None else (out, 0.0, None, out)
+        gemv_kernel[grid](x, weight, scale_arg, bias_arg, out, n, k, weight.stride(0),
+                          norm_w, residual if residual is not None else out, new_residual, eps,
+                          UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=swiglu, NORM=norm is not None,
+                          HAS_RESIDUAL=residual is not None, **common)
     else:
         small_m_kernel[grid](x, weight, scale_arg, bias_arg, out, m, n, k, x.stride(0), weight.stride(0),
                              out.stride(0), **common)

@@ -67,6 +67,15 @@ def test_smoke_runs_print_tables_and_feed_the_summary(
     assert json.loads((tmp_path / "decode.json").read_text())["runs"][0]["mode"] == "eager"
 
 
+def test_a_decode_variant_takes_its_suffixes_in_any_order(bench) -> None:
+    gpu_decode = bench("gpu_decode")
+    assert gpu_decode.split_variant("fp8-head-foldnorms-nopdl") == ("fp8-head", {"-foldnorms", "-nopdl"})
+    assert gpu_decode.split_variant("bf16-nopdl") == ("bf16", {"-nopdl"})
+    assert gpu_decode.split_variant("int8") == ("int8", set())
+    with pytest.raises(SystemExit, match="unknown variant 'fp4'"):
+        gpu_decode.split_variant("fp4-foldnorms")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_gpu_sh_refuses_without_cuda(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable, "OUT_DIR": str(tmp_path)}

@@ -21,7 +21,15 @@ pytest.importorskip("triton")
 from llmserve.model import layers  # noqa: E402
 from llmserve.model.quantization.fp8 import quantize_fp8  # noqa: E402
 from llmserve.model.quantization.int8 import quantize_int8  # noqa: E402
-from llmserve.model.triton_linear import _SHAPE_CONFIGS, MAX_ROWS, TileConfig, config_for, linear  # noqa: E402
+from llmserve.model.triton_linear import (  # noqa: E402
+    _SHAPE_CONFIGS,
+    MAX_ROWS,
+    FoldedNorm,
+    TileConfig,
+    config_for,
+    linear,
+    normed_linear,
+)
 from tests.model.triton_aot import assert_compiles_for_sm90  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -119,6 +127,89 @@ def test_a_gate_up_layer_fuses_silu_into_its_one_row_launch(monkeypatch):
     assert torch.equal(two, layers.silu_and_mul(layer(x)))
 
 
+def _norm_then_linear(x, norm: FoldedNorm, w, scale, bias, config, swiglu):
+    """The unfolded path: the norm kernel (with the residual's add), then the projection's own launch."""
+    from llmserve.model import fused_kernels
+
+    if norm.residual is None:
+        hidden, stream = fused_kernels.rms_norm(x, norm.weight, norm.eps), x
+    else:
+        hidden, stream = fused_kernels.fused_add_rms_norm(x, norm.residual, norm.weight, norm.eps)
+    return linear(hidden, w, scale, bias, config, swiglu=swiglu), stream
+
+
+@pytest.mark.parametrize("kind", ["full", "int8", "fp8"])
+@pytest.mark.parametrize("config", [None, TileConfig(4, 64, 4), TileConfig(16, 128, 8, 1, 3, 8)])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_normed_linear_gives_the_norm_kernel_then_the_projection(kind, config, with_residual, swiglu):
+    """RMSNorm folded into the one-row launch (`normed_linear`): the new residual stream bit for bit, and the
+    product of the norm kernel's output to rounding (only the mean square's summation order differs), with K
+    and N that the tiles do not divide and several slices along K."""
+    gen = torch.Generator().manual_seed(len(kind) + 10 * with_residual + 100 * swiglu)
+    w, scale, _ = _weights(kind, 2 * 45, 300, gen)
+    w, scale = w.to(DEVICE), None if scale is None else scale.to(DEVICE)
+    x = (torch.randn(1, 300, generator=gen) * 3).to(DEVICE, DTYPE)
+    residual = (torch.randn(1, 300, generator=gen) * 3).to(DEVICE, DTYPE) if with_residual else None
+    norm = FoldedNorm((torch.randn(300, generator=gen) * 0.2 + 1).to(DEVICE, DTYPE), 1e-5, residual)
+    bias = torch.randn(2 * 45, generator=gen).to(DEVICE, DTYPE)
+    out, stream = normed_linear(x, norm, w, scale, bias, config, swiglu=swiglu)
+    expected, expected_stream = _norm_then_linear(x, norm, w, scale, bias, config, swiglu)
+    assert out.shape == expected.shape == (1, 45 if swiglu else 90)
+    assert torch.equal(stream, expected_stream) and (residual is not None or stream is x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=(2e-2 if CUDA else 1e-5) * expected.abs().max().item())
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's float16; bfloat16 is checked natively")
+def test_folded_norm_rounds_as_the_norm_kernel_in_float16():
+    """float16 (which the interpreter rounds as a GPU does): the folded norm's roundings are the norm kernel's,
+    so nearly every output is bit-identical (an odd one moves with the mean square's summation order)."""
+    gen = torch.Generator().manual_seed(5)
+    w, scale, _ = _weights("fp8", 512, 1040, gen)
+    x, residual = (torch.randn(2, 1040, generator=gen) * 4).to(torch.float16).chunk(2)
+    norm = FoldedNorm((torch.randn(1040, generator=gen) * 0.2 + 1).to(torch.float16), 1e-6, residual)
+    out, stream = normed_linear(x, norm, w, scale, None, TileConfig(8, 256, 4))
+    expected, expected_stream = _norm_then_linear(x, norm, w, scale, None, TileConfig(8, 256, 4), False)
+    assert torch.equal(stream, expected_stream)
+    assert (out == expected).float().mean().item() >= 0.99
+
+
+def test_normed_linear_takes_one_row():
+    w = torch.zeros(8, 16, dtype=DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match="one row of x"):
+        normed_linear(torch.zeros(2, 16, dtype=DTYPE, device=DEVICE), FoldedNorm(w[0], 1e-6, None), w)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_decode_with_folded_norms_gives_the_same_tokens(tiny_llama_dir, monkeypatch, fold):
+    """The tiny Llama's greedy tokens with every one-row projection in `triton_linear` (the interpreter), its
+    norms folded into the qkv and gate/up launches or run by the norm kernel: the same tokens as the torch
+    path, and with folding no norm launch in a decode step but the final one."""
+    from llmserve import LLM, SamplingParams
+    from llmserve.model import fused_kernels, triton_linear
+
+    def greedy(llm):
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        return llm.generate(["The quick brown fox"], params)[0].outputs[0].token_ids
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, max_model_len=64, enable_prefix_caching=False)
+    monkeypatch.setattr(layers, "use_fused_kernels", False)
+    expected = greedy(llm)
+    norms, folded = [], []
+    monkeypatch.setattr(layers, "use_fused_kernels", True)
+    monkeypatch.setattr(layers, "fold_norms", fold)
+    monkeypatch.setattr(layers, "triton_linear_for", lambda x, w, quantized: triton_linear)  # CPU tensors too
+    for module, name, calls in ((fused_kernels, "fused_add_rms_norm", norms), (fused_kernels, "rms_norm", norms),
+                                (triton_linear, "normed_linear", folded)):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _c=calls, _n=name, **k: _c.append(_n) or _f(*a, **k))
+    assert greedy(llm) == expected
+    layers_count = len(llm.engine.core.runner.model.layers)
+    decode_steps = 4  # the prompt's step runs many rows, which never fold
+    assert len(folded) == (2 * layers_count * decode_steps if fold else 0)
+    assert len(norms) == (2 * layers_count + 1) * (decode_steps + 1) - len(folded)  # + 1: the final norm
+
+
 def test_a_tuned_shape_takes_its_tiles_at_one_row_only():
     (kind, n, k), tuned = next(iter(_SHAPE_CONFIGS.items()))
     weight = torch.empty(n, k, dtype=torch.int8 if kind == "int8" else torch.float8_e4m3fn, device="meta")
@@ -154,13 +245,18 @@ _AOT = textwrap.dedent("""
             for use_pdl in (False, True):
                 consts = dict(HAS_SCALE=kind != "16-bit", HAS_BIAS=True, BLOCK_N=config.block_n,
                               BLOCK_K=config.block_k, PDL=use_pdl)
-                if one_row:
-                    consts.update(UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=use_pdl)  # both ways
+                if one_row:  # both ways: SwiGLU and the folded norm with PDL, neither without
+                    consts.update(UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=use_pdl, NORM=use_pdl,
+                                  HAS_RESIDUAL=use_pdl)
+                    ptrs.update(norm_w_ptr="*" + act, residual_ptr="*" + act, residual_out_ptr="*" + act, eps="fp32")
                 sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
                 attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
                 ptx = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                                      options=dict(num_warps=config.num_warps, num_stages=config.num_stages)).asm["ptx"]
                 assert_pdl_order(ptx, use_pdl, fn.__name__)
+                # a 16-bit multiply-add would skip a rounding of the norm's (or the SwiGLU's) that the torch code stores
+                opcodes = [line.split()[0] for line in ptx.splitlines() if line.strip()]
+                assert not [op for op in opcodes if op.startswith("fma.") and "f16" in op], (kind, config)
     print("compiled")
 """)
 
