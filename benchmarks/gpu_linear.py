@@ -38,15 +38,20 @@ PER_STEP = {"qkv_proj": 32, "o_proj": 32, "gate_up_proj": 32, "down_proj": 32, "
 SMOKE_SHAPES = {"qkv_proj": (96, 64), "o_proj": (64, 64), "gate_up_proj": (256, 64), "down_proj": (64, 128),
                 "lm_head": (500, 64)}
 
-# TileConfig fields (block_n, block_k, warps[, stages, unroll, vector]) per weight width; the defaults in
+# TileConfig fields (block_n, block_k, warps[, stages, unroll, vector, split_k]) per weight width; the defaults in
 # triton_linear._CONFIGS are always timed too. The 1-byte rows with vector 8 load slices ahead without a barrier
-# in the loop: up to 2-3x the bytes in flight an SM holds with the default tiles (`benchmarks/gpu_sass.py`).
+# in the loop: up to 2-3x the bytes in flight an SM holds with the default tiles (`benchmarks/gpu_sass.py`). The
+# rows with split_k cut K into 2-4 runs: more, shorter programs, for the small layers (qkv_proj, o_proj), which
+# lose 3-4 us each against their bytes at copy speed (BENCHMARKS.md, issue 18, ninth session).
 ONE_ROW_SWEEP = {
     2: [(4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (16, 256, 4),
-        (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (8, 1024, 4, 1, 2)],
+        (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (8, 1024, 4, 1, 2),
+        (4, 2048, 4, 1, 1, 16, 2), (8, 1024, 4, 1, 1, 16, 2), (16, 512, 8, 1, 1, 16, 2), (8, 512, 4, 1, 1, 16, 4)],
     1: [(4, 1024, 4), (4, 2048, 4), (4, 4096, 4), (8, 1024, 4), (8, 2048, 4), (16, 1024, 4), (16, 512, 8),
         (16, 256, 4), (8, 1024, 4, 1, 1, 8), (8, 1024, 4, 1, 2, 8), (4, 1024, 4, 1, 2, 8), (4, 1024, 4, 1, 4, 8),
-        (4, 2048, 4, 1, 1, 8), (4, 2048, 8, 1, 2, 8), (2, 2048, 4, 1, 4, 8), (2, 1024, 4, 1, 8, 8)],
+        (4, 2048, 4, 1, 1, 8), (4, 2048, 8, 1, 2, 8), (2, 2048, 4, 1, 4, 8), (2, 1024, 4, 1, 8, 8),
+        (8, 1024, 4, 1, 1, 16, 2), (16, 512, 8, 1, 1, 16, 2), (16, 1024, 8, 1, 1, 16, 2), (8, 1024, 4, 1, 1, 16, 4),
+        (16, 512, 4, 1, 1, 16, 4)],
 }
 # The layers that follow an RMSNorm -> whether SiLU-and-multiply runs in their launch. At one row each is also
 # timed with the norm folded into its launch (`triton_linear.normed_linear`) against the norm kernel, then the
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def config_label(c) -> str:
-    return f"n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages} u{c.unroll} v{c.vector}"
+    return f"n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages} u{c.unroll} v{c.vector} x{c.split_k}"
 
 
 def rotating(ws: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], torch.Tensor]:
@@ -304,7 +309,7 @@ def best_shape_configs(results: list[dict[str, Any]], margin: float = 0.95) -> d
 
 
 def parse_config(label: str) -> tuple[int, ...]:
-    """"triton_linear n8 k512 w4 s1 u1 v16" -> (8, 512, 4, 1, 1, 16)."""
+    """"triton_linear n8 k512 w4 s1 u1 v16 x2" -> (8, 512, 4, 1, 1, 16, 2)."""
     return tuple(int(part[1:]) for part in label.split()[1:])
 
 

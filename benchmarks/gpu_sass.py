@@ -81,10 +81,10 @@ def compile_one_row(kernel, weight_type: str, config, pdl: bool = False) -> byte
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*" + weight_type, "scale_ptr": "*fp32", "bias_ptr": "*bf16",
                 "out_ptr": "*bf16", "norm_w_ptr": "*bf16", "residual_ptr": "*bf16", "residual_out_ptr": "*bf16",
-                "eps": "fp32"}
+                "eps": "fp32", "partial_ptr": "*fp32", "arrived_ptr": "*i32"}
     constants = dict(HAS_SCALE=weight_type != "bf16", HAS_BIAS=False, BLOCK_N=config.block_n,
                      BLOCK_K=config.block_k, UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=False, NORM=False,
-                     HAS_RESIDUAL=False, PDL=pdl)
+                     HAS_RESIDUAL=False, SPLIT_K=config.split_k, PDL=pdl)
     signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
              if name not in constants and signature[name] != "fp32"}

@@ -37,10 +37,11 @@ MAX_ROWS = 16  # past this the layers are compute-heavy enough for the library G
 
 @dataclass(frozen=True)
 class TileConfig:
-    """A program's tiles. `unroll` and `vector` shape the one-row kernel only: `unroll` BLOCK_K slices are
-    loaded before any is summed (more weight bytes in flight for the same accumulator registers), and
+    """A program's tiles. `unroll`, `vector` and `split_k` shape the one-row kernel only: `unroll` BLOCK_K
+    slices are loaded before any is summed (more weight bytes in flight for the same accumulator registers),
     `vector` is the weight elements a thread loads at once (8 lines 1-byte weights up with x's 16-byte
-    loads of bf16, so x's slice needs no reshuffle through shared memory and its barriers)."""
+    loads of bf16, so x's slice needs no reshuffle through shared memory and its barriers), and `split_k`
+    cuts K into that many runs, one program each (more, shorter programs for a small layer)."""
 
     block_n: int
     block_k: int
@@ -48,6 +49,7 @@ class TileConfig:
     num_stages: int = 1
     unroll: int = 1
     vector: int = 16
+    split_k: int = 1
 
 
 @triton.jit
@@ -70,7 +72,8 @@ def _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, ks, dtype: tl.co
     """1 / rms(x + residual) over the row of K, as `fused_kernels.rms_norm_kernel` computes it; with a residual,
     the first program also stores the new residual stream x + residual (rounded as torch's add stores it)."""
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-    first = (tl.zeros([BLOCK_K], dtype=tl.int32) + tl.program_id(0)) == 0  # a tensor: the interpreter wants one
+    is_first = tl.program_id(0) + tl.program_id(1) == 0
+    first = (tl.zeros([BLOCK_K], dtype=tl.int32) + is_first.to(tl.int32)) != 0  # a tensor: the interpreter wants one
     for k0 in range(0, K, BLOCK_K):
         k_mask = k0 + ks < K
         x = tl.load(x_ptr + k0 + ks, mask=k_mask, other=0.0).to(tl.float32)
@@ -98,17 +101,20 @@ def _row_slice(x_ptr, residual_ptr, norm_w_ptr, offsets, k_mask, inv_rms, dtype:
 @triton.jit
 def gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_wn,
-    norm_w_ptr, residual_ptr, residual_out_ptr, eps,
+    norm_w_ptr, residual_ptr, residual_out_ptr, eps, partial_ptr, arrived_ptr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr, VECTOR: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row of x (contiguous) against BLOCK_N weight rows; out is one contiguous row. With SWIGLU the
     weight is a fused gate/up projection (N rows: the gate's, then the up's) and out is silu(gate) * up,
     N / 2 wide: a program takes the same BLOCK_N / 2 rows of each half and pairs them at the end (two blocks
     of rows compile to the K loop of one; interleaved rows cost it instructions and loads in flight).
     With NORM the row multiplied in is RMSNorm(x (+ residual)) * norm_w, which every program computes for
-    itself (a pass over the row from L2 for its mean square), in place of a norm kernel's launch."""
+    itself (a pass over the row from L2 for its mean square), in place of a norm kernel's launch.
+    With SPLIT_K > 1, program (i, s) sums run s of K's SPLIT_K runs into `partial_ptr` [SPLIT_K, N]
+    (float32) and counts itself in `arrived_ptr[i]`; the last of row block i to arrive adds the runs in
+    order (the same bits whichever that is), finishes the rows and sets the count back to 0 for the next call."""
     if SWIGLU:
         pairs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
         cols = pairs + (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * (N // 2)  # gate rows, then up rows
@@ -122,16 +128,40 @@ def gemv_kernel(
     inv_rms = 1.0
     if NORM:
         inv_rms = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, ks, dtype, BLOCK_K, HAS_RESIDUAL)
+    run = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K * UNROLL) * (BLOCK_K * UNROLL)  # whole passes of the loop a run
+    k_begin = tl.program_id(1) * run
+    k_end = tl.minimum(k_begin + run, K)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K * UNROLL):
+    for start in range(k_begin, k_end, BLOCK_K * UNROLL):
         for part in tl.static_range(UNROLL):
             k0 = start + part * BLOCK_K
-            k_mask = k0 + ks < K
+            k_mask = k0 + ks < k_end
             w = tl.load(w_ptrs + k0, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
             x = _row_slice(x_ptr, residual_ptr, norm_w_ptr, k0 + ks, k_mask, inv_rms, dtype, NORM, HAS_RESIDUAL)
             acc += _as_float32(w) * x[None, :]
     out = tl.sum(acc, axis=1)
+    if SPLIT_K == 1:
+        _finish_rows(out, cols, col_mask, scale_ptr, bias_ptr, out_ptr, N, dtype, HAS_SCALE, HAS_BIAS, SWIGLU,
+                     BLOCK_N)
+    else:
+        tl.store(partial_ptr + tl.program_id(1) * N + cols, out, mask=col_mask)
+        tl.debug_barrier()  # every thread's partial stored before the count says so
+        arrived = tl.atomic_add(arrived_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # from L2 (.cg): other programs' stores are not in this L1
+                total += tl.load(partial_ptr + s * N + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrived_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+            _finish_rows(total, cols, col_mask, scale_ptr, bias_ptr, out_ptr, N, dtype, HAS_SCALE, HAS_BIAS, SWIGLU,
+                         BLOCK_N)
+
+
+@triton.jit
+def _finish_rows(out, cols, col_mask, scale_ptr, bias_ptr, out_ptr, N, dtype: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The row block's sums (float32) times the row scales, plus the bias, stored in `dtype` (with SWIGLU as
+    silu(gate) * up)."""
     if HAS_SCALE:
         out = out * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
     if HAS_BIAS:
@@ -280,11 +310,27 @@ def _launch(
                   **pdl.launch_options(x))
     if m == 1:
         norm_w, eps, residual, new_residual = norm if norm is not None else (out, 0.0, None, out)
-        gemv_kernel[grid](x, weight, scale_arg, bias_arg, out, n, k, weight.stride(0),
-                          norm_w, residual if residual is not None else out, new_residual, eps,
-                          UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=swiglu, NORM=norm is not None,
-                          HAS_RESIDUAL=residual is not None, **common)
+        partial, arrived = _split_k_buffers(x.device, n, grid[0], config.split_k) if config.split_k > 1 else (out, out)
+        gemv_kernel[(grid[0], config.split_k)](
+            x, weight, scale_arg, bias_arg, out, n, k, weight.stride(0),
+            norm_w, residual if residual is not None else out, new_residual, eps, partial, arrived,
+            UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=swiglu, NORM=norm is not None,
+            HAS_RESIDUAL=residual is not None, SPLIT_K=config.split_k, **common)
     else:
         small_m_kernel[grid](x, weight, scale_arg, bias_arg, out, m, n, k, x.stride(0), weight.stride(0),
                              out.stride(0), **common)
     return out
+
+
+# (device, N, row blocks, splits) -> (float32 partial sums [splits, N], arrival counts [row blocks]). Reused by every
+# call of that shape, which run one after another on a stream; the counts are zero between calls (the last program
+# of a block resets its own), so a CUDA graph may capture a call that allocated them.
+_split_k_cache: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_k_buffers(device: torch.device, n: int, blocks: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, n, blocks, splits)
+    if key not in _split_k_cache:
+        _split_k_cache[key] = (torch.empty((splits, n), dtype=torch.float32, device=device),
+                               torch.zeros(blocks, dtype=torch.int32, device=device))
+    return _split_k_cache[key]

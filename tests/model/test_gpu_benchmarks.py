@@ -96,7 +96,7 @@ def test_the_sass_report_sees_what_the_vector_width_changes(tmp_path: Path) -> N
                            "8,1024,4,1,2,8", "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sixteen, eight_ahead = json.loads(out.read_text())
-    assert (sixteen["tiles"], eight_ahead["tiles"]) == ([8, 1024, 4, 1, 1, 16], [8, 1024, 4, 1, 2, 8])
+    assert (sixteen["tiles"], eight_ahead["tiles"]) == ([8, 1024, 4, 1, 1, 16, 1], [8, 1024, 4, 1, 2, 8, 1])
     assert sixteen["barriers"] > 0 and eight_ahead["barriers"] == 0
     assert eight_ahead["weight_bytes_per_thread"] == 2 * sixteen["weight_bytes_per_thread"] == 128
     assert eight_ahead["bytes_before_first_float"] > sixteen["bytes_before_first_float"]

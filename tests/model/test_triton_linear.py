@@ -65,13 +65,16 @@ def test_linear_matches_the_product_of_its_weights(kind, out_features, in_featur
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("config", [TileConfig(4, 256, 4), TileConfig(32, 64, 8, 3), TileConfig(4, 64, 4, 1, 3, 8),
-                                    TileConfig(2, 128, 4, 1, 2, 16), *dict.fromkeys(_SHAPE_CONFIGS.values())])
+                                    TileConfig(2, 128, 4, 1, 2, 16), TileConfig(4, 64, 4, split_k=3),
+                                    TileConfig(8, 32, 4, 1, 2, 8, split_k=4), TileConfig(4, 256, 4, split_k=2),
+                                    *dict.fromkeys(_SHAPE_CONFIGS.values())])
 def test_every_tile_shape_computes_the_same_product(kind, config):
-    """Tiles that do not divide N or K, slices loaded ahead (`unroll`) past K's end, and other load widths
-    (the benchmark's sweep overrides, the tuned shapes' tiles) give the same result."""
+    """Tiles that do not divide N or K, slices loaded ahead (`unroll`) past K's end, other load widths, and K
+    split into runs (one of them empty where the runs round up past K) give the same result: the benchmark's
+    sweep overrides and the tuned shapes' tiles. A split layer's second call finds its arrival counts reset."""
     gen = torch.Generator().manual_seed(7)
     w, scale, matrix = _weights(kind, 100, 300, gen)
-    for rows in (1, 3):
+    for rows in (1, 3, 1):
         x = torch.randn(rows, 300, generator=gen)
         expected = x.to(DTYPE).double() @ matrix.T
         out = linear(x.to(DEVICE, DTYPE), w.to(DEVICE), scale.to(DEVICE), None, config)
@@ -80,7 +83,8 @@ def test_every_tile_shape_computes_the_same_product(kind, config):
 
 
 @pytest.mark.parametrize("kind", ["full", "int8", "fp8"])
-@pytest.mark.parametrize("config", [None, TileConfig(2, 128, 4), TileConfig(16, 64, 4, 1, 2, 8)])
+@pytest.mark.parametrize("config", [None, TileConfig(2, 128, 4), TileConfig(16, 64, 4, 1, 2, 8),
+                                    TileConfig(4, 32, 4, split_k=2)])
 def test_swiglu_gives_the_bits_of_the_projection_then_silu_and_mul(kind, config):
     """The fused gate/up projection's epilogue (one row) against the projection stored, then the SiLU kernel:
     the same bits, with half-widths that the tiles do not divide."""
@@ -139,7 +143,8 @@ def _norm_then_linear(x, norm: FoldedNorm, w, scale, bias, config, swiglu):
 
 
 @pytest.mark.parametrize("kind", ["full", "int8", "fp8"])
-@pytest.mark.parametrize("config", [None, TileConfig(4, 64, 4), TileConfig(16, 128, 8, 1, 3, 8)])
+@pytest.mark.parametrize("config", [None, TileConfig(4, 64, 4), TileConfig(16, 128, 8, 1, 3, 8),
+                                    TileConfig(8, 64, 4, split_k=3)])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_normed_linear_gives_the_norm_kernel_then_the_projection(kind, config, with_residual, swiglu):
@@ -234,7 +239,8 @@ _AOT = textwrap.dedent("""
     from llmserve.model.triton_linear import _CONFIGS, _SHAPE_CONFIGS, TileConfig, gemv_kernel, small_m_kernel
     from tests.model.triton_aot import assert_pdl_order
 
-    loaded_ahead = [(("fp8", True), TileConfig(4, 1024, 4, 1, 2, 8)), (("int8", True), TileConfig(2, 2048, 4, 1, 4, 8))]
+    loaded_ahead = [(("fp8", True), TileConfig(4, 1024, 4, 1, 2, 8)), (("int8", True), TileConfig(2, 2048, 4, 1, 4, 8)),
+                    (("fp8", True), TileConfig(8, 1024, 4, split_k=2)), (("16-bit", True), TileConfig(4, 1024, 4, split_k=4))]
     tuned = [((kind, True), config) for (kind, _, _), config in _SHAPE_CONFIGS.items()]
     for (kind, one_row), config in [*_CONFIGS.items(), *loaded_ahead, *tuned]:
         fn = gemv_kernel if one_row else small_m_kernel
@@ -247,8 +253,9 @@ _AOT = textwrap.dedent("""
                               BLOCK_K=config.block_k, PDL=use_pdl)
                 if one_row:  # both ways: SwiGLU and the folded norm with PDL, neither without
                     consts.update(UNROLL=config.unroll, VECTOR=config.vector, SWIGLU=use_pdl, NORM=use_pdl,
-                                  HAS_RESIDUAL=use_pdl)
-                    ptrs.update(norm_w_ptr="*" + act, residual_ptr="*" + act, residual_out_ptr="*" + act, eps="fp32")
+                                  HAS_RESIDUAL=use_pdl, SPLIT_K=config.split_k)
+                    ptrs.update(norm_w_ptr="*" + act, residual_ptr="*" + act, residual_out_ptr="*" + act, eps="fp32",
+                                partial_ptr="*fp32", arrived_ptr="*i32")
                 sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
                 attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
                 ptx = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
