@@ -14,8 +14,9 @@
 #                 names a file)
 #   decode        batch-1 decode on the Llama-3.1-8B shape: tok/s and % of copy bandwidth (goal, bf16: >= 85%)
 #                 for each of $DECODE_VARIANTS (bf16, fp8 and int8 weights, fp8 KV, ...; any + "-nopdl": without
-#                 programmatic dependent launch, + "-foldnorms": RMSNorm in the next projection's launch), with
-#                 each step's kernel times by kind
+#                 programmatic dependent launch, + "-foldnorms": RMSNorm in the next projection's launch,
+#                 + "-foldrotary": rotary and KV write in the decode attention's launch), with each step's
+#                 kernel times by kind
 #   linear        the 8B shape's linear layers at 1-16 rows, every kernel and a sweep of triton_linear's tiles
 #   quality       int8 / fp8 logits against bf16 on the medium model (KL, top-1 agreement)
 #   throughput    1,000 requests (in/out 100-1,024 tokens) against transformers static batches (goal >= 10x)
@@ -37,7 +38,7 @@ MODEL_8B=${MODEL_8B:-$OUT_DIR/llama-3.1-8b}
 NUM_PROMPTS=${NUM_PROMPTS:-1000}
 HF_SAMPLE_BATCHES=${HF_SAMPLE_BATCHES:-2}  # transformers static batches of 128 actually timed
 GPU_TESTS=${GPU_TESTS:-tests}
-DECODE_VARIANTS=${DECODE_VARIANTS:-bf16,bf16-cublas,fp8,fp8-head,fp8-scaled-mm,int8,bf16-fp8kv,bf16-nopdl,fp8-head-nopdl,bf16-foldnorms,fp8-head-foldnorms}
+DECODE_VARIANTS=${DECODE_VARIANTS:-bf16,bf16-cublas,fp8,fp8-head,fp8-scaled-mm,int8,bf16-fp8kv,bf16-nopdl,fp8-head-nopdl,fp8-head-foldnorms,fp8-head-foldrotary,fp8-head-foldnorms-foldrotary}
 DECODE_MODES=${DECODE_MODES:-graphs}
 LINEAR_CONFIGS=${LINEAR_CONFIGS:-}  # gpu_linear.py's JSON: decode with the tiles its sweep found best
 LINEAR_WEIGHTS=${LINEAR_WEIGHTS:-bf16,fp8,int8}  # the weight kinds the linear-one-row sweep times

@@ -39,15 +39,18 @@ from gpu_common import (
 
 from llmserve import LLM, SamplingParams, pdl
 from llmserve.model import layers
+from llmserve.model.attention import triton_backend
 
 GOAL_PCT_OF_COPY_BW = 85.0
 # name -> (engine arguments, the CUDA linear path: layers.cuda_linear_path). Each runs with the Triton kernels
 # launched as the product launches them; a name may end in any of SUFFIXES: "-nopdl" runs that variant without
 # programmatic dependent launch (llmserve.pdl), "-foldnorms" with each decode row's RMSNorm run inside the next
-# projection's launch (layers.fold_norms).
+# projection's launch (layers.fold_norms), "-foldrotary" with a decode step's rotary and KV write inside its
+# attention launch (triton_backend.fold_rotary).
 NO_PDL_SUFFIX = "-nopdl"
 FOLD_NORMS_SUFFIX = "-foldnorms"
-SUFFIXES = (NO_PDL_SUFFIX, FOLD_NORMS_SUFFIX)
+FOLD_ROTARY_SUFFIX = "-foldrotary"
+SUFFIXES = (NO_PDL_SUFFIX, FOLD_NORMS_SUFFIX, FOLD_ROTARY_SUFFIX)
 VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "bf16": ({}, "auto"),
     "bf16-cublas": ({}, "torch"),
@@ -210,18 +213,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
     result: dict[str, Any] = {"model": path, "machine": machine_info(device), "copy_gbs": copy_gbs,
                               "args": vars(args), "triton_linear_tiles": tiles, "runs": []}
-    pdl_default, fold_default = pdl.enabled, layers.fold_norms  # LLMSERVE_PDL's and LLMSERVE_FOLD_NORMS' settings
+    # the settings of LLMSERVE_PDL, LLMSERVE_FOLD_NORMS and LLMSERVE_FOLD_ROTARY
+    pdl_default, norms_default, rotary_default = pdl.enabled, layers.fold_norms, triton_backend.fold_rotary
     for variant in args.variants.split(","):
         base, suffixes = split_variant(variant)
         engine_overrides, layers.cuda_linear_path = VARIANTS[base]
         pdl.enabled = pdl_default and NO_PDL_SUFFIX not in suffixes
-        layers.fold_norms = fold_default or FOLD_NORMS_SUFFIX in suffixes
+        layers.fold_norms = norms_default or FOLD_NORMS_SUFFIX in suffixes
+        triton_backend.fold_rotary = rotary_default or FOLD_ROTARY_SUFFIX in suffixes
         for mode in args.modes.split(","):
             llm = LLM(path, **engine_args(args.smoke, max_model_len=args.max_model_len, max_num_seqs=1,
                                           enforce_eager=mode == "eager", **engine_overrides))
             prompt = random_prompts(1, (args.prompt_len, args.prompt_len), llm.get_tokenizer().vocab_size, seed=0)[0]
             launched_pdl = pdl.launch_options(torch.empty(0, device=device))["PDL"]  # False where unsupported
             run = {"variant": variant, "mode": mode, "pdl": launched_pdl, "fold_norms": layers.fold_norms,
+                   "fold_rotary": triton_backend.fold_rotary,
                    **measure_decode(llm, prompt, args.steps, args.warmup)}
             run["pct_of_copy_bw"] = 100 * run["achieved_gbs"] / copy_gbs
             if args.profile and mode == "graphs":
@@ -232,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"KV pool {run['kv_pool_tokens']} tokens{', PDL' if launched_pdl else ''}", flush=True)
             del llm
             free_device_memory(device)
-    layers.cuda_linear_path, pdl.enabled, layers.fold_norms = "auto", pdl_default, fold_default
+    layers.cuda_linear_path, pdl.enabled = "auto", pdl_default
+    layers.fold_norms, triton_backend.fold_rotary = norms_default, rotary_default
     bf16 = [r for r in result["runs"] if r["variant"] == "bf16"] or result["runs"]
     best = max(bf16, key=lambda r: r["pct_of_copy_bw"])
     result["goal"] = {"pct_of_copy_bw": GOAL_PCT_OF_COPY_BW, "best": best["pct_of_copy_bw"],

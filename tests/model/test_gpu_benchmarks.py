@@ -70,6 +70,7 @@ def test_smoke_runs_print_tables_and_feed_the_summary(
 def test_a_decode_variant_takes_its_suffixes_in_any_order(bench) -> None:
     gpu_decode = bench("gpu_decode")
     assert gpu_decode.split_variant("fp8-head-foldnorms-nopdl") == ("fp8-head", {"-foldnorms", "-nopdl"})
+    assert gpu_decode.split_variant("bf16-foldrotary-foldnorms") == ("bf16", {"-foldnorms", "-foldrotary"})
     assert gpu_decode.split_variant("bf16-nopdl") == ("bf16", {"-nopdl"})
     assert gpu_decode.split_variant("int8") == ("int8", set())
     with pytest.raises(SystemExit, match="unknown variant 'fp4'"):

@@ -218,6 +218,63 @@ def test_rotary_inside_the_kv_write_equals_rotary_then_the_write(
         assert torch.equal(cache[block, :, offset], untouched.view(cache.dtype)[block, :, offset])
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(2, 2, 64, 16), (4, 1, 128, 32), (8, 2, 32, 16)])
+@pytest.mark.parametrize("fp8_cache", [False, True])
+@pytest.mark.parametrize("many_splits", [False, True])
+def test_rotary_inside_the_decode_launch_equals_the_rotary_kv_write_then_attention(
+    monkeypatch, heads, kv_heads, head_dim, block_size, fp8_cache, many_splits
+):
+    """LLMSERVE_FOLD_ROTARY: a decode-only step rotates and writes its new tokens inside the decode launch, with
+    the same cache bits and attention output as the rotary + KV write launch before it, with one split or many
+    (the new position in the last); a padding token (slot -1) writes nothing either way."""
+    from llmserve.model.attention import triton_backend
+
+    monkeypatch.setattr(layers, "use_fused_kernels", True)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    query, key, value, k_cache, v_cache, meta = _batch([5, 40, 17, 64], [], heads, kv_heads, head_dim, block_size,
+                                                       dtype, seed=8)
+    step = meta()
+    step.slot_mapping[2] = -1
+    positions = torch.tensor([n - 1 for n in step.seq_lens_host], device=DEVICE)
+    rotary = layers.RotaryEmbedding(head_dim, 64, RopeConfig()).to(DEVICE)
+    cache_dtype = torch.float8_e4m3fn if fp8_cache else None
+    results = []
+    for fold in (False, True):
+        monkeypatch.setattr(triton_backend, "fold_rotary", fold)
+        backend = _backend(heads, kv_heads, head_dim, block_size, dtype, many_splits)
+        backend.kv_cache_dtype = cache_dtype or dtype
+        backend.k_scale, backend.v_scale = (0.5, 0.25) if fp8_cache else (1.0, 1.0)
+        assert backend._rotary_in_decode is fold
+        caches = [c.clone() if cache_dtype is None else c.to(cache_dtype) for c in (k_cache, v_cache)]
+        step.backend_data = {}
+        backend.prepare(step)
+        assert (step.backend_data["triton_splits"] > 1) is many_splits
+        out = backend.forward(query.clone(), key.clone(), value.clone(), *caches, step, rotary, positions)
+        results.append((out, *(c.view(torch.uint8) if fp8_cache else c for c in caches)))
+    for unfolded, folded in zip(*results, strict=True):
+        assert torch.equal(unfolded, folded)
+
+
+def test_rotary_stays_in_its_own_launch_for_prefills_and_odd_head_sizes(monkeypatch):
+    from llmserve.model.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "fold_rotary", True)
+    assert TritonAttentionBackend(4, 2, 128, 16)._rotary_in_decode
+    assert not TritonAttentionBackend(4, 2, 80, 16)._rotary_in_decode and not TritonAttentionBackend(4, 2, 8, 16)._rotary_in_decode
+    monkeypatch.setattr(layers, "use_fused_kernels", True)
+    launches = []
+    backend = TritonAttentionBackend(2, 2, 64, 16)
+    monkeypatch.setattr(backend, "_rotate_and_write_kv", lambda *args: launches.append("rotary + KV write"))
+    monkeypatch.setattr(backend, "attend", lambda *args: launches.append("attend" if len(args) == 4 else "folded"))
+    rotary = layers.RotaryEmbedding(64, 64, RopeConfig()).to(DEVICE)
+    for decodes, prefills in (([5], [(30, 12)]), ([5, 9], [])):
+        query, key, value, k_cache, v_cache, meta = _batch(decodes, prefills, 2, 2, 64, 16, torch.float32, seed=9)
+        step = meta()
+        backend.forward(query, key, value, k_cache, v_cache, step, rotary, torch.zeros(len(step.slot_mapping),
+                                                                                      dtype=torch.long, device=DEVICE))
+    assert launches == ["rotary + KV write", "attend", "folded"]
+
+
 @pytest.mark.skipif(CUDA, reason="the error is for machines without CUDA")
 def test_without_cuda_or_interpreter_construction_says_so(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -271,10 +328,14 @@ _AOT = textwrap.dedent("""
                        fp32_ptrs=("cos_ptr", "sin_ptr"), cache_dtype=cache, options={"enable_fp_fusion": False})
         # no 16-bit multiply-add: the rotation rounds each product as the torch code stores it
         assert not [line for line in rotary.asm["ptx"].splitlines() if "fma." in line and "f16" in line]
-        for splits in (1, 4):
+        for splits, rotary in ((1, False), (4, False), (1, True), (4, True)):
             parts = ("part_acc_ptr", "part_m_ptr", "part_l_ptr") if splits > 1 else ()
-            build(K.decode_kernel, dtype, dict(NUM_KV_HEADS=2, GROUP=4, GROUP_PAD=16, TILE_N=64, NUM_SPLITS=splits,
-                                               DOT_PRECISION=precision, **shape), fp32_ptrs=parts, cache_dtype=cache)
+            decode = build(K.decode_kernel, dtype, dict(NUM_KV_HEADS=2, GROUP=4, GROUP_PAD=16, TILE_N=64,
+                                                        NUM_SPLITS=splits, DOT_PRECISION=precision, ROTARY=rotary,
+                                                        QUANTIZED=cache is not None, **shape),
+                           fp32_ptrs=(*parts, "cos_ptr", "sin_ptr"), cache_dtype=cache,
+                           options={"enable_fp_fusion": False})
+            assert not [line for line in decode.asm["ptx"].splitlines() if "fma." in line and "f16" in line]
         build(K.merge_splits_kernel, dtype, dict(NUM_HEADS=8, HEAD_DIM=128, D_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8),
               fp32_ptrs=("part_acc_ptr", "part_m_ptr", "part_l_ptr"))
         build(K.prefill_kernel, dtype, dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, TILE_N=64, DOT_PRECISION=precision,
@@ -293,14 +354,27 @@ def test_backend_is_registered():
     assert get_backend("triton") is TritonAttentionBackend
 
 
-def test_tiny_model_greedy_outputs_match_the_torch_backend(tiny_llama_dir):
+@pytest.mark.parametrize("folded", [False, True])
+def test_tiny_model_greedy_outputs_match_the_torch_backend(tiny_llama_dir, monkeypatch, folded):
+    """The Triton backend's tokens are the torch backend's; `folded`: with the fused Triton kernels, every
+    one-row projection in `triton_linear` with its RMSNorm folded in, and the rotary and KV write of decode steps
+    in the decode launch (LLMSERVE_FOLD_NORMS, LLMSERVE_FOLD_ROTARY), as a GPU would run a decode step."""
     from llmserve import LLM, SamplingParams
+    from llmserve.model import triton_linear
+    from llmserve.model.attention import triton_backend
 
     prompts = ["The quick brown fox", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     args = dict(dtype="float32", num_kv_blocks=16, max_model_len=128, max_num_batched_tokens=8)  # chunked
     expected = LLM(str(tiny_llama_dir), attention_backend="torch", **args).generate(prompts, params)
-    got = LLM(str(tiny_llama_dir), attention_backend="triton", **args).generate(prompts, params)
+    if folded:
+        monkeypatch.setattr(layers, "use_fused_kernels", True)
+        monkeypatch.setattr(layers, "fold_norms", True)
+        monkeypatch.setattr(triton_backend, "fold_rotary", True)
+        monkeypatch.setattr(layers, "triton_linear_for", lambda x, w, quantized: triton_linear)  # CPU tensors too
+    llm = LLM(str(tiny_llama_dir), attention_backend="triton", **args)
+    assert llm.engine.core.runner.attn_backend._rotary_in_decode is folded
+    got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 

@@ -25,7 +25,9 @@ reads every split of its heads.
 Where the model's rotary embedding would run as the fused Triton kernel, `forward` applies it in the KV
 write's launch instead (`rotary_write_kv_kernel`): the query is rotated in place and the rotated keys go
 straight to the cache. On the 8B shape at batch 1 that took the two kernels' 121 us a step to 86-92 us
-(H200).
+(H200). With LLMSERVE_FOLD_ROTARY=1 a step of decodes alone goes one further: the decode launch rotates the
+queries as it loads them, and the program whose slice holds a sequence's new position writes that token's
+rotated key and value before it reads its slice (no launch of its own for the rotary and the KV write).
 
 Prefill chunks are cut into tiles of query tokens (a schedule built on the host from
 `query_start_loc_host`, once per step in `prepare`) and each (tile, kv head) program runs a
@@ -35,11 +37,18 @@ flash-attention loop over the sequence's cached context.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from llmserve.model import layers
 from llmserve.model.attention.base import AttentionBackend, AttentionMetadata
+
+# Whether a decode-only step's rotary embedding and KV write run inside its decode launch (`decode_kernel`'s
+# ROTARY) rather than a launch of their own. Off until a GPU has timed it (BENCHMARKS.md, issue 18). Read at
+# import; backends built after a change to it (benchmarks, tests) follow it.
+FOLD_ROTARY_ENV = "LLMSERVE_FOLD_ROTARY"
+fold_rotary: bool = os.environ.get(FOLD_ROTARY_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def _next_pow2(n: int) -> int:
@@ -90,6 +99,7 @@ class TritonAttentionBackend(AttentionBackend):
 
         self.kernels = triton_kernels
         self.fused_kernels = fused_kernels
+        self.no_fp_fusion = fused_kernels.NO_FP_FUSION  # the decode launch's too: it may rotate as the rotary does
         self.pdl = pdl
         self.group = num_heads // num_kv_heads
         self.d_pad = max(16, _next_pow2(head_dim))
@@ -97,6 +107,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.group_pad = max(16, _next_pow2(self.group))  # tl.dot wants M >= 16
         self.prefill_group_pad = _next_pow2(self.group)
         self._target_programs: int | None = None
+        # where the rotated halves make a whole head, a decode step's rotary and KV write can run in its decode launch
+        self._rotary_in_decode = fold_rotary and head_dim == self.d_pad  # a power of two, 16 or more
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
@@ -166,6 +178,9 @@ class TritonAttentionBackend(AttentionBackend):
         if rotary is None or layers.fused_kernels_for(query) is not self.fused_kernels:
             return super().forward(query, key, value, k_cache, v_cache, meta, rotary, positions)
         query = _last_dim_contiguous(query)
+        if meta.num_decodes == meta.num_seqs and self._rotary_in_decode:
+            key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+            return self.attend(query, k_cache, v_cache, meta, _NewTokens(rotary, positions, key, value, meta.slot_mapping))
         self._rotate_and_write_kv(rotary, positions, query, key, value, k_cache, v_cache, meta)
         return self.attend(query, k_cache, v_cache, meta)
 
@@ -200,7 +215,9 @@ class TritonAttentionBackend(AttentionBackend):
             KVH_PAD=self.kvh_pad, D_PAD=self.d_pad, QUANTIZED=self._quantized_cache, **self.pdl.launch_options(key),
         )
 
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, new: _NewTokens | None = None) -> torch.Tensor:
+        """Attention of every query over its cached context. With `new` (decodes only), query is not rotated yet
+        and the new tokens' keys and values are not in the cache: the decode launch does both."""
         query = _last_dim_contiguous(query)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         data = meta.backend_data
@@ -208,14 +225,15 @@ class TritonAttentionBackend(AttentionBackend):
         if "triton_splits" not in data:
             self.prepare(meta)
         if meta.num_decodes:
-            self._decode(query, k_cache, v_cache, out, meta, precision, data["triton_splits"])
+            self._decode(query, k_cache, v_cache, out, meta, precision, data["triton_splits"], new)
         tiles = data["triton_prefill_tiles"]
         if tiles is not None:
             self._prefill(query, k_cache, v_cache, out, meta, precision, *tiles)
         return out
 
     def _decode(
-        self, query, k_cache, v_cache, out, meta: AttentionMetadata, precision: str, splits: int
+        self, query, k_cache, v_cache, out, meta: AttentionMetadata, precision: str, splits: int,
+        new: _NewTokens | None,
     ) -> None:
         nd = meta.num_decodes
         kernels = self.kernels
@@ -231,9 +249,11 @@ class TritonAttentionBackend(AttentionBackend):
             self.scale * self.k_scale * _LOG2E, self.v_scale,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+            *self._new_token_args(new, query),
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
             GROUP_PAD=self.group_pad, D_PAD=self.d_pad, TILE_N=self.decode_tile, NUM_SPLITS=splits,
-            DOT_PRECISION=precision, **self.pdl.launch_options(query),
+            DOT_PRECISION=precision, ROTARY=new is not None, QUANTIZED=self._quantized_cache,
+            **self.no_fp_fusion, **self.pdl.launch_options(query),
         )
         if splits > 1:
             kernels.merge_splits_kernel[(nd, self.num_heads)](
@@ -241,6 +261,14 @@ class TritonAttentionBackend(AttentionBackend):
                 NUM_HEADS=self.num_heads, HEAD_DIM=self.head_dim, D_PAD=self.d_pad,
                 NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits), **self.pdl.launch_options(out),
             )
+
+    def _new_token_args(self, new: _NewTokens | None, query: torch.Tensor) -> tuple:
+        """The decode launch's arguments for its rotary and KV write (placeholders without `new`)."""
+        if new is None:
+            return (query,) * 6 + (0,) * 5 + (1.0, 1.0)
+        cos, sin = new.rotary.cos_cache, new.rotary.sin_cache
+        return (new.positions, new.key, new.value, cos, sin, new.slot_mapping, new.key.stride(0), new.key.stride(1),
+                new.value.stride(0), new.value.stride(1), cos.stride(0), 1.0 / self.k_scale, 1.0 / self.v_scale)
 
     def _prefill(
         self, query, k_cache, v_cache, out, meta: AttentionMetadata, precision: str, tiles: torch.Tensor, count: int
@@ -257,6 +285,17 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 _LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class _NewTokens:
+    """A decode step's new tokens, not rotated and not in the cache yet: what the decode launch needs to do both."""
+
+    rotary: layers.RotaryEmbedding
+    positions: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -124,15 +124,39 @@ def rotary_write_kv_kernel(
 
 
 @triton.jit
+def _rotated_group(q_row, stride_qh, cos, sin, dtype: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HALF: tl.constexpr):
+    """The GROUP query heads at q_row, rotated as `rotate_heads` would store them: [GROUP_PAD, 2 * HALF] (HALF a
+    power of two, so the two rotated halves side by side are the head)."""
+    out1, out2 = rotated_halves(q_row, stride_qh, cos, sin, dtype, GROUP, GROUP_PAD, HALF, HALF)
+    return tl.reshape(tl.permute(tl.join(out1, out2), (0, 2, 1)), (GROUP_PAD, 2 * HALF))
+
+
+@triton.jit
+def _write_new_token(key_row, value_row, k_rows, v_rows, cos, sin, inv_k_scale, inv_v_scale, keep,
+                     dtype: tl.constexpr, HALF: tl.constexpr, QUANTIZED: tl.constexpr):
+    """`rotary_write_kv_kernel`'s work for one KV head of one token: its key rotated and its value, stored at
+    the cache rows k_rows and v_rows where `keep` ([1, 1]) says so."""
+    k1, k2 = rotated_halves(key_row, 0, cos, sin, dtype, 1, 1, HALF, HALF)
+    half_dims = tl.arange(0, HALF)[None, :]
+    _store_kv(k_rows + half_dims, k1, keep, inv_k_scale, QUANTIZED)
+    _store_kv(k_rows + HALF + half_dims, k2, keep, inv_k_scale, QUANTIZED)
+    dims = tl.arange(0, 2 * HALF)[None, :]
+    _store_kv(v_rows + dims, tl.load(value_row + dims, mask=keep, other=0.0), keep, inv_v_scale, QUANTIZED)
+
+
+@triton.jit
 def decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ch, stride_ct, stride_bt,
+    positions_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_rope, inv_k_scale, inv_v_scale,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROTARY: tl.constexpr, QUANTIZED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (decodes, kv_heads, splits). Each sequence's context is cut into NUM_SPLITS equal runs of
@@ -141,7 +165,12 @@ def decode_kernel(
     program for split s attends the GROUP query heads of KV head h over run s. With one split it writes
     the normalised output; otherwise it writes its unnormalised accumulator and softmax statistics
     (running max m, sum l_sum) for `merge_splits_kernel`. A split that starts past the sequence's
-    length runs no iteration and leaves the neutral partial (m = NEG_INIT, l_sum = 0, acc = 0)."""
+    length runs no iteration and leaves the neutral partial (m = NEG_INIT, l_sum = 0, acc = 0).
+
+    With ROTARY (HEAD_DIM a power of two), the step's new token is not in the cache yet and q is not rotated:
+    every program rotates its query heads as it loads them, and the program whose run holds the new position
+    rotates that token's key and stores it and its value in the cache (`rotary_write_kv_kernel`'s work, a
+    launch saved), then reads them back with the rest of its run. No other program reads that position."""
     pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -153,18 +182,34 @@ def decode_kernel(
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
     dim_mask = dims < HEAD_DIM
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :], other=0.0,
-    )
+    q_row = q_ptr + seq.to(tl.int64) * stride_qt
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, seq_len)
+    if ROTARY:
+        dtype = q_ptr.dtype.element_ty
+        cos, sin = rotary_cos_sin(positions_ptr, seq, cos_ptr, sin_ptr, stride_rope, dtype, HEAD_DIM // 2,
+                                  HEAD_DIM // 2)
+        q = _rotated_group(q_row + (kv_head * GROUP).to(tl.int64) * stride_qh, stride_qh, cos, sin, dtype, GROUP,
+                           GROUP_PAD, HEAD_DIM // 2)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        owns_new = (split_start < seq_len) & (seq_len <= split_end) & (slot >= 0)
+        cache_row = ((slot // BLOCK_SIZE) * stride_cb + kv_head.to(tl.int64) * stride_ch
+                     + (slot % BLOCK_SIZE) * stride_ct)
+        keep = (tl.zeros([1, 1], dtype=tl.int32) + owns_new.to(tl.int32)) != 0  # a tensor: the interpreter wants one
+        _write_new_token(key_ptr + seq.to(tl.int64) * stride_kt + kv_head * stride_kh,
+                         value_ptr + seq.to(tl.int64) * stride_vt + kv_head * stride_vh,
+                         k_cache_ptr + cache_row, v_cache_ptr + cache_row, cos, sin, inv_k_scale, inv_v_scale, keep,
+                         dtype, HEAD_DIM // 2, QUANTIZED)
+        tl.debug_barrier()  # the new key and value stored before any thread of this program reads them back
+    else:
+        q = tl.load(q_row + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
     m = tl.full([GROUP_PAD], NEG_INIT, dtype=tl.float32)
     l_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
 
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
-    split_start = split * tokens_per_split
-    split_end = tl.minimum(split_start + tokens_per_split, seq_len)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_base = kv_head.to(tl.int64) * stride_ch
     for start in range(split_start, split_end, TILE_N):
