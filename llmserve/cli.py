@@ -131,6 +131,10 @@ def add_platform_args(parser: argparse.ArgumentParser, config_help: str) -> argp
         help="deleted conversations are purged after this many days",
     )
     platform.add_argument(
+        "--response-retention-days", type=float, default=30.0,
+        help="stored Responses API responses are purged this many days after they were made (OpenAI keeps 30)",
+    )
+    platform.add_argument(
         "--usage-journal", default=None, metavar="DIR",
         help="directory of the local usage journal that keeps usage through a crash "
         "(default: next to the SQLite file, else in the data directory)",

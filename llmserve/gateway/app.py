@@ -34,7 +34,7 @@ from llmserve.gateway.proxy import (
 )
 from llmserve.gateway.routing import policy_by_name
 from llmserve.platform.routing import ModelRouter
-from llmserve.server import conversations, responses_api, streams, usage
+from llmserve.server import conversations, responses_api, stored_responses, streams, usage
 from llmserve.server.cors import install_cors
 from llmserve.server.errors import install_error_handlers
 from llmserve.server.gateway import AuthMiddleware, Platform, public_paths, request_key
@@ -134,7 +134,7 @@ def build_gateway_app(
         background = []
         if platform is not None:
             await platform.check_limiter()
-            background.append(asyncio.create_task(platform.purge_deleted_conversations()))
+            background.append(asyncio.create_task(platform.purge_expired()))
         try:
             yield
         finally:
@@ -200,7 +200,8 @@ def build_gateway_app(
 
         @app.post("/v1/responses", response_model=None)
         async def responses_with_platform(body: ResponsesRequest, request: Request) -> Response:
-            return await responses_api.answer(body, lambda chat, payload: front.chat(request, chat, payload))
+            return await responses_api.answer(body, lambda chat, payload: front.chat(request, chat, payload),
+                                              stored_responses.storage_for(request))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -232,7 +233,7 @@ def build_gateway_app(
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    for module in (usage, conversations, streams):
+    for module in (usage, conversations, stored_responses, streams):
         app.include_router(module.router)
     install_page(app)
     return app

@@ -24,6 +24,7 @@ from llmserve.server import (
     health,
     metrics,
     responses,
+    stored_responses,
     streams,
     tokens,
     usage,
@@ -83,7 +84,7 @@ def _lifespan(state: ServerState, specs: Sequence[ModelSpec], slo: SLO, owns_eng
         platform = state.platform
         if platform is not None:
             await platform.check_limiter()
-            loaders.append(asyncio.create_task(platform.purge_deleted_conversations()))
+            loaders.append(asyncio.create_task(platform.purge_expired()))
         yield
         drainer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -212,8 +213,8 @@ def build_app(
     app.add_middleware(DrainMiddleware, state=state)
     install_cors(app, allowed_origins)
     for module in (
-        chat, completions, responses, embeddings, streams, models_api, tokens, health, metrics, usage, conversations,
-        admin,
+        chat, completions, responses, stored_responses, embeddings, streams, models_api, tokens, health, metrics,
+        usage, conversations, admin,
     ):
         app.include_router(module.router)
     install_page(app)

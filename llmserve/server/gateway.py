@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from llmserve.platform.conversations import ConversationStore
+    from llmserve.platform.responses import ResponseStore
     from llmserve.platform.safety import SafetyFilter, Verdict
     from llmserve.server.metrics import PlatformMetrics
     from llmserve.store.db import Database
@@ -51,11 +52,13 @@ class Platform:
     limiter: RateLimiter | None = None
     usage: UsageRecorder | None = None
     conversations: ConversationStore | None = None
+    responses: ResponseStore | None = None  # the Responses API's stored responses
     safety: SafetyFilter | None = None
     holdback_chars: int = 32
     prices: PriceTable = field(default_factory=PriceTable)
     database: Database | None = None
     conversation_retention: timedelta | None = None  # deleted conversations are purged after this
+    response_retention: timedelta | None = None  # stored responses are purged this long after they were made
     metrics: PlatformMetrics | None = None
     # When the rate limiter's store (Redis) is unreachable: "open" admits without limits (they keep
     # tenants fair, they are not a security boundary), "closed" answers 503.
@@ -73,17 +76,23 @@ class Platform:
         except Exception as exc:  # serve anyway: limits fail open until the store is back
             logger.warning("the rate limiter's store is unreachable (limits are not enforced until it is): %s", exc)
 
-    async def purge_deleted_conversations(self) -> None:
-        """Hard-delete conversations deleted longer ago than the retention period, now and every hour."""
-        if self.conversations is None or self.conversation_retention is None:
+    async def purge_expired(self) -> None:
+        """Now and every hour: hard-delete conversations deleted longer ago than their retention period, and
+        stored responses older than theirs."""
+        stores = [(store, retention, what) for store, retention, what in (
+            (self.conversations, self.conversation_retention, "deleted conversations"),
+            (self.responses, self.response_retention, "stored responses"),
+        ) if store is not None and retention is not None]
+        if not stores:
             return
         while True:
-            try:
-                purged = await asyncio.to_thread(self.conversations.purge, self.conversation_retention)
-                if purged:
-                    logger.info("purged %d deleted conversations", purged)
-            except Exception:
-                logger.exception("could not purge deleted conversations")
+            for store, retention, what in stores:
+                try:
+                    purged = await asyncio.to_thread(store.purge, retention)
+                    if purged:
+                        logger.info("purged %d %s", purged, what)
+                except Exception:
+                    logger.exception("could not purge %s", what)
             await asyncio.sleep(PURGE_INTERVAL_SECONDS)
 
     async def aclose(self) -> None:

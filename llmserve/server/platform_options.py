@@ -1,5 +1,5 @@
 """The platform `llmserve serve` and `llmserve gateway` run, built from their common options
-(cli.add_platform_args): keys, usage and conversations in the database, rate limits in process or in
+(cli.add_platform_args): keys, usage, conversations and stored responses in the database, rate limits in process or in
 Redis, safety rules, prices and aliases from the config. Torch-free, as the gateway is."""
 
 from __future__ import annotations
@@ -38,11 +38,13 @@ def make_rate_limiter(redis_url: str | None, redis_timeout_ms: float = 100.0) ->
 
 
 def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Platform | None:
-    """Keys, usage and conversations in the database, rate limits in process or in Redis, safety rules."""
+    """Keys, usage, conversations and stored responses in the database, rate limits in process or in Redis,
+    safety rules."""
     if args.no_platform:
         return None
     from llmserve.platform.conversations import ConversationStore
     from llmserve.platform.keys import KeyCache, KeyStore
+    from llmserve.platform.responses import ResponseStore
     from llmserve.platform.safety import load_filter
     from llmserve.platform.usage import Price, PriceTable
     from llmserve.store.db import default_database_url, open_database
@@ -64,11 +66,13 @@ def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Pla
         rate_limit_failure_mode=args.rate_limit_failure_mode,
         usage=_usage_recorder(database, args.usage_journal, args.usage_journal_sync),
         conversations=ConversationStore(database, conversation_limits(args)),
+        responses=ResponseStore(database),
         safety=load_filter(spec, rules),
         holdback_chars=safety_config.holdback_chars if safety_config is not None else 32,
         prices=prices,
         database=database,
         conversation_retention=timedelta(days=args.conversation_retention_days),
+        response_retention=timedelta(days=args.response_retention_days),
     )
 
 

@@ -6,13 +6,20 @@ the caller's chat endpoint (the server's, or a gateway platform's: so keys, limi
 disconnects and the tool and reasoning parsers are chat's), and its answer translated back: output items
 (`reasoning`, `message`, `function_call`) and the Responses usage; streamed, chat's chunks become the
 Responses events, each numbered by `sequence_number`. As in the Responses API, function tools are strict
-unless they say otherwise. Nothing is stored: `store` is answered false, and `previous_response_id` is a
-400 (send the conversation as `input`).
+unless they say otherwise.
+
+Where the platform keeps responses (`Storage`), a response is stored unless the request says `store: false`
+(OpenAI's default), for its key alone: GET /v1/responses/{id} reads it back (`stored_responses`), and a request
+naming it as `previous_response_id` continues its conversation (its turns' input and output items come before
+the request's input; its `instructions` do not carry over, as in OpenAI's API). Without storage (`--no-platform`)
+`store` is answered false and `previous_response_id` is a 400.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,15 +30,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, ValidationError
 
 from llmserve.errors import InvalidRequestError
+from llmserve.platform.responses import ResponseChainBroken, ResponseNotFound, ResponseStore, with_ids
 from llmserve.server import errors
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import ChatCompletionRequest, Int64, RequestBody, now
 
+logger = logging.getLogger(__name__)
+
 # Chat's parameter names in errors -> the Responses request's own.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
-# Known Responses fields this server does not implement (each would change the output or needs storage).
-_UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "background", "include", "top_logprobs",
-                "max_tool_calls")
+# Known Responses fields this server does not implement (each would change the output).
+_UNSUPPORTED = ("conversation", "prompt", "background", "include", "top_logprobs", "max_tool_calls")
 
 
 class ResponsesRequest(RequestBody):
@@ -51,15 +60,15 @@ class ResponsesRequest(RequestBody):
     truncation: Literal["disabled"] | None = None  # "auto" (dropping the oldest items) is not served
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
+    store: StrictBool | None = None  # where responses are kept, None keeps it
+    previous_response_id: str | None = Field(None, min_length=1, max_length=64)
     # metadata only
-    store: StrictBool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = Field(None, max_length=128)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024)
     service_tier: str | None = None
     # known, not served
-    previous_response_id: Any = None
     conversation: Any = None
     prompt: Any = None
     background: Any = None
@@ -94,10 +103,10 @@ class ResponseObject(BaseModel):
     parallel_tool_calls: bool
     text: dict[str, Any]
     truncation: Literal["disabled"] = "disabled"
-    store: bool = False
+    store: bool
     metadata: dict[str, str]
     user: str | None
-    previous_response_id: None = None
+    previous_response_id: str | None
     error: dict[str, Any] | None = None
     incomplete_details: dict[str, Any] | None
     usage: ResponseUsage | None
@@ -113,9 +122,20 @@ DOCUMENTED[200]["content"]["text/event-stream"]["schema"] = {
 RunChat = Callable[[ChatCompletionRequest, dict[str, Any]], Awaitable[Response]]
 
 
-async def answer(body: ResponsesRequest, run_chat: RunChat) -> Response:
-    """The response to `body`, by way of a chat completion that `run_chat` runs."""
-    chat, payload = _chat_request(body)
+@dataclass(frozen=True)
+class Storage:
+    """Where the caller's responses are kept: the store, and the caller's key (None in local mode)."""
+
+    store: ResponseStore
+    key_id: str | None
+
+
+async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | None = None) -> Response:
+    """The response to `body`, by way of a chat completion that `run_chat` runs; kept in `storage` unless the
+    request says not to."""
+    context = await _context(body.previous_response_id, storage)
+    input_items = with_ids(_input_items(body))
+    chat, payload = _chat_request(body, context, input_items)
     try:
         reply = await run_chat(chat, payload)
     except (errors.APIError, InvalidRequestError) as exc:
@@ -123,9 +143,10 @@ async def answer(body: ResponsesRequest, run_chat: RunChat) -> Response:
         raise
     headers = {k: v for k, v in reply.headers.items() if k.startswith("x-")}
     response_id = f"resp_{uuid.uuid4().hex}"
+    keep = _Keeper(storage, input_items, body.previous_response_id) if storage and body.store is not False else None
     if body.stream:
         assert isinstance(reply, StreamingResponse)
-        events = ResponseEvents(body, response_id).events(reply.body_iterator)
+        events = ResponseEvents(body, response_id, keep).events(reply.body_iterator)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     completion = await _whole(reply)
@@ -138,8 +159,49 @@ async def answer(body: ResponsesRequest, run_chat: RunChat) -> Response:
         output.append(_message_item(_item_id("msg"), message["content"]))
     for call in message.get("tool_calls") or ():
         output.append(_call_item(_item_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
-    answer_json = _response(body, response_id, completion["model"], output, choice["finish_reason"], completion["usage"])
+    answer_json = _response(body, response_id, completion["model"], output, choice["finish_reason"], completion["usage"],
+                            stored=keep is not None)
+    if keep is not None:
+        answer_json = await keep(answer_json)
     return JSONResponse(answer_json, headers=headers)
+
+
+async def _context(previous_id: str | None, storage: Storage | None) -> list[dict[str, Any]]:
+    """The stored conversation a request continues: its previous response's turns, as items."""
+    if previous_id is None:
+        return []
+    if storage is None:
+        raise errors.unsupported("previous_response_id", "previous_response_id needs stored responses, which this "
+                                                         "server does not keep (it runs without its platform); send "
+                                                         "the whole conversation as input.")
+    try:
+        return await asyncio.to_thread(storage.store.context, storage.key_id, previous_id)
+    except ResponseNotFound:
+        raise errors.APIError(404, f"Previous response with id '{previous_id}' not found.",
+                              param="previous_response_id", code="previous_response_not_found") from None
+    except ResponseChainBroken as exc:
+        raise errors.APIError(400, f"Previous response with id '{previous_id}' continues '{exc.missing_id}', which "
+                                   "is no longer stored: its conversation cannot be continued.",
+                              param="previous_response_id", code="previous_response_not_found") from None
+
+
+@dataclass(frozen=True)
+class _Keeper:
+    """Stores a finished response with the input items its request sent."""
+
+    storage: Storage
+    input_items: list[dict[str, Any]]
+    previous_id: str | None
+
+    async def __call__(self, response: dict[str, Any]) -> dict[str, Any]:
+        """The response as answered: stored, or, where the store failed, said not to be."""
+        try:
+            await asyncio.to_thread(self.storage.store.save, self.storage.key_id, response, self.input_items,
+                                    self.previous_id)
+        except Exception:
+            logger.exception("could not store response %s", response["id"])
+            return {**response, "store": False}
+        return response
 
 
 async def _whole(reply: Response) -> dict[str, Any]:
@@ -175,19 +237,19 @@ def _invalid(message: str, param: str) -> InvalidRequestError:
 # ---- the request, as a chat completion -----------------------------------------------------------
 
 
-def _chat_request(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Any]]:
+def _chat_request(
+    body: ResponsesRequest, context: list[dict[str, Any]], input_items: list[dict[str, Any]]
+) -> tuple[ChatCompletionRequest, dict[str, Any]]:
     for name in _UNSUPPORTED:
         if getattr(body, name) is not None:
-            raise errors.unsupported(name, f"{name} is not supported: nothing is stored here; send the whole "
-                                           "conversation as input." if name == "previous_response_id" else
-                                     f"{name} is not supported by this server.")
+            raise errors.unsupported(name, f"{name} is not supported by this server.")
     options = dict(body.stream_options or {})
     if options.pop("include_obfuscation", False):
         raise errors.unsupported("stream_options.include_obfuscation", "include_obfuscation is not supported here.")
     if options:
         raise _invalid(f"Unrecognized stream option: {next(iter(options))}", "stream_options")
     fields: dict[str, Any] = {
-        "model": body.model, "messages": _messages(body), "stream": body.stream,
+        "model": body.model, "messages": _messages(body.instructions, context, input_items), "stream": body.stream,
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
         "tools": _tools(body.tools), "tool_choice": _tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": _response_format(body.text),
@@ -229,13 +291,22 @@ def _string(item: dict[str, Any], name: str, param: str) -> str:
     return value
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+def _input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items (a string is one user message)."""
+    if isinstance(body.input, str):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": body.input}]}]
+    return body.input
+
+
+def _messages(
+    instructions: str | None, context: list[dict[str, Any]], items: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Chat's messages: the instructions, then the stored conversation's items, then the request's."""
     messages: list[dict[str, Any]] = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    for i, item in enumerate(items):
-        param = f"input[{i}]"
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    for i, item in enumerate([*context, *items]):
+        param = f"input[{i - len(context)}]" if i >= len(context) else "previous_response_id"
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -344,7 +415,7 @@ _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"
 
 def _response(body: ResponsesRequest, response_id: str, model: str, output: list[dict[str, Any]],
               finish_reason: str | None, usage: dict[str, Any] | None, status: str | None = None,
-              error: dict[str, Any] | None = None) -> dict[str, Any]:
+              error: dict[str, Any] | None = None, stored: bool = False) -> dict[str, Any]:
     reason = _INCOMPLETE.get(finish_reason or "")
     status = status or ("incomplete" if reason else "completed")
     return ResponseObject(
@@ -352,7 +423,8 @@ def _response(body: ResponsesRequest, response_id: str, model: str, output: list
         max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
         tools=body.tools or [], tool_choice=body.tool_choice or "auto",
         parallel_tool_calls=body.parallel_tool_calls is not False, text=body.text or {"format": {"type": "text"}},
-        metadata=body.metadata or {}, user=body.user, error=error,
+        metadata=body.metadata or {}, user=body.user, error=error, store=stored,
+        previous_response_id=body.previous_response_id,
         incomplete_details={"reason": reason} if reason and status == "incomplete" else None,
         usage=None if usage is None else ResponseUsage(
             input_tokens=usage["prompt_tokens"],
@@ -380,9 +452,10 @@ class ResponseEvents:
     first delta of its kind (reasoning, text, each call) and closed when another kind begins or the
     stream ends."""
 
-    def __init__(self, body: ResponsesRequest, response_id: str) -> None:
+    def __init__(self, body: ResponsesRequest, response_id: str, keep: _Keeper | None = None) -> None:
         self.body = body
         self.response_id = response_id
+        self.keep = keep  # stores the finished response
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # the finished items
         self.open: _OpenItem | None = None  # the item being written
@@ -428,13 +501,15 @@ class ResponseEvents:
         for event in self._close():
             yield event
         final = self._snapshot(None)
+        if self.keep is not None:
+            final = await self.keep(final)
         yield self._event("response.completed" if final["status"] == "completed" else "response.incomplete",
                           response=final)
 
     def _snapshot(self, status: str | None, error: dict[str, Any] | None = None) -> dict[str, Any]:
         """The response so far (`status` None: as the finish reason makes it)."""
         return _response(self.body, self.response_id, self.model or "", self.output, self.finish_reason, self.usage,
-                         status=status, error=error)
+                         status=status, error=error, stored=self.keep is not None)
 
     def _chunk(self, data: dict[str, Any]) -> list[str]:
         if data.get("usage"):

@@ -1,6 +1,6 @@
-"""The tables: API keys, usage records, conversations and their messages.
+"""The tables: API keys, usage records, conversations and their messages, stored Responses API responses.
 
-Migration 0001 creates exactly this schema; tests/store/test_migrations.py checks that they agree.
+Migrations 0001 and 0002 create exactly this schema; tests/store/test_migrations.py checks that they agree.
 Timestamps are timezone-aware UTC in Python on every backend (`UTCDateTime`).
 """
 
@@ -153,6 +153,24 @@ class MessageRow(Base):
     content: Mapped[str] = mapped_column(Text)
     token_count: Mapped[int | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ResponseRow(Base):
+    """A Responses API response kept for GET /v1/responses/{id} and for `previous_response_id`: the response as
+    answered, and the input items its request sent (the earlier context is its previous response's)."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    key_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))  # NULL: local mode (no API keys)
+    # Not a foreign key: deleting a response leaves the ones after it, which then cannot be continued.
+    previous_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    model: Mapped[str] = mapped_column(String(MODEL_NAME_LENGTH))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    response: Mapped[dict[str, Any]] = mapped_column(JSON)
+    input_items: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+
+    __table_args__ = (Index("ix_responses_created_at", "created_at"),)
 
 
 def row_values(row: Base) -> dict[str, Any]:

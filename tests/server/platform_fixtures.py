@@ -1,4 +1,4 @@
-"""A live server with the platform on (keys, rate limits, metering, conversations, safety) over the
+"""A live server with the platform on (keys, rate limits, metering, conversations, stored responses, safety) over the
 tiny model: one engine per test module, a fresh SQLite database and app per test.
 
 The platform runs either in `llmserve serve`'s app ("direct") or in `llmserve gateway`'s, in front of
@@ -25,6 +25,7 @@ from llmserve.gateway.app import build_gateway_app
 from llmserve.platform.conversations import ConversationStore
 from llmserve.platform.keys import ApiKey, KeyCache, KeyStore
 from llmserve.platform.ratelimit import InProcessRateLimiter
+from llmserve.platform.responses import ResponseStore
 from llmserve.platform.usage import PriceTable, UsageRecorder
 from llmserve.server.app import ModelSpec, build_app
 from llmserve.server.gateway import Platform
@@ -140,6 +141,7 @@ def serve_platform(
         limiter=InProcessRateLimiter(clock=clock),
         usage=UsageRecorder(database, flush_interval=0.2),
         conversations=ConversationStore(database),
+        responses=ResponseStore(database),
         prices=prices or PriceTable(),
         database=database,
     )

@@ -14,7 +14,7 @@ from llmserve.store.db import MIGRATIONS_DIR, Database, alembic_config, open_dat
 from llmserve.store.schema import ApiKeyRow, Base, utcnow
 from tests.store.fixtures import db_url_fixture, sqlite_url  # noqa: F401
 
-TABLES = {"api_keys", "usage_records", "conversations", "messages"}
+TABLES = {"api_keys", "usage_records", "conversations", "messages", "responses"}
 
 
 def _current_revision(database: Database) -> str | None:
@@ -29,7 +29,7 @@ def test_migrated_schema_matches_the_models(db_url: str) -> None:
             context = MigrationContext.configure(connection, opts={"compare_type": True})
             assert compare_metadata(context, Base.metadata) == []
             assert set(inspect(connection).get_table_names()) == TABLES | {"alembic_version"}
-        assert _current_revision(database) == "0001"
+        assert _current_revision(database) == "0002"
     finally:
         database.dispose()
 
@@ -47,7 +47,7 @@ def test_migrating_again_keeps_the_data(db_url: str) -> None:
     try:
         with second.session() as session:
             assert session.scalars(select(ApiKeyRow.name)).all() == ["kept"]
-        assert _current_revision(second) == "0001"
+        assert _current_revision(second) == "0002"
     finally:
         second.dispose()
 
@@ -84,6 +84,6 @@ def test_a_new_revision_from_the_template_has_nothing_to_do(tmp_path: Path) -> N
         database.dispose()
     source = Path(script.path).read_text()
     compile(source, script.path, "exec")
-    assert "down_revision = '0001'" in source
+    assert "down_revision = '0002'" in source
     operations = source.replace("from alembic import op", "")
     assert "op." not in operations  # autogenerate writes an op.* call for every difference

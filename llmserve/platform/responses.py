@@ -1,0 +1,133 @@
+"""Responses API responses kept for the key that asked for them: GET /v1/responses/{id} reads one back, and a
+request that names it as its `previous_response_id` continues its conversation.
+
+A response is stored with the input items its own request sent; the conversation before them is its previous
+response's, so a chain of N turns stores each turn once. Reading a response's context walks the chain back to
+its first turn. Responses are deleted on request, and purged when older than the retention period; a response
+whose chain lost a turn that way can no longer be continued (its context would silently miss a turn).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from llmserve.errors import InvalidRequestError, LLMServeError
+from llmserve.store.db import Database
+from llmserve.store.schema import ResponseRow, utcnow
+
+MAX_PAGE_SIZE = 100
+# Item type -> the prefix of the ids given to input items sent without one (as OpenAI's own ids read).
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+class ResponseNotFound(LLMServeError):
+    """No such response for this key: unknown, deleted, purged, or another key's (all look the same: 404)."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"response {response_id!r} not found")
+        self.response_id = response_id
+
+
+class ResponseChainBroken(LLMServeError):
+    """A response whose conversation lost an earlier turn (deleted or purged): it cannot be continued."""
+
+    def __init__(self, response_id: str, missing_id: str) -> None:
+        super().__init__(f"response {response_id!r} continues {missing_id!r}, which is no longer stored")
+        self.response_id = response_id
+        self.missing_id = missing_id
+
+
+def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as stored and listed: each with its type (a message when it names none) and an id."""
+    stored = []
+    for item in items:
+        kind = item.get("type", "message")
+        stored.append({"id": f"{_ITEM_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}", **item, "type": kind})
+    return stored
+
+
+def _owned_by(key_id: str | None) -> Any:
+    # Local mode (no keys) owns exactly the responses stored without a key.
+    return ResponseRow.key_id.is_(None) if key_id is None else ResponseRow.key_id == key_id
+
+
+class ResponseStore:
+    """Stored responses in the database. Every method is one short transaction; safe from any thread. `key_id`
+    is the caller's key (None in local mode); another key's response raises ResponseNotFound, as an unknown one."""
+
+    def __init__(self, db: Database, max_turns: int = 10_000) -> None:
+        self._db = db
+        self.max_turns = max_turns  # the longest chain a request may continue
+
+    def save(self, key_id: str | None, response: dict[str, Any], input_items: list[dict[str, Any]],
+             previous_id: str | None) -> None:
+        """Keep `response` (as answered, with its id, model and output) and the input items its request sent."""
+        row = ResponseRow(id=response["id"], key_id=key_id, previous_id=previous_id, model=response["model"],
+                          created_at=utcnow(), response=response, input_items=input_items)
+        with self._db.session(write=True) as session:
+            session.add(row)
+
+    def get(self, key_id: str | None, response_id: str) -> dict[str, Any]:
+        with self._db.session() as session:
+            return self._row(session, key_id, response_id).response
+
+    def context(self, key_id: str | None, response_id: str) -> list[dict[str, Any]]:
+        """The conversation a request continuing `response_id` follows, oldest first: each turn's input items,
+        then its output items. Raises ResponseNotFound, ResponseChainBroken, or InvalidRequestError when the
+        chain is longer than `max_turns`."""
+        turns: list[list[dict[str, Any]]] = []
+        with self._db.session() as session:
+            row = self._row(session, key_id, response_id)
+            while True:
+                turns.append(row.input_items + list(row.response.get("output") or ()))
+                if row.previous_id is None:
+                    break
+                if len(turns) == self.max_turns:
+                    raise InvalidRequestError(f"The conversation of {response_id!r} has more than {self.max_turns} "
+                                              "turns; send it as input instead.", param="previous_response_id")
+                previous = session.get(ResponseRow, row.previous_id)
+                if previous is None or previous.key_id != key_id:
+                    raise ResponseChainBroken(response_id, row.previous_id)
+                row = previous
+        return [item for turn in reversed(turns) for item in turn]
+
+    def input_items(self, key_id: str | None, response_id: str, limit: int = 20, after: str | None = None,
+                    order: Literal["asc", "desc"] = "desc") -> tuple[list[dict[str, Any]], bool]:
+        """One page of the input items `response_id`'s request sent, and whether more follow. `after` is the id
+        of the last item of the previous page. Raises InvalidRequestError for a limit outside 1..100 or an
+        unknown `after`."""
+        if not 1 <= limit <= MAX_PAGE_SIZE:
+            raise InvalidRequestError(f"limit must be between 1 and {MAX_PAGE_SIZE}, got {limit}", param="limit")
+        with self._db.session() as session:
+            items = list(self._row(session, key_id, response_id).input_items)
+        if order == "desc":
+            items.reverse()
+        start = 0
+        if after is not None:
+            start = next((i + 1 for i, item in enumerate(items) if item.get("id") == after), -1)
+            if start < 0:
+                raise InvalidRequestError(f"No input item with id {after!r} in response {response_id!r}.",
+                                          param="after")
+        return items[start:start + limit], start + limit < len(items)
+
+    def delete(self, key_id: str | None, response_id: str) -> None:
+        with self._db.session(write=True) as session:
+            session.delete(self._row(session, key_id, response_id))
+
+    def purge(self, retention: timedelta, now: datetime | None = None) -> int:
+        """Delete responses stored longer ago than `retention`; how many went."""
+        cutoff = (now or utcnow()) - retention
+        with self._db.session(write=True) as session:
+            return session.execute(delete(ResponseRow).where(ResponseRow.created_at < cutoff)).rowcount
+
+    @staticmethod
+    def _row(session: Session, key_id: str | None, response_id: str) -> ResponseRow:
+        row = session.scalars(select(ResponseRow).where(ResponseRow.id == response_id, _owned_by(key_id))).first()
+        if row is None:
+            raise ResponseNotFound(response_id)
+        return row

@@ -1,0 +1,93 @@
+"""GET and DELETE /v1/responses/{id}, and GET /v1/responses/{id}/input_items: the Responses API's stored
+responses, each visible to the key that made it alone (any other key gets a 404, as for an unknown id). Torch-free:
+`llmserve serve` and `llmserve gateway` both serve these routes with their platform's store."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from llmserve.platform.responses import MAX_PAGE_SIZE, ResponseNotFound
+from llmserve.server.errors import APIError
+from llmserve.server.gateway import platform_of, request_key
+from llmserve.server.openapi import documented
+from llmserve.server.responses_api import ResponseObject, Storage
+
+router = APIRouter()
+
+
+def storage_for(request: Request) -> Storage | None:
+    """Where this request's responses are kept: its platform's store under its key; None without one."""
+    platform = platform_of(request)
+    if platform is None or platform.responses is None:
+        return None
+    key = request_key(request.state)
+    return Storage(platform.responses, key.id if key is not None else None)
+
+
+def _storage(request: Request) -> Storage:
+    storage = storage_for(request)
+    if storage is None:
+        raise APIError(404, "Response storage is not enabled on this server.", code="not_enabled")
+    return storage
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found")
+
+
+async def _call(response_id: str, method: Any, *args: Any) -> Any:
+    try:
+        return await asyncio.to_thread(method, *args)
+    except ResponseNotFound:
+        raise _not_found(response_id) from None
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
+class InputItemPage(BaseModel):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+@router.get("/v1/responses/{response_id}", responses=documented(ResponseObject))
+async def get_response(response_id: str, request: Request) -> JSONResponse:
+    storage = _storage(request)
+    return JSONResponse(await _call(response_id, storage.store.get, storage.key_id, response_id))
+
+
+@router.delete("/v1/responses/{response_id}", responses=documented(ResponseDeleted))
+async def delete_response(response_id: str, request: Request) -> JSONResponse:
+    """Delete a stored response. Responses that continued it keep their own turns, but can no longer be
+    continued: their conversation would miss this one's."""
+    storage = _storage(request)
+    await _call(response_id, storage.store.delete, storage.key_id, response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+@router.get("/v1/responses/{response_id}/input_items", responses=documented(InputItemPage))
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> JSONResponse:
+    """A page of the input items the response's request sent (not its previous responses'), newest first
+    unless `order=asc`; `after` takes an item id from a previous page."""
+    storage = _storage(request)
+    items, has_more = await _call(response_id, storage.store.input_items, storage.key_id, response_id, limit, after,
+                                  order)
+    return JSONResponse({"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+                         "last_id": items[-1]["id"] if items else None, "has_more": has_more})

@@ -1,0 +1,128 @@
+"""Stored Responses API responses over HTTP, in `llmserve serve`'s platform and in `llmserve gateway`'s: a
+response is kept for its key unless `store: false`, read back and deleted by id, its input items listed, and
+`previous_response_id` continues its conversation exactly as the chat completion of the whole conversation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai.types.responses import Response
+
+from llmserve.engine.async_llm import AsyncLLM
+from tests.server.platform_fixtures import (
+    MODEL,
+    MODES,
+    PlatformServer,
+    serve_platform,
+    tiny_engine,  # noqa: F401 - a fixture
+)
+
+
+@pytest.fixture(params=MODES)
+def server(tiny_engine: AsyncLLM, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[PlatformServer]:  # noqa: F811
+    yield from serve_platform(tiny_engine, tmp_path, mode=request.param)
+
+
+def _create(client: httpx.Client, **body) -> dict:
+    response = client.post("/v1/responses", json={"model": MODEL, "temperature": 0, "max_output_tokens": 6, **body})
+    assert response.status_code == 200, response.text
+    Response.model_validate(response.json())
+    return response.json()
+
+
+def _streamed(client: httpx.Client, **body) -> dict:
+    payload = {"model": MODEL, "temperature": 0, "max_output_tokens": 6, "stream": True, **body}
+    response = client.post("/v1/responses", json=payload)
+    assert response.status_code == 200, response.text
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")][-1]["response"]
+
+
+def _text(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"])
+
+
+def _error(response: httpx.Response) -> dict:
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_a_continued_response_is_the_chat_completion_of_its_whole_conversation(server: PlatformServer) -> None:
+    _, secret = server.new_key("alice")
+    with server.client(secret) as client:
+        first = _create(client, input="What is two and two?", instructions="Answer briefly.")
+        assert first["store"] is True and first["previous_response_id"] is None
+        second = _create(client, input="And three and three?", previous_response_id=first["id"])
+        third = _streamed(client, input=[{"role": "user", "content": "Thanks!"}], previous_response_id=second["id"])
+        chat = client.post("/v1/chat/completions", json={
+            "model": MODEL, "temperature": 0, "max_completion_tokens": 6, "messages": [
+                # instructions do not carry over to the next response, as in OpenAI's API
+                {"role": "user", "content": "What is two and two?"},
+                {"role": "assistant", "content": _text(first)},
+                {"role": "user", "content": "And three and three?"},
+                {"role": "assistant", "content": _text(second)},
+                {"role": "user", "content": "Thanks!"},
+            ]}).json()
+        assert _text(third) == chat["choices"][0]["message"]["content"]
+        assert third["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+        assert (second["previous_response_id"], third["previous_response_id"]) == (first["id"], second["id"])
+        for response in (first, second, third):  # read back as answered (the streamed one: its final event's)
+            assert client.get(f"/v1/responses/{response['id']}").json() == response
+    assert server.idle_stats().num_used_blocks == 0
+
+
+def test_input_items_are_the_requests_own_a_page_at_a_time(server: PlatformServer) -> None:
+    with server.client() as client:
+        first = _create(client, input="Hello")
+        items = [{"role": "user", "content": f"question {i}"} for i in range(3)]
+        second = _create(client, input=items, previous_response_id=first["id"])
+        page = client.get(f"/v1/responses/{second['id']}/input_items", params={"limit": 2}).json()
+        assert [item["content"] for item in page["data"]] == ["question 2", "question 1"] and page["has_more"]
+        rest = client.get(f"/v1/responses/{second['id']}/input_items",
+                          params={"limit": 2, "after": page["last_id"]}).json()
+        assert [item["content"] for item in rest["data"]] == ["question 0"] and not rest["has_more"]
+        assert all(item["type"] == "message" and item["id"].startswith("msg_") for item in page["data"] + rest["data"])
+        whole = client.get(f"/v1/responses/{first['id']}/input_items", params={"order": "asc"}).json()["data"]
+        assert [item["content"] for item in whole] == [[{"type": "input_text", "text": "Hello"}]]
+        unknown = client.get(f"/v1/responses/{second['id']}/input_items", params={"after": "msg_nope"})
+        assert unknown.status_code == 400 and _error(unknown)["param"] == "after"
+
+
+def test_a_response_is_its_keys_alone_and_store_false_keeps_nothing(server: PlatformServer) -> None:
+    _, alice = server.new_key("alice")
+    _, bob = server.new_key("bob")
+    with server.client(alice) as client:
+        mine = _create(client, input="Hello")
+        unstored = _create(client, input="Hello", store=False)
+        assert unstored["store"] is False
+        assert client.get(f"/v1/responses/{unstored['id']}").status_code == 404
+    with server.client(bob) as client:
+        for response in (client.get(f"/v1/responses/{mine['id']}"), client.delete(f"/v1/responses/{mine['id']}"),
+                         client.get(f"/v1/responses/{mine['id']}/input_items")):
+            assert response.status_code == 404 and _error(response)["code"] == "response_not_found"
+        foreign = client.post("/v1/responses", json={"model": MODEL, "input": "Hi", "previous_response_id": mine["id"]})
+        assert foreign.status_code == 404
+        assert _error(foreign) | {"message": ""} == {"message": "", "type": "not_found_error",
+                                                      "param": "previous_response_id",
+                                                      "code": "previous_response_not_found"}
+    with server.client(alice) as client:
+        assert client.get(f"/v1/responses/{mine['id']}").status_code == 200
+
+
+def test_a_deleted_response_is_gone_and_its_followers_cannot_continue(server: PlatformServer) -> None:
+    with server.client() as client:
+        first = _create(client, input="One")
+        second = _create(client, input="Two", previous_response_id=first["id"])
+        deleted = client.delete(f"/v1/responses/{first['id']}")
+        assert deleted.json() == {"id": first["id"], "object": "response.deleted", "deleted": True}
+        assert client.get(f"/v1/responses/{first['id']}").status_code == 404
+        assert client.get(f"/v1/responses/{second['id']}").status_code == 200
+        broken = client.post("/v1/responses", json={"model": MODEL, "input": "Three",
+                                                    "previous_response_id": second["id"]})
+        assert broken.status_code == 400 and _error(broken)["param"] == "previous_response_id"
+        assert first["id"] in _error(broken)["message"]
+    assert server.idle_stats().num_used_blocks == 0
