@@ -13,8 +13,8 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import delete, select
-from sqlalchemy.orm import Session
+from sqlalchemy import CTE, delete, literal, select, text
+from sqlalchemy.orm import Session, aliased
 
 from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.store.db import Database
@@ -79,22 +79,33 @@ class ResponseStore:
     def context(self, key_id: str | None, response_id: str) -> list[dict[str, Any]]:
         """The conversation a request continuing `response_id` follows, oldest first: each turn's input items,
         then its output items. Raises ResponseNotFound, ResponseChainBroken, or InvalidRequestError when the
-        chain is longer than `max_turns`."""
-        turns: list[list[dict[str, Any]]] = []
+        chain is longer than `max_turns`. One query, however long the chain."""
         with self._db.session() as session:
-            row = self._row(session, key_id, response_id)
-            while True:
-                turns.append(row.input_items + list(row.response.get("output") or ()))
-                if row.previous_id is None:
-                    break
-                if len(turns) == self.max_turns:
-                    raise InvalidRequestError(f"The conversation of {response_id!r} has more than {self.max_turns} "
-                                              "turns; send it as input instead.", param="previous_response_id")
-                previous = session.get(ResponseRow, row.previous_id)
-                if previous is None or previous.key_id != key_id:
-                    raise ResponseChainBroken(response_id, row.previous_id)
-                row = previous
-        return [item for turn in reversed(turns) for item in turn]
+            turns = session.execute(select(self._chain(response_id)).order_by(text("depth"))).all()
+        if not turns or turns[0].key_id != key_id:
+            raise ResponseNotFound(response_id)
+        if len(turns) > self.max_turns:
+            raise InvalidRequestError(f"The conversation of {response_id!r} has more than {self.max_turns} turns; "
+                                      "send it as input instead.", param="previous_response_id")
+        for turn, earlier in zip(turns, [*turns[1:], None], strict=True):
+            if turn.previous_id is None:
+                break
+            if earlier is None or earlier.key_id != key_id:
+                raise ResponseChainBroken(response_id, turn.previous_id)
+        return [item for turn in reversed(turns) for item in [*turn.input_items, *(turn.response.get("output") or ())]]
+
+    def _chain(self, response_id: str) -> CTE:
+        """`response_id` and the responses before it, newest first (`depth` 1, 2, ...), up to one past `max_turns`."""
+        columns = (ResponseRow.id, ResponseRow.previous_id, ResponseRow.key_id, ResponseRow.input_items,
+                   ResponseRow.response)
+        chain = select(*columns, literal(1).label("depth")).where(ResponseRow.id == response_id).cte(
+            "chain", recursive=True)
+        earlier = aliased(ResponseRow)
+        return chain.union_all(
+            select(earlier.id, earlier.previous_id, earlier.key_id, earlier.input_items, earlier.response,
+                   chain.c.depth + 1)
+            .where(earlier.id == chain.c.previous_id, chain.c.depth <= self.max_turns)
+        )
 
     def input_items(self, key_id: str | None, response_id: str, limit: int = 20, after: str | None = None,
                     order: Literal["asc", "desc"] = "desc") -> tuple[list[dict[str, Any]], bool]:
