@@ -46,6 +46,8 @@ from llmserve.server.protocol import (
     EmbeddingRequest,
     ModelCard,
     ModelList,
+    RerankRequest,
+    ScoreRequest,
 )
 from llmserve.server.responses_api import ResponsesRequest
 from llmserve.server.streaming import ResumeLimits, StreamRegistry
@@ -54,7 +56,8 @@ from llmserve.web import install_page, page_paths
 
 # Passed on as they are by a gateway without its platform (with it, each has a route; a Responses API request
 # runs there as a chat completion, metered and screened as one).
-PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/score",
+                 "/score", "/v1/rerank", "/rerank", "/v2/rerank")
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,17 @@ def build_gateway_app(
         @app.post("/v1/embeddings", response_model=None)
         async def embeddings_with_platform(body: EmbeddingRequest, request: Request) -> Response:
             return await front.embeddings(request, body)
+
+        @app.post("/v1/score", response_model=None)
+        @app.post("/score", response_model=None, include_in_schema=False)
+        async def score_with_platform(body: ScoreRequest, request: Request) -> Response:
+            return await front.score(request, body)
+
+        @app.post("/v1/rerank", response_model=None)
+        @app.post("/rerank", response_model=None, include_in_schema=False)
+        @app.post("/v2/rerank", response_model=None, include_in_schema=False)
+        async def rerank_with_platform(body: RerankRequest, request: Request) -> Response:
+            return await front.rerank(request, body)
 
         @app.post("/v1/responses", response_model=None)
         async def responses_with_platform(body: ResponsesRequest, request: Request) -> Response:

@@ -53,7 +53,14 @@ from llmserve.server.conversations import ConversationTurn, fit_history, open_tu
 from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Admission, Platform, request_key
 from llmserve.server.messages import template_messages, uses_tools
-from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, random_id
+from llmserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    random_id,
+)
 from llmserve.server.streaming import PROGRESS_HEADER, StreamRegistry, until_disconnect
 from llmserve.server.workers import WorkerPool
 
@@ -83,6 +90,20 @@ class _Call:
     prompt_tokens: int = 0  # as far as known before the replica answers
     turn: ConversationTurn | None = None
     turn_messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Pooled:
+    """A request answered from embeddings: where it goes, the texts the replica embeds (each once), how it
+    truncates them, and which texts the safety filter reads under which field name."""
+
+    path: str
+    id_prefix: str
+    model: str | None
+    user: str | None
+    inputs: Sequence[str | list[int]]
+    truncate: int | None
+    screened: list[tuple[Sequence[str | list[int]], str]]
 
 
 class GatewayPlatform:
@@ -153,17 +174,37 @@ class GatewayPlatform:
         return await self._run(request, call)
 
     async def embeddings(self, request: Request, body: EmbeddingRequest) -> Response:
-        key = request_key(request.state)
-        model, pool = self.resolve(body.model, key, key.id if key is not None else body.user)
         inputs = body.inputs()
+        return await self._pooled(request, _Pooled("/v1/embeddings", "embd", body.model, body.user, inputs,
+                                                   body.truncate_prompt_tokens, [(inputs, "input")]))
+
+    async def score(self, request: Request, body: ScoreRequest) -> Response:
+        firsts, seconds = body.texts()
+        return await self._pooled(request, _Pooled("/v1/score", "score", body.model, body.user,
+                                                   list(dict.fromkeys([*firsts, *seconds])), body.truncate_prompt_tokens,
+                                                   [(firsts, "text_1"), (seconds, "text_2")]))
+
+    async def rerank(self, request: Request, body: RerankRequest) -> Response:
+        documents = body.document_texts()
+        return await self._pooled(request, _Pooled("/v1/rerank", "rerank", body.model, body.user,
+                                                   list(dict.fromkeys([body.query, *documents])),
+                                                   body.truncate_prompt_tokens, [([body.query], "query"),
+                                                                                 (documents, "documents")]))
+
+    async def _pooled(self, request: Request, pooled: _Pooled) -> Response:
+        """A request a replica answers from embeddings (embeddings, scores, rerank): screened, its prompt tokens
+        counted and reserved, and metered with the usage the replica reports."""
+        key = request_key(request.state)
+        model, pool = self.resolve(pooled.model, key, key.id if key is not None else pooled.user)
         payload = await _payload(request, model)
-        await self._screen(lambda: [item for item in inputs if isinstance(item, str)], model, "input")
-        call = _Call("/v1/embeddings", "embd", None, model, pool, key, payload, stream=False, include_usage=False,
+        for texts, param in pooled.screened:
+            await self._screen(lambda texts=texts: [item for item in texts if isinstance(item, str)], model, param)
+        call = _Call(pooled.path, pooled.id_prefix, None, model, pool, key, payload, stream=False, include_usage=False,
                      continuous_usage=False, choices=0)
         if self._limits_tokens(key):
-            counts, max_model_len = await self._counts(pool, model, inputs)
+            counts, max_model_len = await self._counts(pool, model, pooled.inputs)
             call.prompt_tokens = call.reserve_tokens = sum(
-                _truncated(count, body.truncate_prompt_tokens, max_model_len) for count in counts
+                _truncated(count, pooled.truncate, max_model_len) for count in counts
             )
         return await self._run(request, call)
 

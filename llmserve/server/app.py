@@ -24,6 +24,7 @@ from llmserve.server import (
     health,
     metrics,
     responses,
+    scores,
     stored_responses,
     streams,
     tokens,
@@ -213,8 +214,8 @@ def build_app(
     app.add_middleware(DrainMiddleware, state=state)
     install_cors(app, allowed_origins)
     for module in (
-        chat, completions, responses, stored_responses, embeddings, streams, models_api, tokens, health, metrics,
-        usage, conversations, admin,
+        chat, completions, responses, stored_responses, embeddings, scores, streams, models_api, tokens, health,
+        metrics, usage, conversations, admin,
     ):
         app.include_router(module.router)
     install_page(app)

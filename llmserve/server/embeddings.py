@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -34,21 +35,52 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     state = get_state(request)
     key = request_key(request.state)
     endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
-    processor = endpoint.engine.input_processor
-    processor.check_can_embed()
     pooling = PoolingParams(body.dimensions)
-    pooling.validate(processor.hidden_size)
+    pooling.validate(endpoint.engine.input_processor.hidden_size)
     inputs = body.inputs()
-    for item in inputs:
-        if isinstance(item, str) and body.truncate_prompt_tokens is None:
-            endpoint.prompt_bound.check(len(item), param="input")
-    token_ids = await state.workers.run(_tokenize, endpoint, inputs, body.truncate_prompt_tokens)
-    await screen_prompts(state, endpoint, lambda: [t for t in inputs if isinstance(t, str)], "input")
-    started = await _start(state, endpoint, key, token_ids, pooling, body.priority)
+    params = [f"input[{i}]" for i in range(len(inputs))] if len(inputs) > 1 else ["input"]
+    return await embed(request, state, endpoint, key, Inputs(inputs, params, body.truncate_prompt_tokens), pooling,
+                       body.priority, lambda _, outputs: _response_json(endpoint.name, outputs, body.encoding_format))
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a request embeds: each input (text or token ids), the request field it came from (named in its
+    errors), and how to truncate them (vLLM's `truncate_prompt_tokens`)."""
+
+    items: Sequence[str | list[int]]
+    params: Sequence[str]
+    truncate: int | None
+
+    def texts_by_field(self) -> dict[str, list[str]]:
+        """The text inputs by the request field they came from ("input" for "input[3]")."""
+        fields: dict[str, list[str]] = {}
+        for item, param in zip(self.items, self.params, strict=True):
+            if isinstance(item, str):
+                fields.setdefault(param.partition("[")[0], []).append(item)
+        return fields
+
+
+async def embed(
+    request: Request, state: ServerState, endpoint: ModelEndpoint, key: ApiKey | None, inputs: Inputs,
+    pooling: PoolingParams, priority: int, answer: Callable[[str, Sequence[EmbeddingRequestOutput]], bytes],
+    id_prefix: str = "embd",
+) -> Response:
+    """Embed every input, one engine request each (tokenized on the worker pool, screened, rate-limited,
+    admitted and metered as a prompt), then answer with the body `answer` writes from the response id and the
+    embeddings, on the worker pool too. Shared by /v1/embeddings and the scoring endpoints."""
+    endpoint.engine.input_processor.check_can_embed()
+    for item, param in zip(inputs.items, inputs.params, strict=True):
+        if isinstance(item, str) and inputs.truncate is None:
+            endpoint.prompt_bound.check(len(item), param=param)
+    token_ids = await state.workers.run(_tokenize, endpoint, inputs)
+    for field, texts in inputs.texts_by_field().items():  # a blocked text's error names its field
+        await screen_prompts(state, endpoint, lambda texts=texts: texts, field)
+    started = await _start(state, endpoint, key, token_ids, pooling, priority, id_prefix)
     status = "error"
     try:
         outputs = await started.run_to_end(request, final_outputs(started.streams))
-        content = await state.workers.run(_response_json, endpoint.name, outputs, body.encoding_format)
+        content = await state.workers.run(answer, started.response_id, outputs)
         status = "completed"
         await started.meter.finish_durably(status)
     finally:
@@ -56,31 +88,31 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     return Response(content, media_type="application/json", headers=started.headers)
 
 
-def _tokenize(endpoint: ModelEndpoint, inputs: Sequence[str | list[int]], truncate: int | None) -> list[list[int]]:
+def _tokenize(endpoint: ModelEndpoint, inputs: Inputs) -> list[list[int]]:
     """On a worker thread: each input's tokens, checked and truncated (an error names its input)."""
-    processor = endpoint.engine.input_processor
-    return [_indexed(processor.embedding_tokens, i, item, truncate, many=len(inputs) > 1) for i, item in enumerate(inputs)]
+    tokenize = endpoint.engine.input_processor.embedding_tokens
+    return [_named(tokenize, item, inputs.truncate, param) for item, param in zip(inputs.items, inputs.params, strict=True)]
 
 
-def _indexed(
-    tokenize: Callable[[str | list[int], int | None], list[int]], index: int, item: str | list[int],
-    truncate: int | None, many: bool,
+def _named(
+    tokenize: Callable[[str | list[int], int | None], list[int]], item: str | list[int], truncate: int | None,
+    param: str,
 ) -> list[int]:
     try:
         return tokenize(item, truncate)
     except InvalidRequestError as exc:
-        if many and exc.param == "input":
-            exc.param = f"input[{index}]"
+        if exc.param == "input":
+            exc.param = param
         raise
 
 
 async def _start(
     state: ServerState, endpoint: ModelEndpoint, key: ApiKey | None, token_ids: list[list[int]],
-    pooling: PoolingParams, priority: int,
+    pooling: PoolingParams, priority: int, id_prefix: str,
 ) -> Started:
     """Rate-limit, admit and add one engine request per input (as `submit.start_requests` does for
     generation); on any failure what was added is aborted and the reservation returned."""
-    response_id = random_id("embd")
+    response_id = random_id(id_prefix)
     prompt_tokens = sum(map(len, token_ids))
     admission = None
     streams: list[RequestStream] = []

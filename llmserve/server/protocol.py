@@ -24,6 +24,7 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -933,6 +934,69 @@ class EmbeddingRequest(RequestBody):
         if all(isinstance(t, int) for t in value):
             return [list(value)]
         return list(value)
+
+
+MAX_SCORED_TEXTS = 2048  # texts one scoring request may compare: each is an engine request
+
+
+def _count(texts: str | list[str]) -> int:
+    return 1 if isinstance(texts, str) else len(texts)
+
+
+def _scored_texts(value: Any, name: str) -> Any:
+    texts = [value] if isinstance(value, str) else value
+    if not texts or not all(isinstance(t, str) and t for t in texts):
+        raise ValueError(f"{name} must be a non-empty string or a non-empty list of them")
+    if len(texts) > MAX_SCORED_TEXTS:
+        raise ValueError(f"{name} may hold at most {MAX_SCORED_TEXTS} texts, got {len(texts)}")
+    return value
+
+
+class ScoreRequest(RequestBody):
+    """vLLM's score API: `text_1` (one text, or one per `text_2`) against each of `text_2`."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)
+    user: str | None = None
+    priority: Int64 = 0
+
+    @field_validator("text_1", "text_2")
+    @classmethod
+    def _validate_texts(cls, value: Any, info: ValidationInfo) -> Any:
+        value = _scored_texts(value, info.field_name)
+        firsts = info.data.get("text_1")
+        if info.field_name == "text_2" and isinstance(firsts, list) and len(firsts) not in (1, _count(value)):
+            raise ValueError(f"text_1 holds {len(firsts)} texts: it must hold one, or as many as text_2 "
+                             f"({_count(value)})")
+        return value
+
+    def texts(self) -> tuple[list[str], list[str]]:
+        return ([self.text_1] if isinstance(self.text_1, str) else self.text_1,
+                [self.text_2] if isinstance(self.text_2, str) else self.text_2)
+
+
+class RerankDocument(_Request):
+    text: str
+
+
+class RerankRequest(RequestBody):
+    """The rerank API of Jina and Cohere (v1 and v2), as vLLM serves it: `documents` ordered by relevance to
+    `query`. Cohere's fields that change the answer and are not served here (`rank_fields`, `max_chunks_per_doc`)
+    are unknown fields, so 400s."""
+
+    model: str | None = None
+    query: str = Field(min_length=1)
+    documents: list[str | RerankDocument] = Field(min_length=1, max_length=MAX_SCORED_TEXTS - 1)
+    top_n: Int64 | None = Field(None, ge=0)  # 0 or unset: every document
+    return_documents: StrictBool = True
+    truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)
+    user: str | None = None
+    priority: Int64 = 0
+
+    def document_texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
 class Embedding(_Response):

@@ -197,3 +197,47 @@ def test_a_blocked_input_is_a_400_before_any_replica_work(server: PlatformServer
     assert (error["code"], error["param"]) == ("content_filter", "input")
     assert server.count_usage_rows() == 0
     assert embed(server.base_url, {"input": "fine"}).status_code == 200
+
+
+QUERY, DOCUMENTS = "a fox", ["the quick brown fox", "paged attention kernels", "a fox jumps"]
+
+
+def test_without_a_platform_scores_and_reranks_pass_through(minilm_engine: AsyncLLM) -> None:
+    with replica(minilm_engine) as replica_url:
+        gateway, thread, base_url, _ = start_server(build_gateway_app({MODEL: [replica_url]}))
+        try:
+            answers = {path: httpx.post(f"{url}{path}", json={"model": MODEL, "query": QUERY, "documents": DOCUMENTS},
+                                        timeout=60).json() for url in (base_url, replica_url)
+                       for path in ("/v1/rerank", "/rerank")}
+            score = httpx.post(f"{base_url}/v1/score", json={"model": MODEL, "text_1": QUERY, "text_2": DOCUMENTS},
+                               timeout=60)
+        finally:
+            gateway.should_exit = True
+            thread.join(timeout=30)
+    assert [r["index"] for r in answers["/v1/rerank"]["results"]] == [r["index"] for r in answers["/rerank"]["results"]]
+    assert score.status_code == 200 and len(score.json()["data"]) == len(DOCUMENTS)
+
+
+def test_scores_and_reranks_are_keyed_screened_and_metered_with_the_texts_tokens(server: PlatformServer) -> None:
+    key, secret = server.new_key("alice", tpm=100_000)
+    headers = {"Authorization": f"Bearer {secret}"}
+    assert httpx.post(f"{server.base_url}/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": DOCUMENTS},
+                      timeout=60).status_code == 401
+    ranked = httpx.post(f"{server.base_url}/v1/rerank", headers=headers, timeout=60,
+                        json={"model": MODEL, "query": QUERY, "documents": DOCUMENTS, "top_n": 2})
+    scored = httpx.post(f"{server.base_url}/v1/score", headers=headers, timeout=60,
+                        json={"model": MODEL, "text_1": QUERY, "text_2": DOCUMENTS})
+    assert ranked.status_code == scored.status_code == 200, ranked.text
+    by_score = sorted(range(len(DOCUMENTS)), key=lambda i: -scored.json()["data"][i]["score"])
+    assert [r["index"] for r in ranked.json()["results"]] == by_score[:2]
+    tokens = embed(server.base_url, {"input": [QUERY, *DOCUMENTS]}, secret).json()["usage"]["prompt_tokens"]
+    assert ranked.json()["usage"]["prompt_tokens"] == scored.json()["usage"]["prompt_tokens"] == tokens
+    rows = server.wait_for_usage_rows(3)
+    assert [(r.key_id, r.prompt_tokens, r.status) for r in rows] == [(key.id, tokens, "completed")] * 3
+    assert 100_000 - int(scored.headers["x-ratelimit-remaining-tokens"]) == 2 * tokens
+    server.platform.safety = RuleSetFilter(words=["forbidden"])
+    blocked = httpx.post(f"{server.base_url}/v1/rerank", headers=headers, timeout=60,
+                         json={"model": MODEL, "query": QUERY, "documents": ["fine", "the forbidden one"]})
+    assert blocked.status_code == 400 and (error_of(blocked)["code"], error_of(blocked)["param"]) == (
+        "content_filter", "documents")
+    assert server.count_usage_rows() == 3
