@@ -142,6 +142,8 @@ class GatewayPlatform:
         if turn is not None:
             history = await self._fitted_history(pool, model, turn, payload, max_tokens, body.truncation)
             payload["messages"] = [*history, *payload["messages"]]
+        elif body.truncation == "auto":
+            payload["truncation"] = "auto"  # the replica cuts the request's own earlier turns
         await self._screen(lambda: [m["content"] for m in new_messages], model, "messages")
         call = _Call(
             "/v1/chat/completions", "chatcmpl", "content", model, pool, key, payload, body.stream,

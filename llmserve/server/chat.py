@@ -16,7 +16,7 @@ from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling.params import SamplingParams
 from llmserve.server import errors
 from llmserve.server.assistant_output import ReplyPlan, plan_reply, reasoning_start, whole_tool_calls
-from llmserve.server.conversations import ConversationTurn, fit_history, open_turn
+from llmserve.server.conversations import ConversationTurn, fit_history, open_turn, split_last_turn
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, chat_logprobs, logprob_texts, vllm_prompt_logprobs
 from llmserve.server.messages import template_messages, uses_tools
@@ -162,8 +162,9 @@ async def _chat_prompt(
     max_tokens: int | None,
 ) -> tuple[str, list[int]]:
     """The templated, tokenized prompt (on a worker thread): a conversation's history (fitted to the
-    context window as `truncation` says, leaving room for `max_tokens`), then the new messages; the
-    request's `chat_template_kwargs` are the template's variables too."""
+    context window as `truncation` says, leaving room for `max_tokens`), then the new messages; without a
+    conversation, the messages' own turns before the last are the history fitted. The request's
+    `chat_template_kwargs` are the template's variables too."""
 
     template_variables = _template_variables(body, endpoint)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
@@ -175,7 +176,10 @@ async def _chat_prompt(
         )
         return text, endpoint.continuations.encode(text, body.cache_salt)
 
-    history = turn.history if turn is not None else []
+    if turn is not None:
+        history = turn.history
+    else:  # the request's own earlier turns are the history that `truncation: "auto"` may cut
+        history, new_messages = split_last_turn(new_messages)
     max_prompt_tokens = endpoint.engine.max_model_len - (max_tokens or 1)
     text, ids, truncated = await workers.run(
         fit_history, render, history, new_messages, max_prompt_tokens, body.truncation

@@ -9,7 +9,9 @@ Conversations items list). What a conversation may hold is bounded by the store'
 When the history plus the new turn would not fit the model's context window, `truncation: "auto"` drops
 the oldest turns (never the leading system messages, never the request's own messages) and the response
 says how many messages it dropped in `x-llmserve-truncated-messages`; `"disabled"` (the default, as in
-OpenAI's Responses API) leaves the prompt whole, so the request fails with the usual 400.
+OpenAI's Responses API) leaves the prompt whole, so the request fails with the usual 400. Without a stored
+conversation, `"auto"` drops the oldest turns of the request's own messages, never its last turn
+(`split_last_turn`): what a Responses API request continuing a long chain needs.
 """
 
 from __future__ import annotations
@@ -177,6 +179,13 @@ def fit_history(
         else:
             low = middle + 1
     return best[0], best[1], sum(len(turn) for turn in turns[:high])
+
+
+def split_last_turn(messages: ChatMessages) -> tuple[ChatMessages, ChatMessages]:
+    """(the messages before the last turn, the last turn: from the last user message on). Without a user
+    message, everything is the last turn."""
+    last_user = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user"), 0)
+    return messages[:last_user], messages[last_user:]
 
 
 def _split_turns(history: ChatMessages) -> tuple[ChatMessages, list[ChatMessages]]:

@@ -536,7 +536,8 @@ class ChatCompletionRequest(SamplingFields):
     # its latest message or, to branch (regenerate or edit a turn), from `parent_message_id`.
     conversation_id: str | None = Field(None, min_length=1)
     parent_message_id: str | None = Field(None, min_length=1)
-    # The Responses API's name: "auto" drops the oldest stored turns that do not fit the context window.
+    # The Responses API's name: "auto" drops the oldest turns that do not fit the context window (the stored
+    # conversation's, or without one the messages' own before their last turn).
     truncation: Literal["auto", "disabled"] = "disabled"
     # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None

@@ -12,7 +12,8 @@ Where the platform keeps responses (`Storage`), a response is stored unless the 
 (OpenAI's default), for its key alone: GET /v1/responses/{id} reads it back (`stored_responses`), and a request
 naming it as `previous_response_id` continues its conversation (its turns' input and output items come before
 the request's input; its `instructions` do not carry over, as in OpenAI's API). Without storage (`--no-platform`)
-`store` is answered false and `previous_response_id` is a 400.
+`store` is answered false and `previous_response_id` is a 400. `truncation: "auto"` is chat's: the oldest turns
+that do not fit the context window are left out of the prompt, never the last.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class ResponsesRequest(RequestBody):
     parallel_tool_calls: StrictBool | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
-    truncation: Literal["disabled"] | None = None  # "auto" (dropping the oldest items) is not served
+    truncation: Literal["auto", "disabled"] | None = None  # "auto": the oldest turns go when the context is full
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     store: StrictBool | None = None  # where responses are kept, None keeps it
@@ -102,7 +103,7 @@ class ResponseObject(BaseModel):
     tool_choice: str | dict[str, Any]
     parallel_tool_calls: bool
     text: dict[str, Any]
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"]
     store: bool
     metadata: dict[str, str]
     user: str | None
@@ -142,6 +143,8 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
         exc.param = _rename(exc.param)
         raise
     headers = {k: v for k, v in reply.headers.items() if k.startswith("x-")}
+    if reply.status_code != 200:  # an error answered rather than raised (a gateway's replica's)
+        return _error_reply(reply)
     response_id = f"resp_{uuid.uuid4().hex}"
     keep = _Keeper(storage, input_items, body.previous_response_id) if storage and body.store is not False else None
     if body.stream:
@@ -204,6 +207,18 @@ class _Keeper:
         return response
 
 
+def _error_reply(reply: Response) -> Response:
+    """Chat's error answer, with its `param` named as the Responses request names it."""
+    try:
+        body = json.loads(bytes(reply.body))
+        error = body["error"]
+        error["param"] = _rename(error.get("param"))
+    except (AttributeError, ValueError, TypeError, KeyError):  # not OpenAI's error shape: passed on as it is
+        return reply
+    kept = {k: v for k, v in reply.headers.items() if k not in ("content-length", "content-type")}  # Retry-After
+    return JSONResponse(body, status_code=reply.status_code, headers=kept)
+
+
 async def _whole(reply: Response) -> dict[str, Any]:
     """A non-streamed chat completion's JSON. Asked for progress events (the header a gateway sends), chat
     answers with them instead, the completion last: read to it."""
@@ -255,7 +270,7 @@ def _chat_request(
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": _response_format(body.text),
         "reasoning_effort": _reasoning_effort(body.reasoning), "metadata": body.metadata, "user": body.user,
         "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
-        "service_tier": body.service_tier,
+        "service_tier": body.service_tier, "truncation": body.truncation,
     }
     if body.stream:
         fields["stream_options"] = {"include_usage": True}
@@ -423,7 +438,7 @@ def _response(body: ResponsesRequest, response_id: str, model: str, output: list
         max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
         tools=body.tools or [], tool_choice=body.tool_choice or "auto",
         parallel_tool_calls=body.parallel_tool_calls is not False, text=body.text or {"format": {"type": "text"}},
-        metadata=body.metadata or {}, user=body.user, error=error, store=stored,
+        metadata=body.metadata or {}, user=body.user, error=error, store=stored, truncation=body.truncation or "disabled",
         previous_response_id=body.previous_response_id,
         incomplete_details={"reason": reason} if reason and status == "incomplete" else None,
         usage=None if usage is None else ResponseUsage(

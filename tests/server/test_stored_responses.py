@@ -126,3 +126,29 @@ def test_a_deleted_response_is_gone_and_its_followers_cannot_continue(server: Pl
         assert broken.status_code == 400 and _error(broken)["param"] == "previous_response_id"
         assert first["id"] in _error(broken)["message"]
     assert server.idle_stats().num_used_blocks == 0
+
+
+def test_truncation_auto_drops_a_long_chains_oldest_turns(server: PlatformServer) -> None:
+    """512 tokens of context: two turns of ~200 tokens fit, three do not. "auto" leaves out the oldest turn (the
+    chat of the remaining ones), "disabled" is the usual 400; chat's own `truncation` does the same."""
+    long = "word " * 100
+    with server.client() as client:
+        first = _create(client, input=long)
+        second = _create(client, input=long, previous_response_id=first["id"])
+        body = {"model": MODEL, "temperature": 0, "max_output_tokens": 6, "input": long,
+                "previous_response_id": second["id"]}
+        for stream in (False, True):  # in the gateway the replica's 400 comes back as an answer, not an exception
+            whole = client.post("/v1/responses", json={**body, "stream": stream})
+            assert whole.status_code == 400 and _error(whole)["param"] == "input", whole.text
+        cut = _create(client, **{**body, "truncation": "auto"})
+        kept = [{"role": "user", "content": long}, {"role": "assistant", "content": _text(second)},
+                {"role": "user", "content": long}]
+        chat = client.post("/v1/chat/completions", json={"model": MODEL, "temperature": 0, "max_completion_tokens": 6,
+                                                         "messages": kept}).json()
+        assert cut["truncation"] == "auto" and _text(cut) == chat["choices"][0]["message"]["content"]
+        assert cut["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+        every_turn = [{"role": "user", "content": long}, {"role": "assistant", "content": _text(first)}, *kept]
+        chat_cut = client.post("/v1/chat/completions", json={
+            "model": MODEL, "temperature": 0, "max_completion_tokens": 6, "messages": every_turn, "truncation": "auto"})
+        assert chat_cut.status_code == 200 and chat_cut.json()["usage"] == chat["usage"]
+    assert server.idle_stats().num_used_blocks == 0
