@@ -128,9 +128,11 @@ def gemv_kernel(
     inv_rms = 1.0
     if NORM:
         inv_rms = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, ks, dtype, BLOCK_K, HAS_RESIDUAL)
-    run = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K * UNROLL) * (BLOCK_K * UNROLL)  # whole passes of the loop a run
-    k_begin = tl.program_id(1) * run
-    k_end = tl.minimum(k_begin + run, K)
+    k_begin, k_end = 0, K  # one run: the loop's bounds as the compiler best knows them
+    if SPLIT_K > 1:
+        run = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K * UNROLL) * (BLOCK_K * UNROLL)  # whole passes of the loop a run
+        k_begin = tl.program_id(1) * run
+        k_end = tl.minimum(k_begin + run, K)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for start in range(k_begin, k_end, BLOCK_K * UNROLL):
