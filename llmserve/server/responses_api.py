@@ -61,7 +61,7 @@ class ResponsesRequest(RequestBody):
     truncation: Literal["auto", "disabled"] | None = None  # "auto": the oldest turns go when the context is full
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
-    store: StrictBool | None = None  # where responses are kept, None keeps it
+    store: StrictBool | None = None  # unset: stored where responses are kept (OpenAI's default)
     previous_response_id: str | None = Field(None, min_length=1, max_length=64)
     # metadata only
     metadata: dict[str, str] | None = None
