@@ -6,7 +6,9 @@ the caller's chat endpoint (the server's, or a gateway platform's: so keys, limi
 disconnects and the tool and reasoning parsers are chat's), and its answer translated back: output items
 (`reasoning`, `message`, `function_call`) and the Responses usage; streamed, chat's chunks become the
 Responses events, each numbered by `sequence_number`. As in the Responses API, function tools are strict
-unless they say otherwise.
+unless they say otherwise. `include` may ask for the output text's logprobs (chat's) and for reasoning items'
+`encrypted_content` (their text in base64: stateless clients send reasoning items back, and chat templates
+leave earlier reasoning out, so nothing reads it).
 
 Where the platform keeps responses (`Storage`), a response is stored unless the request says `store: false`
 (OpenAI's default), for its key alone: GET /v1/responses/{id} reads it back (`stored_responses`), and a request
@@ -19,6 +21,7 @@ that do not fit the context window are left out of the prompt, never the last.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import uuid
@@ -41,7 +44,16 @@ logger = logging.getLogger(__name__)
 # Chat's parameter names in errors -> the Responses request's own.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 # Known Responses fields this server does not implement (each would change the output).
-_UNSUPPORTED = ("conversation", "prompt", "background", "include", "top_logprobs", "max_tool_calls")
+_UNSUPPORTED = ("conversation", "prompt", "background", "max_tool_calls")
+# `include` values: what they add to items this server makes (logprobs, reasoning), or to items of tools and
+# inputs it refuses (so there is never anything of theirs to add).
+LOGPROBS = "message.output_text.logprobs"
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+Includable = Literal[
+    "message.output_text.logprobs", "reasoning.encrypted_content", "web_search_call.action.sources",
+    "web_search_call.results", "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+    "file_search_call.results", "message.input_image.image_url",
+]
 
 
 class ResponsesRequest(RequestBody):
@@ -69,12 +81,12 @@ class ResponsesRequest(RequestBody):
     safety_identifier: str | None = Field(None, max_length=128)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024)
     service_tier: str | None = None
+    include: list[Includable] | None = None
+    top_logprobs: Int64 | None = Field(None, ge=0, le=20)  # with logprobs, whether `include` asks for them or not
     # known, not served
     conversation: Any = None
     prompt: Any = None
     background: Any = None
-    include: Any = None
-    top_logprobs: Any = None
     max_tool_calls: Any = None
 
 
@@ -157,9 +169,10 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
     message = choice["message"]
     output = []
     if message.get("reasoning_content"):
-        output.append(_reasoning_item(_item_id("rs"), message["reasoning_content"]))
+        output.append(_reasoning_item(_item_id("rs"), message["reasoning_content"], _encrypted(body)))
     if message.get("content"):
-        output.append(_message_item(_item_id("msg"), message["content"]))
+        output.append(_message_item(_item_id("msg"), message["content"],
+                                    logprobs=(choice.get("logprobs") or {}).get("content") or []))
     for call in message.get("tool_calls") or ():
         output.append(_call_item(_item_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
     answer_json = _response(body, response_id, completion["model"], output, choice["finish_reason"], completion["usage"],
@@ -263,8 +276,10 @@ def _chat_request(
         raise errors.unsupported("stream_options.include_obfuscation", "include_obfuscation is not supported here.")
     if options:
         raise _invalid(f"Unrecognized stream option: {next(iter(options))}", "stream_options")
+    logprobs = body.top_logprobs is not None or LOGPROBS in (body.include or ())
     fields: dict[str, Any] = {
         "model": body.model, "messages": _messages(body.instructions, context, input_items), "stream": body.stream,
+        "logprobs": logprobs or None, "top_logprobs": body.top_logprobs if logprobs else None,
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
         "tools": _tools(body.tools), "tool_choice": _tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": _response_format(body.text),
@@ -411,13 +426,25 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def _message_item(item_id: str, text: str, status: str = "completed",
+                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An assistant message; `logprobs` are chat's (the same shape as the Responses API's)."""
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
-def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+def _reasoning_item(item_id: str, text: str, encrypted: bool = False) -> dict[str, Any]:
+    """A reasoning item; `encrypted` (include `reasoning.encrypted_content`, which stateless clients ask for to
+    send the item back): its text in base64, not encrypted, and not read back, as chat templates leave earlier
+    reasoning out."""
+    item = {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+    if encrypted:
+        item["encrypted_content"] = base64.b64encode(text.encode()).decode()
+    return item
+
+
+def _encrypted(body: ResponsesRequest) -> bool:
+    return ENCRYPTED_REASONING in (body.include or ())
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -457,6 +484,7 @@ class _OpenItem:
     kind: str  # "reasoning", "message" or "call"
     item: dict[str, Any]  # as announced
     pieces: list[str] = field(default_factory=list)  # its text or arguments so far
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # a message's, so far
 
 
 _JSON = msgspec.json.Encoder()
@@ -535,7 +563,7 @@ class ResponseEvents:
             if delta.get("reasoning_content"):
                 events += self._text_delta("reasoning", delta["reasoning_content"])
             if delta.get("content"):
-                events += self._text_delta("message", delta["content"])
+                events += self._text_delta("message", delta["content"], (choice.get("logprobs") or {}).get("content"))
             for call in delta.get("tool_calls") or ():
                 events += self._call_delta(call)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
@@ -550,7 +578,7 @@ class ResponseEvents:
                                       content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
         return events
 
-    def _text_delta(self, kind: str, text: str) -> list[str]:
+    def _text_delta(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[str]:
         events: list[str] = []
         if self.open is None or self.open.kind != kind:
             prefix = "msg" if kind == "message" else "rs"
@@ -558,8 +586,9 @@ class ResponseEvents:
                     "content": []} if kind == "message" else {"type": "reasoning", "id": _item_id(prefix), "summary": []}
             events = self._start(kind, item)
         self.open.pieces.append(text)
+        self.open.logprobs += logprobs or ()
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {"logprobs": logprobs or []} if kind == "message" else {}
         events.append(self._event(name, output_index=len(self.output), item_id=self.open.item["id"],
                                   content_index=0, delta=text, **extra))
         return events
@@ -582,16 +611,17 @@ class ResponseEvents:
         if self.open is None:
             return []
         kind, item, text, index = self.open.kind, self.open.item, "".join(self.open.pieces), len(self.output)
+        logprobs = self.open.logprobs
         self.open = None
         events = []
         if kind == "message":
-            done = _message_item(item["id"], text)
+            done = _message_item(item["id"], text, logprobs=logprobs)
             events.append(self._event("response.output_text.done", output_index=index, item_id=item["id"],
-                                      content_index=0, text=text, logprobs=[]))
+                                      content_index=0, text=text, logprobs=logprobs))
             events.append(self._event("response.content_part.done", output_index=index, item_id=item["id"],
                                       content_index=0, part=done["content"][0]))
         elif kind == "reasoning":
-            done = _reasoning_item(item["id"], text)
+            done = _reasoning_item(item["id"], text, _encrypted(self.body))
             events.append(self._event("response.reasoning_text.done", output_index=index, item_id=item["id"],
                                       content_index=0, text=text))
         else:

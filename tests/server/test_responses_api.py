@@ -216,3 +216,58 @@ def test_reasoning_text_and_calls_become_items_in_order_as_the_client_reads_them
     assert (final.usage.input_tokens, final.usage.output_tokens) == (7, 9) and final.model == "qwen"
     done = [event.arguments for event in parsed if event.type == "response.function_call_arguments.done"]
     assert done == ['{"city": "Oslo"}', "{}"]
+
+
+def test_output_text_logprobs_are_chats_whole_and_streamed(live_server: LiveServer) -> None:
+    """include message.output_text.logprobs with top_logprobs: the output text's logprobs are the chat
+    completion's, and the streamed deltas' add up to them."""
+    client = live_server.client()
+    asked = dict(model=live_server.model, input="Tell me a story.", temperature=0, max_output_tokens=5,
+                 include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = client.responses.create(**asked)
+    chat = httpx.post(f"{live_server.base_url}/v1/chat/completions", timeout=60, json={
+        "model": live_server.model, "messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 0,
+        "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2}).json()
+    expected = chat["choices"][0]["logprobs"]["content"]
+    got = [logprob.model_dump() for logprob in whole.output[0].content[0].logprobs]
+    assert len(got) == 5 and [(g["token"], g["logprob"]) for g in got] == [(e["token"], e["logprob"]) for e in expected]
+    assert all(len(g["top_logprobs"]) == 2 for g in got)
+    with client.responses.stream(**asked) as stream:
+        events = list(stream)
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [g["token"] for g in got]
+    assert [lp.token for lp in events[-1].response.output[0].content[0].logprobs] == streamed
+    plain = client.responses.create(**{k: v for k, v in asked.items() if k not in ("include", "top_logprobs")})
+    assert plain.output[0].content[0].logprobs == []
+
+
+def test_encrypted_reasoning_is_its_text_for_a_stateless_client_to_send_back() -> None:
+    """include reasoning.encrypted_content: each reasoning item carries its text (base64, not encrypted);
+    sent back as input, a reasoning item is left out of the prompt as chat templates leave earlier reasoning."""
+    import base64
+
+    from llmserve.server.responses_api import ResponseEvents, ResponsesRequest, _messages
+
+    text = "".join(_chat_chunks({"reasoning_content": "Let me think."}, {"content": "Hi."}, finish_reason="stop"))
+
+    async def events(include: list[str] | None) -> list[str]:
+        async def chunks():
+            yield text
+
+        body = ResponsesRequest(model="qwen", input="hi", stream=True, include=include)
+        return [event async for event in ResponseEvents(body, "resp_1").events(chunks())]
+
+    for include, expected in ((["reasoning.encrypted_content"], base64.b64encode(b"Let me think.").decode()),
+                              (None, None)):
+        final = json.loads(asyncio.run(events(include))[-1].split("data: ", 1)[1])["response"]
+        reasoning = Response.model_validate(final).output[0]
+        assert reasoning.type == "reasoning" and reasoning.encrypted_content == expected
+    sent_back = [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "TGV0"},
+                 {"role": "user", "content": "More?"}]
+    assert _messages(None, [], sent_back) == [{"role": "user", "content": "More?"}]
+
+
+def test_an_unknown_include_is_a_400_naming_it(live_server: LiveServer) -> None:
+    response = httpx.post(f"{live_server.base_url}/v1/responses", timeout=60, json={
+        "model": live_server.model, "input": "hi", "include": ["message.output_text.logprobs", "everything"]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "include[1]", response.text
