@@ -72,7 +72,8 @@ Answer = Callable[[str, Sequence[EmbeddingRequestOutput]], bytes]  # (response i
 @router.post("/score", response_model=None, include_in_schema=False)
 async def create_score(body: ScoreRequest, request: Request) -> Response:
     firsts, seconds = body.texts()
-    texts = _Texts([(text, "text_1") for text in firsts] + [(text, "text_2") for text in seconds])
+    texts = _Texts(_named(firsts, "text_1", isinstance(body.text_1, list))
+                   + _named(seconds, "text_2", isinstance(body.text_2, list)))
     pairs = [(texts.at[firsts[0] if len(firsts) == 1 else firsts[i]], texts.at[second])
              for i, second in enumerate(seconds)]
 
@@ -91,7 +92,7 @@ async def create_score(body: ScoreRequest, request: Request) -> Response:
 @router.post("/v2/rerank", response_model=None, include_in_schema=False)
 async def create_rerank(body: RerankRequest, request: Request) -> Response:
     documents = body.document_texts()
-    texts = _Texts([(body.query, "query")] + [(d, f"documents[{i}]") for i, d in enumerate(documents)])
+    texts = _Texts([(body.query, "query"), *_named(documents, "documents", True)])
     pairs = [(texts.at[body.query], texts.at[document]) for document in documents]
 
     def ranked(outputs: Sequence[EmbeddingRequestOutput]) -> list[dict]:
@@ -106,6 +107,11 @@ async def create_rerank(body: RerankRequest, request: Request) -> Response:
         })
 
     return await _scored(request, body, texts, answer, "rerank")
+
+
+def _named(texts: list[str], field: str, listed: bool) -> list[tuple[str, str]]:
+    """Each text with the request field it came from: `field`, or `field[i]` when the field is a list."""
+    return [(text, f"{field}[{i}]" if listed else field) for i, text in enumerate(texts)]
 
 
 class _Texts:

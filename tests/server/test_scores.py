@@ -79,6 +79,8 @@ def test_rerank_orders_the_documents_by_relevance(server: LiveServer, encode) ->
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
     ("/v1/score", {"text_1": [], "text_2": "c"}, "text_1"),
     ("/v1/score", {"text_1": "a", "text_2": ["c", 3]}, "text_2"),
+    ("/v1/score", {"text_1": "a", "text_2": ["c", "word " * 300]}, "text_2[1]"),  # past what the model embeds
+    ("/v1/rerank", {"query": "q", "documents": ["d", "e", "word " * 300]}, "documents[2]"),
     ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
     ("/v1/rerank", {"query": "", "documents": ["d"]}, "query"),
     ("/v1/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n"),
