@@ -60,6 +60,7 @@ from llmserve.server.protocol import (
     RerankRequest,
     ScoreRequest,
     random_id,
+    texts_by_field,
 )
 from llmserve.server.streaming import PROGRESS_HEADER, StreamRegistry, until_disconnect
 from llmserve.server.workers import WorkerPool
@@ -104,6 +105,13 @@ class _Pooled:
     inputs: Sequence[str | list[int]]
     truncate: int | None
     screened: list[tuple[Sequence[str | list[int]], str]]
+
+
+def _scored(path: str, id_prefix: str, body: ScoreRequest | RerankRequest) -> _Pooled:
+    """A score or rerank request: the replica embeds each of its texts once, screened by the field it came from."""
+    texts = body.scored_texts()
+    screened = [(fielded, field) for field, fielded in texts_by_field(texts.items, texts.params).items()]
+    return _Pooled(path, id_prefix, body.model, body.user, texts.items, body.truncate_prompt_tokens, screened)
 
 
 class GatewayPlatform:
@@ -181,17 +189,10 @@ class GatewayPlatform:
                                                    body.truncate_prompt_tokens, [(inputs, "input")]))
 
     async def score(self, request: Request, body: ScoreRequest) -> Response:
-        firsts, seconds = body.texts()
-        return await self._pooled(request, _Pooled("/v1/score", "score", body.model, body.user,
-                                                   list(dict.fromkeys([*firsts, *seconds])), body.truncate_prompt_tokens,
-                                                   [(firsts, "text_1"), (seconds, "text_2")]))
+        return await self._pooled(request, _scored("/v1/score", "score", body))
 
     async def rerank(self, request: Request, body: RerankRequest) -> Response:
-        documents = body.document_texts()
-        return await self._pooled(request, _Pooled("/v1/rerank", "rerank", body.model, body.user,
-                                                   list(dict.fromkeys([body.query, *documents])),
-                                                   body.truncate_prompt_tokens, [([body.query], "query"),
-                                                                                 (documents, "documents")]))
+        return await self._pooled(request, _scored("/v1/rerank", "rerank", body))
 
     async def _pooled(self, request: Request, pooled: _Pooled) -> Response:
         """A request a replica answers from embeddings (embeddings, scores, rerank): screened, its prompt tokens

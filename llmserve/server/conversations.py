@@ -38,6 +38,7 @@ from llmserve.platform.keys import ApiKey
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import Platform, platform_of, request_key
 from llmserve.server.openapi import documented
+from llmserve.server.protocol import list_page
 
 router = APIRouter()
 
@@ -271,17 +272,6 @@ def _summary_json(conversation: Conversation, totals: BranchTotals) -> dict[str,
     return {**conversation.as_dict(with_messages=False), "message_count": totals.messages, "total_tokens": totals.tokens}
 
 
-def _page_json(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    """OpenAI's list shape."""
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
-
-
 @router.post("/v1/conversations", status_code=201, responses=documented(ConversationSummary, status=201))
 async def create_conversation(body: CreateConversation, request: Request) -> JSONResponse:
     """A new conversation, optionally with its first messages; answered without them (list them with
@@ -304,7 +294,7 @@ async def list_conversations(
     store = _store(platform_of(request))
     key_id = _key_id(request_key(request.state))
     items, has_more = await asyncio.to_thread(store.list, key_id, limit, after)
-    return JSONResponse(_page_json([c.as_dict(with_messages=False) for c in items], has_more))
+    return JSONResponse(list_page([c.as_dict(with_messages=False) for c in items], has_more))
 
 
 @router.get("/v1/conversations/{conversation_id}", responses=documented(ConversationSummary))
@@ -337,7 +327,7 @@ async def list_messages(
         )
     except ConversationNotFound:
         raise _not_found(conversation_id) from None
-    return JSONResponse(_page_json([m.as_dict() for m in page], has_more))
+    return JSONResponse(list_page([m.as_dict() for m in page], has_more))
 
 
 class UpdateConversation(BaseModel):

@@ -20,7 +20,7 @@ from llmserve.outputs import EmbeddingRequestOutput
 from llmserve.platform.keys import ApiKey
 from llmserve.server.gateway import Meter, request_key
 from llmserve.server.openapi import documented
-from llmserve.server.protocol import EmbeddingRequest, EmbeddingResponse, random_id
+from llmserve.server.protocol import EmbeddingRequest, EmbeddingResponse, random_id, texts_by_field
 from llmserve.server.state import ModelEndpoint, ServerState, get_state
 from llmserve.server.streaming import final_outputs
 from llmserve.server.submit import Started, screen_prompts
@@ -52,13 +52,6 @@ class Inputs:
     params: Sequence[str]
     truncate: int | None
 
-    def texts_by_field(self) -> dict[str, list[str]]:
-        """The text inputs by the request field they came from ("input" for "input[3]")."""
-        fields: dict[str, list[str]] = {}
-        for item, param in zip(self.items, self.params, strict=True):
-            if isinstance(item, str):
-                fields.setdefault(param.partition("[")[0], []).append(item)
-        return fields
 
 
 async def embed(
@@ -74,7 +67,7 @@ async def embed(
         if isinstance(item, str) and inputs.truncate is None:
             endpoint.prompt_bound.check(len(item), param=param)
     token_ids = await state.workers.run(_tokenize, endpoint, inputs)
-    for field, texts in inputs.texts_by_field().items():  # a blocked text's error names its field
+    for field, texts in texts_by_field(inputs.items, inputs.params).items():  # a blocked text's error names its field
         await screen_prompts(state, endpoint, lambda texts=texts: texts, field)
     started = await _start(state, endpoint, key, token_ids, pooling, priority, id_prefix)
     status = "error"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -937,6 +938,44 @@ class EmbeddingRequest(RequestBody):
         return list(value)
 
 
+def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's shape of one page of a list (its items carry an `id`)."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+def texts_by_field(items: Sequence[str | list[int]], params: Sequence[str]) -> dict[str, list[str]]:
+    """The text items by the request field each came from ("input" for "input[3]"): what the safety screen
+    reads, naming the field of a blocked one."""
+    fields: dict[str, list[str]] = {}
+    for item, param in zip(items, params, strict=True):
+        if isinstance(item, str):
+            fields.setdefault(param.partition("[")[0], []).append(item)
+    return fields
+
+
+class ScoredTexts:
+    """A score or rerank request's texts, each once (a text asked for twice is embedded once), with the field
+    each first came from (`params`, named in its errors) and its place among them (`at`)."""
+
+    def __init__(self, named: list[tuple[str, str]]) -> None:
+        first_field: dict[str, str] = {}
+        for text, param in named:
+            first_field.setdefault(text, param)
+        self.items, self.params = list(first_field), list(first_field.values())
+        self.at = {text: i for i, text in enumerate(self.items)}
+
+
+def _named(texts: list[str], field: str, listed: bool) -> list[tuple[str, str]]:
+    """Each text with the request field it came from: `field`, or `field[i]` when the field is a list."""
+    return [(text, f"{field}[{i}]" if listed else field) for i, text in enumerate(texts)]
+
+
 MAX_SCORED_TEXTS = 2048  # texts one scoring request may compare: each is an engine request
 
 
@@ -977,6 +1016,11 @@ class ScoreRequest(RequestBody):
         return ([self.text_1] if isinstance(self.text_1, str) else self.text_1,
                 [self.text_2] if isinstance(self.text_2, str) else self.text_2)
 
+    def scored_texts(self) -> ScoredTexts:
+        firsts, seconds = self.texts()
+        return ScoredTexts(_named(firsts, "text_1", isinstance(self.text_1, list))
+                           + _named(seconds, "text_2", isinstance(self.text_2, list)))
+
 
 class RerankDocument(_Request):
     text: str
@@ -998,6 +1042,9 @@ class RerankRequest(RequestBody):
 
     def document_texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
+
+    def scored_texts(self) -> ScoredTexts:
+        return ScoredTexts([(self.query, "query"), *_named(self.document_texts(), "documents", True)])
 
 
 class Embedding(_Response):

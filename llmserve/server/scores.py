@@ -24,7 +24,7 @@ from llmserve.outputs import EmbeddingRequestOutput
 from llmserve.server.embeddings import Inputs, embed
 from llmserve.server.gateway import request_key
 from llmserve.server.openapi import documented
-from llmserve.server.protocol import RerankRequest, ScoreRequest, now
+from llmserve.server.protocol import RerankRequest, ScoredTexts, ScoreRequest, now
 from llmserve.server.state import get_state
 
 router = APIRouter()
@@ -72,8 +72,7 @@ Answer = Callable[[str, Sequence[EmbeddingRequestOutput]], bytes]  # (response i
 @router.post("/score", response_model=None, include_in_schema=False)
 async def create_score(body: ScoreRequest, request: Request) -> Response:
     firsts, seconds = body.texts()
-    texts = _Texts(_named(firsts, "text_1", isinstance(body.text_1, list))
-                   + _named(seconds, "text_2", isinstance(body.text_2, list)))
+    texts = body.scored_texts()
     pairs = [(texts.at[firsts[0] if len(firsts) == 1 else firsts[i]], texts.at[second])
              for i, second in enumerate(seconds)]
 
@@ -92,7 +91,7 @@ async def create_score(body: ScoreRequest, request: Request) -> Response:
 @router.post("/v2/rerank", response_model=None, include_in_schema=False)
 async def create_rerank(body: RerankRequest, request: Request) -> Response:
     documents = body.document_texts()
-    texts = _Texts([(body.query, "query"), *_named(documents, "documents", True)])
+    texts = body.scored_texts()
     pairs = [(texts.at[body.query], texts.at[document]) for document in documents]
 
     def ranked(outputs: Sequence[EmbeddingRequestOutput]) -> list[dict]:
@@ -109,24 +108,7 @@ async def create_rerank(body: RerankRequest, request: Request) -> Response:
     return await _scored(request, body, texts, answer, "rerank")
 
 
-def _named(texts: list[str], field: str, listed: bool) -> list[tuple[str, str]]:
-    """Each text with the request field it came from: `field`, or `field[i]` when the field is a list."""
-    return [(text, f"{field}[{i}]" if listed else field) for i, text in enumerate(texts)]
-
-
-class _Texts:
-    """A request's texts, each once (a text asked for twice is embedded once), with the field each first came
-    from (named in its errors) and its place among them (`at`)."""
-
-    def __init__(self, named: list[tuple[str, str]]) -> None:
-        first_field: dict[str, str] = {}
-        for text, param in named:
-            first_field.setdefault(text, param)
-        self.items, self.params = list(first_field), list(first_field.values())
-        self.at = {text: i for i, text in enumerate(self.items)}
-
-
-async def _scored(request: Request, body: ScoreRequest | RerankRequest, texts: _Texts,
+async def _scored(request: Request, body: ScoreRequest | RerankRequest, texts: ScoredTexts,
                   answer: Callable[[str], Answer], id_prefix: str) -> Response:
     """Embed `texts` through the model `body` names, then answer with what `answer(model name)` writes."""
     state = get_state(request)

@@ -15,6 +15,7 @@ from llmserve.platform.responses import MAX_PAGE_SIZE, ResponseNotFound
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import platform_of, request_key
 from llmserve.server.openapi import documented
+from llmserve.server.protocol import list_page
 from llmserve.server.responses_api import ResponseObject, Storage
 
 router = APIRouter()
@@ -89,5 +90,4 @@ async def list_input_items(
     storage = _storage(request)
     items, has_more = await _call(response_id, storage.store.input_items, storage.key_id, response_id, limit, after,
                                   order)
-    return JSONResponse({"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-                         "last_id": items[-1]["id"] if items else None, "has_more": has_more})
+    return JSONResponse(list_page(items, has_more))
