@@ -61,18 +61,18 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, dtype: str, engine_args: list[str]) -> None:
+    def __init__(self, dtype: str, engine_args: list[str], model: str = MODEL) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "llmserve.cli", "serve", "--model", MODEL, "--port", str(self.port),
+            [sys.executable, "-m", "llmserve.cli", "serve", "--model", model, "--port", str(self.port),
              "--dtype", dtype, *engine_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
-                if httpx.post(f"{self.url}/v1/embeddings", json={"input": "warm", "model": MODEL}).status_code == 200:
+                if httpx.get(f"{self.url}/health").status_code == 200:
                     return
             except httpx.TransportError:
                 pass

@@ -14,7 +14,7 @@ from typing import Any, get_args, get_type_hints
 GiB = 1 << 30
 QUANTIZATION_CHOICES = ("int8", "fp8")  # as llmserve.model.quantization.QUANTIZATION_METHODS (torch-free here)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
-TASKS = ("auto", "generate", "embed")
+TASKS = ("auto", "generate", "embed", "classify")
 POOLING_TYPES = ("mean", "cls", "last")  # how llmserve.model.pooling pools a sequence
 
 
@@ -150,7 +150,8 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
     _EngineFlag("attention_backend", "--attention-backend", help="default: triton on CUDA, torch elsewhere"),
     _EngineFlag(
         "task", "--task", choices=TASKS,
-        help="embed: also serve /v1/embeddings (auto: for encoders and sentence-transformers checkpoints)",
+        help="embed: also serve /v1/embeddings (auto: for encoders and sentence-transformers checkpoints); "
+        "classify: a sequence-classification model's labels and scores (auto for one)",
     ),
     _EngineFlag("pooling", "--pooling", choices=POOLING_TYPES, help="embeddings: how token states are pooled"),
     _EngineFlag("normalize", "--no-normalize", help="embeddings: never L2-normalise them"),

@@ -90,6 +90,7 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (`output.outputs.embedding`), batched by the engine's scheduler.
         `truncate_prompt_tokens` cuts each input from the right (-1: to what the model embeds at most)."""
+        self.engine.input_processor.check_can_embed()
         request_ids = []
         try:
             for prompt in _as_prompt_list(prompts):

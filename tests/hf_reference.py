@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -66,3 +67,47 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         generated.append(token)
         out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     return generated
+
+
+CROSS_ENCODER_SIZES = {  # "minilm": ms-marco-MiniLM-L-6-v2's shape
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128),
+    "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+}
+
+
+def build_cross_encoder(
+    kind: str, out_dir: Path, wordpiece_dir: Path, labels: tuple[str, ...] = ("LABEL_0",), size: str = "tiny",
+    seed: int = 0,
+) -> Path:
+    """A random sequence classifier in transformers' layout, on a BERT WordPiece vocabulary (`wordpiece_dir`,
+    e.g. all-MiniLM-L6-v2's): `kind` "bert" is ms-marco-MiniLM's layout (BertForSequenceClassification, token
+    type 1 for a pair's second text), "xlm-roberta" bge-reranker's (positions after the padding id, one token
+    type, the pair joined as `[CLS] a [SEP][SEP] b [SEP]`). One label: a cross-encoder reranker."""
+    import tokenizers
+    import transformers
+
+    common = dict(vocab_size=30522, num_labels=len(labels), id2label=dict(enumerate(labels)),
+                  label2id={label: i for i, label in enumerate(labels)}, **CROSS_ENCODER_SIZES[size])
+    torch.manual_seed(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if kind == "bert":
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(max_position_embeddings=128, **common))
+        for name in (*TOKENIZER_FILES, "vocab.txt"):
+            shutil.copy(wordpiece_dir / name, out_dir / name)
+    else:  # 130 positions after pad id 1: 128 tokens, as XLM-R's 514 give 512
+        config = transformers.XLMRobertaConfig(max_position_embeddings=130, pad_token_id=1, type_vocab_size=1, **common)
+        model = transformers.XLMRobertaForSequenceClassification(config)
+        tokenizer = tokenizers.Tokenizer.from_file(str(wordpiece_dir / "tokenizer.json"))
+        tokenizer.post_processor = tokenizers.processors.RobertaProcessing(("[SEP]", 102), ("[CLS]", 101))
+        tokenizer.save(str(out_dir / "tokenizer.json"))
+        (out_dir / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_input_names": ["input_ids", "attention_mask"],
+            "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
+            "model_max_length": 128,
+        }))
+    with torch.no_grad():  # larger than the default init, so that pairs' scores differ clearly
+        for name, p in model.named_parameters():
+            if "LayerNorm" not in name:
+                p.normal_(0.0, 0.1)
+    model.eval().save_pretrained(out_dir)
+    return out_dir

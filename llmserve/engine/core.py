@@ -301,6 +301,7 @@ class EngineCore:
             token_bitmask=bitmask,
             pool_rows=[target.row for target in scheduled.pools],
             pool_dimensions=[target.seq.request.pooling.dimensions for target in scheduled.pools],  # type: ignore[union-attr]
+            pool_second_texts=[target.seq.request.pooling.second_text_start for target in scheduled.pools],  # type: ignore[union-attr]
         )
 
     def _token_bitmask(self, samples: list[SampleTarget]) -> tuple[dict[int, int], np.ndarray | None]:

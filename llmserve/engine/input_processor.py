@@ -3,7 +3,8 @@
 against the model (stop token ids, the default and the limit of max_tokens, generation_config's
 defaults, truncate_prompt_tokens applied before the context checks), the request's seed, and its
 structured output (exactly one kind, and a grammar that compiles; a `json` dict becomes JSON text);
-and for an embedding request, its input against what the model embeds at most.
+and for an embedding request, its input (a text, or a cross-encoder's text pair) against what the model
+embeds at most.
 Raises `InvalidRequestError` naming the offending parameter. Runs on the caller's thread (the server
 calls it from a worker pool): compiling a grammar without the vocabulary is cheap, but it grows with
 the schema.
@@ -38,7 +39,8 @@ class InputProcessor:
         self.max_model_len = facts.max_model_len
         self.model_name = config.served_model_name or config.model
         self.can_generate = facts.can_generate
-        self.can_embed = facts.pooler is not None
+        self.classifier = facts.classifier  # a sequence-classification model: it scores pairs and classifies
+        self.can_embed = facts.pooler is not None and facts.classifier is None
         self.hidden_size = facts.model_config.hidden_size
         # An embedding's prompt is computed in one step: it must fit the step's token budget too.
         self.max_embedding_tokens = min(facts.max_model_len, config.max_num_batched_tokens)
@@ -149,25 +151,29 @@ class InputProcessor:
 
 
     def check_can_embed(self) -> None:
+        if self.classifier is not None:
+            raise InvalidRequestError(
+                f"The model {self.model_name!r} is a sequence-classification model: it scores text pairs "
+                "(/v1/score, /v1/rerank) and classifies texts (/classify), but does not embed.", param="model",
+            )
         if not self.can_embed:
             raise InvalidRequestError(
                 f"The model {self.model_name!r} does not serve embeddings; start it with --task embed to "
                 "pool its hidden states.", param="model",
             )
 
+    def check_can_classify(self) -> None:
+        if self.classifier is None:
+            raise InvalidRequestError(
+                f"The model {self.model_name!r} is not a sequence-classification model: it has no labels.",
+                param="model",
+            )
+
     def embedding_tokens(self, prompt: str | Sequence[int], truncate_prompt_tokens: int | None = None) -> list[int]:
         """An embedding input's tokens: cut from the right to `truncate_prompt_tokens` (-1: to what the
         model embeds at most; text keeps its special tokens, as sentence-transformers truncates) and
         checked against what the model embeds at most."""
-        limit = self.max_embedding_tokens
-        keep = truncate_prompt_tokens
-        if keep is not None:
-            if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1 or keep > limit:
-                raise InvalidRequestError(
-                    f"truncate_prompt_tokens must be -1 or in [1, {limit}] for this model, got {keep!r}.",
-                    param="truncate_prompt_tokens",
-                )
-            keep = limit if keep == -1 else keep
+        keep = self._kept_tokens(truncate_prompt_tokens)
         if not len(prompt):
             raise InvalidRequestError("The input is empty.", param="input")
         if isinstance(prompt, str):
@@ -178,13 +184,40 @@ class InputProcessor:
             except InvalidRequestError as exc:
                 exc.param = "input"
                 raise
+        self._check_embedded_length(token_ids, "the input")
+        return token_ids
+
+    def pair_tokens(
+        self, first: str, second: str, truncate_prompt_tokens: int | None = None
+    ) -> tuple[list[int], int | None]:
+        """A cross-encoder's input: the pair joined as its tokenizer joins two texts, and where the second
+        text's token type starts (`Tokenizer.encode_pair`); cut to `truncate_prompt_tokens` longest text first
+        (as sentence-transformers' CrossEncoder truncates), and checked as `embedding_tokens` checks."""
+        token_ids, second_start = self.tokenizer.encode_pair(first, second, self._kept_tokens(truncate_prompt_tokens))
+        self._check_embedded_length(token_ids, "the text pair")
+        return token_ids, second_start
+
+    def _kept_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many tokens an input keeps at most (None: all; then it must fit)."""
+        limit = self.max_embedding_tokens
+        keep = truncate_prompt_tokens
+        if keep is None:
+            return None
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1 or keep > limit:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens must be -1 or in [1, {limit}] for this model, got {keep!r}.",
+                param="truncate_prompt_tokens",
+            )
+        return limit if keep == -1 else keep
+
+    def _check_embedded_length(self, token_ids: list[int], what: str) -> None:
+        limit = self.max_embedding_tokens
         if len(token_ids) > limit:
             raise ContextLengthExceededError(
-                f"This model embeds at most {limit} tokens, but the input has {len(token_ids)} tokens. Please "
-                "shorten the input, or set truncate_prompt_tokens to cut it.",
+                f"This model embeds at most {limit} tokens, but {what} has {len(token_ids)} tokens. Please "
+                "shorten it, or set truncate_prompt_tokens to cut it.",
                 param="input",
             )
-        return token_ids
 
     def process_embedding(
         self,
@@ -194,8 +227,10 @@ class InputProcessor:
         truncate_prompt_tokens: int | None = None,
         priority: int = 0,
     ) -> EngineCoreRequest:
-        """The engine core's embedding request, its input checked (see `embedding_tokens`)."""
-        self.check_can_embed()
+        """The engine core's embedding request, its input checked (see `embedding_tokens`); a classifier's
+        gives its label logits."""
+        if self.classifier is None:
+            self.check_can_embed()
         pooling = pooling or PoolingParams()
         pooling.validate(self.hidden_size)
         token_ids = self.embedding_tokens(prompt, truncate_prompt_tokens)

@@ -15,7 +15,7 @@ from pathlib import Path
 from llmserve.config import EngineConfig
 from llmserve.model.config import ModelConfig
 from llmserve.model.loader import resolve_model_path
-from llmserve.model.pooling import PoolerConfig, pooler_config
+from llmserve.model.pooling import ClassifierConfig, PoolerConfig, classifier_config, pooler_config
 from llmserve.model.registry import model_class
 from llmserve.plugins import load_plugins
 from llmserve.tokenizer.tokenizer import Tokenizer
@@ -32,6 +32,7 @@ class ModelFacts:
     max_model_len: int
     can_generate: bool = True  # False for an encoder
     pooler: PoolerConfig | None = None  # how it embeds; None: it does not
+    classifier: ClassifierConfig | None = None  # a sequence-classification model's labels; its "embeddings" are logits
 
 
 def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
@@ -41,8 +42,10 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
     load_plugins()
     model_dir = resolve_model_path(config.model, config.revision)
     model_config = ModelConfig.from_pretrained(model_dir)
-    is_encoder = getattr(model_class(model_config.architecture), "is_encoder", False)
-    pooler = pooler_config(config, model_dir, is_encoder)
+    cls = model_class(model_config.architecture)
+    is_encoder = getattr(cls, "is_encoder", False)
+    is_classifier = hasattr(cls, "classify")
+    pooler = pooler_config(config, model_dir, is_encoder, is_classifier)
     tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
     generation_config = _read_json(model_dir / "generation_config.json")
     facts = ModelFacts(
@@ -50,9 +53,10 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
         model_config=model_config,
         generation_config=generation_config,
         eos_token_ids=_eos_token_ids(model_config, generation_config, tokenizer),
-        max_model_len=_max_model_len(config, model_config, pooler),
+        max_model_len=_max_model_len(config, model_config, pooler, _reserved_positions(cls, model_config)),
         can_generate=not is_encoder,
         pooler=pooler,
+        classifier=classifier_config(model_config.raw) if is_classifier else None,
     )
     return facts, tokenizer
 
@@ -66,8 +70,16 @@ def _eos_token_ids(model_config: ModelConfig, generation_config: dict, tokenizer
     return frozenset(ids)
 
 
-def _max_model_len(config: EngineConfig, model_config: ModelConfig, pooler: PoolerConfig | None) -> int:
-    limit = model_config.max_position_embeddings
+def _reserved_positions(cls: type, model_config: ModelConfig) -> int:
+    """Rows of the position table before a sequence's first position (RoBERTa's), never a token's."""
+    offset = getattr(cls, "position_offset", None)
+    return offset(model_config) if offset is not None else 0
+
+
+def _max_model_len(
+    config: EngineConfig, model_config: ModelConfig, pooler: PoolerConfig | None, reserved_positions: int = 0
+) -> int:
+    limit = model_config.max_position_embeddings - reserved_positions
     if model_config.sliding_window:
         limit = min(limit, model_config.sliding_window)
     if config.max_model_len is None:

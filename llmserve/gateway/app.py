@@ -42,6 +42,7 @@ from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from llmserve.server.metrics import PlatformMetrics
 from llmserve.server.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     EmbeddingRequest,
     ModelCard,
@@ -57,7 +58,7 @@ from llmserve.web import install_page, page_paths
 # Passed on as they are by a gateway without its platform (with it, each has a route; a Responses API request
 # runs there as a chat completion, metered and screened as one).
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/score",
-                 "/score", "/v1/rerank", "/rerank", "/v2/rerank")
+                 "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/classify")
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,10 @@ def build_gateway_app(
         @app.post("/v2/rerank", response_model=None, include_in_schema=False)
         async def rerank_with_platform(body: RerankRequest, request: Request) -> Response:
             return await front.rerank(request, body)
+
+        @app.post("/classify", response_model=None)
+        async def classify_with_platform(body: ClassificationRequest, request: Request) -> Response:
+            return await front.classify(request, body)
 
         @app.post("/v1/responses", response_model=None)
         async def responses_with_platform(body: ResponsesRequest, request: Request) -> Response:

@@ -55,6 +55,7 @@ from llmserve.server.gateway import Admission, Platform, request_key
 from llmserve.server.messages import template_messages, uses_tools
 from llmserve.server.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     EmbeddingRequest,
     RerankRequest,
@@ -186,6 +187,11 @@ class GatewayPlatform:
     async def embeddings(self, request: Request, body: EmbeddingRequest) -> Response:
         inputs = body.inputs()
         return await self._pooled(request, _Pooled("/v1/embeddings", "embd", body.model, body.user, inputs,
+                                                   body.truncate_prompt_tokens, [(inputs, "input")]))
+
+    async def classify(self, request: Request, body: ClassificationRequest) -> Response:
+        inputs = body.inputs()
+        return await self._pooled(request, _Pooled("/classify", "classify", body.model, body.user, inputs,
                                                    body.truncate_prompt_tokens, [(inputs, "input")]))
 
     async def score(self, request: Request, body: ScoreRequest) -> Response:

@@ -3,9 +3,13 @@
 It works on the same flattened batch as the decoders (`input_ids` and `positions` 1-D over every
 token of the step, sequences one after another, no padding), but attention is bidirectional within
 each sequence, so a sequence is always computed whole in one step and nothing is cached: the model
-takes no KV cache and has no language-model head. Absolute position embeddings, a single token type
-(one text per sequence), post-layer-norm residual blocks and exact (erf) GELU, as Hugging Face's
+takes no KV cache and has no language-model head. Absolute position embeddings, token types (0, or 1 for
+the second text of a pair), post-layer-norm residual blocks and exact (erf) GELU, as Hugging Face's
 `BertModel` computes them.
+
+`BertForSequenceClassification` (a cross-encoder reranker such as ms-marco-MiniLM, or any text
+classifier) adds transformers' head on the first token: a tanh-activated dense layer, then the label
+logits.
 """
 
 from __future__ import annotations
@@ -130,6 +134,8 @@ class BertLayer(nn.Module):
 
 class BertModel(nn.Module):
     is_encoder = True  # bidirectional, no KV cache, no generation
+    weight_prefix = "bert."  # what a *ForSequenceClassification checkpoint puts before the encoder's names
+    uses_token_types = True  # a text pair's second text is token type 1
 
     # Checkpoint name fragment -> ours; query, key and value are fused into one matrix (in that order).
     renamed_weights: dict[str, str] = {
@@ -151,9 +157,9 @@ class BertModel(nn.Module):
         eps = float(raw.get("layer_norm_eps", 1e-12))
         act = raw.get("hidden_act", "gelu")
         if act != "gelu":
-            raise ModelLoadError(f"BertModel with hidden_act {act!r} is not supported (only 'gelu').")
+            raise ModelLoadError(f"{cfg.architecture} with hidden_act {act!r} is not supported (only 'gelu').")
         if raw.get("position_embedding_type", "absolute") != "absolute":
-            raise ModelLoadError("BertModel: only absolute position embeddings are supported.")
+            raise ModelLoadError(f"{cfg.architecture}: only absolute position embeddings are supported.")
         hidden = cfg.hidden_size
         self.word_embeddings = Embedding(cfg.vocab_size, hidden, cfg.dtype)
         self.position_embeddings = Embedding(cfg.max_position_embeddings, hidden, cfg.dtype)
@@ -161,13 +167,24 @@ class BertModel(nn.Module):
         self.embeddings_norm = LayerNorm(hidden, eps, cfg.dtype)
         self.layers = nn.ModuleList(BertLayer(cfg, eps) for _ in range(cfg.num_hidden_layers))
 
+    @staticmethod
+    def position_offset(cfg: ModelConfig) -> int:
+        """Where a sequence's position ids start in the position-embedding table."""
+        return 0
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend, meta: AttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The last layer's hidden states of every token ([T, hidden]); `kv_caches` and `backend` are
-        unused (the runner's interface): each sequence is all in this step."""
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+        unused (the runner's interface): each sequence is all in this step. No `token_type_ids`: all 0."""
+        offset = self.position_offset(self.config)
+        if token_type_ids is None or not self.uses_token_types:
+            types = self.token_type_embeddings.weight[0]
+        else:
+            types = self.token_type_embeddings(token_type_ids)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions + offset if offset else positions) + types
         x = self.embeddings_norm(x)
         layout = PackedLayout(meta.query_start_loc_host, x.device)
         for layer in self.layers:
@@ -182,12 +199,12 @@ class BertModel(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("bert.")
+            name = hf_name.removeprefix(self.weight_prefix)
             if name.startswith(self.ignored_prefixes) or name.endswith(self.ignored_suffixes):
                 continue
             target_name, shard = self._locate(name)
             if target_name not in params:
-                raise ModelLoadError(f"Checkpoint tensor {hf_name!r} matches no parameter of BertModel.")
+                raise ModelLoadError(f"Checkpoint tensor {hf_name!r} matches no parameter of {type(self).__name__}.")
             target = params[target_name].data
             if shard is not None:
                 size = target.shape[0] // 3
@@ -218,3 +235,78 @@ class BertModel(nn.Module):
             if fragment in name:
                 return name.replace(fragment, "qkv."), shard
         return name, None
+
+
+class ClassificationHead(nn.Module):
+    """transformers' sequence-classification head on the first token: a dense layer, tanh, then the label
+    logits (BERT's pooler and classifier, RoBERTa's classifier.dense and out_proj: the same computation)."""
+
+    def __init__(self, hidden: int, num_labels: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dense = Linear(hidden, hidden, True, dtype)
+        self.out = Linear(hidden, num_labels, True, dtype)
+
+    def forward(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.dense(first_tokens)))
+
+
+def num_labels(cfg: ModelConfig) -> int:
+    """A classifier's label count: config.json keeps `id2label` (transformers writes no `num_labels`)."""
+    return len(cfg.raw.get("id2label") or {}) or int(cfg.raw.get("num_labels", 2))
+
+
+class BertForSequenceClassification(nn.Module):
+    """The encoder and its classification head: `forward` gives the hidden states as the encoder does, and
+    `classify` turns each sequence's first-token state into its label logits."""
+
+    is_encoder = True
+    encoder_class: type[BertModel] = BertModel
+    # checkpoint name prefix -> the head's parameter prefix
+    head_weights: dict[str, str] = {"bert.pooler.dense.": "dense.", "classifier.": "out."}
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.encoder = self.encoder_class(cfg)
+        self.head = ClassificationHead(cfg.hidden_size, num_labels(cfg), cfg.dtype)
+
+    @classmethod
+    def position_offset(cls, cfg: ModelConfig) -> int:
+        return cls.encoder_class.position_offset(cfg)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend, meta: AttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.encoder(input_ids, positions, kv_caches, backend, meta, token_type_ids)
+
+    def classify(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """[rows, num_labels] float32 logits from each sequence's first-token hidden state ([rows, hidden])."""
+        return self.head(first_tokens.to(self.head.dense.weight.dtype)).float()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} is an encoder: it has no language-model head.")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The head's tensors here, the rest to the encoder."""
+        params = dict(self.head.named_parameters())
+        loaded: set[str] = set()
+
+        def encoder_weights() -> Iterable[tuple[str, torch.Tensor]]:
+            for hf_name, tensor in weights:
+                prefix = next((p for p in self.head_weights if hf_name.startswith(p)), None)
+                if prefix is None:
+                    yield hf_name, tensor
+                    continue
+                name = self.head_weights[prefix] + hf_name.removeprefix(prefix)
+                if name not in params or params[name].shape != tensor.shape:
+                    raise ModelLoadError(f"Checkpoint tensor {hf_name!r} ({tuple(tensor.shape)}) does not fit the "
+                                         f"classification head of {type(self).__name__}.")
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+
+        self.encoder.load_weights(encoder_weights())
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ModelLoadError(f"The checkpoint lacks the classification head's weight(s): {', '.join(missing)}")

@@ -5,6 +5,10 @@ is L2-normalised come from the model's sentence-transformers layout when it has 
 `1_Pooling/config.json`, `2_Normalize`, and `sentence_bert_config.json`'s `max_seq_length`), and may
 be overridden by the engine's configuration; a request may ask for fewer `dimensions` (the vector
 truncated, then normalised again: Matryoshka-style models are trained for it).
+
+A sequence-classification model (a cross-encoder reranker, a text classifier) pools its first token and
+its head turns that into label logits, which are its requests' vectors; `ClassifierConfig` says what the
+labels are called and how one logit becomes a relevance score.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class PoolingParams:
     """Per request (vLLM's name): the embedding's length; None: the model's whole hidden size."""
 
     dimensions: int | None = None
+    # a text pair's (a cross-encoder's input): where its second text starts, token type 1 from there on
+    second_text_start: int | None = None
 
     def validate(self, hidden_size: int) -> None:
         dims = self.dimensions
@@ -53,9 +59,51 @@ class PoolerConfig:
     max_seq_length: int | None = None  # sentence-transformers' limit on the tokens it embeds
 
 
-def pooler_config(config: EngineConfig, model_dir: Path, is_encoder: bool) -> PoolerConfig | None:
+@dataclass(frozen=True)
+class ClassifierConfig:
+    labels: tuple[str, ...]  # by logit index
+    # how a one-label logit becomes a score (sentence-transformers' CrossEncoder's activation): sigmoid or identity
+    score_activation: str = "sigmoid"
+
+
+_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity"}
+
+
+def classifier_config(raw: dict) -> ClassifierConfig:
+    """A classification model's labels (config.json's id2label) and score activation: what sentence-transformers
+    saved with the model (`sentence_transformers.activation_fn`, or its older key), else sigmoid."""
+    id2label = raw.get("id2label") or {str(i): f"LABEL_{i}" for i in range(int(raw.get("num_labels", 2)))}
+    try:
+        labels = tuple(str(id2label[str(i)]) for i in range(len(id2label)))
+    except KeyError as exc:
+        raise ModelLoadError(f"config.json's id2label does not number its labels 0 to {len(id2label) - 1}.") from exc
+    saved = (raw.get("sentence_transformers") or {}).get("activation_fn") or raw.get(
+        "sbert_ce_default_activation_function")
+    if saved is None:
+        return ClassifierConfig(labels)
+    name = str(saved).rsplit(".", 1)[-1]
+    if name not in _ACTIVATIONS:
+        raise ModelLoadError(f"The cross-encoder's activation {saved!r} is not supported (Sigmoid or Identity).")
+    return ClassifierConfig(labels, _ACTIVATIONS[name])
+
+
+def pooler_config(
+    config: EngineConfig, model_dir: Path, is_encoder: bool, is_classifier: bool = False
+) -> PoolerConfig | None:
     """How the engine embeds (the checkpoint's layout, overridden by the configuration); None when
-    it does not (a decoder without the layout, unless the task is embed)."""
+    it does not (a decoder without the layout, unless the task is embed). A classifier pools its first
+    token for its head."""
+    if is_classifier:
+        if config.task not in ("auto", "classify"):
+            raise ModelLoadError(f"A sequence-classification model cannot {config.task}: serve it with --task "
+                                 "classify (or auto).")
+        if config.pooling is not None:
+            raise ModelLoadError("--pooling does not apply to a sequence-classification model: its head reads "
+                                 "the first token.")
+        return PoolerConfig("cls", normalize=False)
+    if config.task == "classify":
+        raise ModelLoadError("--task classify needs a sequence-classification model (an architecture named "
+                             "*ForSequenceClassification).")
     layout = read_sentence_transformers_layout(model_dir)
     if config.task == "generate" or (config.task == "auto" and layout is None and not is_encoder):
         if is_encoder:

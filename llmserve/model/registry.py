@@ -5,18 +5,24 @@ from __future__ import annotations
 from torch import nn
 
 from llmserve.errors import UnsupportedArchitectureError
-from llmserve.model.bert import BertModel
+from llmserve.model.bert import BertForSequenceClassification, BertModel
 from llmserve.model.llama import LlamaForCausalLM
 from llmserve.model.mistral import MistralForCausalLM
 from llmserve.model.qwen2 import Qwen2ForCausalLM
 from llmserve.model.qwen3 import Qwen3ForCausalLM
+from llmserve.model.roberta import RobertaForSequenceClassification, RobertaModel
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "BertForSequenceClassification": BertForSequenceClassification,
     "BertModel": BertModel,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "RobertaForSequenceClassification": RobertaForSequenceClassification,
+    "RobertaModel": RobertaModel,
+    "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
+    "XLMRobertaModel": RobertaModel,
 }
 
 

@@ -130,10 +130,12 @@ class StepBatch:
     # ([G, ceil(vocab / 32)] int32; bit j of word w allows token 32 * w + j).
     mask_rows: np.ndarray | None = None
     token_bitmask: np.ndarray | None = None
-    # Embeddings: the rows (each a whole sequence) whose hidden states are pooled, and the
-    # dimensions each one's embedding is cut to (None: all).
+    # Embeddings: the rows (each a whole sequence) whose hidden states are pooled, the dimensions each
+    # one's embedding is cut to (None: all), and where a text pair's second text starts (token type 1 from
+    # there; None: one text).
     pool_rows: list[int] = field(default_factory=list)
     pool_dimensions: list[int | None] = field(default_factory=list)
+    pool_second_texts: list[int | None] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -170,7 +172,8 @@ class StepTensors:
 
     sampled: SamplerOutput | None
     prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # as PromptLogprobsOutput
-    pooled: torch.Tensor | None = None  # [pooled rows, hidden] float32, normalised when the model is
+    # [pooled rows, hidden] float32, normalised when the model is; a classifier's: [pooled rows, labels] logits
+    pooled: torch.Tensor | None = None
     pool_dimensions: list[int | None] = field(default_factory=list)
 
 
@@ -234,6 +237,7 @@ class StepInputs:
     prompt_num_top: int = 0
     pool_rows: list[int] = field(default_factory=list)  # rows whose hidden states become embeddings
     pool_dimensions: list[int | None] = field(default_factory=list)
+    token_type_ids: torch.Tensor | None = None  # [T] an encoder's, when a text pair is in the step
 
 
 class ModelRunner:
@@ -257,6 +261,7 @@ class ModelRunner:
         # on CPU, the weights on 2 MiB pages where the kernel has them (None elsewhere): see huge_pages
         self.weight_arena = huge_pages.move_parameters(self.model) if self.device.type == "cpu" else None
         self.is_encoder = getattr(self.model, "is_encoder", False)  # no KV cache, no sampling
+        self.classifies = hasattr(self.model, "classify")  # pooled states -> label logits
         self.attn_backend = choose_attention_backend(config.attention_backend, self.device)(
             model_config.num_attention_heads, model_config.num_key_value_heads, model_config.head_dim, self.block_size,
             self.dtype, kv_cache_dtype=self.kv_cache_dtype,
@@ -451,9 +456,11 @@ class ModelRunner:
 
     def _hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: KVCaches,
-        use_graph: bool,
+        use_graph: bool, token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A CUDA graph's replay where one fits, else the one-call CPU decoder where it fits, else the model."""
+        if token_type_ids is not None:
+            return self.model(input_ids, positions, kv_caches, self.attn_backend, meta, token_type_ids)
         if use_graph and self.graphs is not None and self.graphs.size_for(meta) is not None:
             return self.graphs.run(input_ids, positions, meta)
         if self.cpu_decoder is not None and kv_caches is self.kv_caches and self.cpu_decoder.fits(len(input_ids)):
@@ -462,7 +469,8 @@ class ModelRunner:
         return self.model(input_ids, positions, kv_caches, self.attn_backend, meta)
 
     def _run(self, inputs: StepInputs, kv_caches: KVCaches, use_graph: bool) -> StepTensors:
-        hidden = self._hidden_states(inputs.input_ids, inputs.positions, inputs.meta, kv_caches, use_graph)
+        hidden = self._hidden_states(inputs.input_ids, inputs.positions, inputs.meta, kv_caches, use_graph,
+                                     inputs.token_type_ids)
         prompt = self._prompt_logprobs(hidden, inputs) if inputs.prompt_index is not None else None
         pooled = self._pool(hidden, inputs) if inputs.pool_rows else None
         if inputs.logits_index is None or inputs.sampling is None:
@@ -472,10 +480,13 @@ class ModelRunner:
         return StepTensors(self.sampler(logits, inputs.sampling), prompt, pooled, inputs.pool_dimensions)
 
     def _pool(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
-        """The embeddings of the pooled rows (whole sequences), normalised when the model is."""
+        """The embeddings of the pooled rows (whole sequences), normalised when the model is; a
+        classifier's label logits."""
         if self.pooler is None:
             raise RuntimeError("the step pools hidden states, but the model has no pooler")
         pooled = pool(hidden, inputs.meta.query_start_loc_host, inputs.pool_rows, self.pooler.pooling)
+        if self.classifies:
+            return self.model.classify(pooled)
         return torch.nn.functional.normalize(pooled, dim=-1) if self.pooler.normalize else pooled
 
     def _prompt_logprobs(
@@ -519,6 +530,8 @@ class ModelRunner:
             inputs.prompt_targets = self._to_device(scored.target_ids.reshape(-1, 1))
             inputs.prompt_num_top = scored.num_top
         inputs.pool_rows, inputs.pool_dimensions = batch.pool_rows, batch.pool_dimensions
+        if any(start is not None for start in batch.pool_second_texts):
+            inputs.token_type_ids = self._token_types(batch, meta.query_start_loc_host)
         if not batch.logits_rows:
             return inputs
         starts = meta.query_start_loc_host
@@ -527,6 +540,14 @@ class ModelRunner:
         inputs.sampling = SamplingMetadata.build(batch.sampling_rows, self.model_config.vocab_size, self.device,
                                                  batch.mask_rows, batch.token_bitmask)
         return inputs
+
+    def _token_types(self, batch: StepBatch, starts: list[int]) -> torch.Tensor:
+        """1 from each text pair's second text to its end, 0 elsewhere (BERT's segment ids)."""
+        types = np.zeros(starts[-1], dtype=np.int64)
+        for row, second in zip(batch.pool_rows, batch.pool_second_texts, strict=True):
+            if second is not None:
+                types[starts[row] + second : starts[row + 1]] = 1
+        return self._to_device(types)
 
     def prepare_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Positions and KV slots of every new token (numpy over the tokens, no Python loop per

@@ -18,6 +18,7 @@ from llmserve.platform.routing import ModelRouter
 from llmserve.server import (
     admin,
     chat,
+    classify,
     completions,
     conversations,
     embeddings,
@@ -214,7 +215,7 @@ def build_app(
     app.add_middleware(DrainMiddleware, state=state)
     install_cors(app, allowed_origins)
     for module in (
-        chat, completions, responses, stored_responses, embeddings, scores, streams, models_api, tokens, health,
+        chat, completions, responses, stored_responses, embeddings, scores, classify, streams, models_api, tokens, health,
         metrics, usage, conversations, admin,
     ):
         app.include_router(module.router)

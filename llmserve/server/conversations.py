@@ -1,6 +1,7 @@
 """/v1/conversations: stored chats (the seed's /api/conversations), and the hook that lets a chat
-completion continue one (`conversation_id`): its history goes before the new messages, so the next turn
-reuses the earlier turns' KV from the prefix cache, and the new turn plus the reply are appended.
+completion continue one (`conversation_id`; a Responses API request's `conversation` uses it too,
+`start_turn`): its history goes before the new messages, so the next turn reuses the earlier turns' KV
+from the prefix cache, and the new turn plus the reply are appended.
 
 A conversation belongs to the key that made it; any other key gets a 404, as for an unknown id.
 Its messages are listed a page at a time (`GET /v1/conversations/{id}/messages`, in the shape of OpenAI's
@@ -113,8 +114,17 @@ async def open_turn(
         if parent_message_id is not None:
             raise APIError(400, "parent_message_id needs a conversation_id.", param="parent_message_id")
         return None
-    store = _store(platform)
-    key_id = _key_id(key)
+    return await start_turn(_store(platform), _key_id(key), conversation_id, new_messages, parent_message_id)
+
+
+async def start_turn(
+    store: ConversationStore,
+    key_id: str | None,
+    conversation_id: str,
+    new_messages: ChatMessages,
+    parent_message_id: str | None = None,
+) -> ConversationTurn:
+    """`open_turn` in a given store, for the caller's key (None in local mode)."""
     try:
         path = await asyncio.to_thread(_turn_context, store, key_id, conversation_id, parent_message_id, new_messages)
     except ConversationNotFound:

@@ -6,8 +6,11 @@ pre-filter, rate limits, admission control and metering are the ones completions
 from __future__ import annotations
 
 import base64
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -27,6 +30,8 @@ from llmserve.server.submit import Started, screen_prompts
 
 router = APIRouter()
 
+T = TypeVar("T")
+
 _JSON = msgspec.json.Encoder()
 
 
@@ -35,6 +40,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     state = get_state(request)
     key = request_key(request.state)
     endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
+    endpoint.engine.input_processor.check_can_embed()
     pooling = PoolingParams(body.dimensions)
     pooling.validate(endpoint.engine.input_processor.hidden_size)
     inputs = body.inputs()
@@ -46,12 +52,13 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
 @dataclass(frozen=True)
 class Inputs:
     """What a request embeds: each input (text or token ids), the request field it came from (named in its
-    errors), and how to truncate them (vLLM's `truncate_prompt_tokens`)."""
+    errors), and how to truncate them (vLLM's `truncate_prompt_tokens`). A cross-encoder reads `pairs` of
+    texts instead (indices into `items`), one engine request each."""
 
     items: Sequence[str | list[int]]
     params: Sequence[str]
     truncate: int | None
-
+    pairs: Sequence[tuple[int, int]] | None = None
 
 
 async def embed(
@@ -59,17 +66,17 @@ async def embed(
     pooling: PoolingParams, priority: int, answer: Callable[[str, Sequence[EmbeddingRequestOutput]], bytes],
     id_prefix: str = "embd",
 ) -> Response:
-    """Embed every input, one engine request each (tokenized on the worker pool, screened, rate-limited,
-    admitted and metered as a prompt), then answer with the body `answer` writes from the response id and the
-    embeddings, on the worker pool too. Shared by /v1/embeddings and the scoring endpoints."""
-    endpoint.engine.input_processor.check_can_embed()
+    """Embed every input (or pair), one engine request each (tokenized on the worker pool, screened,
+    rate-limited, admitted and metered as a prompt), then answer with the body `answer` writes from the response
+    id and the embeddings, on the worker pool too. Shared by /v1/embeddings, the scoring endpoints and /classify;
+    the caller checks that the model serves what it asks."""
     for item, param in zip(inputs.items, inputs.params, strict=True):
         if isinstance(item, str) and inputs.truncate is None:
             endpoint.prompt_bound.check(len(item), param=param)
-    token_ids = await state.workers.run(_tokenize, endpoint, inputs)
+    tokenized = await state.workers.run(_tokenize, endpoint, inputs)
     for field, texts in texts_by_field(inputs.items, inputs.params).items():  # a blocked text's error names its field
         await screen_prompts(state, endpoint, lambda texts=texts: texts, field)
-    started = await _start(state, endpoint, key, token_ids, pooling, priority, id_prefix)
+    started = await _start(state, endpoint, key, tokenized, pooling, priority, id_prefix)
     status = "error"
     try:
         outputs = await started.run_to_end(request, final_outputs(started.streams))
@@ -81,18 +88,20 @@ async def embed(
     return Response(content, media_type="application/json", headers=started.headers)
 
 
-def _tokenize(endpoint: ModelEndpoint, inputs: Inputs) -> list[list[int]]:
-    """On a worker thread: each input's tokens, checked and truncated (an error names its input)."""
-    tokenize = endpoint.engine.input_processor.embedding_tokens
-    return [_named(tokenize, item, inputs.truncate, param) for item, param in zip(inputs.items, inputs.params, strict=True)]
+def _tokenize(endpoint: ModelEndpoint, inputs: Inputs) -> list[tuple[list[int], int | None]]:
+    """On a worker thread: each engine request's tokens, checked and truncated (an error names its input), and
+    where a pair's second text starts."""
+    processor = endpoint.engine.input_processor
+    if inputs.pairs is not None:
+        return [_named(partial(processor.pair_tokens, inputs.items[a], inputs.items[b], inputs.truncate),
+                       inputs.params[b]) for a, b in inputs.pairs]
+    return [(_named(partial(processor.embedding_tokens, item, inputs.truncate), param), None)
+            for item, param in zip(inputs.items, inputs.params, strict=True)]
 
 
-def _named(
-    tokenize: Callable[[str | list[int], int | None], list[int]], item: str | list[int], truncate: int | None,
-    param: str,
-) -> list[int]:
+def _named(tokenize: Callable[[], T], param: str) -> T:
     try:
-        return tokenize(item, truncate)
+        return tokenize()
     except InvalidRequestError as exc:
         if exc.param == "input":
             exc.param = param
@@ -100,12 +109,13 @@ def _named(
 
 
 async def _start(
-    state: ServerState, endpoint: ModelEndpoint, key: ApiKey | None, token_ids: list[list[int]],
+    state: ServerState, endpoint: ModelEndpoint, key: ApiKey | None, tokenized: list[tuple[list[int], int | None]],
     pooling: PoolingParams, priority: int, id_prefix: str,
 ) -> Started:
     """Rate-limit, admit and add one engine request per input (as `submit.start_requests` does for
     generation); on any failure what was added is aborted and the reservation returned."""
     response_id = random_id(id_prefix)
+    token_ids = [ids for ids, _ in tokenized]
     prompt_tokens = sum(map(len, token_ids))
     admission = None
     streams: list[RequestStream] = []
@@ -113,9 +123,11 @@ async def _start(
         if state.platform is not None:
             admission = await state.platform.admit(key, endpoint.name, prompt_tokens)
         endpoint.admit(token_ids, state.draining)
-        for i, ids in enumerate(token_ids):
+        for i, (ids, second_text_start) in enumerate(tokenized):
             request_id = response_id if len(token_ids) == 1 else f"{response_id}-{i}"
-            streams.append(await endpoint.engine.add_embedding_request(request_id, ids, pooling, priority=priority))
+            params = pooling if second_text_start is None else dataclasses.replace(
+                pooling, second_text_start=second_text_start)
+            streams.append(await endpoint.engine.add_embedding_request(request_id, ids, params, priority=priority))
     except BaseException:
         for stream in streams:
             stream.abort()

@@ -13,9 +13,13 @@ leave earlier reasoning out, so nothing reads it).
 Where the platform keeps responses (`Storage`), a response is stored unless the request says `store: false`
 (OpenAI's default), for its key alone: GET /v1/responses/{id} reads it back (`stored_responses`), and a request
 naming it as `previous_response_id` continues its conversation (its turns' input and output items come before
-the request's input; its `instructions` do not carry over, as in OpenAI's API). Without storage (`--no-platform`)
-`store` is answered false and `previous_response_id` is a 400. `truncation: "auto"` is chat's: the oldest turns
-that do not fit the context window are left out of the prompt, never the last.
+the request's input; its `instructions` do not carry over, as in OpenAI's API). A request naming a stored
+`conversation` (/v1/conversations, the key's own) continues it through chat's conversation hook: its messages come
+before the request's input (after the instructions, which the conversation does not keep), and once answered the
+input's messages and the output text are appended to it. Conversations keep text turns, so tools and function call
+items cannot be used with one (400), as with chat's `conversation_id`. Without storage (`--no-platform`) `store`
+is answered false, and `previous_response_id` and `conversation` are 400s. `truncation: "auto"` is chat's: the
+oldest turns that do not fit the context window are left out of the prompt, never the last.
 """
 
 from __future__ import annotations
@@ -27,24 +31,27 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field, StrictBool, StrictFloat, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, ValidationError
 
 from llmserve.errors import InvalidRequestError
+from llmserve.platform.conversations import ConversationStore
 from llmserve.platform.responses import ResponseChainBroken, ResponseNotFound, ResponseStore, with_ids
 from llmserve.server import errors
+from llmserve.server.conversations import ConversationTurn, start_turn
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import ChatCompletionRequest, Int64, RequestBody, now
 
 logger = logging.getLogger(__name__)
 
 # Chat's parameter names in errors -> the Responses request's own.
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+           "conversation_id": "conversation"}
 # Known Responses fields this server does not implement (each would change the output).
-_UNSUPPORTED = ("conversation", "prompt", "background", "max_tool_calls")
+_UNSUPPORTED = ("prompt", "background", "max_tool_calls")
 # `include` values: what they add to items this server makes (logprobs, reasoning), or to items of tools and
 # inputs it refuses (so there is never anything of theirs to add).
 LOGPROBS = "message.output_text.logprobs"
@@ -54,6 +61,13 @@ Includable = Literal[
     "web_search_call.results", "code_interpreter_call.outputs", "computer_call_output.output.image_url",
     "file_search_call.results", "message.input_image.image_url",
 ]
+
+
+class ConversationRef(BaseModel):
+    """`conversation` as an object: the stored conversation's id."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1)
 
 
 class ResponsesRequest(RequestBody):
@@ -75,6 +89,7 @@ class ResponsesRequest(RequestBody):
     stream_options: dict[str, Any] | None = None
     store: StrictBool | None = None  # unset: stored where responses are kept (OpenAI's default)
     previous_response_id: str | None = Field(None, min_length=1, max_length=64)
+    conversation: ConversationRef | Annotated[str, Field(min_length=1)] | None = None  # its id, or {"id": ...}
     # metadata only
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -84,7 +99,6 @@ class ResponsesRequest(RequestBody):
     include: list[Includable] | None = None
     top_logprobs: Int64 | None = Field(None, ge=0, le=20)  # with logprobs, whether `include` asks for them or not
     # known, not served
-    conversation: Any = None
     prompt: Any = None
     background: Any = None
     max_tool_calls: Any = None
@@ -120,6 +134,7 @@ class ResponseObject(BaseModel):
     metadata: dict[str, str]
     user: str | None
     previous_response_id: str | None
+    conversation: ConversationRef | None = None
     error: dict[str, Any] | None = None
     incomplete_details: dict[str, Any] | None
     usage: ResponseUsage | None
@@ -137,28 +152,36 @@ RunChat = Callable[[ChatCompletionRequest, dict[str, Any]], Awaitable[Response]]
 
 @dataclass(frozen=True)
 class Storage:
-    """Where the caller's responses are kept: the store, and the caller's key (None in local mode)."""
+    """Where the caller's responses are kept: the store, and the caller's key (None in local mode); and its
+    conversations (None where they are not kept)."""
 
     store: ResponseStore
     key_id: str | None
+    conversations: ConversationStore | None = None
 
 
 async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | None = None) -> Response:
     """The response to `body`, by way of a chat completion that `run_chat` runs; kept in `storage` unless the
-    request says not to."""
+    request says not to; its turn appended to the stored conversation it names."""
+    _check_fields(body)
+    conversation_id = _conversation_id(body, storage)
     context = await _context(body.previous_response_id, storage)
     input_items = with_ids(_input_items(body))
-    chat, payload = _chat_request(body, context, input_items)
-    try:
-        reply = await run_chat(chat, payload)
-    except (errors.APIError, InvalidRequestError) as exc:
-        exc.param = _rename(exc.param)
-        raise
+    messages = _messages(context, input_items)
+    turn = None
+    if conversation_id is not None:
+        assert storage is not None and storage.conversations is not None
+        turn = await _renamed(_open_turn(storage.conversations, storage.key_id, conversation_id, body, messages))
+    history = turn.history if turn is not None else []
+    instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    chat, payload = _chat_request(body, [*instructions, *history, *messages])
+    reply = await _renamed(run_chat(chat, payload))
     headers = {k: v for k, v in reply.headers.items() if k.startswith("x-")}
     if reply.status_code != 200:  # an error answered rather than raised (a gateway's replica's)
         return _error_reply(reply)
     response_id = f"resp_{uuid.uuid4().hex}"
-    keep = _Keeper(storage, input_items, body.previous_response_id) if storage and body.store is not False else None
+    keep = _Keeper(storage if body.store is not False else None, input_items, body.previous_response_id, turn,
+                   messages)
     if body.stream:
         assert isinstance(reply, StreamingResponse)
         events = ResponseEvents(body, response_id, keep).events(reply.body_iterator)
@@ -176,10 +199,49 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
     for call in message.get("tool_calls") or ():
         output.append(_call_item(_item_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
     answer_json = _response(body, response_id, completion["model"], output, choice["finish_reason"], completion["usage"],
-                            stored=keep is not None)
-    if keep is not None:
-        answer_json = await keep(answer_json)
-    return JSONResponse(answer_json, headers=headers)
+                            stored=keep.stores)
+    return JSONResponse(await keep(answer_json), headers=headers)
+
+
+_T = TypeVar("_T")
+
+
+async def _renamed(call: Awaitable[_T]) -> _T:
+    """`call`'s result; its errors' `param` named as the Responses request names it."""
+    try:
+        return await call
+    except (errors.APIError, InvalidRequestError) as exc:
+        exc.param = _rename(exc.param)
+        raise
+
+
+def _conversation(body: ResponsesRequest) -> ConversationRef | None:
+    """The stored conversation the request names, as the response echoes it."""
+    return ConversationRef(id=body.conversation) if isinstance(body.conversation, str) else body.conversation
+
+
+def _conversation_id(body: ResponsesRequest, storage: Storage | None) -> str | None:
+    """The id of the stored conversation the request continues, if it names one."""
+    conversation = _conversation(body)
+    if conversation is None:
+        return None
+    if body.previous_response_id is not None:
+        raise _invalid("conversation and previous_response_id cannot be used together: give one of them.",
+                       "conversation")
+    if storage is None or storage.conversations is None:
+        raise errors.unsupported("conversation", "conversation needs stored conversations, which this server does "
+                                                 "not keep (it runs without its platform); send the whole "
+                                                 "conversation as input.")
+    return conversation.id
+
+
+async def _open_turn(store: ConversationStore, key_id: str | None, conversation_id: str, body: ResponsesRequest,
+                     messages: list[dict[str, Any]]) -> ConversationTurn:
+    """The request's turn in its stored conversation (chat's hook: a 404 for another key's or an unknown one)."""
+    if body.tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+        raise _invalid("Stored conversations keep text turns only: tools and function call items cannot be used "
+                       "with conversation.", "conversation")
+    return await start_turn(store, key_id, conversation_id, messages)
 
 
 async def _context(previous_id: str | None, storage: Storage | None) -> list[dict[str, Any]]:
@@ -203,14 +265,26 @@ async def _context(previous_id: str | None, storage: Storage | None) -> list[dic
 
 @dataclass(frozen=True)
 class _Keeper:
-    """Stores a finished response with the input items its request sent."""
+    """What a finished response leaves: itself stored with the input items its request sent (where `storage` is
+    given), and its turn in its stored conversation: `turn_messages` (the input's) and its output text."""
 
-    storage: Storage
+    storage: Storage | None
     input_items: list[dict[str, Any]]
     previous_id: str | None
+    turn: ConversationTurn | None = None
+    turn_messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def stores(self) -> bool:
+        return self.storage is not None
 
     async def __call__(self, response: dict[str, Any]) -> dict[str, Any]:
         """The response as answered: stored, or, where the store failed, said not to be."""
+        if self.turn is not None:
+            reply_tokens = (response["usage"] or {}).get("output_tokens", 0)
+            await self.turn.save(self.turn_messages, _output_text(response["output"]), reply_tokens)
+        if self.storage is None:
+            return response
         try:
             await asyncio.to_thread(self.storage.store.save, self.storage.key_id, response, self.input_items,
                                     self.previous_id)
@@ -218,6 +292,11 @@ class _Keeper:
             logger.exception("could not store response %s", response["id"])
             return {**response, "store": False}
         return response
+
+
+def _output_text(output: list[dict[str, Any]]) -> str:
+    """The text of a response's output messages (what a conversation keeps of the answer)."""
+    return "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
 
 
 def _error_reply(reply: Response) -> Response:
@@ -265,9 +344,8 @@ def _invalid(message: str, param: str) -> InvalidRequestError:
 # ---- the request, as a chat completion -----------------------------------------------------------
 
 
-def _chat_request(
-    body: ResponsesRequest, context: list[dict[str, Any]], input_items: list[dict[str, Any]]
-) -> tuple[ChatCompletionRequest, dict[str, Any]]:
+def _check_fields(body: ResponsesRequest) -> None:
+    """400s for the fields and stream options this server does not serve."""
     for name in _UNSUPPORTED:
         if getattr(body, name) is not None:
             raise errors.unsupported(name, f"{name} is not supported by this server.")
@@ -276,9 +354,14 @@ def _chat_request(
         raise errors.unsupported("stream_options.include_obfuscation", "include_obfuscation is not supported here.")
     if options:
         raise _invalid(f"Unrecognized stream option: {next(iter(options))}", "stream_options")
+
+
+def _chat_request(
+    body: ResponsesRequest, messages: list[dict[str, Any]]
+) -> tuple[ChatCompletionRequest, dict[str, Any]]:
     logprobs = body.top_logprobs is not None or LOGPROBS in (body.include or ())
     fields: dict[str, Any] = {
-        "model": body.model, "messages": _messages(body.instructions, context, input_items), "stream": body.stream,
+        "model": body.model, "messages": messages, "stream": body.stream,
         "logprobs": logprobs or None, "top_logprobs": body.top_logprobs if logprobs else None,
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
         "tools": _tools(body.tools), "tool_choice": _tool_choice(body.tool_choice),
@@ -328,13 +411,9 @@ def _input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     return body.input
 
 
-def _messages(
-    instructions: str | None, context: list[dict[str, Any]], items: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """Chat's messages: the instructions, then the stored conversation's items, then the request's."""
+def _messages(context: list[dict[str, Any]], items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat's messages of the previous response's conversation (`context`), then of the request's items."""
     messages: list[dict[str, Any]] = []
-    if instructions:
-        messages.append({"role": "system", "content": instructions})
     for i, item in enumerate([*context, *items]):
         param = f"input[{i - len(context)}]" if i >= len(context) else "previous_response_id"
         kind = item.get("type", "message")
@@ -467,6 +546,7 @@ def _response(body: ResponsesRequest, response_id: str, model: str, output: list
         parallel_tool_calls=body.parallel_tool_calls is not False, text=body.text or {"format": {"type": "text"}},
         metadata=body.metadata or {}, user=body.user, error=error, store=stored, truncation=body.truncation or "disabled",
         previous_response_id=body.previous_response_id,
+        conversation=_conversation(body),
         incomplete_details={"reason": reason} if reason and status == "incomplete" else None,
         usage=None if usage is None else ResponseUsage(
             input_tokens=usage["prompt_tokens"],
@@ -552,7 +632,7 @@ class ResponseEvents:
     def _snapshot(self, status: str | None, error: dict[str, Any] | None = None) -> dict[str, Any]:
         """The response so far (`status` None: as the finish reason makes it)."""
         return _response(self.body, self.response_id, self.model or "", self.output, self.finish_reason, self.usage,
-                         status=status, error=error, stored=self.keep is not None)
+                         status=status, error=error, stored=self.keep is not None and self.keep.stores)
 
     def _chunk(self, data: dict[str, Any]) -> list[str]:
         if data.get("usage"):

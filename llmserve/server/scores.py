@@ -2,8 +2,11 @@
 at /rerank and /v2/rerank): how related two texts are, by an embedding model. A score is the cosine similarity
 of the two texts' embeddings (a bi-encoder's score, as vLLM gives for embedding models), each text embedded as
 /v1/embeddings embeds it: tokenized, screened, rate-limited, admitted, batched by the engine and metered alike.
-A text asked for twice is embedded once. Rerankers built as cross-encoders (a classification head over the
-pair) are not served: a generative model is a 400 naming `model`, as for embeddings.
+A text asked for twice is embedded once. A cross-encoder reranker (a sequence-classification model with one
+label: ms-marco-MiniLM, bge-reranker) reads each pair whole instead, one engine request per pair joined as its
+tokenizer joins two texts, and its score is the logit through sigmoid (sentence-transformers' CrossEncoder's
+score; identity when the model's config says so). A generative model is a 400 naming `model`, as for
+embeddings.
 
 Open WebUI's external reranker and Haystack's vLLM ranker speak the rerank API; the answer lists the documents
 by relevance, the highest first, `top_n` of them (every one by default)."""
@@ -19,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from llmserve.errors import InvalidRequestError
 from llmserve.model.pooling import PoolingParams
 from llmserve.outputs import EmbeddingRequestOutput
 from llmserve.server.embeddings import Inputs, embed
@@ -65,7 +69,8 @@ class RerankResponse(BaseModel):
     usage: ScoreUsage
 
 
-Answer = Callable[[str, Sequence[EmbeddingRequestOutput]], bytes]  # (response id, embeddings) -> the body
+# (model name) -> (response id, each pair's score, usage) -> the body
+Answer = Callable[[str], Callable[[str, list[float], dict[str, int]], bytes]]
 
 
 @router.post("/v1/score", response_model=None, responses=documented(ScoreResponse))
@@ -76,14 +81,13 @@ async def create_score(body: ScoreRequest, request: Request) -> Response:
     pairs = [(texts.at[firsts[0] if len(firsts) == 1 else firsts[i]], texts.at[second])
              for i, second in enumerate(seconds)]
 
-    def answer(model: str) -> Answer:
-        return lambda response_id, outputs: _JSON.encode({
+    def answer(model: str) -> Callable[[str, list[float], dict[str, int]], bytes]:
+        return lambda response_id, scores, usage: _JSON.encode({
             "id": response_id, "object": "list", "created": now(), "model": model,
-            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(_cosines(outputs, pairs))],
-            "usage": _usage(outputs),
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)], "usage": usage,
         })
 
-    return await _scored(request, body, texts, answer, "score")
+    return await _scored(request, body, texts, pairs, answer, "score")
 
 
 @router.post("/v1/rerank", response_model=None, responses=documented(RerankResponse))
@@ -94,35 +98,54 @@ async def create_rerank(body: RerankRequest, request: Request) -> Response:
     texts = body.scored_texts()
     pairs = [(texts.at[body.query], texts.at[document]) for document in documents]
 
-    def ranked(outputs: Sequence[EmbeddingRequestOutput]) -> list[dict]:
-        scores = _cosines(outputs, pairs)
+    def ranked(scores: list[float]) -> list[dict]:
         order = sorted(range(len(documents)), key=lambda i: (-scores[i], i))[: body.top_n or len(documents)]
         return [{"index": i, "relevance_score": scores[i],
                  **({"document": {"text": documents[i]}} if body.return_documents else {})} for i in order]
 
-    def answer(model: str) -> Answer:
-        return lambda response_id, outputs: _JSON.encode({
-            "id": response_id, "model": model, "results": ranked(outputs), "usage": _usage(outputs),
+    def answer(model: str) -> Callable[[str, list[float], dict[str, int]], bytes]:
+        return lambda response_id, scores, usage: _JSON.encode({
+            "id": response_id, "model": model, "results": ranked(scores), "usage": usage,
         })
 
-    return await _scored(request, body, texts, answer, "rerank")
+    return await _scored(request, body, texts, pairs, answer, "rerank")
 
 
 async def _scored(request: Request, body: ScoreRequest | RerankRequest, texts: ScoredTexts,
-                  answer: Callable[[str], Answer], id_prefix: str) -> Response:
-    """Embed `texts` through the model `body` names, then answer with what `answer(model name)` writes."""
+                  pairs: list[tuple[int, int]], answer: Answer, id_prefix: str) -> Response:
+    """Score each pair of `texts` with the model `body` names, then answer with what `answer(model name)` writes:
+    a cross-encoder reads each pair whole, an embedding model embeds each text once."""
     state = get_state(request)
     key = request_key(request.state)
     endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
-    inputs = Inputs(texts.items, texts.params, body.truncate_prompt_tokens)
-    return await embed(request, state, endpoint, key, inputs, PoolingParams(), body.priority, answer(endpoint.name),
-                       id_prefix)
+    classifier = endpoint.engine.input_processor.classifier
+    if classifier is None:
+        endpoint.engine.input_processor.check_can_embed()
+    elif len(classifier.labels) != 1:
+        raise InvalidRequestError(
+            f"The model {endpoint.name!r} classifies into {len(classifier.labels)} labels; a score needs a "
+            "cross-encoder with one (use /classify for its labels).", param="model",
+        )
+    inputs = Inputs(texts.items, texts.params, body.truncate_prompt_tokens, pairs if classifier is not None else None)
+    write = answer(endpoint.name)
+
+    def scored(response_id: str, outputs: Sequence[EmbeddingRequestOutput]) -> bytes:
+        scores = _cosines(outputs, pairs) if classifier is None else _relevance(outputs, classifier.score_activation)
+        return write(response_id, scores, _usage(outputs))
+
+    return await embed(request, state, endpoint, key, inputs, PoolingParams(), body.priority, scored, id_prefix)
 
 
 def _cosines(outputs: Sequence[EmbeddingRequestOutput], pairs: list[tuple[int, int]]) -> list[float]:
     vectors = np.stack([output.outputs.data for output in outputs]).astype(np.float64)
     unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     return [float(unit[a] @ unit[b]) for a, b in pairs]
+
+
+def _relevance(outputs: Sequence[EmbeddingRequestOutput], activation: str) -> list[float]:
+    """A cross-encoder's score of each pair: its one logit, through sigmoid unless the model says identity."""
+    logits = np.array([output.outputs.data[0] for output in outputs], dtype=np.float64)
+    return (1.0 / (1.0 + np.exp(-logits)) if activation == "sigmoid" else logits).tolist()
 
 
 def _usage(outputs: Sequence[EmbeddingRequestOutput]) -> dict[str, int]:

@@ -22,12 +22,13 @@ router = APIRouter()
 
 
 def storage_for(request: Request) -> Storage | None:
-    """Where this request's responses are kept: its platform's store under its key; None without one."""
+    """Where this request's responses (and the conversations it continues) are kept: its platform's stores
+    under its key; None without them."""
     platform = platform_of(request)
     if platform is None or platform.responses is None:
         return None
     key = request_key(request.state)
-    return Storage(platform.responses, key.id if key is not None else None)
+    return Storage(platform.responses, key.id if key is not None else None, platform.conversations)
 
 
 def _storage(request: Request) -> Storage:

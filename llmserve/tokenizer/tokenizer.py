@@ -102,6 +102,18 @@ def _decoder_types(node: Any) -> set[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _longest_first(first: int, second: int, room: int) -> tuple[int, int]:
+    """How many tokens of each text of a pair fit in `room` when the longer one is cut first (the tokenizers
+    library's LongestFirst: a tie gives the second text the odd token)."""
+    if first + second <= room:
+        return first, second
+    if first > second:
+        kept = min(second, room // 2)
+        return room - kept, kept
+    kept = min(first, room // 2)
+    return kept, room - kept
+
+
 def _raise_exception(message: str) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -361,6 +373,20 @@ class Tokenizer:
             encoding.truncate(max(room, 0))
         ids = self._backend.post_process(encoding).ids
         return [self._prepend_bos_id, *ids] if self._prepend_bos_id is not None else ids
+
+    def encode_pair(self, first: str, second: str, max_length: int | None = None) -> tuple[list[int], int | None]:
+        """A text pair's tokens as the tokenizer's post-processor joins them (BERT: `[CLS] a [SEP] b [SEP]`,
+        RoBERTa: `<s> a </s></s> b </s>`), and where token type 1 starts (None: one type throughout). Cut to
+        `max_length` as transformers' `truncation="longest_first"` cuts: the longer text loses its last tokens."""
+        a, b = self._backend.encode_batch_fast([first, second], add_special_tokens=False)
+        if max_length is not None:
+            room = max(max_length - self._backend.num_special_tokens_to_add(True), 0)
+            keep_a, keep_b = _longest_first(len(a.ids), len(b.ids), room)
+            a.truncate(keep_a)
+            b.truncate(keep_b)
+        encoding = self._backend.post_process(a, b)
+        types = encoding.type_ids
+        return encoding.ids, types.index(1) if 1 in types else None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids if isinstance(ids, list) else list(ids), skip_special_tokens=skip_special_tokens)

@@ -211,11 +211,14 @@ def test_without_a_platform_scores_and_reranks_pass_through(minilm_engine: Async
                        for path in ("/v1/rerank", "/rerank")}
             score = httpx.post(f"{base_url}/v1/score", json={"model": MODEL, "text_1": QUERY, "text_2": DOCUMENTS},
                                timeout=60)
+            classified = httpx.post(f"{base_url}/classify", json={"model": MODEL, "input": QUERY}, timeout=60)
         finally:
             gateway.should_exit = True
             thread.join(timeout=30)
     assert [r["index"] for r in answers["/v1/rerank"]["results"]] == [r["index"] for r in answers["/rerank"]["results"]]
     assert score.status_code == 200 and len(score.json()["data"]) == len(DOCUMENTS)
+    # the replica's answer: an embedding model has no labels
+    assert classified.status_code == 400 and error_of(classified)["param"] == "model"
 
 
 def test_scores_and_reranks_are_keyed_screened_and_metered_with_the_texts_tokens(server: PlatformServer) -> None:
@@ -240,4 +243,7 @@ def test_scores_and_reranks_are_keyed_screened_and_metered_with_the_texts_tokens
                          json={"model": MODEL, "query": QUERY, "documents": ["fine", "the forbidden one"]})
     assert blocked.status_code == 400 and (error_of(blocked)["code"], error_of(blocked)["param"]) == (
         "content_filter", "documents")
+    classified = httpx.post(f"{server.base_url}/classify", headers=headers, timeout=60,
+                            json={"model": MODEL, "input": ["fine", "a fox"]})
+    assert classified.status_code == 400 and error_of(classified)["param"] == "model"  # an embedding model: no labels
     assert server.count_usage_rows() == 3

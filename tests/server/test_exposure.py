@@ -49,6 +49,7 @@ ROUTE_ACCESS = {
     "/v1/rerank": KEY,
     "/rerank": KEY,
     "/v2/rerank": KEY,
+    "/classify": KEY,
     "/v1/embeddings": KEY,
     "/v1/usage": KEY,
     "/v1/conversations": KEY,

@@ -133,6 +133,7 @@ def test_text_format_json_schema_holds(live_server: LiveServer) -> None:
 
 @pytest.mark.parametrize(("body", "param", "code"), [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "unsupported_parameter"),
+    ({"conversation": "conv_1"}, "conversation", "unsupported_parameter"),
     ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", None),
@@ -264,7 +265,7 @@ def test_encrypted_reasoning_is_its_text_for_a_stateless_client_to_send_back() -
         assert reasoning.type == "reasoning" and reasoning.encrypted_content == expected
     sent_back = [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "TGV0"},
                  {"role": "user", "content": "More?"}]
-    assert _messages(None, [], sent_back) == [{"role": "user", "content": "More?"}]
+    assert _messages([], sent_back) == [{"role": "user", "content": "More?"}]
 
 
 def test_an_unknown_include_is_a_400_naming_it(live_server: LiveServer) -> None:

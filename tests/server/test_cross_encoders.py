@@ -1,0 +1,179 @@
+"""Cross-encoder rerankers and text classifiers (sequence-classification models, random weights in the layouts
+of ms-marco-MiniLM and bge-reranker): /v1/score and /v1/rerank give sentence-transformers' CrossEncoder scores
+of each pair, /classify gives transformers' label probabilities, and long pairs are cut as the tokenizer cuts
+them or refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.model_facts import load_model
+from llmserve.errors import ModelLoadError
+from llmserve.server.app import ModelSpec, build_app
+from tests.hf_reference import build_cross_encoder
+from tests.server.conftest import LiveServer, idle_stats, one_thread_engine_cores, start_server
+from tests.server.test_embeddings import minilm_dir  # noqa: F401 - fixture
+
+sentence_transformers = pytest.importorskip("sentence_transformers")
+
+QUERY = "Which animal jumps over the dog?"
+DOCUMENTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention keeps the KV cache in blocks.",
+             "A fox is an animal.", "Throughput and latency of a serving engine."]
+LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 20)  # 180 tokens, past the 128 the models read
+LABELS = ("negative", "neutral", "positive")
+KINDS = ("bert", "xlm-roberta")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) -> dict[str, Path]:  # noqa: F811
+    root = tmp_path_factory.mktemp("cross-encoders")
+    built = {kind: build_cross_encoder(kind, root / kind, minilm_dir) for kind in KINDS}
+    built["classifier"] = build_cross_encoder("bert", root / "classifier", minilm_dir, labels=LABELS, seed=1)
+    return built
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints: dict[str, Path]) -> Iterator[dict[str, AsyncLLM]]:
+    started: dict[str, AsyncLLM] = {}
+    try:
+        with one_thread_engine_cores():
+            for name, path in checkpoints.items():
+                started[name] = AsyncLLM.from_config(EngineConfig(model=str(path), dtype="float32"))
+        yield started
+    finally:
+        for engine in started.values():
+            engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints: dict[str, Path], engines: dict[str, AsyncLLM]) -> Iterator[LiveServer]:
+    app = build_app(models=[ModelSpec(name, engine, root=str(checkpoints[name])) for name, engine in engines.items()])
+    uvicorn_server, thread, base_url, loop = start_server(app)
+    try:
+        yield LiveServer(base_url=base_url, engine=engines["bert"], app=app, loop=loop, model="bert")
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _post(server: LiveServer, path: str, status: int = 200, **body) -> dict:
+    response = httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
+    assert response.status_code == status, response.text
+    return response.json()
+
+
+def _pair_tokens(model_dir: Path, pairs: list[tuple[str, str]]) -> int:
+    tokenizer = sentence_transformers.CrossEncoder(str(model_dir), device="cpu").tokenizer
+    return sum(len(tokenizer(a, b)["input_ids"]) for a, b in pairs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cross_encoder_scores_each_pair_as_sentence_transformers(
+    server: LiveServer, checkpoints: dict[str, Path], kind: str
+) -> None:
+    reference = sentence_transformers.CrossEncoder(str(checkpoints[kind]), device="cpu")
+    expected = reference.predict([(QUERY, d) for d in DOCUMENTS]).astype(np.float64)
+    order = sorted(range(len(DOCUMENTS)), key=lambda i: -expected[i])
+    ranked = _post(server, "/v1/rerank", model=kind, query=QUERY, documents=DOCUMENTS)
+    assert [r["index"] for r in ranked["results"]] == order
+    np.testing.assert_allclose([r["relevance_score"] for r in ranked["results"]], expected[order], atol=1e-5)
+    pairs = [(QUERY, d) for d in DOCUMENTS]
+    assert ranked["usage"]["prompt_tokens"] == _pair_tokens(checkpoints[kind], pairs)  # each pair read whole
+    scored = _post(server, "/v1/score", model=kind, text_1=DOCUMENTS[:2], text_2=[DOCUMENTS[2], QUERY])
+    np.testing.assert_allclose([d["score"] for d in scored["data"]],
+                               reference.predict([(DOCUMENTS[0], DOCUMENTS[2]), (DOCUMENTS[1], QUERY)]), atol=1e-5)
+    # the pair's order matters (BERT's second text is token type 1; RoBERTa's positions differ)
+    swapped = _post(server, "/v1/score", model=kind, text_1=DOCUMENTS[2], text_2=DOCUMENTS[0])
+    assert swapped["data"][0]["score"] != pytest.approx(scored["data"][0]["score"], abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_long_pair_is_cut_longest_text_first_or_refused(
+    server: LiveServer, checkpoints: dict[str, Path], kind: str
+) -> None:
+    refused = _post(server, "/v1/rerank", 400, model=kind, query=QUERY, documents=["d", LONG])
+    assert refused["error"]["param"] == "documents[1]"
+    for keep, documents in ((-1, [LONG, DOCUMENTS[0]]), (40, [LONG, LONG[:150]])):
+        reference = sentence_transformers.CrossEncoder(str(checkpoints[kind]), device="cpu",
+                                                       max_length=128 if keep == -1 else keep)
+        ranked = _post(server, "/v1/rerank", model=kind, query=QUERY, documents=documents, truncate_prompt_tokens=keep)
+        scores = {r["index"]: r["relevance_score"] for r in ranked["results"]}
+        np.testing.assert_allclose([scores[0], scores[1]], reference.predict([(QUERY, d) for d in documents]),
+                                   atol=1e-5)
+
+
+def test_classify_gives_each_input_its_label_probabilities(server: LiveServer, checkpoints: dict[str, Path]) -> None:
+    import transformers
+
+    texts = DOCUMENTS[:3]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoints["classifier"])
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(checkpoints["classifier"]).eval()
+    with torch.no_grad():
+        probs = [torch.softmax(model(**tokenizer(text, return_tensors="pt")).logits[0].double(), -1).numpy()
+                 for text in texts]
+    answer = _post(server, "/classify", model="classifier", input=texts)
+    assert answer["object"] == "list" and answer["id"].startswith("classify-") and answer["model"] == "classifier"
+    for i, (item, expected) in enumerate(zip(answer["data"], probs, strict=True)):
+        assert item["index"] == i and item["num_classes"] == 3 and item["label"] == LABELS[int(np.argmax(expected))]
+        np.testing.assert_allclose(item["probs"], expected, atol=1e-5)
+    assert answer["usage"]["prompt_tokens"] == sum(len(tokenizer(t)["input_ids"]) for t in texts)
+    by_ids = _post(server, "/classify", model="classifier", input=tokenizer(texts[1])["input_ids"])
+    np.testing.assert_allclose(by_ids["data"][0]["probs"], probs[1], atol=1e-5)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/embeddings", {"model": "bert", "input": "a fox"}, "model"),  # a cross-encoder does not embed
+    ("/v1/score", {"model": "classifier", "text_1": "a", "text_2": "b"}, "model"),  # three labels: no one score
+    ("/classify", {"model": "classifier", "input": []}, "input"),
+    ("/classify", {"model": "classifier", "input": "a", "truncate_prompt_tokens": 1000}, "truncate_prompt_tokens"),
+])
+def test_what_a_classifier_cannot_do_is_a_400(
+    server: LiveServer, engines: dict[str, AsyncLLM], path: str, body: dict, param: str
+) -> None:
+    error = _post(server, path, 400, **body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    for engine in engines.values():  # nothing left running, no block leaked
+        assert asyncio.run_coroutine_threadsafe(idle_stats(engine), server.loop).result(60).num_unfinished_requests == 0
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"task": "embed"}, "cannot embed"),
+    ({"task": "generate"}, "cannot generate"),
+    ({"pooling": "mean"}, "--pooling does not apply"),
+])
+def test_a_classifier_serves_only_as_one(checkpoints: dict[str, Path], options: dict, message: str) -> None:
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(EngineConfig(model=str(checkpoints["bert"]), **options))
+
+
+def test_what_a_checkpoint_says_of_its_labels_positions_and_activation(
+    tmp_path: Path, checkpoints: dict[str, Path], minilm_dir: Path  # noqa: F811
+) -> None:
+    facts, _ = load_model(EngineConfig(model=str(checkpoints["xlm-roberta"])))
+    assert facts.max_model_len == 128  # 130 positions, the first two before pad id 1's successor
+    assert facts.classifier is not None and facts.classifier.score_activation == "sigmoid"
+    assert load_model(EngineConfig(model=str(checkpoints["classifier"])))[0].classifier.labels == LABELS  # type: ignore[union-attr]
+    with pytest.raises(ModelLoadError, match="needs a sequence-classification model"):
+        load_model(EngineConfig(model=str(minilm_dir), task="classify"))
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoints["bert"], copy)
+    config = json.loads((copy / "config.json").read_text())
+    for activation, expected in (("torch.nn.modules.linear.Identity", "identity"), ("torch.nn.Tanh", None)):
+        config["sentence_transformers"] = {"activation_fn": activation}
+        (copy / "config.json").write_text(json.dumps(config))
+        if expected is None:
+            with pytest.raises(ModelLoadError, match="Tanh"):
+                load_model(EngineConfig(model=str(copy)))
+        else:
+            assert load_model(EngineConfig(model=str(copy)))[0].classifier.score_activation == expected  # type: ignore[union-attr]
