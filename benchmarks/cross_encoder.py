@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--documents", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the server's (default: its own)")
     args = ap.parse_args(argv)
     import torch
     from sentence_transformers import CrossEncoder
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> None:
         reference = CrossEncoder(str(model_dir), device="cpu", max_length=128)
         if args.dtype == "bfloat16":
             reference.model.to(torch.bfloat16)
-        server = Server(args.dtype, ["--no-platform"], model=str(model_dir))
+        budget = [] if args.max_num_batched_tokens is None else ["--max-num-batched-tokens",
+                                                                 str(args.max_num_batched_tokens)]
+        server = Server(args.dtype, ["--no-platform", *budget], model=str(model_dir))
         times: dict[str, list[float]] = {"llmserve": [], "sentence-transformers": []}
         try:
             with httpx.Client(base_url=server.url, timeout=600) as client:
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     difference = float(np.abs(np.subtract(scores["llmserve"], scores["sentence-transformers"])).max())
     print(f"random ms-marco-MiniLM-L-6-shaped cross-encoder ({args.dtype}), 1 query + {args.documents} documents of "
           f"8-100 tokens, {platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
-          f"median of {args.rounds} alternated rounds")
+          f"median of {args.rounds} alternated rounds, the server's --max-num-batched-tokens "
+          f"{args.max_num_batched_tokens or 'default'}")
     print(f"| llmserve /v1/rerank | {ours:.1f} ms | {args.documents / ours * 1e3:.0f} pairs/s |")
     print(f"| sentence-transformers CrossEncoder.predict | {theirs:.1f} ms | {args.documents / theirs * 1e3:.0f} pairs/s |")
     print(f"| sentence-transformers / llmserve time | {theirs / ours:.2f}x |")

@@ -76,27 +76,32 @@ CROSS_ENCODER_SIZES = {  # "minilm": ms-marco-MiniLM-L-6-v2's shape
 
 
 def build_cross_encoder(
-    kind: str, out_dir: Path, wordpiece_dir: Path, labels: tuple[str, ...] = ("LABEL_0",), size: str = "tiny",
+    kind: str, out_dir: Path, wordpiece_dir: Path, labels: tuple[str, ...] | None = ("LABEL_0",), size: str = "tiny",
     seed: int = 0,
 ) -> Path:
     """A random sequence classifier in transformers' layout, on a BERT WordPiece vocabulary (`wordpiece_dir`,
     e.g. all-MiniLM-L6-v2's): `kind` "bert" is ms-marco-MiniLM's layout (BertForSequenceClassification, token
     type 1 for a pair's second text), "xlm-roberta" bge-reranker's (positions after the padding id, one token
-    type, the pair joined as `[CLS] a [SEP][SEP] b [SEP]`). One label: a cross-encoder reranker."""
+    type, the pair joined as `[CLS] a [SEP][SEP] b [SEP]`). One label: a cross-encoder reranker. `labels` None:
+    the encoder alone (BertModel, XLMRobertaModel: bge-m3's layout)."""
     import tokenizers
     import transformers
 
-    common = dict(vocab_size=30522, num_labels=len(labels), id2label=dict(enumerate(labels)),
-                  label2id={label: i for i, label in enumerate(labels)}, **CROSS_ENCODER_SIZES[size])
+    common: dict = dict(vocab_size=30522, **CROSS_ENCODER_SIZES[size])
+    if labels is not None:
+        common.update(num_labels=len(labels), id2label=dict(enumerate(labels)),
+                      label2id={label: i for i, label in enumerate(labels)})
     torch.manual_seed(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     if kind == "bert":
-        model = transformers.BertForSequenceClassification(transformers.BertConfig(max_position_embeddings=128, **common))
+        config = transformers.BertConfig(max_position_embeddings=128, **common)
+        model = (transformers.BertModel if labels is None else transformers.BertForSequenceClassification)(config)
         for name in (*TOKENIZER_FILES, "vocab.txt"):
             shutil.copy(wordpiece_dir / name, out_dir / name)
     else:  # 130 positions after pad id 1: 128 tokens, as XLM-R's 514 give 512
         config = transformers.XLMRobertaConfig(max_position_embeddings=130, pad_token_id=1, type_vocab_size=1, **common)
-        model = transformers.XLMRobertaForSequenceClassification(config)
+        model = (transformers.XLMRobertaModel if labels is None else transformers.XLMRobertaForSequenceClassification)(
+            config)
         tokenizer = tokenizers.Tokenizer.from_file(str(wordpiece_dir / "tokenizer.json"))
         tokenizer.post_processor = tokenizers.processors.RobertaProcessing(("[SEP]", 102), ("[CLS]", 101))
         tokenizer.save(str(out_dir / "tokenizer.json"))

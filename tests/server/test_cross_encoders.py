@@ -20,6 +20,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.model_facts import load_model
 from llmserve.errors import ModelLoadError
+from llmserve.llm import LLM
 from llmserve.server.app import ModelSpec, build_app
 from tests.hf_reference import build_cross_encoder
 from tests.server.conftest import LiveServer, idle_stats, one_thread_engine_cores, start_server
@@ -177,3 +178,18 @@ def test_what_a_checkpoint_says_of_its_labels_positions_and_activation(
                 load_model(EngineConfig(model=str(copy)))
         else:
             assert load_model(EngineConfig(model=str(copy)))[0].classifier.score_activation == expected  # type: ignore[union-attr]
+
+
+def test_an_xlm_roberta_encoder_embeds_as_transformers(tmp_path: Path, minilm_dir: Path) -> None:  # noqa: F811
+    """bge-m3's layout (XLMRobertaModel): the first token's state, normalised, with RoBERTa's positions."""
+    import transformers
+
+    model_dir = build_cross_encoder("xlm-roberta", tmp_path / "encoder", minilm_dir, labels=None)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModel.from_pretrained(model_dir).eval()
+    texts = [LONG[:300], *DOCUMENTS]
+    with torch.no_grad():
+        expected = [torch.nn.functional.normalize(model(**tokenizer(t, return_tensors="pt")).last_hidden_state[0, 0],
+                                                  dim=0).numpy() for t in texts]
+    embedded = [output.outputs.embedding for output in LLM(model=str(model_dir), dtype="float32").embed(texts)]
+    np.testing.assert_allclose(embedded, expected, atol=1e-5)
