@@ -7,11 +7,20 @@ import itertools
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
+import numpy as np
+
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import InvalidRequestError
-from llmserve.model.pooling import PoolingParams
-from llmserve.outputs import EmbeddingRequestOutput, RequestOutput
+from llmserve.model.pooling import PoolingParams, cosine_scores, label_probabilities, relevance_scores
+from llmserve.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from llmserve.sampling.params import RequestOutputKind, SamplingParams
 
 # vLLM's prompt shapes: text, token ids, {"prompt": text} (TextPrompt), {"prompt_token_ids": ids}
@@ -97,6 +106,65 @@ class LLM:
                 request_id = f"offline-{next(self._ids)}"
                 content, _ = _unpack_prompt(prompt)
                 self.engine.add_embedding_request(request_id, content, pooling_params, truncate_prompt_tokens)
+                request_ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids)  # type: ignore[return-value]
+
+    def classify(self, prompts: Prompt | Seq[Prompt], truncate_prompt_tokens: int | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities by a sequence-classification model (softmax over its labels)."""
+        self.engine.input_processor.check_can_classify()
+        outputs = self._pool([(_unpack_prompt(p)[0], None) for p in _as_prompt_list(prompts)], truncate_prompt_tokens)
+        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
+                                            ClassificationOutput(label_probabilities(o.outputs.data).tolist()))
+                for o in outputs]
+
+    def score(self, text_1: str | Seq[str], text_2: str | Seq[str], truncate_prompt_tokens: int | None = None
+              ) -> list[ScoringRequestOutput]:
+        """How related `text_1` (one text, or one per text of `text_2`) is to each of `text_2`: a cross-encoder's
+        score of the pair (its logit through its activation), or the cosine of an embedding model's embeddings."""
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        if len(firsts) == 1:
+            firsts *= len(seconds)
+        if len(firsts) != len(seconds):
+            raise ValueError(f"text_1 holds {len(firsts)} texts: it must hold one, or as many as text_2.")
+        processor = self.engine.input_processor
+        classifier = processor.classifier
+        if classifier is None:  # each text embedded once
+            processor.check_can_embed()
+            texts = list(dict.fromkeys([*firsts, *seconds]))
+            at = {text: i for i, text in enumerate(texts)}
+            pairs = [(at[a], at[b]) for a, b in zip(firsts, seconds, strict=True)]
+            outputs = self._pool([(text, None) for text in texts], truncate_prompt_tokens)
+            scores = cosine_scores(np.stack([o.outputs.data for o in outputs]), pairs)
+            tokens = [outputs[a].prompt_token_ids + outputs[b].prompt_token_ids for a, b in pairs]
+            ids = [f"offline-{next(self._ids)}" for _ in pairs]
+        else:
+            if len(classifier.labels) != 1:
+                raise InvalidRequestError(f"This model classifies into {len(classifier.labels)} labels; a score "
+                                          "needs a cross-encoder with one.", param="model")
+            outputs = self._pool(list(zip(firsts, seconds, strict=True)), truncate_prompt_tokens)
+            scores = relevance_scores(np.array([o.outputs.data[0] for o in outputs]), classifier.score_activation)
+            tokens = [o.prompt_token_ids for o in outputs]
+            ids = [o.request_id for o in outputs]
+        return [ScoringRequestOutput(i, t, ScoringOutput(s)) for i, t, s in zip(ids, tokens, scores, strict=True)]
+
+    def _pool(self, inputs: list[tuple[str | Seq[int], str | None]], truncate_prompt_tokens: int | None
+              ) -> list[EmbeddingRequestOutput]:
+        """One pooled engine request per input: a prompt (second None), or a text pair for a cross-encoder."""
+        processor = self.engine.input_processor
+        request_ids = []
+        try:
+            for first, second in inputs:
+                request_id = f"offline-{next(self._ids)}"
+                if second is None:
+                    self.engine.add_embedding_request(request_id, first, None, truncate_prompt_tokens)
+                else:
+                    ids, start = processor.pair_tokens(first, second, truncate_prompt_tokens)  # type: ignore[arg-type]
+                    self.engine.add_embedding_request(request_id, ids, PoolingParams(second_text_start=start))
                 request_ids.append(request_id)
         except Exception:
             self.engine.abort_request(request_ids)

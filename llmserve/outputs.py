@@ -109,3 +109,40 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     metrics: RequestMetrics
     finished: bool = True
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """One input's label probabilities (vLLM's shape), in the order of the model's labels."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """What `LLM.classify` returns per input (vLLM's `ClassificationRequestOutput`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """What `LLM.score` returns per text pair (vLLM's `ScoringRequestOutput`); a cross-encoder's tokens are the
+    pair's, a bi-encoder's the two texts' one after the other."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

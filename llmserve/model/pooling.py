@@ -176,3 +176,25 @@ def truncate_embedding(row: np.ndarray, dimensions: int | None) -> np.ndarray:
         return np.ascontiguousarray(row, dtype=np.float32)
     head = row[:dimensions].astype(np.float32)
     return head / max(float(np.linalg.norm(head)), 1e-12)
+
+
+def label_probabilities(logits: np.ndarray) -> np.ndarray:
+    """A classifier's probabilities of its labels: softmax over them; the sigmoid of a lone one."""
+    values = logits.astype(np.float64)
+    if len(values) == 1:
+        return 1.0 / (1.0 + np.exp(-values))
+    exp = np.exp(values - values.max())
+    return exp / exp.sum()
+
+
+def relevance_scores(logits: np.ndarray, activation: str) -> list[float]:
+    """A cross-encoder's score of each pair from its one logit each (`ClassifierConfig.score_activation`)."""
+    values = logits.astype(np.float64)
+    return (1.0 / (1.0 + np.exp(-values)) if activation == "sigmoid" else values).tolist()
+
+
+def cosine_scores(vectors: np.ndarray, pairs: list[tuple[int, int]]) -> list[float]:
+    """A bi-encoder's score of each pair of rows of `vectors`: the cosine of their embeddings."""
+    unit = vectors.astype(np.float64)
+    unit /= np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
+    return [float(unit[a] @ unit[b]) for a, b in pairs]

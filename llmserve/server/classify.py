@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from llmserve.model.pooling import PoolingParams
+from llmserve.model.pooling import PoolingParams, label_probabilities
 from llmserve.outputs import EmbeddingRequestOutput
 from llmserve.server.embeddings import Inputs, embed
 from llmserve.server.gateway import request_key
@@ -73,11 +73,6 @@ async def create_classification(body: ClassificationRequest, request: Request) -
 
 
 def _labelled(index: int, logits: np.ndarray, labels: Sequence[str]) -> dict:
-    """An input's probabilities (softmax over its labels; sigmoid of a lone one) and its likeliest label."""
-    values = logits.astype(np.float64)
-    if len(values) == 1:
-        probs = 1.0 / (1.0 + np.exp(-values))
-    else:
-        exp = np.exp(values - values.max())
-        probs = exp / exp.sum()
+    """An input's label probabilities and its likeliest label."""
+    probs = label_probabilities(logits)
     return {"index": index, "label": labels[int(np.argmax(probs))], "probs": probs.tolist(), "num_classes": len(labels)}

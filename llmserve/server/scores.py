@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from llmserve.errors import InvalidRequestError
-from llmserve.model.pooling import PoolingParams
+from llmserve.model.pooling import PoolingParams, cosine_scores, relevance_scores
 from llmserve.outputs import EmbeddingRequestOutput
 from llmserve.server.embeddings import Inputs, embed
 from llmserve.server.gateway import request_key
@@ -130,22 +130,12 @@ async def _scored(request: Request, body: ScoreRequest | RerankRequest, texts: S
     write = answer(endpoint.name)
 
     def scored(response_id: str, outputs: Sequence[EmbeddingRequestOutput]) -> bytes:
-        scores = _cosines(outputs, pairs) if classifier is None else _relevance(outputs, classifier.score_activation)
+        vectors = np.stack([output.outputs.data for output in outputs])
+        scores = (cosine_scores(vectors, pairs) if classifier is None
+                  else relevance_scores(vectors[:, 0], classifier.score_activation))
         return write(response_id, scores, _usage(outputs))
 
     return await embed(request, state, endpoint, key, inputs, PoolingParams(), body.priority, scored, id_prefix)
-
-
-def _cosines(outputs: Sequence[EmbeddingRequestOutput], pairs: list[tuple[int, int]]) -> list[float]:
-    vectors = np.stack([output.outputs.data for output in outputs]).astype(np.float64)
-    unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-    return [float(unit[a] @ unit[b]) for a, b in pairs]
-
-
-def _relevance(outputs: Sequence[EmbeddingRequestOutput], activation: str) -> list[float]:
-    """A cross-encoder's score of each pair: its one logit, through sigmoid unless the model says identity."""
-    logits = np.array([output.outputs.data[0] for output in outputs], dtype=np.float64)
-    return (1.0 / (1.0 + np.exp(-logits)) if activation == "sigmoid" else logits).tolist()
 
 
 def _usage(outputs: Sequence[EmbeddingRequestOutput]) -> dict[str, int]:

@@ -19,7 +19,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.model_facts import load_model
-from llmserve.errors import ModelLoadError
+from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.llm import LLM
 from llmserve.server.app import ModelSpec, build_app
 from tests.hf_reference import build_cross_encoder
@@ -193,3 +193,27 @@ def test_an_xlm_roberta_encoder_embeds_as_transformers(tmp_path: Path, minilm_di
                                                   dim=0).numpy() for t in texts]
     embedded = [output.outputs.embedding for output in LLM(model=str(model_dir), dtype="float32").embed(texts)]
     np.testing.assert_allclose(embedded, expected, atol=1e-5)
+
+
+def test_offline_score_and_classify(
+    server: LiveServer, checkpoints: dict[str, Path], minilm_dir: Path  # noqa: F811
+) -> None:
+    """`LLM.score` and `LLM.classify` (vLLM's offline API) give what the server gives."""
+    reranker = LLM(model=str(checkpoints["bert"]), dtype="float32")
+    expected = sentence_transformers.CrossEncoder(str(checkpoints["bert"]), device="cpu").predict(
+        [(QUERY, d) for d in DOCUMENTS])
+    scored = reranker.score(QUERY, DOCUMENTS)
+    np.testing.assert_allclose([s.outputs.score for s in scored], expected, atol=1e-5)
+    assert scored[0].prompt_token_ids == reranker.get_tokenizer().encode_pair(QUERY, DOCUMENTS[0])[0]
+    with pytest.raises(InvalidRequestError, match="does not embed"):
+        reranker.embed(QUERY)
+    classified = LLM(model=str(checkpoints["classifier"]), dtype="float32").classify(DOCUMENTS[:2])
+    served = _post(server, "/classify", model="classifier", input=DOCUMENTS[:2])["data"]
+    assert [c.outputs.num_classes for c in classified] == [3, 3]
+    np.testing.assert_allclose([c.outputs.probs for c in classified], [d["probs"] for d in served], atol=1e-6)
+    embedder = LLM(model=str(minilm_dir), dtype="float32")
+    vectors = [o.outputs.data for o in embedder.embed([QUERY, *DOCUMENTS[:2]])]
+    cosines = [float(v @ vectors[0] / np.linalg.norm(v) / np.linalg.norm(vectors[0])) for v in vectors[1:]]
+    np.testing.assert_allclose([s.outputs.score for s in embedder.score(QUERY, DOCUMENTS[:2])], cosines, atol=1e-6)
+    with pytest.raises(InvalidRequestError, match="no labels"):
+        embedder.classify(QUERY)
