@@ -913,11 +913,11 @@ def _check_input(value: Any) -> Any:
         ) from None
 
 
-class EmbeddingRequest(RequestBody):
+class PooledInputRequest(RequestBody):
+    """A request whose `input` (a text, texts, token ids or lists of them) is pooled, one engine request each."""
+
     model: str | None = None
     input: Any
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int64 | None = Field(None, ge=1)
     user: str | None = None
     # vLLM's extras
     truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)
@@ -929,34 +929,22 @@ class EmbeddingRequest(RequestBody):
         return _check_input(value)
 
     def inputs(self) -> list[str | list[int]]:
-        return _input_items(self.input)
+        """The input(s), one engine request each."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if all(isinstance(t, int) for t in value):
+            return [list(value)]
+        return list(value)
 
 
-def _input_items(value: Any) -> list[str | list[int]]:
-    """An embeddings or classification request's input(s) (already checked), one engine request each."""
-    if isinstance(value, str):
-        return [value]
-    if all(isinstance(t, int) for t in value):
-        return [list(value)]
-    return list(value)
+class EmbeddingRequest(PooledInputRequest):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int64 | None = Field(None, ge=1)
 
 
-class ClassificationRequest(RequestBody):
-    """vLLM's /classify: each input's labels by a sequence-classification model."""
-
-    model: str | None = None
-    input: Any
-    user: str | None = None
-    truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)
-    priority: Int64 = 0
-
-    @field_validator("input")
-    @classmethod
-    def _validate_input(cls, value: Any) -> Any:
-        return _check_input(value)
-
-    def inputs(self) -> list[str | list[int]]:
-        return _input_items(self.input)
+class ClassificationRequest(PooledInputRequest):
+    """vLLM's /classify: each input's label probabilities by a sequence-classification model."""
 
 
 def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
