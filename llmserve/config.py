@@ -15,6 +15,8 @@ GiB = 1 << 30
 QUANTIZATION_CHOICES = ("int8", "fp8")  # as llmserve.model.quantization.QUANTIZATION_METHODS (torch-free here)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 TASKS = ("auto", "generate", "embed", "classify")
+DEFAULT_STEP_TOKENS = 1024  # max_num_batched_tokens unless configured (see EngineConfig)
+ENCODER_STEP_TOKENS = 8192
 POOLING_TYPES = ("mean", "cls", "last")  # how llmserve.model.pooling pools a sequence
 
 
@@ -32,7 +34,9 @@ class EngineConfig:
     kv_cache_memory: int = 4 * GiB  # bytes for the KV pool (CPU; on CUDA see gpu_memory_utilization)
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 1024
+    # tokens one engine step computes at most; None: 1024, or for an encoder (each sequence computed whole in one
+    # step, nothing cached) 8192 and at least its context (llmserve.engine.model_facts.step_token_budget)
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True  # share full KV blocks by content across requests
@@ -61,7 +65,7 @@ class EngineConfig:
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1.")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1.")
@@ -107,7 +111,8 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
     _EngineFlag("dtype", "--dtype", choices=("auto", "float32", "bfloat16", "float16")),
     _EngineFlag("device", "--device"),
     _EngineFlag("max_model_len", "--max-model-len"),
-    _EngineFlag("max_num_batched_tokens", "--max-num-batched-tokens"),
+    _EngineFlag("max_num_batched_tokens", "--max-num-batched-tokens",
+                help="tokens one engine step computes at most (default: 1024; an encoder's: 8192, at least its context)"),
     _EngineFlag("max_num_seqs", "--max-num-seqs"),
     _EngineFlag("block_size", "--block-size"),
     _EngineFlag("kv_cache_memory", "--kv-cache-memory-gib", in_gib=True),

@@ -163,8 +163,8 @@ class AsyncLLM:
     """The front end of one engine core process; serves requests from coroutines on one event loop."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.facts, self.tokenizer = load_model(config)
+        self.config = config = self.facts.settled(config)
         self.input_processor = InputProcessor(config, self.facts, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.model_config = self.facts.model_config

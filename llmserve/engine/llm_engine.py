@@ -23,8 +23,8 @@ from llmserve.sampling.params import SamplingParams
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.facts, self.tokenizer = load_model(config)
+        self.config = config = self.facts.settled(config)
         self.input_processor = InputProcessor(config, self.facts, self.tokenizer)
         self.core = EngineCore(config, self.facts)
         self.output_processor = OutputProcessor(self.tokenizer)

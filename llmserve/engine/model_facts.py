@@ -7,12 +7,13 @@ The front end reads them (it has the tokenizer) and hands them to the engine cor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmserve.config import EngineConfig
+from llmserve.config import DEFAULT_STEP_TOKENS, ENCODER_STEP_TOKENS, EngineConfig
 from llmserve.model.config import ModelConfig
 from llmserve.model.loader import resolve_model_path
 from llmserve.model.pooling import ClassifierConfig, PoolerConfig, classifier_config, pooler_config
@@ -33,6 +34,11 @@ class ModelFacts:
     can_generate: bool = True  # False for an encoder
     pooler: PoolerConfig | None = None  # how it embeds; None: it does not
     classifier: ClassifierConfig | None = None  # a sequence-classification model's labels; its "embeddings" are logits
+    max_num_batched_tokens: int = 1024  # the engine's step budget (`step_token_budget`)
+
+    def settled(self, config: EngineConfig) -> EngineConfig:
+        """`config` with the defaults the model decides filled in (the step budget), as both processes use it."""
+        return dataclasses.replace(config, max_num_batched_tokens=self.max_num_batched_tokens)
 
 
 def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
@@ -58,7 +64,17 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
         pooler=pooler,
         classifier=classifier_config(model_config.raw) if is_classifier else None,
     )
+    facts.max_num_batched_tokens = step_token_budget(config, is_encoder, facts.max_model_len)
     return facts, tokenizer
+
+
+def step_token_budget(config: EngineConfig, is_encoder: bool, max_model_len: int) -> int:
+    """The configured step budget, else the default: a decoder's prompts are prefilled in chunks, but an
+    encoder computes each input whole in one step, so its budget holds its whole context, and a larger one
+    costs no KV memory while it batches many short inputs together (rerank and embedding requests)."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    return max(ENCODER_STEP_TOKENS, max_model_len) if is_encoder else DEFAULT_STEP_TOKENS
 
 
 def _eos_token_ids(model_config: ModelConfig, generation_config: dict, tokenizer: Tokenizer) -> frozenset[int]:

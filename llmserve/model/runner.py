@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmserve.config import EngineConfig
+from llmserve.config import DEFAULT_STEP_TOKENS, EngineConfig
 from llmserve.model import huge_pages
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, get_backend
 from llmserve.model.config import ModelConfig, parse_dtype
@@ -363,7 +363,8 @@ class ModelRunner:
         """One eager step at the engine's limits: prompts of max_num_batched_tokens tokens in all, then the
         sampler on max_num_seqs rows. It writes into a scratch KV cache just big enough, whose size in
         bytes it returns (it is part of the peak but not of what the engine needs besides its pool)."""
-        lengths = profile_prompt_lengths(self.config.max_num_batched_tokens, self.max_model_len)
+        budget = self.config.max_num_batched_tokens or DEFAULT_STEP_TOKENS  # an engine's config is settled already
+        lengths = profile_prompt_lengths(budget, self.max_model_len)
         tables: list[list[int]] = []
         for length in lengths:
             first = sum(map(len, tables))

@@ -158,11 +158,15 @@ def test_a_classifier_serves_only_as_one(checkpoints: dict[str, Path], options: 
         load_model(EngineConfig(model=str(checkpoints["bert"]), **options))
 
 
-def test_what_a_checkpoint_says_of_its_labels_positions_and_activation(
-    tmp_path: Path, checkpoints: dict[str, Path], minilm_dir: Path  # noqa: F811
+def test_what_a_checkpoint_says_of_its_labels_positions_activation_and_step_budget(
+    tmp_path: Path, checkpoints: dict[str, Path], minilm_dir: Path, tiny_llama_dir: Path  # noqa: F811
 ) -> None:
     facts, _ = load_model(EngineConfig(model=str(checkpoints["xlm-roberta"])))
     assert facts.max_model_len == 128  # 130 positions, the first two before pad id 1's successor
+    # an encoder's step budget: many whole inputs a step; a decoder's: prefill chunks; a configured one: as set
+    assert facts.max_num_batched_tokens == 8192
+    assert load_model(EngineConfig(model=str(tiny_llama_dir)))[0].max_num_batched_tokens == 1024
+    assert load_model(EngineConfig(model=str(minilm_dir), max_num_batched_tokens=200))[0].max_num_batched_tokens == 200
     assert facts.classifier is not None and facts.classifier.score_activation == "sigmoid"
     assert load_model(EngineConfig(model=str(checkpoints["classifier"])))[0].classifier.labels == LABELS  # type: ignore[union-attr]
     with pytest.raises(ModelLoadError, match="needs a sequence-classification model"):

@@ -236,7 +236,11 @@ def serve_models(model_args: list[str], database_url: str | None, *extra: str) -
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        yield _Lines(proc).wait_for(r"serving .+ at (http://\S+)/v1").group(1)
+        lines = _Lines(proc)
+        url = lines.wait_for(r"serving .+ at (http://\S+)/v1").group(1)
+        if any("could not load" in line for line in lines.seen):  # what went wrong, not a missing model later
+            pytest.fail("a model did not load:\n" + "".join(lines.seen))
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=60)
