@@ -29,6 +29,7 @@ from llmserve.gateway.proxy import (
     HOP_HEADERS,
     STREAM_IDLE_TIMEOUT_S,
     Proxy,
+    forwarded_headers,
     prompt_cache_key,
     prompt_key,
 )
@@ -187,8 +188,28 @@ def build_gateway_app(
 
         return forward
 
+    async def stored_response(request: Request) -> Response:
+        """Without a platform the replicas keep the responses they made: the first pool whose replica knows the
+        id answers (replicas that share a database, `--database-url`, all do). A pool that could not answer (a
+        5xx) is passed over too, but its answer wins over the others' 404s: the id may be its replicas'."""
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        failed: Response | None = None
+        for pool in dict.fromkeys(state.pools.values()):
+            reply = await state.proxy.forward(pool, path, b"", "", forwarded_headers(request.headers),
+                                              method=request.method)
+            if reply.status_code != 404 and reply.status_code < 500:
+                return reply
+            if reply.status_code >= 500 and failed is None:
+                failed = reply
+        return failed or errors.error_response(
+            404, f"Response with id '{request.path_params['response_id']}' not found.", code="response_not_found")
+
     if platform is None:  # the bodies are passed on as they are: they take the lane, past FastAPI
         app.lane = ProxyLane({path: forwarder(path) for path in PROXIED_PATHS}, max_request_body_bytes, HOP_HEADERS)
+        app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"],
+                          response_model=None)
+        app.add_api_route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"],
+                          response_model=None)
     else:
         @app.post("/v1/chat/completions", response_model=None)
         async def chat_completions_with_platform(body: ChatCompletionRequest, request: Request) -> Response:
@@ -252,7 +273,7 @@ def build_gateway_app(
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    for module in (usage, conversations, stored_responses, streams):
+    for module in (usage, conversations, streams, *((stored_responses,) if platform is not None else ())):
         app.include_router(module.router)
     install_page(app)
     return app

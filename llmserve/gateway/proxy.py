@@ -118,7 +118,7 @@ class Proxy:
 
     async def forward(
         self, pool: Pool, path: str, body: bytes, prompt: PromptKey, headers: Mapping[str, str],
-        stream_filter: Callable[[], StreamFilter] | None = None, cache_key: str | None = None,
+        stream_filter: Callable[[], StreamFilter] | None = None, cache_key: str | None = None, method: str = "POST",
     ) -> Response:
         """The replica's response; a stream's events go through the filter `stream_filter` makes (called
         once the stream is handed over to the client, so never for a request that failed before).
@@ -134,7 +134,7 @@ class Proxy:
             if tried:
                 self.metrics.retried.labels(pool.name).inc()
             try:
-                return await self._send(pool, replica, path, body, headers, stream_filter)
+                return await self._send(pool, replica, method, path, body, headers, stream_filter)
             except _Draining:
                 tried.append(replica)
             except _Failed as exc:
@@ -144,7 +144,7 @@ class Proxy:
         return errors.replica_failed(f"The request failed on {failures} replicas of `{pool.name}`: {reason}")
 
     async def _send(
-        self, pool: Pool, replica: Replica, path: str, body: bytes, headers: Mapping[str, str],
+        self, pool: Pool, replica: Replica, method: str, path: str, body: bytes, headers: Mapping[str, str],
         stream_filter: Callable[[], StreamFilter] | None,
     ) -> Response:
         pool.policy.on_start(replica)
@@ -154,7 +154,8 @@ class Proxy:
         try:
             try:
                 async with replica.waiting_for_answer(self.first_byte_timeout_s):
-                    response = await self.client.session.post(replica.url + path, data=body, headers=headers)
+                    response = await self.client.session.request(method, replica.url + path, data=body,
+                                                                 headers=headers)
                     if response.status == 503:
                         await self._refuse(pool, replica, response)
                     reply_headers = forwarded_headers(response.headers)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -205,3 +206,37 @@ def test_truncation_auto_drops_a_conversations_oldest_turns(server: PlatformServ
         assert _text(cut) == chat.json()["choices"][0]["message"]["content"]
         assert cut["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
     assert server.idle_stats().num_used_blocks == 0
+
+
+def test_a_gateway_without_a_platform_reads_and_deletes_what_its_replicas_stored(
+    tiny_engine: AsyncLLM, tmp_path: Path  # noqa: F811
+) -> None:
+    """The replica keeps the responses; the gateway (no platform) passes GET and DELETE on to the first pool whose
+    replica knows the id, passing over one that answers 404 (here a healthy app that knows nothing)."""
+    from fastapi import FastAPI
+
+    from llmserve.gateway.app import build_gateway_app
+    from tests.server.conftest import start_server
+
+    with contextmanager(serve_platform)(tiny_engine, tmp_path) as replica:
+        knows_nothing = FastAPI()
+        knows_nothing.get("/health")(lambda: {"status": "ok"})
+        stranger, stranger_thread, stranger_url, _ = start_server(knows_nothing)
+        gateway, gateway_thread, gateway_url, _ = start_server(
+            build_gateway_app({"other": [stranger_url], MODEL: [replica.base_url]}))
+        try:
+            with httpx.Client(base_url=gateway_url, timeout=60) as client:
+                made = _create(client, input="Once upon a time")
+                path = f"/v1/responses/{made['id']}"
+                read = client.get(path)
+                assert read.status_code == 200 and read.json() == httpx.get(replica.base_url + path).json() == made
+                items = client.get(f"{path}/input_items", params={"limit": 1})
+                assert items.status_code == 200 and items.json() == httpx.get(
+                    f"{replica.base_url}{path}/input_items", params={"limit": 1}).json()
+                assert client.delete(path).json() == {"id": made["id"], "object": "response.deleted", "deleted": True}
+                gone = client.get(path)
+                assert gone.status_code == 404 and _error(gone)["code"] == "response_not_found"
+        finally:
+            for server, thread in ((gateway, gateway_thread), (stranger, stranger_thread)):
+                server.should_exit = True
+                thread.join(timeout=30)
