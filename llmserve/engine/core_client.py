@@ -129,18 +129,24 @@ class EngineCoreProcess:
         os.rmdir(self._dir)
 
 
+_CORE_START = threading.Lock()
+
+
 @contextlib.contextmanager
 def _openmp_waits_passively() -> Iterator[None]:
     """Start the core with OpenMP threads that sleep, not spin, between parallel regions (unless
     OMP_WAIT_POLICY says otherwise). On a CPU the core and this process share the cores: spinning
     intra-op threads took the front end's core (a host-bound model served at half speed), while a
     single thread left a compute-bound one 35% slower; passive threads keep both (measured in
-    BENCHMARKS.md). OpenMP reads the variable once, when the core's process loads it."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        yield
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        yield
-    finally:
-        del os.environ["OMP_WAIT_POLICY"]
+    BENCHMARKS.md). OpenMP reads the variable once, when the core's process loads it. One core starts at a
+    time: `serve` loads its models on threads at once, and two of them setting and removing the variable
+    together would start a core without it, or fail removing it twice."""
+    with _CORE_START:
+        if "OMP_WAIT_POLICY" in os.environ:
+            yield
+            return
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        try:
+            yield
+        finally:
+            del os.environ["OMP_WAIT_POLICY"]

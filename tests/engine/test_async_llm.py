@@ -266,3 +266,37 @@ def _assert_gone(pid: int | None) -> None:
     assert pid is not None
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_engine_cores_started_at_once_all_start_with_passive_openmp_threads(tiny_llama_dir, monkeypatch):
+    """`serve` loads its models on threads at once: every core starts, each with OMP_WAIT_POLICY=PASSIVE in its
+    environment, and the variable is left as it was in this process."""
+    import threading
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, max_model_len=256)
+    ready = threading.Barrier(3)
+    engines: list[AsyncLLM] = []
+    failures: list[BaseException] = []
+
+    def start() -> None:
+        ready.wait()
+        try:
+            engines.append(AsyncLLM.from_config(config))
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            failures.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    try:
+        assert not failures and len(engines) == 3
+        for engine in engines:
+            with open(f"/proc/{engine.engine_core_pid}/environ", "rb") as environ:
+                assert b"OMP_WAIT_POLICY=PASSIVE" in environ.read().split(b"\0")
+        assert "OMP_WAIT_POLICY" not in os.environ
+    finally:
+        for engine in engines:
+            engine.close()
