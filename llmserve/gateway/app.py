@@ -1,8 +1,10 @@
-"""The gateway's HTTP app: the OpenAI endpoints (/v1/chat/completions, /v1/completions, /v1/embeddings)
-forwarded to the pool named by the body's `model` (or an alias of it), `/v1/models` (the pools and aliases), /tokenize and /detokenize (answered by a
-replica), `/health` and `/metrics`. With a platform (platform.py), the keys, rate limits, usage,
-conversations and safety of `llmserve serve` around it all, and `/v1/usage` and `/v1/conversations`
-served from the platform's store; without one, requests are passed through as they are."""
+"""The gateway's HTTP app: the OpenAI endpoints (/v1/chat/completions, /v1/completions, /v1/embeddings,
+/v1/responses, scores, rerank and /classify) forwarded to the pool named by the body's `model` (or an alias of
+it), `/v1/models` (the pools and aliases), /tokenize and /detokenize (answered by a replica), `/health` and
+`/metrics`. With a platform (platform.py), the keys, rate limits, usage, conversations and safety of
+`llmserve serve` around it all, and `/v1/usage`, `/v1/conversations` and stored responses served from the
+platform's store; without one, requests are passed through as they are, and a stored response is read from
+the replica that knows it."""
 
 from __future__ import annotations
 
