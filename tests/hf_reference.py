@@ -31,13 +31,22 @@ ARCH_CASES: dict[str, tuple[str, dict]] = {
 }
 
 
-def build_checkpoint(case: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, shard: bool = False) -> Path:
+def build_checkpoint(
+    case: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, shard: bool = False,
+    labels: tuple[str, ...] | None = None,
+) -> Path:
+    """`labels`: the decoder as a sequence classifier (`*ForSequenceClassification`: a `score` head on the last
+    token, as reward models and Qwen3-Reranker's seq-cls form), its pad id one that text never encodes to."""
     import transformers
 
     cls_name, overrides = ARCH_CASES[case]
+    if labels is not None:
+        overrides = {**overrides, "num_labels": len(labels), "id2label": dict(enumerate(labels)),
+                     "label2id": {label: i for i, label in enumerate(labels)}, "pad_token_id": 1}
     config = getattr(transformers, cls_name)(**{**_COMMON, **overrides})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = transformers.AutoModelForCausalLM if labels is None else transformers.AutoModelForSequenceClassification
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init: clear logit margins, no near-ties
         for name, p in model.named_parameters():
             if "norm" not in name:

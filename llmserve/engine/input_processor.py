@@ -118,10 +118,11 @@ class InputProcessor:
     ) -> EngineCoreRequest:
         """The engine core's request, validated and with every default filled in."""
         if not self.can_generate:
-            raise InvalidRequestError(
-                f"The model {self.model_name!r} is an encoder: it serves embeddings (/v1/embeddings), not "
-                "text generation.", param="model",
-            )
+            serves = ("scores (/v1/score, /v1/rerank) and labels (/classify)" if self.classifier is not None
+                      else "embeddings (/v1/embeddings)")
+            kind = "a sequence-classification model" if self.classifier is not None else "an encoder"
+            raise InvalidRequestError(f"The model {self.model_name!r} is {kind}: it serves {serves}, not text "
+                                      "generation.", param="model")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string.", param="cache_salt")
         params = params or self.default_sampling_params()
@@ -193,7 +194,14 @@ class InputProcessor:
         """A cross-encoder's input: the pair joined as its tokenizer joins two texts, and where the second
         text's token type starts (`Tokenizer.encode_pair`); cut to `truncate_prompt_tokens` longest text first
         (as sentence-transformers' CrossEncoder truncates), and checked as `embedding_tokens` checks."""
-        token_ids, second_start = self.tokenizer.encode_pair(first, second, self._kept_tokens(truncate_prompt_tokens))
+        keep = self._kept_tokens(truncate_prompt_tokens)
+        least = self.tokenizer.pair_special_tokens + 2
+        if keep is not None and keep < least:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens {keep} leaves no room for a text pair: it needs at least {least} tokens "
+                "(the special tokens joining the pair, and one token of each text).", param="truncate_prompt_tokens",
+            )
+        token_ids, second_start = self.tokenizer.encode_pair(first, second, keep)
         self._check_embedded_length(token_ids, "the text pair")
         return token_ids, second_start
 

@@ -31,7 +31,7 @@ class ModelFacts:
     generation_config: dict
     eos_token_ids: frozenset[int]
     max_model_len: int
-    can_generate: bool = True  # False for an encoder
+    can_generate: bool = True  # False for an encoder or a classifier
     pooler: PoolerConfig | None = None  # how it embeds; None: it does not
     classifier: ClassifierConfig | None = None  # a sequence-classification model's labels; its "embeddings" are logits
     max_num_batched_tokens: int = 1024  # the engine's step budget (`step_token_budget`)
@@ -60,7 +60,7 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
         generation_config=generation_config,
         eos_token_ids=_eos_token_ids(model_config, generation_config, tokenizer),
         max_model_len=_max_model_len(config, model_config, pooler, _reserved_positions(cls, model_config)),
-        can_generate=not is_encoder,
+        can_generate=not is_encoder and not is_classifier,
         pooler=pooler,
         classifier=classifier_config(model_config.raw) if is_classifier else None,
     )

@@ -250,17 +250,13 @@ class ClassificationHead(nn.Module):
         return self.out(torch.tanh(self.dense(first_tokens)))
 
 
-def num_labels(cfg: ModelConfig) -> int:
-    """A classifier's label count: config.json keeps `id2label` (transformers writes no `num_labels`)."""
-    return len(cfg.raw.get("id2label") or {}) or int(cfg.raw.get("num_labels", 2))
-
-
 class BertForSequenceClassification(nn.Module):
     """The encoder and its classification head: `forward` gives the hidden states as the encoder does, and
     `classify` turns each sequence's first-token state into its label logits."""
 
     is_encoder = True
     encoder_class: type[BertModel] = BertModel
+    uses_token_types = True  # as its encoder's: the runner passes a pair's token types
     # checkpoint name prefix -> the head's parameter prefix
     head_weights: dict[str, str] = {"bert.pooler.dense.": "dense.", "classifier.": "out."}
 
@@ -268,7 +264,7 @@ class BertForSequenceClassification(nn.Module):
         super().__init__()
         self.config = cfg
         self.encoder = self.encoder_class(cfg)
-        self.head = ClassificationHead(cfg.hidden_size, num_labels(cfg), cfg.dtype)
+        self.head = ClassificationHead(cfg.hidden_size, cfg.num_labels, cfg.dtype)
 
     @classmethod
     def position_offset(cls, cfg: ModelConfig) -> int:

@@ -108,6 +108,11 @@ class ModelConfig:
             raw=cfg,
         )
 
+    @property
+    def num_labels(self) -> int:
+        """A classifier's label count: config.json keeps `id2label` (transformers writes no `num_labels`)."""
+        return len(self.raw.get("id2label") or {}) or int(self.raw.get("num_labels", 2))
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"

@@ -179,3 +179,21 @@ class LlamaForCausalLM(nn.Module):
                 param.data.fill_(1.0)
             else:
                 param.data.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """The decoder with transformers' `score` head on each sequence's last token and no language-model head:
+    reward models, and decoder rerankers in their classifier form (Qwen3-Reranker's seq-cls checkpoints). Qwen2,
+    Qwen3 and Mistral's differ only in their config. It does not generate."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__(cfg, max_positions)
+        self.lm_head = None
+        self.score = Linear(cfg.hidden_size, cfg.num_labels, False, cfg.dtype)
+
+    def classify(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """[rows, num_labels] float32 logits from each sequence's last hidden state ([rows, hidden])."""
+        return self.score(last_tokens.to(self.score.weight.dtype)).float()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{self.config.architecture} classifies: it has no language-model head.")

@@ -92,7 +92,7 @@ def pooler_config(
 ) -> PoolerConfig | None:
     """How the engine embeds (the checkpoint's layout, overridden by the configuration); None when
     it does not (a decoder without the layout, unless the task is embed). A classifier pools its first
-    token for its head."""
+    token (an encoder's) or its last (a decoder's) for its head."""
     if is_classifier:
         if config.task not in ("auto", "classify"):
             raise ModelLoadError(f"A sequence-classification model cannot {config.task}: serve it with --task "
@@ -100,7 +100,7 @@ def pooler_config(
         if config.pooling is not None:
             raise ModelLoadError("--pooling does not apply to a sequence-classification model: its head reads "
                                  "the first token.")
-        return PoolerConfig("cls", normalize=False)
+        return PoolerConfig("cls" if is_encoder else "last", normalize=False)
     if config.task == "classify":
         raise ModelLoadError("--task classify needs a sequence-classification model (an architecture named "
                              "*ForSequenceClassification).")

@@ -6,7 +6,7 @@ from torch import nn
 
 from llmserve.errors import UnsupportedArchitectureError
 from llmserve.model.bert import BertForSequenceClassification, BertModel
-from llmserve.model.llama import LlamaForCausalLM
+from llmserve.model.llama import LlamaForCausalLM, LlamaForSequenceClassification
 from llmserve.model.mistral import MistralForCausalLM
 from llmserve.model.qwen2 import Qwen2ForCausalLM
 from llmserve.model.qwen3 import Qwen3ForCausalLM
@@ -16,9 +16,13 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BertForSequenceClassification": BertForSequenceClassification,
     "BertModel": BertModel,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "MistralForCausalLM": MistralForCausalLM,
+    "MistralForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3ForSequenceClassification": LlamaForSequenceClassification,
     "RobertaForSequenceClassification": RobertaForSequenceClassification,
     "RobertaModel": RobertaModel,
     "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,

@@ -23,4 +23,5 @@ class RobertaModel(BertModel):
 
 class RobertaForSequenceClassification(BertForSequenceClassification):
     encoder_class = RobertaModel
+    uses_token_types = False
     head_weights = {"classifier.dense.": "dense.", "classifier.out_proj.": "out."}

@@ -262,6 +262,7 @@ class ModelRunner:
         self.weight_arena = huge_pages.move_parameters(self.model) if self.device.type == "cpu" else None
         self.is_encoder = getattr(self.model, "is_encoder", False)  # no KV cache, no sampling
         self.classifies = hasattr(self.model, "classify")  # pooled states -> label logits
+        self.uses_token_types = getattr(self.model, "uses_token_types", False)  # BERT's: a pair's second text
         self.attn_backend = choose_attention_backend(config.attention_backend, self.device)(
             model_config.num_attention_heads, model_config.num_key_value_heads, model_config.head_dim, self.block_size,
             self.dtype, kv_cache_dtype=self.kv_cache_dtype,
@@ -531,7 +532,7 @@ class ModelRunner:
             inputs.prompt_targets = self._to_device(scored.target_ids.reshape(-1, 1))
             inputs.prompt_num_top = scored.num_top
         inputs.pool_rows, inputs.pool_dimensions = batch.pool_rows, batch.pool_dimensions
-        if any(start is not None for start in batch.pool_second_texts):
+        if self.uses_token_types and any(start is not None for start in batch.pool_second_texts):
             inputs.token_type_ids = self._token_types(batch, meta.query_start_loc_host)
         if not batch.logits_rows:
             return inputs

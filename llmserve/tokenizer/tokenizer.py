@@ -374,13 +374,18 @@ class Tokenizer:
         ids = self._backend.post_process(encoding).ids
         return [self._prepend_bos_id, *ids] if self._prepend_bos_id is not None else ids
 
+    @property
+    def pair_special_tokens(self) -> int:
+        """How many special tokens the post-processor adds to a text pair."""
+        return self._backend.num_special_tokens_to_add(True)
+
     def encode_pair(self, first: str, second: str, max_length: int | None = None) -> tuple[list[int], int | None]:
         """A text pair's tokens as the tokenizer's post-processor joins them (BERT: `[CLS] a [SEP] b [SEP]`,
         RoBERTa: `<s> a </s></s> b </s>`), and where token type 1 starts (None: one type throughout). Cut to
         `max_length` as transformers' `truncation="longest_first"` cuts: the longer text loses its last tokens."""
         a, b = self._backend.encode_batch_fast([first, second], add_special_tokens=False)
         if max_length is not None:
-            room = max(max_length - self._backend.num_special_tokens_to_add(True), 0)
+            room = max(max_length - self.pair_special_tokens, 0)
             keep_a, keep_b = _longest_first(len(a.ids), len(b.ids), room)
             a.truncate(keep_a)
             b.truncate(keep_b)

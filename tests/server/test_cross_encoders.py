@@ -22,6 +22,7 @@ from llmserve.engine.model_facts import load_model
 from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.llm import LLM
 from llmserve.server.app import ModelSpec, build_app
+from tests import hf_reference
 from tests.hf_reference import build_cross_encoder
 from tests.server.conftest import LiveServer, idle_stats, one_thread_engine_cores, start_server
 from tests.server.test_embeddings import minilm_dir  # noqa: F401 - fixture
@@ -137,6 +138,9 @@ def test_classify_gives_each_input_its_label_probabilities(server: LiveServer, c
     ("/v1/embeddings", {"model": "bert", "input": "a fox"}, "model"),  # a cross-encoder does not embed
     ("/v1/score", {"model": "classifier", "text_1": "a", "text_2": "b"}, "model"),  # three labels: no one score
     ("/classify", {"model": "classifier", "input": []}, "input"),
+    # [CLS] a [SEP] b [SEP]: 3 special tokens, so a pair needs 5
+    ("/v1/rerank", {"model": "bert", "query": "q", "documents": ["d"], "truncate_prompt_tokens": 4},
+     "truncate_prompt_tokens"),
     ("/classify", {"model": "classifier", "input": "a", "truncate_prompt_tokens": 1000}, "truncate_prompt_tokens"),
 ])
 def test_what_a_classifier_cannot_do_is_a_400(
@@ -221,3 +225,36 @@ def test_offline_score_and_classify(
     np.testing.assert_allclose([s.outputs.score for s in embedder.score(QUERY, DOCUMENTS[:2])], cosines, atol=1e-6)
     with pytest.raises(InvalidRequestError, match="no labels"):
         embedder.classify(QUERY)
+
+
+
+@pytest.mark.parametrize("case", ["qwen3", "llama"])
+def test_a_decoder_classifier_scores_and_classifies_as_transformers(
+    tmp_path: Path, tiny_llama_dir: Path, case: str
+) -> None:
+    """Qwen3ForSequenceClassification / LlamaForSequenceClassification (reward models, Qwen3-Reranker's seq-cls
+    form): the `score` head on the last token of the text, or of the pair joined as the tokenizer joins it."""
+    import transformers
+
+    one_label = hf_reference.build_checkpoint(case, tmp_path / "reranker", tiny_llama_dir, labels=("LABEL_0",))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(one_label)
+    reference = transformers.AutoModelForSequenceClassification.from_pretrained(one_label).eval()
+
+    def logits(model, *texts: str) -> torch.Tensor:
+        with torch.no_grad():
+            return model(**tokenizer(*texts, return_tensors="pt")).logits[0].double()
+
+    reranker = LLM(model=str(one_label), dtype="float32")
+    scored = reranker.score(QUERY, DOCUMENTS)
+    expected = [torch.sigmoid(logits(reference, QUERY, d))[0].item() for d in DOCUMENTS]
+    np.testing.assert_allclose([s.outputs.score for s in scored], expected, atol=1e-5)
+    assert scored[0].prompt_token_ids == tokenizer(QUERY, DOCUMENTS[0])["input_ids"]
+    with pytest.raises(InvalidRequestError, match="does not embed"):
+        reranker.embed(QUERY)
+    with pytest.raises(InvalidRequestError):  # no language-model head
+        reranker.generate("Once upon a time")
+    three_labels = hf_reference.build_checkpoint(case, tmp_path / "classifier", tiny_llama_dir, labels=LABELS, seed=1)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(three_labels).eval()
+    classified = LLM(model=str(three_labels), dtype="float32").classify(DOCUMENTS[:2])
+    np.testing.assert_allclose([c.outputs.probs for c in classified],
+                               [torch.softmax(logits(model, d), -1).numpy() for d in DOCUMENTS[:2]], atol=1e-5)
