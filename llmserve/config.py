@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
-from typing import Any, get_args, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 GiB = 1 << 30
 QUANTIZATION_CHOICES = ("int8", "fp8")  # as llmserve.model.quantization.QUANTIZATION_METHODS (torch-free here)
@@ -60,6 +61,9 @@ class EngineConfig:
     # auto: embed for an encoder (BERT) or a checkpoint in the sentence-transformers layout.
     task: str = "auto"
     pooling: str | None = None  # mean | cls | last; None: the sentence-transformers layout's, else last (cls: encoders)
+    # merged over config.json (vLLM's --hf-overrides): e.g. a Qwen3-Reranker served as the classifier it is
+    # scored as, {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
+    hf_overrides: dict[str, Any] | None = None
     normalize: bool = True  # False: never L2-normalise embeddings (else as the layout says; no layout: yes)
 
     def validate(self) -> None:
@@ -81,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}.")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}.")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a JSON object, got {self.hf_overrides!r}.")
         if self.cuda_graph_sizes is not None and any(size < 1 for size in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}.")
 
@@ -160,6 +166,7 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
     ),
     _EngineFlag("pooling", "--pooling", choices=POOLING_TYPES, help="embeddings: how token states are pooled"),
     _EngineFlag("normalize", "--no-normalize", help="embeddings: never L2-normalise them"),
+    _EngineFlag("hf_overrides", "--hf-overrides", help="a JSON object merged over the model's config.json"),
     _EngineFlag(
         "async_scheduling", "--no-async-scheduling",
         help="run engine steps one after another instead of overlapping the next step's scheduling "
@@ -182,8 +189,19 @@ def _argparse_options(flag: _EngineFlag, field: dataclasses.Field, hint: Any) ->
         raise TypeError(f"EngineConfig.{field.name}: no single flag type in {hint}.")
     if flag.in_gib:
         return {**options, "type": float, "default": default / GiB}
-    flag_type = None if types[0] is str else types[0]  # argparse's strings need no conversion
+    kind = get_origin(types[0]) or types[0]
+    flag_type = {str: None, dict: _json_object}.get(kind, kind)  # argparse's strings need no conversion
     return {**options, "type": flag_type, "default": default, "choices": flag.choices}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:

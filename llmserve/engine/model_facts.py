@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmserve.config import DEFAULT_STEP_TOKENS, ENCODER_STEP_TOKENS, EngineConfig
+from llmserve.errors import ModelLoadError
 from llmserve.model.config import ModelConfig
 from llmserve.model.loader import resolve_model_path
 from llmserve.model.pooling import ClassifierConfig, PoolerConfig, classifier_config, pooler_config
@@ -47,12 +48,12 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
     config.validate()
     load_plugins()
     model_dir = resolve_model_path(config.model, config.revision)
-    model_config = ModelConfig.from_pretrained(model_dir)
+    tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
+    model_config = _with_classifier_tokens(ModelConfig.from_pretrained(model_dir, config.hf_overrides), tokenizer)
     cls = model_class(model_config.architecture)
     is_encoder = getattr(cls, "is_encoder", False)
     is_classifier = hasattr(cls, "classify")
     pooler = pooler_config(config, model_dir, is_encoder, is_classifier)
-    tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
     generation_config = _read_json(model_dir / "generation_config.json")
     facts = ModelFacts(
         model_dir=model_dir,
@@ -66,6 +67,25 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
     )
     facts.max_num_batched_tokens = step_token_budget(config, is_encoder, facts.max_model_len)
     return facts, tokenizer
+
+
+def _with_classifier_tokens(model_config: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """A causal LM scored as a classifier (vLLM's `classifier_from_token`, Qwen3-Reranker's way): the tokens'
+    ids, for the loader to make the head from their rows of the language-model head, and the labels. Two
+    tokens (["no", "yes"]) give one label, the second's logit less the first's (their 2-way softmax as a
+    sigmoid); more give one label each."""
+    tokens = model_config.raw.get("classifier_from_token")
+    if tokens is None:
+        return model_config
+    if not isinstance(tokens, list) or len(tokens) < 2 or not all(isinstance(t, str) for t in tokens):
+        raise ModelLoadError("classifier_from_token must name two or more tokens, e.g. [\"no\", \"yes\"].")
+    ids = [tokenizer.token_to_id(token) for token in tokens]
+    unknown = [token for token, token_id in zip(tokens, ids, strict=True) if token_id is None]
+    if unknown:
+        raise ModelLoadError(f"classifier_from_token: {unknown} are not tokens of the model's vocabulary.")
+    labels = tokens[1:] if len(tokens) == 2 else tokens
+    return ModelConfig.from_dict({**model_config.raw, "classifier_from_token_ids": ids,
+                                  "id2label": {str(i): label for i, label in enumerate(labels)}})
 
 
 def step_token_budget(config: EngineConfig, is_encoder: bool, max_model_len: int) -> int:

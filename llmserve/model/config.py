@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,15 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+
+
+def merged(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` over it; where both hold an object there, the two merged the same way."""
+    result = dict(base)
+    for key, value in overrides.items():
+        inner = result.get(key)
+        result[key] = merged(inner, value) if isinstance(inner, Mapping) and isinstance(value, Mapping) else value
+    return result
 
 
 @dataclass
@@ -114,7 +124,8 @@ class ModelConfig:
         return len(self.raw.get("id2label") or {}) or int(self.raw.get("num_labels", 2))
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+    def from_pretrained(cls, model_dir: str | Path, overrides: Mapping[str, Any] | None = None) -> ModelConfig:
+        """The checkpoint's config.json, with `overrides` merged over it (nested objects key by key)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelLoadError(f"{model_dir} has no config.json; is it a Hugging Face model directory?")
@@ -123,7 +134,7 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
         try:
-            return cls.from_dict(cfg)
+            return cls.from_dict(merged(cfg, overrides or {}))
         except KeyError as exc:
             raise ModelLoadError(f"{path} lacks the required field {exc.args[0]!r}.") from exc
 

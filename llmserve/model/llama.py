@@ -191,6 +191,23 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
         self.lm_head = None
         self.score = Linear(cfg.hidden_size, cfg.num_labels, False, cfg.dtype)
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A checkpoint of this class as it is; a causal LM's with `classifier_from_token_ids` in its config (see
+        `model_facts`): the head made from those tokens' rows of its language-model head."""
+        ids = self.config.raw.get("classifier_from_token_ids")
+        super().load_weights(weights if ids is None else self._head_from_tokens(weights, ids))
+
+    def _head_from_tokens(
+        self, weights: Iterable[tuple[str, torch.Tensor]], ids: list[int]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        for name, tensor in weights:
+            if name == head:
+                rows = tensor[ids].float()
+                yield "score.weight", (rows[1:] - rows[:1]) if len(ids) == 2 else rows
+            if name != "lm_head.weight":
+                yield name, tensor
+
     def classify(self, last_tokens: torch.Tensor) -> torch.Tensor:
         """[rows, num_labels] float32 logits from each sequence's last hidden state ([rows, hidden])."""
         return self.score(last_tokens.to(self.score.weight.dtype)).float()

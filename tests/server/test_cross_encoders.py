@@ -258,3 +258,35 @@ def test_a_decoder_classifier_scores_and_classifies_as_transformers(
     classified = LLM(model=str(three_labels), dtype="float32").classify(DOCUMENTS[:2])
     np.testing.assert_allclose([c.outputs.probs for c in classified],
                                [torch.softmax(logits(model, d), -1).numpy() for d in DOCUMENTS[:2]], atol=1e-5)
+
+
+def test_a_causal_lm_scored_by_two_tokens_as_qwen3_reranker(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """vLLM's `hf_overrides` for Qwen3-Reranker: the causal LM served as a classifier whose score is the softmax
+    of its "no" and "yes" logits at the pair's last token, P(yes)."""
+    import transformers
+
+    model_dir = hf_reference.build_checkpoint("qwen3", tmp_path / "qwen3", tiny_llama_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    no, yes = (tokenizer.convert_ids_to_tokens(i) for i in (7, 11))  # two tokens of the tiny vocabulary
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        last = [reference(**tokenizer(QUERY, d, return_tensors="pt")).logits[0, -1].double() for d in DOCUMENTS]
+    expected = [torch.softmax(logits[[7, 11]], -1)[1].item() for logits in last]
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": [no, yes]}
+    reranker = LLM(model=str(model_dir), dtype="float32", hf_overrides=overrides)
+    np.testing.assert_allclose([s.outputs.score for s in reranker.score(QUERY, DOCUMENTS)], expected, atol=1e-5)
+    with pytest.raises(ModelLoadError, match="not tokens of the model's vocabulary"):
+        load_model(EngineConfig(model=str(model_dir), hf_overrides={**overrides, "classifier_from_token": ["n0pe", yes]}))
+
+
+def test_hf_overrides_flag_takes_a_json_object() -> None:
+    from llmserve.cli import build_parser
+    from llmserve.config import engine_config_kwargs
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--hf-overrides", '{"architectures": ["Qwen3ForSequenceClassification"]}'])
+    assert engine_config_kwargs(args)["hf_overrides"] == {"architectures": ["Qwen3ForSequenceClassification"]}
+    assert engine_config_kwargs(parser.parse_args(["serve"]))["hf_overrides"] is None
+    for bad in ("not json", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--hf-overrides", bad])
