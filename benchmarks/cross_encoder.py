@@ -1,11 +1,12 @@
 """A cross-encoder reranker served by llmserve against sentence-transformers' CrossEncoder on the same weights:
-a random ms-marco-MiniLM-L-6-v2-shaped checkpoint (BertForSequenceClassification, 6 layers, hidden 384, one
-label; written by transformers), one query of 8-24 tokens against N documents of 8-100 tokens (every pair fits
+a random checkpoint written by transformers, by default ms-marco-MiniLM-L-6-v2-shaped (BertForSequenceClassification,
+6 layers, hidden 384, one label; `--kind xlm-roberta --size base`: bge-reranker-base's layout and shape, 12
+layers, hidden 768, on a WordPiece vocabulary), one query of 8-24 tokens against N documents of 8-100 tokens (every pair fits
 the model's 128). Alternately, one `/v1/rerank`
 request to `llmserve serve` and one `CrossEncoder.predict` of the same pairs in this process (batch 32, as
 sentence-transformers' default); the medians of their times, the ratio, and the largest score difference.
 
-    python benchmarks/cross_encoder.py --documents 100 --rounds 10
+    python benchmarks/cross_encoder.py --documents 100 --rounds 10 [--kind xlm-roberta --size base]
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--documents", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kind", choices=("bert", "xlm-roberta"), default="bert")
+    ap.add_argument("--size", choices=("minilm", "base"), default="minilm")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the server's (default: its own)")
     args = ap.parse_args(argv)
     import torch
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     query = make_texts(tokenizer, 1, 8, 24, seed=1)[0]
     documents = make_texts(tokenizer, args.documents, 8, 100, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_cross_encoder("bert", Path(tmp) / "reranker", wordpiece, size="minilm")
+        model_dir = build_cross_encoder(args.kind, Path(tmp) / "reranker", wordpiece, size=args.size)
         reference = CrossEncoder(str(model_dir), device="cpu", max_length=128)
         if args.dtype == "bfloat16":
             reference.model.to(torch.bfloat16)
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
             server.close()
     ours, theirs = statistics.median(times["llmserve"]), statistics.median(times["sentence-transformers"])
     difference = float(np.abs(np.subtract(scores["llmserve"], scores["sentence-transformers"])).max())
-    print(f"random ms-marco-MiniLM-L-6-shaped cross-encoder ({args.dtype}), 1 query + {args.documents} documents of "
+    print(f"random {args.kind} cross-encoder of the {args.size} shape ({args.dtype}), 1 query + {args.documents} documents of "
           f"8-100 tokens, {platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
           f"median of {args.rounds} alternated rounds, the server's --max-num-batched-tokens "
           f"{args.max_num_batched_tokens or 'default'}")

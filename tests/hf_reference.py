@@ -78,9 +78,10 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return generated
 
 
-CROSS_ENCODER_SIZES = {  # "minilm": ms-marco-MiniLM-L-6-v2's shape
+CROSS_ENCODER_SIZES = {  # "minilm": ms-marco-MiniLM-L-6-v2's shape; "base": bge-reranker-base's (BERT-base's)
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128),
     "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
 }
 
 
