@@ -100,17 +100,8 @@ class LLM:
         """One embedding per prompt (`output.outputs.embedding`), batched by the engine's scheduler.
         `truncate_prompt_tokens` cuts each input from the right (-1: to what the model embeds at most)."""
         self.engine.input_processor.check_can_embed()
-        request_ids = []
-        try:
-            for prompt in _as_prompt_list(prompts):
-                request_id = f"offline-{next(self._ids)}"
-                content, _ = _unpack_prompt(prompt)
-                self.engine.add_embedding_request(request_id, content, pooling_params, truncate_prompt_tokens)
-                request_ids.append(request_id)
-        except Exception:
-            self.engine.abort_request(request_ids)
-            raise
-        return self._run(request_ids)  # type: ignore[return-value]
+        return self._pool([(_unpack_prompt(p)[0], None) for p in _as_prompt_list(prompts)], truncate_prompt_tokens,
+                          pooling_params)
 
     def classify(self, prompts: Prompt | Seq[Prompt], truncate_prompt_tokens: int | None = None
                  ) -> list[ClassificationRequestOutput]:
@@ -152,8 +143,8 @@ class LLM:
             ids = [o.request_id for o in outputs]
         return [ScoringRequestOutput(i, t, ScoringOutput(s)) for i, t, s in zip(ids, tokens, scores, strict=True)]
 
-    def _pool(self, inputs: list[tuple[str | Seq[int], str | None]], truncate_prompt_tokens: int | None
-              ) -> list[EmbeddingRequestOutput]:
+    def _pool(self, inputs: list[tuple[str | Seq[int], str | None]], truncate_prompt_tokens: int | None,
+              pooling: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
         """One pooled engine request per input: a prompt (second None), or a text pair for a cross-encoder."""
         processor = self.engine.input_processor
         request_ids = []
@@ -161,7 +152,7 @@ class LLM:
             for first, second in inputs:
                 request_id = f"offline-{next(self._ids)}"
                 if second is None:
-                    self.engine.add_embedding_request(request_id, first, None, truncate_prompt_tokens)
+                    self.engine.add_embedding_request(request_id, first, pooling, truncate_prompt_tokens)
                 else:
                     ids, start = processor.pair_tokens(first, second, truncate_prompt_tokens)  # type: ignore[arg-type]
                     self.engine.add_embedding_request(request_id, ids, PoolingParams(second_text_start=start))

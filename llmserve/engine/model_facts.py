@@ -113,7 +113,7 @@ def _reserved_positions(cls: type, model_config: ModelConfig) -> int:
 
 
 def _max_model_len(
-    config: EngineConfig, model_config: ModelConfig, pooler: PoolerConfig | None, reserved_positions: int = 0
+    config: EngineConfig, model_config: ModelConfig, pooler: PoolerConfig | None, reserved_positions: int
 ) -> int:
     limit = model_config.max_position_embeddings - reserved_positions
     if model_config.sliding_window:

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from llmserve.model.pooling import PoolingParams, label_probabilities
 from llmserve.outputs import EmbeddingRequestOutput
-from llmserve.server.embeddings import Inputs, embed
+from llmserve.server.embeddings import Inputs, embed, usage
 from llmserve.server.gateway import request_key
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import ClassificationRequest, now
@@ -61,11 +61,10 @@ async def create_classification(body: ClassificationRequest, request: Request) -
     params = [f"input[{i}]" for i in range(len(items))] if len(items) > 1 else ["input"]
 
     def answer(response_id: str, outputs: Sequence[EmbeddingRequestOutput]) -> bytes:
-        tokens = sum(len(output.prompt_token_ids) for output in outputs)
         return _JSON.encode({
             "id": response_id, "object": "list", "created": now(), "model": endpoint.name,
             "data": [_labelled(i, output.outputs.data, labels) for i, output in enumerate(outputs)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+            "usage": {**usage(outputs), "completion_tokens": 0},
         })
 
     return await embed(request, state, endpoint, key, Inputs(items, params, body.truncate_prompt_tokens),

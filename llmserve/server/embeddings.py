@@ -144,10 +144,15 @@ def _response_json(model: str, outputs: Sequence[EmbeddingRequestOutput], encodi
         data = [base64.b64encode(o.outputs.data.tobytes()).decode() for o in outputs]
     else:
         data = [o.outputs.embedding for o in outputs]
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return _JSON.encode({
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
         "model": model,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        "usage": usage(outputs),
     })
+
+
+def usage(outputs: Sequence[EmbeddingRequestOutput]) -> dict[str, int]:
+    """A pooling request's usage: every engine request's prompt tokens, nothing generated."""
+    tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return {"prompt_tokens": tokens, "total_tokens": tokens}

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from llmserve.errors import InvalidRequestError
 from llmserve.model.pooling import PoolingParams, cosine_scores, relevance_scores
 from llmserve.outputs import EmbeddingRequestOutput
-from llmserve.server.embeddings import Inputs, embed
+from llmserve.server.embeddings import Inputs, embed, usage
 from llmserve.server.gateway import request_key
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import RerankRequest, ScoredTexts, ScoreRequest, now
@@ -82,9 +82,9 @@ async def create_score(body: ScoreRequest, request: Request) -> Response:
              for i, second in enumerate(seconds)]
 
     def answer(model: str) -> Callable[[str, list[float], dict[str, int]], bytes]:
-        return lambda response_id, scores, usage: _JSON.encode({
+        return lambda response_id, scores, used: _JSON.encode({
             "id": response_id, "object": "list", "created": now(), "model": model,
-            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)], "usage": usage,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)], "usage": used,
         })
 
     return await _scored(request, body, texts, pairs, answer, "score")
@@ -104,8 +104,8 @@ async def create_rerank(body: RerankRequest, request: Request) -> Response:
                  **({"document": {"text": documents[i]}} if body.return_documents else {})} for i in order]
 
     def answer(model: str) -> Callable[[str, list[float], dict[str, int]], bytes]:
-        return lambda response_id, scores, usage: _JSON.encode({
-            "id": response_id, "model": model, "results": ranked(scores), "usage": usage,
+        return lambda response_id, scores, used: _JSON.encode({
+            "id": response_id, "model": model, "results": ranked(scores), "usage": used,
         })
 
     return await _scored(request, body, texts, pairs, answer, "rerank")
@@ -133,11 +133,6 @@ async def _scored(request: Request, body: ScoreRequest | RerankRequest, texts: S
         vectors = np.stack([output.outputs.data for output in outputs])
         scores = (cosine_scores(vectors, pairs) if classifier is None
                   else relevance_scores(vectors[:, 0], classifier.score_activation))
-        return write(response_id, scores, _usage(outputs))
+        return write(response_id, scores, usage(outputs))
 
     return await embed(request, state, endpoint, key, inputs, PoolingParams(), body.priority, scored, id_prefix)
-
-
-def _usage(outputs: Sequence[EmbeddingRequestOutput]) -> dict[str, int]:
-    tokens = sum(len(output.prompt_token_ids) for output in outputs)
-    return {"prompt_tokens": tokens, "total_tokens": tokens}
