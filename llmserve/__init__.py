@@ -14,14 +14,18 @@ _EXPORTS = {
     "SamplingParams": "llmserve.sampling.params",
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
+    "LoRARequest": "llmserve.model.lora",
 }
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest", "__version__",
+]
 
 if TYPE_CHECKING:
     from llmserve.config import EngineConfig
     from llmserve.engine.llm_engine import LLMEngine
     from llmserve.llm import LLM
+    from llmserve.model.lora import LoRARequest
     from llmserve.outputs import CompletionOutput, RequestOutput
     from llmserve.sampling.params import SamplingParams
 

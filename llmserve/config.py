@@ -65,6 +65,17 @@ class EngineConfig:
     # scored as, {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
     hf_overrides: dict[str, Any] | None = None
     normalize: bool = True  # False: never L2-normalise embeddings (else as the layout says; no layout: yes)
+    # LoRA adapters (PEFT's layout), each served under its own name: "NAME=PATH", or vLLM's JSON form
+    # {"name": ..., "path": ..., "base_model_name": ...}. Any implies enable_lora.
+    lora_modules: list[str] | None = None
+    enable_lora: bool = False  # serve LoRA adapters: those of lora_modules, and more loaded at run time
+    max_loras: int = 1  # adapters one engine step may use (the slots each adapted layer holds)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept read on the host; None: max_loras
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -89,6 +100,38 @@ class EngineConfig:
             raise ValueError(f"hf_overrides must be a JSON object, got {self.hf_overrides!r}.")
         if self.cuda_graph_sizes is not None and any(size < 1 for size in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}.")
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
+        parse_lora_modules(self.lora_modules or [])
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    name: str
+    path: str
+
+
+def parse_lora_modules(specs: list[str]) -> list[LoRAModule]:
+    """`--lora-modules` entries: "NAME=PATH" or a JSON object with "name" and "path" (vLLM's forms)."""
+    modules = []
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                entry = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"lora_modules: {spec!r} is not JSON: {exc}") from None
+            name, path = entry.get("name"), entry.get("path")
+        else:
+            name, _, path = spec.partition("=")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"lora_modules: {spec!r} must be NAME=PATH or {{\"name\": ..., \"path\": ...}}.")
+        modules.append(LoRAModule(name, path))
+    names = [module.name for module in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora_modules: two adapters are named alike in {names}.")
+    return modules
 
 
 # ---- the command-line flags that set EngineConfig ----
@@ -168,6 +211,18 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
     _EngineFlag("normalize", "--no-normalize", help="embeddings: never L2-normalise them"),
     _EngineFlag("hf_overrides", "--hf-overrides", help="a JSON object merged over the model's config.json"),
     _EngineFlag(
+        "lora_modules", "--lora-modules",
+        help="LoRA adapters (PEFT's layout) served under their own names: NAME=PATH or a JSON object "
+        '{"name": ..., "path": ...}, several at once (implies --enable-lora)',
+    ),
+    _EngineFlag(
+        "enable_lora", "--enable-lora",
+        help="serve LoRA adapters: those of --lora-modules, and more loaded at run time (/v1/load_lora_adapter)",
+    ),
+    _EngineFlag("max_loras", "--max-loras", help="LoRA adapters one engine step may use (default 1)"),
+    _EngineFlag("max_lora_rank", "--max-lora-rank", help="the highest LoRA rank served (default 16)"),
+    _EngineFlag("max_cpu_loras", "--max-cpu-loras", help="LoRA adapters kept read in host memory (default: --max-loras)"),
+    _EngineFlag(
         "async_scheduling", "--no-async-scheduling",
         help="run engine steps one after another instead of overlapping the next step's scheduling "
         "with the current one (for comparison)",
@@ -190,6 +245,9 @@ def _argparse_options(flag: _EngineFlag, field: dataclasses.Field, hint: Any) ->
     if flag.in_gib:
         return {**options, "type": float, "default": default / GiB}
     kind = get_origin(types[0]) or types[0]
+    if kind is list:  # several values after the flag
+        (item,) = get_args(types[0])
+        return {**options, "nargs": "+", "type": None if item is str else item, "default": default}
     flag_type = {str: None, dict: _json_object}.get(kind, kind)  # argparse's strings need no conversion
     return {**options, "type": flag_type, "default": default, "choices": flag.choices}
 

@@ -12,6 +12,7 @@ import numpy as np
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import InvalidRequestError
+from llmserve.model.lora import LoRARequest
 from llmserve.model.pooling import PoolingParams, cosine_scores, label_probabilities, relevance_scores
 from llmserve.outputs import (
     ClassificationOutput,
@@ -54,17 +55,24 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the LoRA adapter every prompt (or each, one per prompt) generates with (vLLM's;
+        needs `enable_lora=True`)."""
         batch = _as_prompt_list(prompts)
         params = _broadcast(sampling_params, len(batch), self.engine.default_sampling_params)
         priorities = list(priority) if priority is not None else [0] * len(batch)
+        adapters = list(lora_request) if isinstance(lora_request, Seq) else [lora_request] * len(batch)
+        if len(adapters) != len(batch):
+            raise InvalidRequestError(f"{len(adapters)} lora_requests for {len(batch)} prompts.", param="lora_request")
         request_ids = []
         try:
-            for prompt, p, prio in zip(batch, params, priorities, strict=True):
+            for prompt, p, prio, lora in zip(batch, params, priorities, adapters, strict=True):
                 request_id = f"offline-{next(self._ids)}"
                 final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)  # nothing reads the rest
                 content, cache_salt = _unpack_prompt(prompt)
-                self.engine.add_request(request_id, content, final_only, priority=prio, cache_salt=cache_salt)
+                self.engine.add_request(request_id, content, final_only, priority=prio, cache_salt=cache_salt,
+                                        lora_request=lora)
                 request_ids.append(request_id)
         except Exception:
             self.engine.abort_request(request_ids)
@@ -77,9 +85,11 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations; `continue_final_message` (with `add_generation_prompt`
-        False) has the model go on with each conversation's final message instead."""
+        False) has the model go on with each conversation's final message instead. `lora_request` as
+        `generate`'s."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -89,7 +99,7 @@ class LLM:
                                           continue_final_message=continue_final_message)
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request=lora_request)
 
     def embed(
         self,

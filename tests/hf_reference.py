@@ -126,3 +126,33 @@ def build_cross_encoder(
                 p.normal_(0.0, 0.1)
     model.eval().save_pretrained(out_dir)
     return out_dir
+
+
+ALL_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_lora_adapter(
+    base_dir: Path, out_dir: Path, targets: tuple[str, ...] = ALL_LORA_TARGETS, rank: int = 8, alpha: int = 16,
+    seed: int = 0, rslora: bool = False, **config,
+) -> Path:
+    """A PEFT LoRA adapter of random A and B (not PEFT's zero B: it must change the output) over `base_dir`,
+    written as PEFT writes one (adapter_config.json, adapter_model.safetensors)."""
+    import peft
+
+    base = load_model(base_dir)
+    lora = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                           use_rslora=rslora, **config)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_with_adapter(base_dir: Path, adapter_dir: Path):
+    import peft
+
+    return peft.PeftModel.from_pretrained(load_model(base_dir), adapter_dir).eval()

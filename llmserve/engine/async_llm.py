@@ -49,6 +49,7 @@ from llmserve.engine.messages import (
 from llmserve.engine.model_facts import load_model
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import EngineClosedError, EngineDeadError, InvalidRequestError, LLMServeError
+from llmserve.model.lora import LoRARequest
 from llmserve.model.pooling import PoolingParams
 from llmserve.outputs import EmbeddingRequestOutput, RequestOutput
 from llmserve.sampling.params import SamplingParams
@@ -249,15 +250,22 @@ class AsyncLLM:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Validate and queue a request. Raises InvalidRequestError (and subclasses) for bad input,
-        EngineClosedError / EngineDeadError when no engine takes requests."""
+        """Validate and queue a request (generated with `lora_request`'s adapter, when given). Raises
+        InvalidRequestError (and subclasses) for bad input, EngineClosedError / EngineDeadError when no engine
+        takes requests."""
         self._bind_loop()
         self._check_open()
         if request_id in self._streams:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
-        request = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
+        request = self.input_processor.process(request_id, prompt, params, priority, cache_salt, lora_request)
         return self._send_request(request, prompt)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter before requests use it (it reads files: call it off the event loop).
+        Raises InvalidRequestError saying why it cannot be served."""
+        self.input_processor.check_lora(lora_request)
 
     async def add_embedding_request(
         self,

@@ -86,8 +86,9 @@ class EngineCore:
             self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy,
             eos_token_ids=facts.eos_token_ids, max_model_len=facts.max_model_len,
             pooling_needs_kv=not self.runner.is_encoder,
+            max_loras=config.max_loras if self.runner.lora is not None else None,
         )
-        # What else changes the KV of the same tokens; a LoRA adapter would join per request.
+        # What else changes the KV of the same tokens (a request's LoRA adapter joins per request).
         self.weights_version = 0  # bumped by each in-place weight reload
         self._cache_identity = self._identity()
         self._arrivals = itertools.count()
@@ -154,10 +155,13 @@ class EngineCore:
             seed=request.seed,
             arrival_order=next(self._arrivals),
             priority=request.priority,
-            cache_root=hash_root(*self._cache_identity, request.cache_salt),
+            cache_root=hash_root(*self._cache_identity, request.cache_salt, request.lora),
             pooling=request.pooling,
+            lora=request.lora,
         )
         self.num_requests_added += 1
+        if request.lora is not None and not self._read_adapter(core_request):
+            return
         so = request.params.structured_outputs
         if so is None:
             self.scheduler.add_request(core_request)
@@ -165,6 +169,25 @@ class EngineCore:
         future = self.structured_output.compile(grammar_spec(so))
         self._awaiting_grammar[request_id] = (core_request, future)
         self._admit_compiled()  # a cached grammar: queued at once
+
+    def _read_adapter(self, request: Request) -> bool:
+        """Have the request's LoRA adapter read (the front end checked it; its files may have changed since);
+        False when it cannot be: the request then fails."""
+        assert request.lora is not None
+        try:
+            if self.runner.lora is None:
+                raise InvalidRequestError("LoRA adapters are not enabled.")
+            waiting = (r for r, _ in self._awaiting_grammar.values())
+            in_use = {r.lora_id for r in chain(self.scheduler.requests.values(), waiting)}
+            self.runner.lora.add(request.lora, in_use)
+        except InvalidRequestError as exc:
+            logger.warning("request %s: its LoRA adapter %r cannot be used: %s", request.request_id,
+                           request.lora.lora_name, exc)
+            self._failed_outputs.extend(
+                EngineCoreOutput(request.request_id, -1, index, finish_reason="error") for index in range(request.params.n)
+            )
+            return False
+        return True
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar is ready; finish those whose grammar failed to compile."""
@@ -302,6 +325,7 @@ class EngineCore:
             pool_rows=[target.row for target in scheduled.pools],
             pool_dimensions=[target.seq.request.pooling.dimensions for target in scheduled.pools],  # type: ignore[union-attr]
             pool_second_texts=[target.seq.request.pooling.second_text_start for target in scheduled.pools],  # type: ignore[union-attr]
+            lora_ids=[row.seq.request.lora_id for row in rows] if self.runner.lora is not None else [],
         )
 
     def _token_bitmask(self, samples: list[SampleTarget]) -> tuple[dict[int, int], np.ndarray | None]:

@@ -22,6 +22,7 @@ from llmserve.engine.grammar import validate_structured_outputs
 from llmserve.engine.messages import EngineCoreRequest
 from llmserve.engine.model_facts import ModelFacts
 from llmserve.errors import ContextLengthExceededError, InvalidRequestError
+from llmserve.model.lora import AdapterChecker, LoRARequest
 from llmserve.model.pooling import PoolingParams
 from llmserve.sampling.params import SamplingParams
 from llmserve.tokenizer.tokenizer import Tokenizer
@@ -46,6 +47,15 @@ class InputProcessor:
         self.max_embedding_tokens = min(facts.max_model_len, config.max_num_batched_tokens)
         self._defaults = _generation_defaults(facts.generation_config)
         self._rng = random.Random(config.seed)
+        self.adapters = AdapterChecker(facts.model_config, config.max_lora_rank) if config.lora_enabled else None
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """Raises InvalidRequestError when the adapter cannot be served (read once, then known by its id)."""
+        if self.adapters is None:
+            raise InvalidRequestError(
+                f"The model {self.model_name!r} serves no LoRA adapters: start it with --enable-lora.", param="model"
+            )
+        self.adapters.check(lora)
 
     def default_sampling_params(self) -> SamplingParams:
         """vLLM's behaviour: the checkpoint's generation_config supplies default sampling settings."""
@@ -115,6 +125,7 @@ class InputProcessor:
         params: SamplingParams | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         """The engine core's request, validated and with every default filled in."""
         if not self.can_generate:
@@ -148,7 +159,9 @@ class InputProcessor:
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return EngineCoreRequest(request_id, token_ids, params, seed, priority, cache_salt)
+        if lora is not None:
+            self.check_lora(lora)
+        return EngineCoreRequest(request_id, token_ids, params, seed, priority, cache_salt, lora=lora)
 
 
     def check_can_embed(self) -> None:

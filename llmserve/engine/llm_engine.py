@@ -16,6 +16,7 @@ from llmserve.engine.messages import EngineStats
 from llmserve.engine.model_facts import load_model
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import InvalidRequestError
+from llmserve.model.lora import LoRARequest
 from llmserve.model.pooling import PoolingParams
 from llmserve.outputs import EmbeddingRequestOutput, RequestOutput
 from llmserve.sampling.params import SamplingParams
@@ -49,11 +50,12 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and queue a request. Raises InvalidRequestError; nothing is queued then."""
         if request_id in self.output_processor.requests:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
-        request = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
+        request = self.input_processor.process(request_id, prompt, params, priority, cache_salt, lora_request)
         self.output_processor.add_request(request, prompt, arrival_time if arrival_time is not None else time.monotonic())
         self.core.add_request(request)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from llmserve.model.lora import LoRARequest
 from llmserve.model.pooling import PoolingParams
 from llmserve.sampling.params import SamplingParams
 
@@ -60,6 +61,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
     priority: int = 0
     cache_salt: str | None = None
     pooling: PoolingParams | None = None  # an embedding request: its prompt's pooled hidden states, no tokens
+    lora: LoRARequest | None = None  # the LoRA adapter it generates with
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -103,6 +103,7 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs",
         eos_token_ids: Iterable[int] = (), max_model_len: int | None = None, pooling_needs_kv: bool = True,
+        max_loras: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"Unknown scheduling policy {policy!r}; use one of {', '.join(POLICIES)}.")
@@ -113,6 +114,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.pooling_needs_kv = pooling_needs_kv  # False for an encoder: embeddings take no blocks
+        self.max_loras = max_loras  # LoRA adapters the running sequences may use between them; None: no LoRA
         self.requests: dict[str, Request] = {}
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -278,6 +280,10 @@ class Scheduler:
     def _admit(self, scheduled: dict[Sequence, int], out: SchedulerOutput, budget: int) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             index = self._pick_waiting()
+            if self.max_loras is not None and not self._adapter_fits(self.waiting[index]):
+                index = next((i for i, s in enumerate(self.waiting) if self._adapter_fits(s)), -1)
+                if index < 0:
+                    break  # every waiting sequence needs an adapter beyond max_loras
             seq = self.waiting[index]
             if seq.num_pending:
                 break  # preempted with a token in flight: it recomputes once the token is known
@@ -314,6 +320,16 @@ class Scheduler:
                 budget = self.max_num_batched_tokens - sum(scheduled.values())
             else:
                 budget -= num_new
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Running `seq` keeps the running sequences within `max_loras` adapters (vLLM's rule: a waiting
+        sequence whose adapter does not fit is passed over, not waited for)."""
+        lora_id = seq.request.lora_id
+        if not lora_id:
+            return True
+        running = {s.request.lora_id for s in self.running} - {0}
+        assert self.max_loras is not None
+        return lora_id in running or len(running) < self.max_loras
 
     def _admit_pooling(self, seq: Sequence, budget: int) -> bool:
         """Take an embedding request's whole prompt into this step, with blocks for its KV (a decoder's

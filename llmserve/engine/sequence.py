@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llmserve.model.lora import LoRARequest
 from llmserve.model.pooling import PoolingParams
 from llmserve.sampling.params import SamplingParams
 
@@ -123,6 +124,12 @@ class Request:
     num_prompt_positions_scored: int = 0
     # An embedding request: its prompt is computed whole in one step, pooled, and it ends there.
     pooling: PoolingParams | None = None
+    lora: LoRARequest | None = None  # the LoRA adapter it generates with
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id; 0 without one."""
+        return self.lora.lora_int_id if self.lora is not None else 0
 
     @property
     def needs_prompt_logprobs(self) -> bool:

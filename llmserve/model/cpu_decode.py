@@ -38,6 +38,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "decode_llama_cpu.c"
 INCLUDED = [CSRC / "linear_bf16_cpu.c", CSRC / "linear_int8_cpu.c", CSRC / "elementwise_bf16_cpu.c", cpu_kernels.SOURCE]
 MAX_TOKENS = 16  # MAX_TOKENS in the C source; a step takes fewer where `cpu_linear.max_rows()` is lower
+MAX_LORA_WIDTH = 1024  # MAX_LORA_WIDTH in the C source: a LoRA slot's width (shards x maximum rank) it takes
 WEIGHTS_BF16 = 0
 WEIGHTS_INT8 = 1  # int8 [n, k] with float32 per-channel scales (`--quantization int8`)
 
@@ -54,7 +55,10 @@ def use_fast_path(enabled: bool) -> None:
 
 
 class LinearWeights(ctypes.Structure):
-    _fields_ = [("format", _i32), ("n", _i32), ("k", _i32), ("weight", _ptr), ("scale", _ptr), ("bias", _ptr)]
+    _fields_ = [
+        ("format", _i32), ("n", _i32), ("k", _i32), ("weight", _ptr), ("scale", _ptr), ("bias", _ptr),
+        ("lora_a", _ptr), ("lora_b", _ptr), ("lora_width", _i32),
+    ]
 
 
 class LayerWeights(ctypes.Structure):
@@ -72,7 +76,7 @@ class Decoder(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("embed", _ptr), ("final_norm", _ptr), ("cos_cache", _ptr), ("sin_cache", _ptr), ("layers", _ptr),
         ("qkv", _ptr), ("query", _ptr), ("attn", _ptr), ("proj", _ptr),
-        ("gate_up", _ptr), ("act", _ptr),
+        ("gate_up", _ptr), ("act", _ptr), ("lora_delta", _ptr),
     ]
 
 
@@ -80,6 +84,7 @@ class DecodeStep(ctypes.Structure):
     _fields_ = [
         ("tokens", _i32), ("max_blocks", _i32), ("threads", _i32), ("path", _i32),
         ("input_ids", _ptr), ("positions", _ptr), ("slots", _ptr), ("tables", _ptr), ("lens", _ptr), ("out", _ptr),
+        ("lora_slots", _ptr),
     ]
 
 
@@ -107,9 +112,11 @@ def _kernel_path_active() -> bool:
 def _linear(layer: Linear) -> LinearWeights:
     n, k = layer.weight.shape
     bias = None if layer.bias is None else layer.bias.data_ptr()
+    lora = layer.lora  # its LoRA slots: filled in place, so the pointers hold
+    adapter = (None, None, 0) if lora is None else (lora.a.data_ptr(), lora.b.data_ptr(), lora.a.shape[1])
     if layer.weight.dtype == torch.int8:
-        return LinearWeights(WEIGHTS_INT8, n, k, layer.weight.data_ptr(), layer.weight_scale.data_ptr(), bias)
-    return LinearWeights(WEIGHTS_BF16, n, k, layer.weight.data_ptr(), None, bias)
+        return LinearWeights(WEIGHTS_INT8, n, k, layer.weight.data_ptr(), layer.weight_scale.data_ptr(), bias, *adapter)
+    return LinearWeights(WEIGHTS_BF16, n, k, layer.weight.data_ptr(), None, bias, *adapter)
 
 
 def _norm_weight(norm: RMSNorm | None) -> int | None:
@@ -130,6 +137,8 @@ class CpuDecoder:
         q_size = cfg.num_attention_heads * cfg.head_dim
         qkv_width = q_size + 2 * cfg.num_key_value_heads * cfg.head_dim
         widths = [qkv_width, q_size, q_size, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.intermediate_size]
+        if model.layers[0].mlp.down_proj.lora is not None:  # LoRA served: the rows of its expand
+            widths.append(max(widths))
         self._scratch = [torch.empty(MAX_TOKENS, width, dtype=torch.bfloat16) for width in widths]
         self._layers = (LayerWeights * len(model.layers))(*(
             LayerWeights(
@@ -149,6 +158,8 @@ class CpuDecoder:
             model.rotary.cos_cache.data_ptr(), model.rotary.sin_cache.data_ptr(), ctypes.addressof(self._layers),
             *(buffer.data_ptr() for buffer in self._scratch),
         )
+        self.max_lora_width = max((layer.lora.a.shape[1] for layer in model.modules()
+                                   if isinstance(layer, Linear) and layer.lora is not None), default=0)
         self._int8 = any(layer.weight.dtype == torch.int8 for layer in model.modules() if isinstance(layer, Linear))
         self._step = DecodeStep()
         self._decoder_ref = ctypes.byref(self._decoder)
@@ -173,8 +184,16 @@ class CpuDecoder:
             and (not self._int8 or cpu_linear.int8_kernel_runs())
         )
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The final norm's output [T, hidden] for the step's tokens, the new keys and values in the cache."""
+    def takes_lora(self) -> bool:
+        """Whether its steps can add LoRA adapters (their slots are no wider than the C code takes)."""
+        return 0 < self.max_lora_width <= MAX_LORA_WIDTH
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final norm's output [T, hidden] for the step's tokens, the new keys and values in the cache.
+        `lora_slots` ([T] int32, -1: none): each token's LoRA adapter slot."""
         tokens = input_ids.shape[0]
         if meta.num_decodes == meta.num_seqs:  # one token per sequence: the step's tables and lengths as they are
             tables, lens = meta.block_tables, meta.seq_lens
@@ -190,6 +209,10 @@ class CpuDecoder:
         step.input_ids, step.positions = input_ids.data_ptr(), positions.data_ptr()
         step.slots, step.tables, step.lens = meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr()
         step.out = out.data_ptr()
+        if lora_slots is not None and (lora_slots.dtype != torch.int32 or lora_slots.shape != (tokens,)
+                                       or not lora_slots.is_contiguous()):
+            raise TypeError("the CPU decode step needs one contiguous int32 LoRA slot per token")
+        step.lora_slots = None if lora_slots is None else lora_slots.data_ptr()
         if self._lib.llmserve_decode_step(self._decoder_ref, self._step_ref) != 0:
             raise RuntimeError("the CPU decode step rejected its arguments")
         return out

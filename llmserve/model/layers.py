@@ -132,9 +132,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Module):
     """A linear layer whose weights come from a checkpoint, so nothing is initialised at construction.
     Decode-sized bf16 batches on CPU run through `cpu_linear`'s kernel. A quantized layer
-    (`llmserve.model.quantization`) holds int8/fp8 weights and a `quant_method` that runs its forward pass."""
+    (`llmserve.model.quantization`) holds int8/fp8 weights and a `quant_method` that runs its forward pass. With
+    LoRA adapters served (`llmserve.model.lora`), `lora` adds the step's adapters to its output."""
 
     quant_method = None
+    lora = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -142,9 +144,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is not None:
-            return self.quant_method.apply(self, x)
-        return linear(x, self.weight, self.bias)
+        out = self.quant_method.apply(self, x) if self.quant_method is not None else linear(x, self.weight, self.bias)
+        if self.lora is not None and self.lora.active:
+            return self.lora.add_to(out, x)
+        return out
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of x through this fused gate/up projection. One row on a GPU runs it in the
@@ -176,7 +179,8 @@ class Linear(nn.Module):
         """(`triton_linear`, this layer's row scales) when x2, one row, runs there with the fused kernels on."""
         quantized = self.quant_method is not None
         scale = self.quant_method.triton_scale(self) if quantized else None
-        if x2.shape[0] != 1 or (quantized and scale is None) or use_fused_kernels is False:
+        adapted = self.lora is not None and self.lora.active
+        if x2.shape[0] != 1 or (quantized and scale is None) or use_fused_kernels is False or adapted:
             return None
         kernels = triton_linear_for(x2, self.weight, quantized)
         return None if kernels is None else (kernels, scale)

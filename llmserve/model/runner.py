@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from llmserve.config import DEFAULT_STEP_TOKENS, EngineConfig
+from llmserve.errors import ModelLoadError
 from llmserve.model import huge_pages
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, get_backend
 from llmserve.model.config import ModelConfig, parse_dtype
@@ -41,6 +42,7 @@ from llmserve.model.cuda_graphs import (
 )
 from llmserve.model.dummy_weights import init_dummy_weights_
 from llmserve.model.loader import iterate_weights
+from llmserve.model.lora import LoRASlots, supports_lora
 from llmserve.model.memory import MemoryProfile, kv_cache_budget, num_kv_blocks, profile_prompt_lengths
 from llmserve.model.pooling import PoolerConfig, pool, truncate_embedding
 from llmserve.model.quantization import QuantizedLoader, resolve_quantization
@@ -136,6 +138,7 @@ class StepBatch:
     pool_rows: list[int] = field(default_factory=list)
     pool_dimensions: list[int | None] = field(default_factory=list)
     pool_second_texts: list[int | None] = field(default_factory=list)
+    lora_ids: list[int] = field(default_factory=list)  # with LoRA served: each row's adapter id (0: none)
 
     @property
     def num_rows(self) -> int:
@@ -261,6 +264,7 @@ class ModelRunner:
         # on CPU, the weights on 2 MiB pages where the kernel has them (None elsewhere): see huge_pages
         self.weight_arena = huge_pages.move_parameters(self.model) if self.device.type == "cpu" else None
         self.is_encoder = getattr(self.model, "is_encoder", False)  # no KV cache, no sampling
+        self.lora = self._lora_slots() if config.lora_enabled else None  # LoRA adapters' slots in the layers
         self.classifies = hasattr(self.model, "classify")  # pooled states -> label logits
         self.uses_token_types = getattr(self.model, "uses_token_types", False)  # BERT's: a pair's second text
         self.attn_backend = choose_attention_backend(config.attention_backend, self.device)(
@@ -296,6 +300,15 @@ class ModelRunner:
         if quantized is not None:
             quantized.finalize(self.dtype)
         return model.eval()
+
+    def _lora_slots(self) -> LoRASlots:
+        if not supports_lora(self.model) or self.is_encoder or hasattr(self.model, "classify"):
+            raise ModelLoadError(
+                f"LoRA adapters are served on generating Llama-family decoders, not on {self.model_config.architecture}."
+            )
+        config = self.config
+        return LoRASlots(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
+                         self.dtype)
 
     def read_weights(self, model_dir: Path) -> list[tuple[str, torch.Tensor]]:
         """Another checkpoint's tensors, checked against this model (every parameter present, each shape
@@ -460,13 +473,16 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: KVCaches,
         use_graph: bool, token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """A CUDA graph's replay where one fits, else the one-call CPU decoder where it fits, else the model."""
+        """A CUDA graph's replay where one fits, else the one-call CPU decoder where it fits, else the model
+        (which alone adds LoRA adapters)."""
         if token_type_ids is not None:
             return self.model(input_ids, positions, kv_caches, self.attn_backend, meta, token_type_ids)
-        if use_graph and self.graphs is not None and self.graphs.size_for(meta) is not None:
+        lora_slots = self.lora.token_slots if self.lora is not None else None
+        if use_graph and lora_slots is None and self.graphs is not None and self.graphs.size_for(meta) is not None:
             return self.graphs.run(input_ids, positions, meta)
-        if self.cpu_decoder is not None and kv_caches is self.kv_caches and self.cpu_decoder.fits(len(input_ids)):
-            return self.cpu_decoder(input_ids, positions, meta)
+        if (self.cpu_decoder is not None and kv_caches is self.kv_caches and self.cpu_decoder.fits(len(input_ids))
+                and (lora_slots is None or self.cpu_decoder.takes_lora())):
+            return self.cpu_decoder(input_ids, positions, meta, lora_slots)
         self.attn_backend.prepare(meta)
         return self.model(input_ids, positions, kv_caches, self.attn_backend, meta)
 
@@ -526,6 +542,8 @@ class ModelRunner:
         metadata; all of it is sent before anything runs, so building it never waits on the device."""
         input_ids, positions, meta = self.prepare_inputs(batch)
         inputs = StepInputs(input_ids, positions, meta, None, None)
+        if self.lora is not None:
+            self.lora.activate(batch.lora_ids, batch.num_new, self.device)
         if batch.prompt_logprobs is not None:
             scored = batch.prompt_logprobs
             inputs.prompt_index = self._to_device(scored.token_index)

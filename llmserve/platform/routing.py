@@ -150,6 +150,19 @@ class ModelRouter(Generic[T]):
     def add_model(self, name: str, handle: T) -> None:
         self._register(name, _Model(LoadState.READY, handle))
 
+    def handle(self, name: str) -> T | None:
+        """A model's handle; None while it loads or once it failed. Raises ModelNotFound for an unknown one."""
+        with self._lock:
+            return self._known_model(name).handle
+
+    def remove_model(self, name: str) -> None:
+        """Stop answering to `name` (a model no alias points at). Raises ModelNotFound for an unknown one."""
+        with self._lock:
+            self._known_model(name)
+            if any(name == target for targets in self._aliases.values() for target, _ in targets):
+                raise ValueError(f"An alias points at {name!r}.")
+            del self._models[name]
+
     def add_loading(self, name: str, retry_after_s: int | None = None) -> None:
         """Register a model that is still loading; `resolve` answers ModelLoading until set_ready."""
         if retry_after_s is None:

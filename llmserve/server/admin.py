@@ -28,6 +28,9 @@ async def reload_weights(body: ReloadRequest, request: Request) -> JSONResponse:
     if key is not None and not key.is_admin:
         raise APIError(403, "Reloading weights needs an admin key.", code="admin_key_required")
     endpoint = get_state(request).endpoint(body.model, key)
+    if endpoint.lora is not None:
+        raise APIError(400, f"{endpoint.name!r} is a LoRA adapter: reload its model {endpoint.parent!r}, or unload "
+                       "the adapter and load it again (/v1/load_lora_adapter).", param="model", code="invalid_value")
     path = Path(body.path).expanduser()
     if not path.is_dir():
         raise APIError(400, f"{body.path} is not a directory on the server.", param="path", code="invalid_path")

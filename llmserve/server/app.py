@@ -23,6 +23,7 @@ from llmserve.server import (
     conversations,
     embeddings,
     health,
+    lora,
     metrics,
     responses,
     scores,
@@ -39,7 +40,7 @@ from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.openapi import install_openapi
 from llmserve.server.slo import SLO
-from llmserve.server.state import ModelEndpoint, ServerState
+from llmserve.server.state import ModelEndpoint, ServerState, base_endpoints
 from llmserve.server.streaming import ResumeLimits, StreamRegistry
 from llmserve.web import install_page, page_paths
 
@@ -106,15 +107,25 @@ def _lifespan(state: ServerState, specs: Sequence[ModelSpec], slo: SLO, owns_eng
 
 async def _load(state: ServerState, spec: ModelSpec, slo: SLO) -> None:
     assert spec.load is not None
+    engine = None
     try:
         engine = await asyncio.to_thread(spec.load)
+        endpoint = _endpoint(state, spec, engine, slo)
+        _add_adapters(state.router, await asyncio.to_thread(lora.configured_adapters, endpoint))
     except Exception as exc:
         logger.exception("could not load model %s", spec.name)
         state.router.set_failed(spec.name, exc)
+        if engine is not None:  # its LoRA adapters failed
+            await engine.shutdown()
     else:
-        state.router.set_ready(spec.name, _endpoint(state, spec, engine, slo))
+        state.router.set_ready(spec.name, endpoint)
         logger.info("model %s is ready", spec.name)
     state.model_settled()
+
+
+def _add_adapters(router: ModelRouter[ModelEndpoint], adapters: list[ModelEndpoint]) -> None:
+    for adapter in adapters:
+        router.add_model(adapter.name, adapter)
 
 
 def _endpoint(state: ServerState, spec: ModelSpec, engine: AsyncLLM, slo: SLO) -> ModelEndpoint:
@@ -181,14 +192,16 @@ def build_app(
     slo = slo or SLO()
     router: ModelRouter[ModelEndpoint] = ModelRouter()
     state = ServerState(
-        router=router, metrics=ServerMetrics(router.ready_handles), platform=platform,
+        router=router, metrics=ServerMetrics(lambda: base_endpoints(router)), platform=platform,
         streams=StreamRegistry(stream_resume),
     )
     if platform is not None:
         platform.metrics = state.metrics.platform
     for spec in specs:
         if spec.engine is not None:
-            router.add_model(spec.name, _endpoint(state, spec, spec.engine, slo))
+            endpoint = _endpoint(state, spec, spec.engine, slo)
+            router.add_model(spec.name, endpoint)
+            _add_adapters(router, lora.configured_adapters(endpoint))
         else:
             router.add_loading(spec.name)
     for alias in model_aliases:
@@ -216,7 +229,7 @@ def build_app(
     install_cors(app, allowed_origins)
     for module in (
         chat, completions, responses, stored_responses, embeddings, scores, classify, streams, models_api, tokens, health,
-        metrics, usage, conversations, admin,
+        metrics, usage, conversations, admin, lora,
     ):
         app.include_router(module.router)
     install_page(app)

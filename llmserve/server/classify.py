@@ -54,6 +54,7 @@ async def create_classification(body: ClassificationRequest, request: Request) -
     state = get_state(request)
     key = request_key(request.state)
     endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
+    endpoint.check_generates("classification")
     processor = endpoint.engine.input_processor
     processor.check_can_classify()
     labels = processor.classifier.labels  # type: ignore[union-attr]

@@ -40,6 +40,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     state = get_state(request)
     key = request_key(request.state)
     endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
+    endpoint.check_generates("embeddings")
     endpoint.engine.input_processor.check_can_embed()
     pooling = PoolingParams(body.dimensions)
     pooling.validate(endpoint.engine.input_processor.hidden_size)

@@ -20,6 +20,7 @@ def _card(state: ServerState, name: str) -> ModelCard:
         id=name,
         created=endpoint.created,
         root=endpoint.root if endpoint.name == name else endpoint.name,
+        parent=endpoint.parent,
         max_model_len=endpoint.engine.max_model_len,
     )
 

@@ -817,6 +817,7 @@ class ModelCard(_Response):
     created: int = Field(default_factory=now)
     owned_by: str = "llmserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 
@@ -871,6 +872,18 @@ class DetokenizeResponse(_Response):
 class ReloadRequest(RequestBody):
     model: str | None = None  # unset: the first served model
     path: str = Field(min_length=1)  # a checkpoint directory on the server: same architecture and shapes
+
+
+class LoadLoRAAdapterRequest(RequestBody):
+    """vLLM's body, and the model the adapter is over (unset: the first served model)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)  # a PEFT LoRA adapter's directory on the server
+    model: str | None = None
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    lora_name: str = Field(min_length=1)
 
 
 class ReloadResponse(_Response):

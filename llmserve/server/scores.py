@@ -118,6 +118,7 @@ async def _scored(request: Request, body: ScoreRequest | RerankRequest, texts: S
     state = get_state(request)
     key = request_key(request.state)
     endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
+    endpoint.check_generates("scores")
     classifier = endpoint.engine.input_processor.classifier
     if classifier is None:
         endpoint.engine.input_processor.check_can_embed()

@@ -93,6 +93,9 @@ def _model_args(args: argparse.Namespace, config: ModelsConfig | None) -> list[M
 
 
 def _model_specs(args: argparse.Namespace, models: list[ModelArg]) -> list[ModelSpec]:
+    if args.lora_modules and len(models) > 1:
+        raise ValueError("--lora-modules names the adapters of one model; with several models, give each its "
+                         "engine's lora_modules in --config.")
     specs = []
     for model in models:
         kwargs = {**engine_config_kwargs(args), **model.engine_overrides}

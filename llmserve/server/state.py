@@ -4,6 +4,7 @@ control, and the platform services (keys, limits, metering, conversations, safet
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,7 @@ from fastapi import Request
 
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.heap import freeze_startup_heap
+from llmserve.model.lora import LoRARequest
 from llmserve.platform.routing import ModelFailed, ModelLoading, ModelRouter
 from llmserve.platform.safety import OutputGuard
 from llmserve.server import errors
@@ -42,6 +44,8 @@ class ModelEndpoint:
     created: int = field(default_factory=now)
     tool_call_parser: str | None = None  # a --tool-call-parser name; None: the model family's format
     reasoning_parser: str | None = None  # a --reasoning-parser name; None: replies have no reasoning part
+    lora: LoRARequest | None = None  # a LoRA adapter served under its own name: what it generates with
+    parent: str | None = None  # an adapter's base model
     token_texts: TokenTexts = field(init=False)
     continuations: ContinuationCache = field(init=False)
     prompt_bound: PromptBound = field(init=False)
@@ -59,6 +63,21 @@ class ModelEndpoint:
         )
         self.reasoning = reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
         self.reasoning_end_ids = self.reasoning.end_token_ids(tokenizer) if self.reasoning is not None else []
+
+    def adapter(self, lora: LoRARequest) -> ModelEndpoint:
+        """This model's endpoint for one of its LoRA adapters: the same engine and caches, its own name."""
+        served = copy.copy(self)
+        served.name, served.lora, served.parent, served.root = lora.lora_name, lora, self.name, lora.lora_path
+        served.created = now()
+        return served
+
+    def check_generates(self, what: str) -> None:
+        """A 400 when this is a LoRA adapter: adapters generate (chat, completions, responses), nothing else."""
+        if self.lora is not None:
+            raise errors.APIError(
+                400, f"The model {self.name!r} is a LoRA adapter of {self.parent!r}: adapters serve chat and "
+                f"completions, not {what}.", param="model", code="invalid_value",
+            )
 
     def admit(self, prompts: Sequence[str | Sequence[int]] = ("",), draining: bool = False) -> None:
         """Admission control: refuse with 503 when draining, when the waiting queue is full, or when
@@ -152,12 +171,12 @@ class ServerState:
         except ModelLoading as exc:
             raise errors.model_loading(name, exc.retry_after_s) from None
         except ModelFailed as exc:
-            raise errors.APIError(503, f"The model `{name}` failed to load: {exc}", code="model_failed") from None
+            raise errors.APIError(503, str(exc), code="model_failed") from None
         return endpoint
 
     def endpoints(self) -> list[ModelEndpoint]:
-        """Every model that is ready, in the order they were given."""
-        return self.router.ready_handles()
+        """Every model that is ready, in the order they were given (not their LoRA adapters)."""
+        return base_endpoints(self.router)
 
     @property
     def default(self) -> ModelEndpoint:
@@ -172,6 +191,11 @@ class ServerState:
         if self.platform is None or self.platform.safety is None:
             return None
         return OutputGuard(self.platform.safety, self.platform.holdback_chars)
+
+
+def base_endpoints(router: ModelRouter[ModelEndpoint]) -> list[ModelEndpoint]:
+    """The ready models' endpoints, one per engine (an adapter's shares its model's)."""
+    return [endpoint for endpoint in router.ready_handles() if endpoint.lora is None]
 
 
 def get_state(request: Request) -> ServerState:

@@ -145,7 +145,9 @@ async def start_requests(
         endpoint.admit(prompts, state.draining)
         for i, prompt in enumerate(prompts):
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
-            streams.append(await endpoint.engine.add_request(request_id, prompt, params, priority, cache_salt))
+            streams.append(
+                await endpoint.engine.add_request(request_id, prompt, params, priority, cache_salt, endpoint.lora)
+            )
     except BaseException as exc:
         for stream in streams:
             stream.abort()

@@ -7,6 +7,7 @@ path attends with SDPA, agrees within bf16 rounding.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from llmserve.model.builtin import ensure_default_model
 from llmserve.model.config import ModelConfig
 from llmserve.model.layers import Linear
 from llmserve.model.llama import LlamaForCausalLM
+from llmserve.model.lora import LoRASlots
 from llmserve.model.quantization.int8 import Int8LinearMethod, quantize_int8
 
 pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="the CPU decoder could not be built here")
@@ -110,8 +112,9 @@ def _tables(lengths: list[int], num_blocks: int, seed: int) -> list[list[int]]:
     return tables
 
 
-def _both_paths(model, backend, caches, input_ids, positions, meta):
-    """(hidden, caches) of the per-module forward pass and of the one-call decoder, each on its own copy."""
+def _both_paths(model, backend, caches, input_ids, positions, meta, lora_slots=None):
+    """(hidden, caches) of the per-module forward pass and of the one-call decoder, each on its own copy
+    (`lora_slots`: each token's LoRA adapter slot, as the per-module path's `LoRASlots` has them)."""
     per_module = [(k.clone(), v.clone()) for k, v in caches]
     one_call = [(k.clone(), v.clone()) for k, v in caches]
     with torch.inference_mode():
@@ -119,7 +122,7 @@ def _both_paths(model, backend, caches, input_ids, positions, meta):
         expected = model(input_ids, positions, per_module, backend, meta)
         decoder = cpu_decode.CpuDecoder.build(model, one_call, backend)
         assert decoder is not None and decoder.fits(len(input_ids))
-        got = decoder(input_ids, positions, meta)
+        got = decoder(input_ids, positions, meta, lora_slots)
     return expected, per_module, got, one_call
 
 
@@ -272,3 +275,31 @@ def test_greedy_tokens_of_the_engine_are_the_same_with_and_without_it(monkeypatc
     assert not calls
     assert with_decoder == without
     assert all(len(tokens) == 32 for tokens in with_decoder)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lora_adapters_in_a_step_match_the_per_module_path(path, threads):
+    """Rows of two adapters and of none in one decode step: the one-call decoder adds each row's adapter as the
+    per-module path does, to the bit, and the adapters change the rows they serve."""
+    torch.set_num_threads(threads)
+    model = _model("qwen2")
+    cfg = model.config
+    slots = LoRASlots(model, max_loras=2, max_rank=8, max_cpu_loras=2, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(7)
+    for layer in slots.layers.values():
+        layer.a.copy_(0.1 * torch.randn(layer.a.shape, generator=gen))
+        layer.b.copy_(0.1 * torch.randn(layer.b.shape, generator=gen))
+    slots.slot_of = {11: 0, 12: 1}  # two adapters' weights in the slots
+    backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, 32, BLOCK_SIZE, dtype=torch.bfloat16)
+    caches = _caches(model, backend, 32, seed=3)
+    lens = [40, 17, 23, 9]
+    positions, meta = _meta(lens, [1] * 4, _tables(lens, 32, seed=5))
+    input_ids = torch.randint(0, cfg.vocab_size, (4,), generator=torch.Generator().manual_seed(1))
+    slots.activate([0, 11, 12, 11], np.ones(4, dtype=np.int64), torch.device("cpu"))
+    expected, _, got, _ = _both_paths(model, backend, caches, input_ids, positions, meta, slots.token_slots)
+    assert torch.equal(got, expected), f"max diff {(got - expected).abs().max()}"
+    slots.activate([0, 0, 0, 0], np.ones(4, dtype=np.int64), torch.device("cpu"))
+    base, _, _, _ = _both_paths(model, backend, caches, input_ids, positions, meta)
+    assert torch.equal(base[0], expected[0])  # the row without an adapter
+    changed = (base.float() - expected.float()).norm(dim=-1) / base.float().norm(dim=-1)
+    assert (changed[1:] > 0.1).all(), changed

@@ -56,6 +56,8 @@ ROUTE_ACCESS = {
     "/v1/conversations/{conversation_id}": KEY,
     "/v1/conversations/{conversation_id}/messages": KEY,
     "/admin/reload": KEY,  # an admin key, in fact (test_weight_reload.py)
+    "/v1/load_lora_adapter": KEY,  # an admin key, in fact
+    "/v1/unload_lora_adapter": KEY,  # an admin key, in fact
     "/v1/conversations/{conversation_id}/tree": KEY,
     "/v1/streams/{stream_id}": KEY,
     "/": PUBLIC,  # the chat page: it asks for a key itself
@@ -65,6 +67,8 @@ ROUTE_ACCESS = {
 NOT_IN_GATEWAY = {
     "/version",  # each replica's llmserve version
     "/admin/reload",  # weights live in the replicas (reloaded on each, behind the gateway)
+    "/v1/load_lora_adapter",  # so do adapters: each replica is given its own
+    "/v1/unload_lora_adapter",
 }
 ORIGIN = "https://chat.example"
 

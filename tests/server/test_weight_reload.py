@@ -106,7 +106,7 @@ def test_reload_refuses_what_does_not_fit(server: LiveServer, tmp_path: Path) ->
     assert _tokens(_complete(server.base_url)) == _tokens(before)  # nothing changed
 
 
-def test_once_keys_exist_only_an_admin_key_reloads(tiny_engine: AsyncLLM, tiny_llama_dir: Path,  # noqa: F811
+def test_once_keys_exist_only_an_admin_key_reloads_or_loads_adapters(tiny_engine: AsyncLLM, tiny_llama_dir: Path,  # noqa: F811
                                                    tmp_path: Path) -> None:
     for platform in serve_platform(tiny_engine, tmp_path):
         _, admin = platform.new_key("admin", admin=True)
@@ -119,3 +119,10 @@ def test_once_keys_exist_only_an_admin_key_reloads(tiny_engine: AsyncLLM, tiny_l
         with platform.client(admin) as client:
             reloaded = client.post("/admin/reload", json=body)
         assert reloaded.status_code == 200 and reloaded.json()["model"] == PLATFORM_MODEL
+        adapter = {"lora_name": "a", "lora_path": str(tmp_path)}
+        with platform.client(user) as client:
+            assert client.post("/v1/load_lora_adapter", json=adapter).status_code == 403
+            assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 403
+        with platform.client(admin) as client:
+            refused = client.post("/v1/load_lora_adapter", json=adapter)
+        assert refused.status_code == 400 and "--enable-lora" in refused.json()["error"]["message"]

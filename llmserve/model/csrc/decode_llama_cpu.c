@@ -16,6 +16,12 @@
  * Every token attends as a decode query does: over its sequence's cache up to its own position (the keys
  * of the step's earlier tokens of the same sequence are written first), so a short prefill chunk fits too.
  *
+ * LoRA adapters (llmserve/model/lora.py): a projection with adapter slots adds, for each token whose adapter has
+ * a slot, (x A^T) B^T of that slot to its columns, by the same kernel (the shrink on one row, computed by each
+ * thread; the expand on the thread's own columns) and rounded as the per-module path rounds: the shrink, the
+ * expand and the sum each to bf16. The kernel sums a row alike whatever rows are beside it, so the hidden states
+ * are the per-module path's bits here too.
+ *
  * Built on first use by llmserve/model/cpu_decode.py, which prepares the descriptors once per model.
  */
 #include "linear_bf16_cpu.c"
@@ -26,6 +32,7 @@
 #include <stdlib.h>
 
 #define MAX_TOKENS 16
+#define MAX_LORA_WIDTH 1024 /* a projection's LoRA slot width (its shards times the maximum rank) this path takes */
 
 /* How a projection's weights are stored; each format brings the kernel that computes a range of its outputs. */
 enum { WEIGHTS_BF16 = 0, WEIGHTS_INT8 = 1 };
@@ -36,6 +43,9 @@ typedef struct {
     const void *weight; /* [n, k] */
     const float *scale; /* [n] per output channel, for quantized formats; NULL for bf16 */
     const uint16_t *bias; /* [n] bf16 or NULL */
+    const uint16_t *lora_a; /* [slots, lora_width, k] bf16, or NULL without LoRA */
+    const uint16_t *lora_b; /* [slots, n, lora_width] bf16 */
+    int32_t lora_width;
 } linear_weights;
 
 typedef struct {
@@ -55,6 +65,7 @@ typedef struct {
     /* scratch shared by the threads, MAX_TOKENS rows of: qkv width, heads * head_dim (twice), hidden,
        2 * intermediate, intermediate */
     uint16_t *qkv, *query, *attn, *proj, *gate_up, *act;
+    uint16_t *lora_delta; /* [MAX_TOKENS, the widest projection's n]: the LoRA expand's rows, or NULL */
 } decoder;
 
 typedef struct {
@@ -63,11 +74,30 @@ typedef struct {
     const int32_t *tables; /* [tokens, max_blocks]: the block table of each token's sequence */
     const int32_t *lens; /* [tokens]: each token's context, its position + 1 */
     uint16_t *out; /* [tokens, hidden]: the final norm's output */
+    const int32_t *lora_slots; /* [tokens]: each token's adapter slot (-1: none); NULL when no token has one */
 } decode_step;
 
-/* This thread's share of y = x W^T (+ bias): output columns [first, last) for all m rows of x ([m, k]). */
-static void linear_columns(const linear_weights *lw, const uint16_t *x, uint16_t *y, int m, int first, int last,
-                           int path) {
+/* Each adapted token's (x A^T) B^T added to output columns [first, last) of y. */
+static void add_lora(const decoder *d, const decode_step *s, const linear_weights *lw, const uint16_t *x, uint16_t *y,
+                     int first, int last) {
+    const int width = lw->lora_width, n = lw->n, k = lw->k;
+    uint16_t shrunk[MAX_LORA_WIDTH];
+    for (int t = 0; t < s->tokens; t++) {
+        const int slot = s->lora_slots[t];
+        if (slot < 0) continue;
+        const uint16_t *a = lw->lora_a + (size_t)slot * width * k, *b = lw->lora_b + (size_t)slot * n * width;
+        uint16_t *delta = d->lora_delta + (size_t)t * n, *row = y + (size_t)t * n;
+        linear_rows_bf16(x + (size_t)t * k, a, NULL, shrunk, 1, width, k, k, 0, width, s->path);
+        linear_rows_bf16(shrunk, b, NULL, delta, 1, n, width, width, first, last, s->path);
+        for (int j = first; j < last; j++) row[j] = float_to_bf16(bf16_to_float(row[j]) + bf16_to_float(delta[j]));
+    }
+}
+
+/* This thread's share of y = x W^T (+ bias), the step's adapters added: output columns [first, last) for all m
+   rows of x ([m, k]). */
+static void linear_columns(const decoder *d, const decode_step *s, const linear_weights *lw, const uint16_t *x,
+                           uint16_t *y, int first, int last) {
+    const int m = s->tokens, path = s->path;
     switch (lw->format) {
     case WEIGHTS_BF16:
         linear_rows_bf16(x, lw->weight, lw->bias, y, m, lw->n, lw->k, lw->k, first, last, path);
@@ -77,22 +107,24 @@ static void linear_columns(const linear_weights *lw, const uint16_t *x, uint16_t
         break;
     default: break; /* rejected by llmserve_decode_step */
     }
+    if (s->lora_slots != NULL && lw->lora_a != NULL) add_lora(d, s, lw, x, y, first, last);
 }
 
-static void linear_team(const linear_weights *lw, const uint16_t *x, uint16_t *y, int m, int path) {
+static void linear_team(const decoder *d, const decode_step *s, const linear_weights *lw, const uint16_t *x,
+                        uint16_t *y) {
     int first, last;
     thread_share(lw->n, &first, &last);
-    linear_columns(lw, x, y, m, first, last, path);
+    linear_columns(d, s, lw, x, y, first, last);
 }
 
 /* act = SiLU(gate) * up: each thread computes the same range of gate and up columns, so it can multiply
    them without waiting for the others. */
-static void gate_up_team(const decoder *d, const linear_weights *lw, const uint16_t *normed, int m, int path) {
-    const int inter = d->intermediate;
+static void gate_up_team(const decoder *d, const decode_step *s, const linear_weights *lw, const uint16_t *normed) {
+    const int inter = d->intermediate, m = s->tokens;
     int first, last;
     thread_share(inter, &first, &last);
-    linear_columns(lw, normed, d->gate_up, m, first, last, path);
-    linear_columns(lw, normed, d->gate_up, m, inter + first, inter + last, path);
+    linear_columns(d, s, lw, normed, d->gate_up, first, last);
+    linear_columns(d, s, lw, normed, d->gate_up, inter + first, inter + last);
     for (int t = 0; t < m; t++) {
         const uint16_t *row = d->gate_up + (size_t)t * 2 * inter;
         silu_mul_span(row + first, row + inter + first, d->act + (size_t)t * inter + first, last - first);
@@ -116,7 +148,7 @@ static void qkv_team(const decoder *d, const layer_weights *lw, const decode_ste
 #if defined(_OPENMP)
     thread_rows(width, dim, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
 #endif
-    linear_columns(&lw->qkv, normed, d->qkv, s->tokens, first, last, s->path);
+    linear_columns(d, s, &lw->qkv, normed, d->qkv, first, last);
     for (int t = 0; t < s->tokens; t++) {
         uint16_t *row = d->qkv + (size_t)t * width;
         const float *cos_row = d->cos_cache + (size_t)s->positions[t] * (dim / 2);
@@ -156,12 +188,13 @@ static void embed(const decoder *d, const decode_step *s, thread_rows_copy own) 
 }
 
 static int known_format(const linear_weights *lw) {
-    return lw->format == WEIGHTS_BF16 || (lw->format == WEIGHTS_INT8 && lw->scale != NULL);
+    const int lora = lw->lora_a == NULL || (lw->lora_b != NULL && lw->lora_width > 0 && lw->lora_width <= MAX_LORA_WIDTH);
+    return lora && (lw->format == WEIGHTS_BF16 || (lw->format == WEIGHTS_INT8 && lw->scale != NULL));
 }
 
 static int supported(const decoder *d, const decode_step *s, decode_fn attend) {
     if (attend == NULL || s->tokens < 1 || s->tokens > MAX_TOKENS || s->threads < 1 || d->num_layers < 1
-        || !path_built(s->path))
+        || !path_built(s->path) || (s->lora_slots != NULL && d->lora_delta == NULL))
         return 0;
     if (d->hidden > MAX_N || d->head_dim > MAX_N || d->head_dim % 2 != 0) return 0;
     for (int l = 0; l < d->num_layers; l++) {
@@ -185,7 +218,7 @@ int llmserve_decode_step(const decoder *d, const decode_step *s) {
     const size_t rows = (size_t)MAX_TOKENS * d->hidden;
     uint16_t *copies = malloc(sizeof(uint16_t) * 2 * rows * (size_t)s->threads);
     if (copies == NULL) return -1;
-    const int m = s->tokens, path = s->path;
+    const int m = s->tokens;
     /* Four barriers a layer: before attention, at its end, after the o projection, after gate_up. */
 #pragma omp parallel num_threads(s->threads)
     {
@@ -197,13 +230,13 @@ int llmserve_decode_step(const decoder *d, const decode_step *s) {
 #pragma omp barrier
             attend(d->query, lw->k_cache, lw->v_cache, s->tables, s->lens, d->attn, m, d->heads, d->kv_heads,
                    d->head_dim, d->block_size, s->max_blocks, d->scale);
-            linear_team(&lw->o, d->attn, d->proj, m, path);
+            linear_team(d, s, &lw->o, d->attn, d->proj);
 #pragma omp barrier
             llmserve_add_rms_norm_bf16(d->proj, own.residual, lw->post_attention_norm, own.normed, own.residual, m,
                                        d->hidden, d->eps);
-            gate_up_team(d, &lw->gate_up, own.normed, m, path);
+            gate_up_team(d, s, &lw->gate_up, own.normed);
 #pragma omp barrier
-            linear_team(&lw->down, d->act, d->proj, m, path);
+            linear_team(d, s, &lw->down, d->act, d->proj);
 #pragma omp barrier
             if (l + 1 < d->num_layers)
                 llmserve_add_rms_norm_bf16(d->proj, own.residual, d->layers[l + 1].input_norm, own.normed,
