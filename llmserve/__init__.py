@@ -14,7 +14,7 @@ _EXPORTS = {
     "SamplingParams": "llmserve.sampling.params",
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
-    "LoRARequest": "llmserve.model.lora",
+    "LoRARequest": "llmserve.model.lora_request",
 }
 
 __all__ = [
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from llmserve.config import EngineConfig
     from llmserve.engine.llm_engine import LLMEngine
     from llmserve.llm import LLM
-    from llmserve.model.lora import LoRARequest
+    from llmserve.model.lora_request import LoRARequest
     from llmserve.outputs import CompletionOutput, RequestOutput
     from llmserve.sampling.params import SamplingParams
 

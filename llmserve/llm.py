@@ -12,7 +12,7 @@ import numpy as np
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import InvalidRequestError
-from llmserve.model.lora import LoRARequest
+from llmserve.model.lora_request import LoRARequest
 from llmserve.model.pooling import PoolingParams, cosine_scores, label_probabilities, relevance_scores
 from llmserve.outputs import (
     ClassificationOutput,

@@ -398,7 +398,15 @@ class EngineCore:
             num_steps=self.num_steps,
             num_pending_prefill_tokens=scheduler.num_pending_prefill_tokens(),
             num_requests_added=self.num_requests_added,
+            **(self._adapters_in_use() if self.runner.lora is not None else {}),
         )
+
+    def _adapters_in_use(self) -> dict[str, list[str]]:
+        """vLLM's `lora_requests_info`: the adapters of the running and of the waiting requests."""
+        def names(seqs: list[Sequence]) -> list[str]:
+            return sorted({s.request.lora.lora_name for s in seqs if s.request.lora is not None})
+
+        return {"running_loras": names(self.scheduler.running), "waiting_loras": names(self.scheduler.waiting)}
 
     def live_sequences(self) -> list[Sequence]:
         return self.scheduler.live_sequences()

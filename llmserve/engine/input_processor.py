@@ -22,7 +22,8 @@ from llmserve.engine.grammar import validate_structured_outputs
 from llmserve.engine.messages import EngineCoreRequest
 from llmserve.engine.model_facts import ModelFacts
 from llmserve.errors import ContextLengthExceededError, InvalidRequestError
-from llmserve.model.lora import AdapterChecker, LoRARequest
+from llmserve.model.lora import AdapterChecker
+from llmserve.model.lora_request import LoRARequest
 from llmserve.model.pooling import PoolingParams
 from llmserve.sampling.params import SamplingParams
 from llmserve.tokenizer.tokenizer import Tokenizer

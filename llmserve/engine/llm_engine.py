@@ -16,7 +16,7 @@ from llmserve.engine.messages import EngineStats
 from llmserve.engine.model_facts import load_model
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import InvalidRequestError
-from llmserve.model.lora import LoRARequest
+from llmserve.model.lora_request import LoRARequest
 from llmserve.model.pooling import PoolingParams
 from llmserve.outputs import EmbeddingRequestOutput, RequestOutput
 from llmserve.sampling.params import SamplingParams

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from llmserve.model.lora import LoRARequest
+from llmserve.model.lora_request import LoRARequest
 from llmserve.model.pooling import PoolingParams
 from llmserve.sampling.params import SamplingParams
 
@@ -32,6 +32,8 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_steps: int = 0
     num_pending_prefill_tokens: int = 0  # tokens still to prefill (waiting, and running prompt chunks)
     num_requests_added: int = 0  # requests the core has taken in since it started
+    running_loras: list[str] = []  # with LoRA served: the adapters of the running requests, by name
+    waiting_loras: list[str] = []  # and of the waiting ones
 
 
 class StepRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmserve.model.lora import LoRARequest
+from llmserve.model.lora_request import LoRARequest
 from llmserve.model.pooling import PoolingParams
 from llmserve.sampling.params import SamplingParams
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmserve.model import cpu_fused, cpu_linear, layers, native
+from llmserve.model import cpu_fused, cpu_linear, cpu_lora, layers, native
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, cpu_kernels
 from llmserve.model.layers import Linear, RMSNorm
 from llmserve.model.llama import LlamaForCausalLM
@@ -36,9 +36,9 @@ from llmserve.model.quantization.int8 import Int8LinearMethod
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "decode_llama_cpu.c"
-INCLUDED = [CSRC / "linear_bf16_cpu.c", CSRC / "linear_int8_cpu.c", CSRC / "elementwise_bf16_cpu.c", cpu_kernels.SOURCE]
+INCLUDED = [CSRC / "linear_bf16_cpu.c", CSRC / "linear_int8_cpu.c", CSRC / "elementwise_bf16_cpu.c", CSRC / "lora_bf16_cpu.c",
+            cpu_kernels.SOURCE]
 MAX_TOKENS = 16  # MAX_TOKENS in the C source; a step takes fewer where `cpu_linear.max_rows()` is lower
-MAX_LORA_WIDTH = 1024  # MAX_LORA_WIDTH in the C source: a LoRA slot's width (shards x maximum rank) it takes
 WEIGHTS_BF16 = 0
 WEIGHTS_INT8 = 1  # int8 [n, k] with float32 per-channel scales (`--quantization int8`)
 
@@ -57,7 +57,7 @@ def use_fast_path(enabled: bool) -> None:
 class LinearWeights(ctypes.Structure):
     _fields_ = [
         ("format", _i32), ("n", _i32), ("k", _i32), ("weight", _ptr), ("scale", _ptr), ("bias", _ptr),
-        ("lora_a", _ptr), ("lora_b", _ptr), ("lora_width", _i32),
+        ("lora_a", _ptr), ("lora_bt", _ptr), ("lora_width", _i32),
     ]
 
 
@@ -76,7 +76,7 @@ class Decoder(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("embed", _ptr), ("final_norm", _ptr), ("cos_cache", _ptr), ("sin_cache", _ptr), ("layers", _ptr),
         ("qkv", _ptr), ("query", _ptr), ("attn", _ptr), ("proj", _ptr),
-        ("gate_up", _ptr), ("act", _ptr), ("lora_delta", _ptr),
+        ("gate_up", _ptr), ("act", _ptr),
     ]
 
 
@@ -113,7 +113,7 @@ def _linear(layer: Linear) -> LinearWeights:
     n, k = layer.weight.shape
     bias = None if layer.bias is None else layer.bias.data_ptr()
     lora = layer.lora  # its LoRA slots: filled in place, so the pointers hold
-    adapter = (None, None, 0) if lora is None else (lora.a.data_ptr(), lora.b.data_ptr(), lora.a.shape[1])
+    adapter = (None, None, 0) if lora is None else (lora.a.data_ptr(), lora.bt.data_ptr(), lora.a.shape[1])
     if layer.weight.dtype == torch.int8:
         return LinearWeights(WEIGHTS_INT8, n, k, layer.weight.data_ptr(), layer.weight_scale.data_ptr(), bias, *adapter)
     return LinearWeights(WEIGHTS_BF16, n, k, layer.weight.data_ptr(), None, bias, *adapter)
@@ -137,8 +137,6 @@ class CpuDecoder:
         q_size = cfg.num_attention_heads * cfg.head_dim
         qkv_width = q_size + 2 * cfg.num_key_value_heads * cfg.head_dim
         widths = [qkv_width, q_size, q_size, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.intermediate_size]
-        if model.layers[0].mlp.down_proj.lora is not None:  # LoRA served: the rows of its expand
-            widths.append(max(widths))
         self._scratch = [torch.empty(MAX_TOKENS, width, dtype=torch.bfloat16) for width in widths]
         self._layers = (LayerWeights * len(model.layers))(*(
             LayerWeights(
@@ -186,7 +184,7 @@ class CpuDecoder:
 
     def takes_lora(self) -> bool:
         """Whether its steps can add LoRA adapters (their slots are no wider than the C code takes)."""
-        return 0 < self.max_lora_width <= MAX_LORA_WIDTH
+        return 0 < self.max_lora_width <= cpu_lora.MAX_LORA_WIDTH
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

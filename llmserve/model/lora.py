@@ -2,10 +2,11 @@
 linear layers, several adapters in one batch (vLLM's multi-LoRA).
 
 An adapted layer computes x W^T + s * (x A^T) B^T for each token, with the A and B of the token's adapter
-(s: lora_alpha / r, or / sqrt(r) with rsLoRA). Each adapted layer holds `max_loras` slots of A and B (zero
-where a slot's adapter leaves the layer alone); a step's tokens are grouped by slot and each group takes two
-small matmuls. A fused projection (qkv, gate/up) keeps its shards' A matrices stacked and their B matrices
-side by side in a block-diagonal, so one shrink and one expand serve all its shards.
+(s: lora_alpha / r, or / sqrt(r) with rsLoRA). Each adapted layer holds `max_loras` slots of A and of B^T (zero
+where a slot's adapter leaves the layer alone). In a decode-sized bf16 step on CPU one call of `cpu_lora` adds the
+step's adapters (the one-call decoder's code); otherwise the step's tokens are grouped by slot and each group takes
+a shrink (x A^T, by the layer's linear kernel) and an expand (a matmul). A fused projection (qkv, gate/up) keeps its shards' A
+matrices stacked and their B matrices in a block-diagonal, so one shrink and one expand serve all its shards.
 
 Adapters are read on the host once (`read_adapter`, which also checks them against the model) and kept in a
 host cache; the slots are filled from it when a step needs an adapter that is not in one.
@@ -18,7 +19,6 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +27,10 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from llmserve.errors import InvalidRequestError
+from llmserve.model import cpu_lora
 from llmserve.model.config import ModelConfig
 from llmserve.model.layers import Linear, linear
+from llmserve.model.lora_request import LoRARequest
 from llmserve.model.registry import model_class
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -45,18 +47,8 @@ class LoRAAdapterError(InvalidRequestError):
         super().__init__(message, param="lora_path", code="invalid_lora_adapter")
 
 
-@dataclass(frozen=True)
-class LoRARequest:
-    """vLLM's: an adapter by name, a unique id (>= 1: the prefix cache and the slots know it by that, so an
-    adapter loaded again under the same name gets a new one) and its directory."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-
-
 # An adapter's weights on the host, laid out as the slots hold them (padded to the maximum rank R, the scale folded
-# into B): our module name -> (A [shards * R, in], B [out, shards * R]).
+# into B): our module name -> (A [shards * R, in], B^T [shards * R, out]).
 AdapterWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -214,14 +206,14 @@ def _lay_out(
     shards: Sequence[tuple[int, torch.Tensor, torch.Tensor]], sizes: list[int], in_features: int, max_rank: int,
     scale: float, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's A [shards * R, in] and block-diagonal B [out, shards * R], zero where unadapted."""
+    """One layer's A [shards * R, in] and block-diagonal B^T [shards * R, out], zero where unadapted."""
     a = torch.zeros(len(sizes) * max_rank, in_features)
-    b = torch.zeros(sum(sizes), len(sizes) * max_rank)
+    bt = torch.zeros(len(sizes) * max_rank, sum(sizes))
     for shard, shard_a, shard_b in shards:
-        rank, row = shard_a.shape[0], sum(sizes[:shard])
+        rank, column = shard_a.shape[0], sum(sizes[:shard])
         a[shard * max_rank : shard * max_rank + rank] = shard_a
-        b[row : row + sizes[shard], shard * max_rank : shard * max_rank + rank] = shard_b * scale
-    return a.to(dtype), b.to(dtype)
+        bt[shard * max_rank : shard * max_rank + rank, column : column + sizes[shard]] = shard_b.T * scale
+    return a.to(dtype), bt.to(dtype)
 
 
 class LoRALayer:
@@ -233,22 +225,24 @@ class LoRALayer:
         device, dtype = layer.weight.device, slots.dtype
         self.slots = slots
         self.a = torch.zeros(slots.max_loras, rank, in_features, device=device, dtype=dtype)
-        self.b = torch.zeros(slots.max_loras, out_features, rank, device=device, dtype=dtype)
+        self.bt = torch.zeros(slots.max_loras, rank, out_features, device=device, dtype=dtype)
 
     @property
     def active(self) -> bool:
         return bool(self.slots.groups)
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """out + each token's adapter's (x A^T) B^T: the shrink, the expand and the sum each rounded to the
-        model's dtype, through the layers' own kernels (as the one-call CPU decoder computes it)."""
+        """out + each token's adapter's (x A^T) B^T, in place: for bf16 on CPU by `cpu_lora` in one call (the
+        one-call decoder's arithmetic), else per slot a shrink by the layer's kernel and an expand by a matmul."""
         x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        if self.slots.token_slots is not None and cpu_lora.runs(out2, self.a.shape[1]):
+            cpu_lora.add(out2, x2, self.slots.token_slots, self.a, self.bt)
+            return out
         for slot, rows in self.slots.groups:
-            a, b = self.a[slot], self.b[slot]
             if rows is None:
-                out2.add_(linear(linear(x2, a), b))
+                out2.add_(linear(x2, self.a[slot]) @ self.bt[slot])
             else:
-                out2.index_add_(0, rows, linear(linear(x2.index_select(0, rows), a), b))
+                out2.index_add_(0, rows, linear(x2.index_select(0, rows), self.a[slot]) @ self.bt[slot])
         return out
 
 
@@ -323,10 +317,10 @@ class LoRASlots:
             weights = adapter.get(name)
             if weights is None:
                 layer.a[slot].zero_()
-                layer.b[slot].zero_()
+                layer.bt[slot].zero_()
             else:
                 layer.a[slot].copy_(weights[0])
-                layer.b[slot].copy_(weights[1])
+                layer.bt[slot].copy_(weights[1])
         self.slot_of[lora_id] = slot
 
 

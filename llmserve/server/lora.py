@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from llmserve.config import parse_lora_modules
-from llmserve.model.lora import LoRARequest
+from llmserve.model.lora_request import LoRARequest
 from llmserve.platform.keys import ApiKey
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import request_key

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -90,6 +91,20 @@ class EngineCollector(Collector):
                      lambda e: e.engine.num_restarts)
         yield family(gauge, "llmserve:engine_core_up", "1 while the engine core process serves, else 0.",
                      lambda e: int(e.engine.is_healthy))
+        yield _lora_info(endpoints)
+
+
+def _lora_info(endpoints: list[ServedModel]) -> Metric:
+    """vLLM's: per engine serving LoRA adapters, the adapters running and waiting (by name, comma-separated) and
+    how many one step may use, valued at the scrape time."""
+    metric = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                               labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    for endpoint in endpoints:
+        config, stats = endpoint.engine.config, endpoint.engine.last_stats
+        if config.lora_enabled:
+            metric.add_metric([",".join(stats.running_loras), ",".join(stats.waiting_loras), str(config.max_loras)],
+                              time.time())
+    return metric
 
 
 class PlatformMetrics:

@@ -13,7 +13,7 @@ from fastapi import Request
 
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.heap import freeze_startup_heap
-from llmserve.model.lora import LoRARequest
+from llmserve.model.lora_request import LoRARequest
 from llmserve.platform.routing import ModelFailed, ModelLoading, ModelRouter
 from llmserve.platform.safety import OutputGuard
 from llmserve.server import errors

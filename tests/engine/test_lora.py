@@ -82,6 +82,20 @@ def test_a_request_whose_adapter_went_missing_fails_alone(adapters, tmp_path):
     assert llm.engine.core.block_manager.num_free_blocks == 64
 
 
+def test_stats_name_the_adapters_running_and_waiting(adapters):
+    """vLLM's lora_requests_info: with one slot, the second adapter's request waits while the first runs."""
+    engine = LLM(str(adapters["base"]), dtype="float32", num_kv_blocks=64, enable_lora=True).engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, name in enumerate(("every", "some")):
+        engine.add_request(name, [5, 6, 7], params, lora_request=LoRARequest(name, i + 1, str(adapters[name])))
+    engine.step()
+    stats = engine.stats()
+    assert (stats.running_loras, stats.waiting_loras) == (["every"], ["some"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert (engine.stats().running_loras, engine.stats().waiting_loras) == ([], [])
+
+
 def test_an_engine_without_lora_refuses_adapters(adapters):
     llm = LLM(str(adapters["base"]), dtype="float32", num_kv_blocks=64)
     with pytest.raises(InvalidRequestError, match="--enable-lora"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model import cpu_decode, cpu_linear, layers
+from llmserve.model import cpu_decode, cpu_linear, cpu_lora, layers
 from llmserve.model.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernels, int8_kv
 from llmserve.model.builtin import ensure_default_model
 from llmserve.model.config import ModelConfig
@@ -288,7 +288,7 @@ def test_lora_adapters_in_a_step_match_the_per_module_path(path, threads):
     gen = torch.Generator().manual_seed(7)
     for layer in slots.layers.values():
         layer.a.copy_(0.1 * torch.randn(layer.a.shape, generator=gen))
-        layer.b.copy_(0.1 * torch.randn(layer.b.shape, generator=gen))
+        layer.bt.copy_(0.1 * torch.randn(layer.bt.shape, generator=gen))
     slots.slot_of = {11: 0, 12: 1}  # two adapters' weights in the slots
     backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, 32, BLOCK_SIZE, dtype=torch.bfloat16)
     caches = _caches(model, backend, 32, seed=3)
@@ -303,3 +303,28 @@ def test_lora_adapters_in_a_step_match_the_per_module_path(path, threads):
     assert torch.equal(base[0], expected[0])  # the row without an adapter
     changed = (base.float() - expected.float()).norm(dim=-1) / base.float().norm(dim=-1)
     assert (changed[1:] > 0.1).all(), changed
+
+
+@pytest.mark.skipif(cpu_lora.load() is None, reason="the LoRA kernel could not be built here")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lora_kernel_adds_each_rows_adapter(path, threads):
+    """Each row's (x A^T) B^T of its slot, rounded as stored (the shrink, the expand, the sum), to rows of two slots
+    and of none (21 rows: more than a pass of shrunk rows and of expanded ones; 1003 columns: a partial block);
+    a slot's zero rows beyond the rank change nothing."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(21, 96, generator=gen).to(torch.bfloat16)
+    a = (0.2 * torch.randn(2, 48, 96, generator=gen)).to(torch.bfloat16)
+    a[:, 40:] = 0
+    bt = torch.randn(2, 48, 1003, generator=gen).to(torch.bfloat16)
+    out = torch.randn(21, 1003, generator=gen).to(torch.bfloat16)
+    slots = torch.tensor([i % 3 - 1 for i in range(21)], dtype=torch.int32)
+    expected = out.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            shrunk = (x[t].float() @ a[slot].float().T).to(torch.bfloat16)
+            expand = (shrunk.float() @ bt[slot].float()).to(torch.bfloat16)
+            expected[t] = (out[t].float() + expand.float()).to(torch.bfloat16)
+    cpu_lora.add(out, x, slots, a, bt)
+    assert torch.equal(out[slots < 0], expected[slots < 0])
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0.016, atol=0.05)

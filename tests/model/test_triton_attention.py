@@ -293,9 +293,10 @@ _AOT = textwrap.dedent("""
     from tests.model.triton_aot import assert_pdl_order
 
     def build(fn, dtype, consts, **kwargs):
-        assert_pdl_order(compile_one(fn, dtype, {**consts, "PDL": True}, **kwargs).asm["ptx"], True, fn.__name__)
-        compiled = compile_one(fn, dtype, {**consts, "PDL": False}, **kwargs)
-        assert_pdl_order(compiled.asm["ptx"], False, fn.__name__)
+        compiled = compile_one(fn, dtype, {**consts, "PDL": True}, **kwargs)
+        assert_pdl_order(compiled.asm["ptx"], True, fn.__name__)
+        if without_pdl:  # the same code less its two PDL instructions: each kernel's first variant suffices
+            assert_pdl_order(compile_one(fn, dtype, {**consts, "PDL": False}, **kwargs).asm["ptx"], False, fn.__name__)
         return compiled
 
     def compile_one(fn, dtype, consts, floats=("qk_scale", "v_scale", "inv_k_scale", "inv_v_scale"), fp32_ptrs=(),
@@ -319,6 +320,7 @@ _AOT = textwrap.dedent("""
 
     # (activations, KV cache): the model dtype's cache, and an fp8 cache under bf16 activations
     for dtype, precision, cache in (("bf16", "tf32", None), ("fp32", "ieee", None), ("bf16", "tf32", "fp8e4nv")):
+        without_pdl = dtype == "bf16" and cache is None
         shape = dict(HEAD_DIM=128, BLOCK_SIZE=16, D_PAD=128)
         build(K.write_kv_kernel, dtype, dict(NUM_KV_HEADS=2, KVH_PAD=2, QUANTIZED=cache is not None, **shape),
               cache_dtype=cache)

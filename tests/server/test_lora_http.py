@@ -85,6 +85,8 @@ def test_configured_adapter_is_listed_and_generates_peft_tokens(server, tiny_lla
     message = _error(httpx.post(f"{base_url}/v1/embeddings", json={"model": "sql", "input": "x"}), 400, "model")
     assert "LoRA adapter of 'tiny'" in message
     assert server.idle_stats().num_used_blocks == 0
+    metrics = httpx.get(f"{base_url}/metrics").text
+    assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
 
 
 def test_adapters_load_and_unload_at_run_time(server, tiny_llama_dir, adapter_dirs) -> None:

@@ -17,14 +17,12 @@
  * of the step's earlier tokens of the same sequence are written first), so a short prefill chunk fits too.
  *
  * LoRA adapters (llmserve/model/lora.py): a projection with adapter slots adds, for each token whose adapter has
- * a slot, (x A^T) B^T of that slot to its columns, by the same kernel (the shrink on one row, computed by each
- * thread; the expand on the thread's own columns) and rounded as the per-module path rounds: the shrink, the
- * expand and the sum each to bf16. The kernel sums a row alike whatever rows are beside it, so the hidden states
- * are the per-module path's bits here too.
+ * a slot, (x A^T) B^T of that slot to the thread's columns, by lora_bf16_cpu.c as the per-module path does (each
+ * thread shrinks the rows itself), so the hidden states are its bits here too.
  *
  * Built on first use by llmserve/model/cpu_decode.py, which prepares the descriptors once per model.
  */
-#include "linear_bf16_cpu.c"
+#include "lora_bf16_cpu.c" /* and linear_bf16_cpu.c, which it includes */
 #include "linear_int8_cpu.c"
 #include "elementwise_bf16_cpu.c"
 #include "../attention/csrc/paged_attention_cpu.c"
@@ -32,7 +30,6 @@
 #include <stdlib.h>
 
 #define MAX_TOKENS 16
-#define MAX_LORA_WIDTH 1024 /* a projection's LoRA slot width (its shards times the maximum rank) this path takes */
 
 /* How a projection's weights are stored; each format brings the kernel that computes a range of its outputs. */
 enum { WEIGHTS_BF16 = 0, WEIGHTS_INT8 = 1 };
@@ -44,7 +41,7 @@ typedef struct {
     const float *scale; /* [n] per output channel, for quantized formats; NULL for bf16 */
     const uint16_t *bias; /* [n] bf16 or NULL */
     const uint16_t *lora_a; /* [slots, lora_width, k] bf16, or NULL without LoRA */
-    const uint16_t *lora_b; /* [slots, n, lora_width] bf16 */
+    const uint16_t *lora_bt; /* [slots, lora_width, n] bf16: B transposed */
     int32_t lora_width;
 } linear_weights;
 
@@ -65,7 +62,6 @@ typedef struct {
     /* scratch shared by the threads, MAX_TOKENS rows of: qkv width, heads * head_dim (twice), hidden,
        2 * intermediate, intermediate */
     uint16_t *qkv, *query, *attn, *proj, *gate_up, *act;
-    uint16_t *lora_delta; /* [MAX_TOKENS, the widest projection's n]: the LoRA expand's rows, or NULL */
 } decoder;
 
 typedef struct {
@@ -76,22 +72,6 @@ typedef struct {
     uint16_t *out; /* [tokens, hidden]: the final norm's output */
     const int32_t *lora_slots; /* [tokens]: each token's adapter slot (-1: none); NULL when no token has one */
 } decode_step;
-
-/* Each adapted token's (x A^T) B^T added to output columns [first, last) of y. */
-static void add_lora(const decoder *d, const decode_step *s, const linear_weights *lw, const uint16_t *x, uint16_t *y,
-                     int first, int last) {
-    const int width = lw->lora_width, n = lw->n, k = lw->k;
-    uint16_t shrunk[MAX_LORA_WIDTH];
-    for (int t = 0; t < s->tokens; t++) {
-        const int slot = s->lora_slots[t];
-        if (slot < 0) continue;
-        const uint16_t *a = lw->lora_a + (size_t)slot * width * k, *b = lw->lora_b + (size_t)slot * n * width;
-        uint16_t *delta = d->lora_delta + (size_t)t * n, *row = y + (size_t)t * n;
-        linear_rows_bf16(x + (size_t)t * k, a, NULL, shrunk, 1, width, k, k, 0, width, s->path);
-        linear_rows_bf16(shrunk, b, NULL, delta, 1, n, width, width, first, last, s->path);
-        for (int j = first; j < last; j++) row[j] = float_to_bf16(bf16_to_float(row[j]) + bf16_to_float(delta[j]));
-    }
-}
 
 /* This thread's share of y = x W^T (+ bias), the step's adapters added: output columns [first, last) for all m
    rows of x ([m, k]). */
@@ -107,7 +87,9 @@ static void linear_columns(const decoder *d, const decode_step *s, const linear_
         break;
     default: break; /* rejected by llmserve_decode_step */
     }
-    if (s->lora_slots != NULL && lw->lora_a != NULL) add_lora(d, s, lw, x, y, first, last);
+    if (s->lora_slots != NULL && lw->lora_a != NULL)
+        lora_add_columns(x, s->lora_slots, m, lw->lora_a, lw->lora_bt, lw->lora_width, lw->k, lw->n, y, first, last,
+                         path);
 }
 
 static void linear_team(const decoder *d, const decode_step *s, const linear_weights *lw, const uint16_t *x,
@@ -188,13 +170,13 @@ static void embed(const decoder *d, const decode_step *s, thread_rows_copy own) 
 }
 
 static int known_format(const linear_weights *lw) {
-    const int lora = lw->lora_a == NULL || (lw->lora_b != NULL && lw->lora_width > 0 && lw->lora_width <= MAX_LORA_WIDTH);
+    const int lora = lw->lora_a == NULL || (lw->lora_bt != NULL && lw->lora_width > 0 && lw->lora_width <= MAX_LORA_WIDTH);
     return lora && (lw->format == WEIGHTS_BF16 || (lw->format == WEIGHTS_INT8 && lw->scale != NULL));
 }
 
 static int supported(const decoder *d, const decode_step *s, decode_fn attend) {
     if (attend == NULL || s->tokens < 1 || s->tokens > MAX_TOKENS || s->threads < 1 || d->num_layers < 1
-        || !path_built(s->path) || (s->lora_slots != NULL && d->lora_delta == NULL))
+        || !path_built(s->path))
         return 0;
     if (d->hidden > MAX_N || d->head_dim > MAX_N || d->head_dim % 2 != 0) return 0;
     for (int l = 0; l < d->num_layers; l++) {
