@@ -22,6 +22,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
     server.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     server.add_argument("--model", default=None, help="model name to send (default: first id of GET /v1/models)")
+    server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                        help="LoRA adapters the server serves: each request (each conversation) names one of them "
+                        "at random instead of --model, as vLLM's benchmark does")
     server.add_argument("--tokenizer", default=None,
                         help="tokenizer directory for exact prompt lengths and token counts "
                              "(default: the server's /tokenize, else approximate by words)")

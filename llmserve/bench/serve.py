@@ -86,10 +86,18 @@ class BenchConfig:
     num_warmups: int = 0
     progress: bool = True
     dataset_args: dict[str, Any] = field(default_factory=dict)
+    lora_modules: list[str] = field(default_factory=list)  # adapter names, one drawn per conversation
 
     @property
     def url(self) -> str:
         return join_url(self.base_url, self.endpoint)
+
+    def model_of(self, conversation: int) -> str:
+        """The model conversation number `conversation` names: one of the LoRA adapters, drawn by the seed, or
+        the model."""
+        if not self.lora_modules:
+            return self.model
+        return random.Random(f"{self.seed}:{conversation}").choice(self.lora_modules)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,11 +190,11 @@ def _turn_prompt(config: BenchConfig, conversation: Conversation, turn: int, rep
     return datasets.completion_prompt(conversation, turn, replies)
 
 
-async def _send_turn(ctx: _RunContext, conversation: Conversation, turn: int,
+async def _send_turn(ctx: _RunContext, model: str, conversation: Conversation, turn: int,
                      replies: list[str], reply_tokens: list[int]) -> RequestResult:
     config = ctx.config
     spec = conversation.turns[turn]
-    payload = build_payload(config.model, config.endpoint, _turn_prompt(config, conversation, turn, replies),
+    payload = build_payload(model, config.endpoint, _turn_prompt(config, conversation, turn, replies),
                             spec.output_len, config.sampling)
     sent_at = time.perf_counter()
     result = await stream_request(ctx.client, config.url, payload, ctx.count_tokens)
@@ -205,7 +213,7 @@ async def _run_conversation(ctx: _RunContext, index: int, conversation: Conversa
     reply_tokens: list[int] = []
     async with semaphore if semaphore is not None else contextlib.nullcontext():
         for turn in range(len(conversation.turns)):
-            result = await _send_turn(ctx, conversation, turn, replies, reply_tokens)
+            result = await _send_turn(ctx, ctx.config.model_of(index), conversation, turn, replies, reply_tokens)
             result.conversation = index
             results.append(result)
             ctx.progress.update()
@@ -362,6 +370,7 @@ def result_document(config: BenchConfig, source: TokenSource, runs: list[dict[st
         "base_url": config.base_url,
         "endpoint": config.endpoint,
         "model": config.model,
+        "lora_modules": config.lora_modules,
         "dataset": config.dataset,
         "dataset_args": config.dataset_args,
         "num_prompts": config.num_prompts,
@@ -398,7 +407,7 @@ def _config_from_args(args: argparse.Namespace, model: str) -> BenchConfig:
         num_prompts=args.num_prompts, rates=parse_rates(args.request_rate), burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, seed=args.seed, prompt_format=args.prompt_format,
         slo=parse_slo(args.slo), timeout=args.timeout, num_warmups=args.num_warmups,
-        progress=not args.no_progress, dataset_args=dataset_args(args),
+        progress=not args.no_progress, dataset_args=dataset_args(args), lora_modules=args.lora_modules or [],
         sampling=SamplingOptions(temperature=args.temperature, exact_output_len=args.exact_output_len,
                                  extra_body=extra_body),
     )

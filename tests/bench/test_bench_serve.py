@@ -51,6 +51,22 @@ def test_random_dataset_counts_and_lengths(tmp_path: Path) -> None:
     assert all(r["output_tokens"] == len(r["itl"]) + 1 for r in run["requests"])
 
 
+def test_lora_modules_spread_the_requests_over_the_adapters(tmp_path: Path) -> None:
+    """vLLM's --lora-modules: each request names one of the adapters, drawn by the seed (the fake server answers
+    to any name); one at a time, so the requests arrive in order."""
+    args = ("--num-prompts", "12", "--random-input-len-range", "4", "--random-output-len-range", "2",
+            "--lora-modules", "sql", "poet", "--max-concurrency", "1")
+    names = []
+    for _ in range(2):
+        state = FakeState()
+        with run_fake_server(state) as url:
+            doc = run_bench(tmp_path, url, *args)
+        assert doc["lora_modules"] == ["sql", "poet"] and doc["runs"][0]["completed"] == 12
+        names.append([body["model"] for body in state.requests])
+    assert set(names[0]) == {"sql", "poet"}
+    assert names[1] == names[0]  # the same seed, the same draw
+
+
 def test_rate_sweep_and_failures_are_counted(tmp_path: Path) -> None:
     state = FakeState(reject_every=3)
     with run_fake_server(state) as url:
