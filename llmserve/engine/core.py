@@ -177,9 +177,7 @@ class EngineCore:
         try:
             if self.runner.lora is None:
                 raise InvalidRequestError("LoRA adapters are not enabled.")
-            waiting = (r for r, _ in self._awaiting_grammar.values())
-            in_use = {r.lora_id for r in chain(self.scheduler.requests.values(), waiting)}
-            self.runner.lora.add(request.lora, in_use)
+            self.runner.lora.add(request.lora, self._adapters_named)
         except InvalidRequestError as exc:
             logger.warning("request %s: its LoRA adapter %r cannot be used: %s", request.request_id,
                            request.lora.lora_name, exc)
@@ -188,6 +186,11 @@ class EngineCore:
             )
             return False
         return True
+
+    def _adapters_named(self) -> set[int]:
+        """The adapter ids of every live request (queued, or waiting for its grammar)."""
+        waiting = (r for r, _ in self._awaiting_grammar.values())
+        return {r.lora_id for r in chain(self.scheduler.requests.values(), waiting)}
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar is ready; finish those whose grammar failed to compile."""

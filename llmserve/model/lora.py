@@ -18,7 +18,7 @@ import json
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -269,15 +269,18 @@ class LoRASlots:
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # this step's (slot, token rows; None: all)
         self.token_slots: torch.Tensor | None = None  # this step's slot of each token (-1: none), int32
 
-    def add(self, request: LoRARequest, in_use: Collection[int] = ()) -> None:
+    def add(self, request: LoRARequest, in_use: Callable[[], Collection[int]] = frozenset) -> None:
         """Have `request`'s adapter in the host cache (read on first use; LoRAAdapterError when it does not
-        fit). `in_use`: ids live requests name, never dropped to make room."""
+        fit). `in_use()`: the ids live requests name, never dropped to make room (asked only when room is made)."""
         if request.lora_int_id in self.cached:
             self.cached.move_to_end(request.lora_int_id)
             return
         adapter = read_adapter(request, self.model, self.max_rank, self.dtype)
         self.cached[request.lora_int_id] = adapter
-        for old in [i for i in self.cached if i != request.lora_int_id and i not in in_use]:
+        if len(self.cached) <= self.max_cpu_loras:
+            return
+        kept = {request.lora_int_id, *in_use()}
+        for old in [i for i in self.cached if i not in kept]:
             if len(self.cached) <= self.max_cpu_loras:
                 break
             del self.cached[old]

@@ -13,6 +13,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from llmserve.platform.keys import ApiKey
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import request_key
 from llmserve.server.openapi import documented
@@ -22,11 +23,16 @@ from llmserve.server.state import get_state
 router = APIRouter()
 
 
+def require_admin(key: ApiKey | None, action: str) -> None:
+    """A 403 unless there are no keys or `key` is an admin's."""
+    if key is not None and not key.is_admin:
+        raise APIError(403, f"{action} needs an admin key.", code="admin_key_required")
+
+
 @router.post("/admin/reload", response_model=None, responses=documented(ReloadResponse))
 async def reload_weights(body: ReloadRequest, request: Request) -> JSONResponse:
     key = request_key(request.state)
-    if key is not None and not key.is_admin:
-        raise APIError(403, "Reloading weights needs an admin key.", code="admin_key_required")
+    require_admin(key, "Reloading weights")
     endpoint = get_state(request).endpoint(body.model, key)
     if endpoint.lora is not None:
         raise APIError(400, f"{endpoint.name!r} is a LoRA adapter: reload its model {endpoint.parent!r}, or unload "

@@ -17,7 +17,7 @@ from fastapi.responses import PlainTextResponse
 
 from llmserve.config import parse_lora_modules
 from llmserve.model.lora_request import LoRARequest
-from llmserve.platform.keys import ApiKey
+from llmserve.server.admin import require_admin
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import request_key
 from llmserve.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -45,7 +45,7 @@ def _read(model: ModelEndpoint, name: str, path: str) -> LoRARequest:
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
     state = get_state(request)
     key = request_key(request.state)
-    _check_admin(key)
+    require_admin(key, "Loading LoRA adapters")
     model = state.endpoint(body.model, key)
     if model.lora is not None:
         raise APIError(400, f"{model.name!r} is a LoRA adapter itself: name its model {model.parent!r}.",
@@ -63,7 +63,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
 @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
     state = get_state(request)
-    _check_admin(request_key(request.state))
+    require_admin(request_key(request.state), "Unloading LoRA adapters")
     name = body.lora_name
     try:
         adapter = state.router.handle(name)
@@ -77,11 +77,6 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
         raise APIError(400, f"The LoRA adapter '{name}' cannot be unloaded: {exc}", param="lora_name",
                        code="invalid_value") from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
-
-
-def _check_admin(key: ApiKey | None) -> None:
-    if key is not None and not key.is_admin:
-        raise APIError(403, "Loading and unloading LoRA adapters needs an admin key.", code="admin_key_required")
 
 
 def _already_loaded(name: str) -> APIError:
