@@ -72,10 +72,17 @@ class EngineConfig:
     max_loras: int = 1  # adapters one engine step may use (the slots each adapted layer holds)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept read on the host; None: max_loras
+    # Speculative decoding (vLLM's --speculative-config): {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m}; see SpeculativeConfig. Steps then run one after another.
+    speculative_config: dict[str, Any] | None = None
 
     @property
     def lora_enabled(self) -> bool:
         return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return parse_speculative_config(self.speculative_config)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -105,6 +112,58 @@ class EngineConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
         parse_lora_modules(self.lora_modules or [])
+        parse_speculative_config(self.speculative_config)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """N-gram speculation (vLLM's `ngram` method, "prompt lookup decoding"): each decoding sequence's last
+    `prompt_lookup_max` down to `prompt_lookup_min` tokens are looked up earlier in its own tokens, and the
+    `num_speculative_tokens` tokens that followed there are verified in the next step with it."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    method: str = "ngram"
+    disable_by_batch_size: int | None = None  # no drafts while this many sequences or more are running
+
+
+SPECULATIVE_METHODS = ("ngram",)
+_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size")
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither bound is given
+
+
+def parse_speculative_config(spec: dict[str, Any] | None) -> SpeculativeConfig | None:
+    """`--speculative-config` in vLLM's form; a ValueError names what is wrong or unsupported."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {spec!r}.")
+    unknown = sorted(set(spec) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: {', '.join(unknown)} not supported; it takes {', '.join(_SPECULATIVE_KEYS)}.")
+    model = spec.get("model")
+    method = spec.get("method", "ngram" if model in (None, "ngram", "[ngram]") else model)
+    if method not in SPECULATIVE_METHODS or model not in (None, "ngram", "[ngram]"):
+        raise ValueError(
+            f"speculative_config: method {method!r} is not supported; llmserve speculates with "
+            f"{', '.join(SPECULATIVE_METHODS)} (prompt lookup), without a draft model."
+        )
+    lookup_min, lookup_max = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    if lookup_min is None and lookup_max is None:
+        lookup_min = lookup_max = DEFAULT_PROMPT_LOOKUP
+    lookup_min = lookup_max if lookup_min is None else lookup_min
+    lookup_max = lookup_min if lookup_max is None else lookup_max
+    values = {"num_speculative_tokens": spec.get("num_speculative_tokens"), "prompt_lookup_min": lookup_min,
+              "prompt_lookup_max": lookup_max, "disable_by_batch_size": spec.get("disable_by_batch_size", 1)}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}.")
+    if lookup_min > lookup_max:
+        raise ValueError(f"speculative_config: prompt_lookup_min ({lookup_min}) exceeds prompt_lookup_max ({lookup_max}).")
+    return SpeculativeConfig(values["num_speculative_tokens"], lookup_min, lookup_max, method,
+                             spec.get("disable_by_batch_size"))
 
 
 @dataclass(frozen=True)
@@ -222,6 +281,12 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
     _EngineFlag("max_loras", "--max-loras", help="LoRA adapters one engine step may use (default 1)"),
     _EngineFlag("max_lora_rank", "--max-lora-rank", help="the highest LoRA rank served (default 16)"),
     _EngineFlag("max_cpu_loras", "--max-cpu-loras", help="LoRA adapters kept read in host memory (default: --max-loras)"),
+    _EngineFlag(
+        "speculative_config", "--speculative-config",
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} proposes the tokens that followed the sequence\'s last '
+        "n-gram earlier in its own text, verified in one step (steps then run one after another)",
+    ),
     _EngineFlag(
         "async_scheduling", "--no-async-scheduling",
         help="run engine steps one after another instead of overlapping the next step's scheduling "

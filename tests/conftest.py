@@ -23,6 +23,14 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", "tiny", 0)
 
 
+@pytest.fixture(scope="session")
+def cycling_llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    """The tiny llama made to repeat cycles of 7 tokens (tests/cycling_model.py)."""
+    from tests.cycling_model import make_cycling_model
+
+    return make_cycling_model(tiny_llama_dir, tmp_path_factory.mktemp("cycling-llama") / "model")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_data_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Servers started by tests (in process or not) keep their default database out of the home directory."""

@@ -47,8 +47,9 @@ from llmserve.engine.messages import (
     StepRecord,
 )
 from llmserve.engine.model_facts import ModelFacts
+from llmserve.engine.ngram_proposer import NgramProposer
 from llmserve.engine.prefix_cache import hash_root
-from llmserve.engine.scheduler import SampleTarget, Scheduler, SchedulerOutput
+from llmserve.engine.scheduler import SampleTarget, ScheduledRow, Scheduler, SchedulerOutput
 from llmserve.engine.sequence import Request, Sequence
 from llmserve.engine.structured_output import StructuredOutputManager
 from llmserve.errors import InvalidRequestError
@@ -87,7 +88,10 @@ class EngineCore:
             eos_token_ids=facts.eos_token_ids, max_model_len=facts.max_model_len,
             pooling_needs_kv=not self.runner.is_encoder,
             max_loras=config.max_loras if self.runner.lora is not None else None,
+            proposer=NgramProposer(speculative) if (speculative := config.speculative) is not None else None,
         )
+        # Speculation needs a step's accepted tokens before it schedules the next one.
+        self.overlapped = config.async_scheduling and speculative is None
         # What else changes the KV of the same tokens (a request's LoRA adapter joins per request).
         self.weights_version = 0  # bumped by each in-place weight reload
         self._cache_identity = self._identity()
@@ -107,8 +111,12 @@ class EngineCore:
         logger.info(
             "engine core ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d, %s scheduling",
             facts.model_config.architecture, self.runner.dtype, self.runner.num_blocks, config.block_size,
-            facts.max_model_len, "overlapped" if config.async_scheduling else "serial",
+            facts.max_model_len, "overlapped" if self.overlapped else "serial",
         )
+        if speculative is not None:
+            logger.info("speculative decoding: %s, up to %d tokens a step, n-grams of %d to %d tokens",
+                        speculative.method, speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                        speculative.prompt_lookup_max)
 
     def _identity(self) -> tuple:
         return (str(self.facts.model_dir), self.config.revision, str(self.runner.dtype), self.weights_version)
@@ -242,7 +250,7 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs | None:
         """Run one step; return the outputs of the step that completed (None when none did)."""
         self._admit_compiled()
-        if self.config.async_scheduling:
+        if self.overlapped:
             outputs = self._step_overlapped()
         else:
             launched = self._launch()
@@ -280,15 +288,16 @@ class EngineCore:
         return EngineCoreOutputs(outputs, self.last_step, self.stats(), prompt_logprobs)
 
     def _record_step(self, start: float, end: float, scheduled: SchedulerOutput) -> None:
-        num_decodes = sum(1 for row in scheduled.rows if row.num_new == 1)
+        rows = scheduled.rows
+        num_decodes = sum(1 for row in rows if row.num_new == 1 and row.draft < 0)  # a draft's row is its sequence's
         num_tokens = scheduled.num_batched_tokens
         self.num_steps += 1
         self.last_step = StepRecord(
             start_time=start,
             end_time=end,
             num_tokens=num_tokens,
-            num_prefill_tokens=num_tokens - num_decodes,
-            num_seqs=len(scheduled.rows),
+            num_prefill_tokens=num_tokens - sum(1 for row in rows if row.num_new == 1),
+            num_seqs=sum(1 for row in rows if row.draft < 0),
             num_decodes=num_decodes,
             num_preempted=len(scheduled.preempted),
         )
@@ -303,21 +312,26 @@ class EngineCore:
         pending = [(int(starts[i]) + row.num_new - 1, row.pending_source)
                    for i, row in enumerate(rows) if row.pending_source >= 0]
         total = int(num_new.sum())
-        mask_rows, bitmask = self._token_bitmask(scheduled.samples)
+        # One sampling row per target, and one more per draft it verifies (in the draft's row).
+        sampled = [(target, ahead) for target in scheduled.samples for ahead in range(len(target.drafts) + 1)]
+        mask_rows, bitmask = self._token_bitmask([target.seq for target, _ in sampled])
         if total == count:  # decodes only: one token each
-            tokens = (row.seq.token_ids[row.begin] if row.pending_source < 0 else 0 for row in rows)
+            tokens = (
+                row.draft if row.draft >= 0 else row.seq.token_ids[row.begin] if row.pending_source < 0 else 0
+                for row in rows
+            )
         else:
-            tokens = chain.from_iterable(_row_tokens(row.seq.token_ids, row.begin, row.num_new) for row in rows)
+            tokens = chain.from_iterable(_row_tokens(row) for row in rows)
         input_ids = np.fromiter(tokens, dtype=np.int64, count=total)
         return StepBatch(
             input_ids=input_ids,
             num_computed=begins,
             num_new=num_new,
             block_tables=[row.seq.block_table for row in rows],
-            logits_rows=[target.row for target in scheduled.samples],
+            logits_rows=[target.row + ahead for target, ahead in sampled],
             sampling_rows=[
-                self._sampling_row(target, None if bitmask is None or i not in mask_rows else bitmask[mask_rows[i]])
-                for i, target in enumerate(scheduled.samples)
+                self._sampling_row(target, None if bitmask is None or i not in mask_rows else bitmask[mask_rows[i]], ahead)
+                for i, (target, ahead) in enumerate(sampled)
             ],
             pending_index=np.array([i for i, _ in pending], dtype=np.int64) if pending else None,
             pending_source=np.array([s for _, s in pending], dtype=np.int64) if pending else None,
@@ -331,16 +345,16 @@ class EngineCore:
             lora_ids=[row.seq.request.lora_id for row in rows] if self.runner.lora is not None else [],
         )
 
-    def _token_bitmask(self, samples: list[SampleTarget]) -> tuple[dict[int, int], np.ndarray | None]:
+    def _token_bitmask(self, sampled: list[Sequence]) -> tuple[dict[int, int], np.ndarray | None]:
         """{sampling row: bitmask row} of the rows under a grammar or `allowed_token_ids`, and their
         packed allowed tokens (both constraints at once: the tokens both allow). The unforked choices of
-        an n > 1 request all start from its first sequence's state."""
-        constrained = [i for i, target in enumerate(samples) if _is_constrained(target.seq)]
+        an n > 1 request all start from its first sequence's state; a sequence under a grammar has no drafts."""
+        constrained = [i for i, seq in enumerate(sampled) if _is_constrained(seq)]
         if not constrained:
             return {}, None
         bitmask = self.structured_output.new_bitmask(len(constrained))
         for j, i in enumerate(constrained):
-            seq = samples[i].seq
+            seq = sampled[i]
             if seq.grammar is not None and seq.grammar.constrains:
                 seq.grammar.fill_bitmask(bitmask, j)
             else:
@@ -352,12 +366,13 @@ class EngineCore:
                 bitmask[j] &= request.allowed_mask
         return {i: j for j, i in enumerate(constrained)}, bitmask
 
-    def _sampling_row(self, target: SampleTarget, allowed: np.ndarray | None) -> SamplingRow:
-        """How to sample `target`; `allowed`: its packed allowed tokens (grammar, allowed_token_ids), when
-        it has them."""
+    def _sampling_row(self, target: SampleTarget, allowed: np.ndarray | None, ahead: int = 0) -> SamplingRow:
+        """How to sample `target` (`ahead` > 0: after that many of its drafts, as if they were its tokens);
+        `allowed`: its packed allowed tokens (grammar, allowed_token_ids), when it has them."""
         seq, choice = target.seq, target.choice
         params = seq.request.params
-        num_outputs = seq.num_output_tokens + seq.num_pending - 1  # before this step's token
+        num_outputs = seq.num_output_tokens + seq.num_pending - 1 + ahead  # before this sample's token
+        token_ids = seq.token_ids if not ahead else [*seq.token_ids, *target.drafts[:ahead]]
         banned: tuple[int, ...] = ()
         if num_outputs < params.min_tokens:
             request = seq.request
@@ -367,7 +382,7 @@ class EngineCore:
             if allowed is not None and not _allows_other_than(allowed, banned):
                 banned = ()  # the grammar allows only an end: it wins over min_tokens
         if params.bad_words_token_ids:
-            banned += _bad_word_ends(params.bad_words_token_ids, seq.token_ids, seq.num_output_tokens)
+            banned += _bad_word_ends(params.bad_words_token_ids, token_ids, seq.num_output_tokens + ahead)
         narrowed = bool(banned) or params.allowed_token_ids is not None  # a grammar alone always allows a token
         if allowed is not None and narrowed and not _allows_other_than(allowed, banned):
             # The request's own constraints leave no token (allowed_token_ids against its grammar or its
@@ -379,7 +394,7 @@ class EngineCore:
             seed=seq.seed if choice == seq.index else seq.request.seed_for_choice(choice),
             sample_index=num_outputs,
             prompt_token_ids=seq.prompt_token_ids if params.penalised else (),
-            output_token_ids=seq.output_token_ids if params.penalised else (),
+            output_token_ids=token_ids[seq.num_prompt_tokens:] if params.penalised else (),
             banned_token_ids=banned,
         )
 
@@ -401,6 +416,7 @@ class EngineCore:
             num_steps=self.num_steps,
             num_pending_prefill_tokens=scheduler.num_pending_prefill_tokens(),
             num_requests_added=self.num_requests_added,
+            spec_decode=scheduler.spec_stats() if scheduler.proposer is not None else None,
             **(self._adapters_in_use() if self.runner.lora is not None else {}),
         )
 
@@ -474,7 +490,9 @@ def _prompt_logprobs_batch(scheduled: SchedulerOutput, starts: np.ndarray) -> Pr
     return PromptLogprobsBatch(np.concatenate(index), np.array(targets, dtype=np.int64), num_top)
 
 
-def _row_tokens(token_ids: list[int], begin: int, num_new: int) -> list[int]:
-    """A row's new tokens; a pending last one (not known on the host yet) as a 0 placeholder."""
-    tokens = token_ids[begin : begin + num_new]
-    return tokens if len(tokens) == num_new else tokens + [0]
+def _row_tokens(row: ScheduledRow) -> list[int]:
+    """A row's new tokens: a draft's, or a pending last one (not known on the host yet) as a 0 placeholder."""
+    if row.draft >= 0:
+        return [row.draft]
+    tokens = row.seq.token_ids[row.begin : row.begin + row.num_new]
+    return tokens if len(tokens) == row.num_new else tokens + [0]

@@ -17,6 +17,15 @@ from llmserve.model.pooling import PoolingParams
 from llmserve.sampling.params import SamplingParams
 
 
+class SpecDecodeStats(msgspec.Struct, array_like=True, gc=False):
+    """Speculative decoding since the core started (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # drafts verified
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = []  # how often the draft's k-th token was accepted
+
+
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_running: int
     num_waiting: int
@@ -34,6 +43,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_requests_added: int = 0  # requests the core has taken in since it started
     running_loras: list[str] = []  # with LoRA served: the adapters of the running requests, by name
     waiting_loras: list[str] = []  # and of the waiting ones
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding: its counts so far
 
 
 class StepRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):

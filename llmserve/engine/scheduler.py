@@ -30,6 +30,23 @@ tokens (which read its history) or with a grammar (structured output: its token 
 a step rather than sample from a stale one. A sequence that will have reached its
 length limit once its pending tokens arrive is not scheduled again.
 
+Speculative decoding (`--speculative-config`, n-gram lookup; steps then run one after another): a
+decoding sequence gets the draft tokens its `NgramProposer` finds, within the step's budget and its
+limits, and only where the KV pool has room without preempting anyone. Each draft is a row of its own
+after the sequence's row, a decode at its position reading the cache up to it (the step writes every
+row's KV before any row attends), so a verifying step runs as a decode-only step does: the attention
+backends' decode kernels, CUDA graphs by token count, the CPU's one-call decoder. Every position of
+the row is sampled as a decode would sample it (its own counter of the request's randomness, the drafts
+before it as its history), so the tokens accepted, the drafts up to the first one the model did not
+sample plus the model's token there, are exactly the tokens decoding one at a time would give. The
+computed count then goes back by the rejected drafts: their KV slots are written again later, and no
+block holding them was named in the prefix cache (only known token ids name blocks). A sequence under
+a grammar does not speculate (its state would have to follow the drafts). Drafts that miss cost compute
+(and, on CPU, a step of more than 16 tokens leaves the one-call decoder), so each sequence's draft length
+follows its acceptance: the accepted count plus one after a miss, twice as long after a whole draft held
+(up to `num_speculative_tokens`), and a sequence whose drafts keep failing outright pauses speculating for
+1, 2, 4, ... up to 32 of its steps.
+
 An embedding request (`Request.pooling`) is prefill-only work under the same token budget: its whole
 prompt is admitted in one step or waits (it is never chunked: an encoder attends both ways, and mean
 pooling needs every token's hidden state), packed with the step's other rows, bypassing the prefix
@@ -44,11 +61,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from llmserve.engine.block_manager import BlockManager
-from llmserve.engine.messages import EngineCoreOutput, PromptLogprobsChunk
+from llmserve.engine.messages import EngineCoreOutput, PromptLogprobsChunk, SpecDecodeStats
+from llmserve.engine.ngram_proposer import NgramProposer
 from llmserve.engine.sequence import Request, Sequence, SequenceStatus
 from llmserve.model.runner import ModelOutput
 
 POLICIES = ("fcfs", "priority")
+MAX_DRAFT_PAUSE = 32  # steps a sequence whose drafts keep missing goes without drafting, at most
 LPM_MAX_QUEUE = 128  # past this many waiting, admission is in plain queue order
 MAX_OVERTAKES = 32  # a waiting sequence lets at most this many cache hits go first
 
@@ -59,6 +78,7 @@ class ScheduledRow:
     begin: int  # the sequence's computed tokens before this step: its first new position
     num_new: int
     pending_source: int = -1  # when its last new token is still pending: the previous step's sample row
+    draft: int = -1  # a speculative token's row (one token, a decode at its position): the token
 
 
 @dataclass(slots=True)
@@ -66,6 +86,7 @@ class SampleTarget:
     row: int  # the row whose last new token gives the logits
     seq: Sequence
     choice: int  # the choice the token is for: seq.index, or a choice still to fork from seq
+    drafts: tuple[int, ...] = ()  # speculative tokens to verify: one more sample for each, in the rows after `row`
 
 
 @dataclass(slots=True)
@@ -103,7 +124,7 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs",
         eos_token_ids: Iterable[int] = (), max_model_len: int | None = None, pooling_needs_kv: bool = True,
-        max_loras: int | None = None,
+        max_loras: int | None = None, proposer: NgramProposer | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"Unknown scheduling policy {policy!r}; use one of {', '.join(POLICIES)}.")
@@ -125,6 +146,8 @@ class Scheduler:
             Sequence.sort_key if policy == "priority" else lambda s: s.sort_key()[1:]
         )
         self.pending_copies: list[tuple[Sequence, int, int]] = []  # (child, src, dst) copy-on-write
+        self.proposer = proposer  # speculative decoding: the draft tokens of decoding sequences
+        self.spec = SpecDecodeStats()
 
     @property
     def num_waiting(self) -> int:
@@ -189,6 +212,7 @@ class Scheduler:
     # ---- scheduling -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         scheduled: dict[Sequence, int] = {}
+        drafts: dict[Sequence, tuple[int, ...]] = {}
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         if self.policy == "priority":
@@ -210,9 +234,54 @@ class Scheduler:
             scheduled[seq] = num_new
             budget -= num_new
         if not out.preempted:
+            if self.proposer is not None and self._speculating():
+                budget = self._add_drafts(scheduled, drafts, budget)
             self._admit(scheduled, out, budget)
-        self._after_schedule(scheduled, out)
+        self._after_schedule(scheduled, drafts, out)
         return out
+
+    def _speculating(self) -> bool:
+        """Drafts are proposed unless the batch is as large as `disable_by_batch_size` (vLLM's option: a large
+        batch's step costs more per token, which drafts that miss waste)."""
+        assert self.proposer is not None
+        limit = self.proposer.disable_by_batch_size
+        return limit is None or len(self.running) < limit
+
+    def _add_drafts(self, scheduled: dict[Sequence, int], drafts: dict[Sequence, tuple[int, ...]], budget: int) -> int:
+        """Speculative tokens for the decoding sequences, once every running one has its token (they come
+        before admissions, as in vLLM); returns the budget left."""
+        for seq, num_new in scheduled.items():
+            if budget < 1:
+                break
+            if num_new == 1:
+                proposed = self._drafts(seq, budget)
+                if proposed:
+                    drafts[seq] = proposed
+                    scheduled[seq] = 1 + len(proposed)
+                    budget -= len(proposed)
+        return budget
+
+    def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """Speculative tokens for a decoding sequence, within the budget, its length limits and the blocks
+        free now (speculation never preempts), its table grown to hold them; () when none."""
+        if seq.grammar is not None or seq.num_pending or seq.num_uncomputed_tokens != 1 or not seq.num_output_tokens:
+            return ()  # (before its first token an n > 1 request's choices are not forked yet)
+        if seq.draft_pause:
+            seq.draft_pause -= 1
+            return ()
+        params = seq.request.params
+        limit = min(budget, seq.draft_limit) if seq.draft_limit else budget
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - seq.num_tokens - 1)
+        assert self.proposer is not None
+        bm = self.block_manager
+        room = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens - 1
+        proposed = tuple(self.proposer.propose(seq.token_ids, min(limit, room)))
+        if proposed:
+            bm.grow(seq, seq.num_computed_tokens + 1 + len(proposed))
+        return proposed
 
     def _schedulable(self, seq: Sequence) -> bool:
         """Whether a running sequence can compute a token now (see the module's last paragraph)."""
@@ -228,16 +297,25 @@ class Scheduler:
             return False
         return self.max_model_len is None or seq.num_tokens_with_pending < self.max_model_len
 
-    def _after_schedule(self, scheduled: dict[Sequence, int], out: SchedulerOutput) -> None:
+    def _after_schedule(
+        self, scheduled: dict[Sequence, int], drafts: dict[Sequence, tuple[int, ...]], out: SchedulerOutput
+    ) -> None:
         """Rows in batch order (decodes first, scheduling order kept), computed counts advanced, and
         one sample for each row whose new tokens reach its end (n of them for an unforked n > 1)."""
-        items = sorted(scheduled.items(), key=lambda item: item[1] != 1)
+        items = sorted(scheduled.items(), key=lambda item: item[1] != 1 and item[0] not in drafts)
         rows, samples = out.rows, out.samples
         naming = self.block_manager.enable_prefix_caching
-        for row, (seq, num_new) in enumerate(items):
+        for seq, num_new in items:
+            row = len(rows)
             begin = seq.num_computed_tokens
             known = len(seq.token_ids)
-            rows.append(ScheduledRow(seq, begin, num_new, seq.pending_sample_row if begin + num_new > known else -1))
+            spec = drafts.get(seq, ()) if drafts else ()
+            if spec:  # its token, then a row of one token for each draft: a decode each, at its position
+                rows.append(ScheduledRow(seq, begin, 1))
+                rows.extend(ScheduledRow(seq, begin + 1 + j, 1, draft=token) for j, token in enumerate(spec))
+            else:
+                pending = begin + num_new > known
+                rows.append(ScheduledRow(seq, begin, num_new, seq.pending_sample_row if pending else -1))
             seq.num_computed_tokens = computed = begin + num_new
             if seq.request.pooling is not None:
                 out.pools.append(PoolTarget(row, seq))
@@ -252,7 +330,7 @@ class Scheduler:
             seq.pending_sample_row = len(samples)
             seq.num_pending += 1
             if request.forked or request.params.n == 1:
-                samples.append(SampleTarget(row, seq, seq.index))
+                samples.append(SampleTarget(row, seq, seq.index, spec))
             else:
                 samples.extend(SampleTarget(row, seq, choice) for choice in range(request.params.n))
                 request.forked = True
@@ -415,30 +493,21 @@ class Scheduler:
         finished: list[Sequence] = []
         # Fork first: a parent that finishes on its first token would take its blocks with it.
         targets = [self._resolve(target) for target in out.samples]
-        for row, seq in enumerate(targets):
+        first = 0  # the target's first sampling row: a target has one more for each draft it verifies
+        for target, seq in zip(out.samples, targets, strict=True):
+            rows = range(first, first + 1 + len(target.drafts))
+            first = rows.stop
             if seq is None:
                 continue
             assert result is not None
-            token = result.token_ids[row]
-            seq.token_ids.append(token)
-            if seq.grammar is not None:
-                seq.grammar.accept(token)
-            request = seq.request
-            output = EngineCoreOutput(request.request_id, token, seq.index)
-            if result.logprobs is not None and request.params.logprobs is not None:
-                k = request.params.logprobs
-                output.logprob = result.logprobs[row]
-                output.rank = result.ranks[row]  # type: ignore[index]
-                output.top_ids = result.top_logprob_ids[row][:k]  # type: ignore[index]
-                output.top_logprobs = result.top_logprobs[row][:k]  # type: ignore[index]
-            if seq.index == 0 and seq.num_output_tokens == 1:  # facts the front end reads once
-                output.scheduled_time = request.first_scheduled_time
-                output.num_cached_tokens = request.num_cached_tokens or 0
-            if self._check_stop(seq, token):
-                output.finish_reason, output.stop_reason = seq.finish_reason, seq.stop_reason
-                output.num_preemptions = request.num_preemptions
-                finished.append(seq)
-            outputs.append(output)
+            if target.drafts:
+                rows = rows[: self._accepted(seq, target.drafts, result.token_ids[rows.start : rows.stop]) + 1]
+            for row in rows:
+                output = self._append(seq, result, row)
+                outputs.append(output)
+                if output.finish_reason is not None:
+                    finished.append(seq)
+                    break
         for target, embedding in zip(out.pools, result.embeddings if result is not None else (), strict=True):
             seq = target.seq
             if seq.is_finished:
@@ -458,6 +527,56 @@ class Scheduler:
             if seq.request.is_finished:
                 self.requests.pop(seq.request.request_id, None)
         return outputs
+
+    def _accepted(self, seq: Sequence, drafts: tuple[int, ...], sampled: list[int]) -> int:
+        """How many of `seq`'s drafts the model sampled too (a prefix of them); its computed count goes back
+        by the others, whose KV does not hold its tokens."""
+        accepted = 0
+        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+            accepted += 1
+        seq.num_computed_tokens -= len(drafts) - accepted
+        self._count_speculation(len(drafts), accepted)
+        if accepted:
+            seq.draft_misses = 0
+            seq.draft_limit = accepted + 1 if accepted < len(drafts) else 2 * len(drafts)
+        else:
+            seq.draft_misses += 1
+            seq.draft_limit = 1
+            seq.draft_pause = min(1 << (seq.draft_misses - 1), MAX_DRAFT_PAUSE)
+        return accepted
+
+    def _count_speculation(self, num_draft_tokens: int, num_accepted: int) -> None:
+        spec = self.spec
+        spec.num_drafts += 1
+        spec.num_draft_tokens += num_draft_tokens
+        spec.num_accepted_tokens += num_accepted
+        per_position = spec.accepted_per_position
+        if len(per_position) < num_draft_tokens:
+            per_position.extend([0] * (num_draft_tokens - len(per_position)))
+        for position in range(num_accepted):
+            per_position[position] += 1
+
+    def _append(self, seq: Sequence, result: ModelOutput, row: int) -> EngineCoreOutput:
+        """Give `seq` the token sampled in `row`; its output, finished if the token ends it."""
+        token = result.token_ids[row]
+        seq.token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+        request = seq.request
+        output = EngineCoreOutput(request.request_id, token, seq.index)
+        if result.logprobs is not None and request.params.logprobs is not None:
+            k = request.params.logprobs
+            output.logprob = result.logprobs[row]
+            output.rank = result.ranks[row]  # type: ignore[index]
+            output.top_ids = result.top_logprob_ids[row][:k]  # type: ignore[index]
+            output.top_logprobs = result.top_logprobs[row][:k]  # type: ignore[index]
+        if seq.index == 0 and seq.num_output_tokens == 1:  # facts the front end reads once
+            output.scheduled_time = request.first_scheduled_time
+            output.num_cached_tokens = request.num_cached_tokens or 0
+        if self._check_stop(seq, token):
+            output.finish_reason, output.stop_reason = seq.finish_reason, seq.stop_reason
+            output.num_preemptions = request.num_preemptions
+        return output
 
     def prompt_logprobs_of(self, out: SchedulerOutput, result: ModelOutput | None) -> list[PromptLogprobsChunk]:
         """The step's prompt scores, per request still running (call before `update_from_output`)."""
@@ -545,6 +664,12 @@ class Scheduler:
         return copies
 
     # ---- introspection ----------------------------------------------------------------------------
+    def spec_stats(self) -> SpecDecodeStats:
+        """A copy of the speculative decoding counts (the live ones go on changing)."""
+        spec = self.spec
+        return SpecDecodeStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                               list(spec.accepted_per_position))
+
     def live_sequences(self) -> list[Sequence]:
         return [s for r in self.requests.values() for s in r.seqs if s.status is not SequenceStatus.FINISHED]
 

@@ -53,6 +53,11 @@ class Sequence:
         self.times_overtaken = 0  # admissions of later sequences with a longer cached prefix
         self.status = SequenceStatus.WAITING
         self.seed = seed
+        # Speculative decoding: its next draft's length at most (0: as configured), the steps it still goes
+        # without drafting, and its drafts in a row with nothing accepted (the scheduler's).
+        self.draft_limit = 0
+        self.draft_pause = 0
+        self.draft_misses = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         # Structured output: where this sequence is in its grammar (advanced by the scheduler as

@@ -470,13 +470,18 @@ def _usage_asked(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool,
 
 
 def _tokenize_body(model: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """A chat prompt as the replica renders it: the tools' schemas and the template's variables too."""
+    """A chat prompt as the replica renders it: the tools' schemas and the template's variables too
+    (`reasoning_effort` among them, as the replica passes it)."""
     body = {"model": model, "messages": payload["messages"],
             "add_generation_prompt": payload.get("add_generation_prompt", True),
             "continue_final_message": payload.get("continue_final_message", False)}
-    for name in ("tools", "chat_template_kwargs"):
-        if payload.get(name):
-            body[name] = payload[name]
+    if payload.get("tools"):
+        body["tools"] = payload["tools"]
+    variables = dict(payload.get("chat_template_kwargs") or {})
+    if payload.get("reasoning_effort") is not None:
+        variables.setdefault("reasoning_effort", payload["reasoning_effort"])
+    if variables:
+        body["chat_template_kwargs"] = variables
     return body
 
 

@@ -271,6 +271,8 @@ class ModelRunner:
             model_config.num_attention_heads, model_config.num_key_value_heads, model_config.head_dim, self.block_size,
             self.dtype, kv_cache_dtype=self.kv_cache_dtype,
         )
+        if config.speculative is not None:  # a draft's row reads the KV the rows before it write in the same step
+            self.attn_backend.separate_kv_writes()
         self.sampler = Sampler()
         self.memory_profile: MemoryProfile | None = None
         self.cpu_decoder: CpuDecoder | None = None  # built once the KV cache exists; the profiling step runs without

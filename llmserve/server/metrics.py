@@ -92,6 +92,28 @@ class EngineCollector(Collector):
         yield family(gauge, "llmserve:engine_core_up", "1 while the engine core process serves, else 0.",
                      lambda e: int(e.engine.is_healthy))
         yield _lora_info(endpoints)
+        yield from _spec_decode(endpoints)
+
+
+def _spec_decode(endpoints: list[ServedModel]) -> Iterator[Metric]:
+    """vLLM's speculative decoding counters, for the engines that speculate: drafts verified, draft tokens,
+    tokens accepted, and the tokens accepted at each position of a draft."""
+    speculating = [(e.name, e.engine.last_stats.spec_decode) for e in endpoints if e.engine.last_stats.spec_decode]
+    for name, documentation, value in (
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", lambda s: s.num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", lambda s: s.num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", lambda s: s.num_accepted_tokens),
+    ):
+        metric = CounterMetricFamily(name, documentation, labels=LABELS)
+        for model, stats in speculating:
+            metric.add_metric([model], value(stats))
+        yield metric
+    per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                       "Accepted tokens per draft position.", labels=[*LABELS, "position"])
+    for model, stats in speculating:
+        for position, count in enumerate(stats.accepted_per_position):
+            per_position.add_metric([model, str(position)], count)
+    yield per_position
 
 
 def _lora_info(endpoints: list[ServedModel]) -> Metric:

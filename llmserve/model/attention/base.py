@@ -73,6 +73,11 @@ class AttentionBackend(ABC):
         element = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * math.prod(self.kv_cache_shape(1)) * element // self.block_size
 
+    def separate_kv_writes(self) -> None:  # noqa: B027 - optional hook
+        """Write every new key and value of a step before any of its rows attends (a backend that writes a
+        decode row's own KV in its attention launch stops): rows may be later positions of one sequence
+        (speculative drafts), each reading the KV of those before it."""
+
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Called once per step before the forward pass, to precompute per-step tensors."""
 

@@ -113,6 +113,9 @@ class TritonAttentionBackend(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
+    def separate_kv_writes(self) -> None:
+        self._rotary_in_decode = False
+
     @property
     def _quantized_cache(self) -> bool:
         return self.kv_cache_dtype != self.dtype
