@@ -1,4 +1,5 @@
-"""A CPU model's weights on transparent huge pages.
+"""A CPU model's weights on transparent huge pages, and its KV cache in zero pages mapped as they are touched
+(`zero_mapped`): CPU memory in anonymous mappings of our own.
 
 A decode step streams every weight once. With 4 KiB pages that stream crosses a page every 4 KiB, and each
 crossing can cost a TLB miss, whose page walk is two-level on a virtual machine. Copied into one anonymous
@@ -13,6 +14,7 @@ leaves the weights where they were loaded (for comparisons).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from pathlib import Path
@@ -39,6 +41,14 @@ def applies() -> bool:
     """Whether `move_parameters` would move anything: the kernel advises huge pages only where asked, and the
     switch is not off."""
     return os.environ.get(ENV, "1") != "0" and thp_mode() == "madvise" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def zero_mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros in an anonymous mapping of its own: the kernel supplies zero-filled pages as they
+    are first touched, so neither the time to write the zeros nor their memory is spent up front."""
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    arena = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(arena, dtype=torch.uint8)[:size].view(dtype).view(shape)
 
 
 def _aligned(size: int) -> int:

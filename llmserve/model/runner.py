@@ -349,12 +349,15 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> KVCaches:
         shape = self.attn_backend.kv_cache_shape(num_blocks)
         # Zeros, not empty: padded block-table entries read block contents that the mask then ignores,
-        # and uninitialised memory could hold NaNs that survive a zero attention weight.
-        return [
-            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
-            for _ in range(self.model_config.num_hidden_layers)
-        ]
+        # and uninitialised memory could hold NaNs that survive a zero attention weight. On CPU the zeros
+        # are the kernel's zero pages, supplied as the cache is first written, rather than gigabytes of
+        # memory written at start (2.6 s for the default 4 GiB).
+        def zeros() -> torch.Tensor:
+            if self.device.type == "cpu":
+                return huge_pages.zero_mapped(shape, self.kv_cache_dtype)
+            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+
+        return [(zeros(), zeros()) for _ in range(self.model_config.num_hidden_layers)]
 
     @property
     def kv_cache_bytes(self) -> int:
