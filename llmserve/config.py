@@ -156,14 +156,15 @@ def parse_speculative_config(spec: dict[str, Any] | None) -> SpeculativeConfig |
     lookup_min = lookup_max if lookup_min is None else lookup_min
     lookup_max = lookup_min if lookup_max is None else lookup_max
     values = {"num_speculative_tokens": spec.get("num_speculative_tokens"), "prompt_lookup_min": lookup_min,
-              "prompt_lookup_max": lookup_max, "disable_by_batch_size": spec.get("disable_by_batch_size", 1)}
+              "prompt_lookup_max": lookup_max}
+    if spec.get("disable_by_batch_size") is not None:  # null, as unset: speculation at every batch size
+        values["disable_by_batch_size"] = spec["disable_by_batch_size"]
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}.")
     if lookup_min > lookup_max:
         raise ValueError(f"speculative_config: prompt_lookup_min ({lookup_min}) exceeds prompt_lookup_max ({lookup_max}).")
-    return SpeculativeConfig(values["num_speculative_tokens"], lookup_min, lookup_max, method,
-                             spec.get("disable_by_batch_size"))
+    return SpeculativeConfig(**values, method=method)
 
 
 @dataclass(frozen=True)

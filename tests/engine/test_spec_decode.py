@@ -51,6 +51,12 @@ def test_speculative_config_takes_vllms_form_and_names_what_it_refuses():
     assert parse_speculative_config({"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_max": 3}) == (
         SpeculativeConfig(2, 3, 3)
     )
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 8}) == (
+        SpeculativeConfig(2, 5, 5, disable_by_batch_size=8)
+    )
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": None}) == (
+        SpeculativeConfig(2, 5, 5)
+    )
     for bad, named in (
         ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not supported"),
         ({"model": "meta-llama/Llama-3.2-1B", "num_speculative_tokens": 3}, "is not supported"),
