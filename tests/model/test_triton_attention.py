@@ -368,6 +368,22 @@ def test_tiny_model_greedy_outputs_match_the_torch_backend(tiny_llama_dir):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
+def test_speculative_drafts_verified_by_the_decode_kernel_give_plain_decodings_tokens(cycling_llama_dir):
+    """A draft's row is a decode at its position: the Triton decode kernel reads the KV the rows before it wrote
+    in the same step (no row writes its own in its attention launch while speculating)."""
+    from llmserve import LLM, SamplingParams
+
+    prompts = ["The quick brown fox", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    args = dict(dtype="float32", num_kv_blocks=16, max_model_len=128)
+    expected = LLM(str(cycling_llama_dir), attention_backend="torch", **args).generate(prompts, params)
+    speculating = LLM(str(cycling_llama_dir), attention_backend="triton", **args,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    got = speculating.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert speculating.engine.core.stats().spec_decode.num_accepted_tokens > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 class TestNativeBfloat16:
