@@ -18,13 +18,12 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from llmserve.config import EngineConfig
-from llmserve.engine.core import EngineCore
 from llmserve.engine.messages import (
     AbortRequests,
     EngineCoreDead,
@@ -39,6 +38,9 @@ from llmserve.engine.messages import (
 )
 from llmserve.engine.model_facts import ModelFacts
 from llmserve.plugins import load_plugins
+
+if TYPE_CHECKING:  # the core's modules (the model, torch) load in its own process only
+    from llmserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +169,9 @@ def run_engine_core(config: EngineConfig, facts: ModelFacts, input_address: str,
     encoder = msgspec.msgpack.Encoder()
     try:
         load_plugins()
+        # Imported here: the front end that starts this process needs none of the core's modules.
+        from llmserve.engine.core import EngineCore
+
         core = EngineCore(config, facts)
         outputs.send(encoder.encode(EngineCoreReady(os.getpid(), core.runner.num_blocks)))
         EngineCoreProc(core, inputs, outputs).run()
