@@ -267,3 +267,19 @@ def test_bf16_batch_one_through_the_one_call_decoder_gives_the_same_bits(cycling
     assert _choices(got) == _choices(expected)
     assert got[0].outputs[0].logprobs == expected[0].outputs[0].logprobs
     assert speculating.engine.core.stats().spec_decode.num_accepted_tokens > 40
+
+
+def test_a_lora_adapters_drafts_are_verified_through_the_adapter(cycling_llama_dir, tmp_path):
+    """A draft's row carries its sequence's adapter: the tokens are the adapter's own, one at a time or not."""
+    from llmserve import LoRARequest
+    from tests.hf_reference import build_lora_adapter
+
+    adapter = LoRARequest("a", 1, str(build_lora_adapter(cycling_llama_dir, tmp_path / "a", rank=4, seed=2)))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain, speculating = (_llm(cycling_llama_dir, spec, enable_lora=True, max_lora_rank=4) for spec in (None, NGRAM))
+    expected = plain.generate(PROMPTS, params, lora_request=adapter)
+    got = speculating.generate(PROMPTS, params, lora_request=adapter)
+    assert _choices(got) == _choices(expected)
+    assert _choices(got) != _choices(plain.generate(PROMPTS, params))  # the adapter changes the tokens
+    assert speculating.engine.core.stats().spec_decode.num_accepted_tokens > 0
+    _assert_pool_empty(speculating)
