@@ -493,21 +493,18 @@ class Scheduler:
         finished: list[Sequence] = []
         # Fork first: a parent that finishes on its first token would take its blocks with it.
         targets = [self._resolve(target) for target in out.samples]
-        first = 0  # the target's first sampling row: a target has one more for each draft it verifies
+        row = 0  # the target's first sampling row: a target has one more for each draft it verifies
         for target, seq in zip(out.samples, targets, strict=True):
-            rows = range(first, first + 1 + len(target.drafts))
-            first = rows.stop
-            if seq is None:
-                continue
-            assert result is not None
             if target.drafts:
-                rows = rows[: self._accepted(seq, target.drafts, result.token_ids[rows.start : rows.stop]) + 1]
-            for row in rows:
+                row = self._apply_verified(seq, target.drafts, result, row, outputs, finished)
+                continue
+            if seq is not None:
+                assert result is not None
                 output = self._append(seq, result, row)
                 outputs.append(output)
                 if output.finish_reason is not None:
                     finished.append(seq)
-                    break
+            row += 1
         for target, embedding in zip(out.pools, result.embeddings if result is not None else (), strict=True):
             seq = target.seq
             if seq.is_finished:
@@ -527,6 +524,24 @@ class Scheduler:
             if seq.request.is_finished:
                 self.requests.pop(seq.request.request_id, None)
         return outputs
+
+    def _apply_verified(
+        self, seq: Sequence | None, drafts: tuple[int, ...], result: ModelOutput | None, row: int,
+        outputs: list[EngineCoreOutput], finished: list[Sequence],
+    ) -> int:
+        """Give `seq` its accepted drafts and the model's token after them, the samples from `row` on (until
+        one ends it); returns the row after its samples."""
+        end = row + 1 + len(drafts)
+        if seq is None:
+            return end
+        assert result is not None
+        for sampled in range(row, row + 1 + self._accepted(seq, drafts, result.token_ids[row:end])):
+            output = self._append(seq, result, sampled)
+            outputs.append(output)
+            if output.finish_reason is not None:
+                finished.append(seq)
+                break
+        return end
 
     def _accepted(self, seq: Sequence, drafts: tuple[int, ...], sampled: list[int]) -> int:
         """How many of `seq`'s drafts the model sampled too (a prefix of them); its computed count goes back
