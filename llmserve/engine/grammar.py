@@ -22,12 +22,17 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import xgrammar as xgr
 
 from llmserve.errors import InvalidRequestError
 from llmserve.sampling.params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    # Imported where used: xgrammar imports transformers (0.7 s at every server and engine core start, for
+    # requests that may never ask for a grammar).
+    import xgrammar as xgr
 
 PARAM = "structured_outputs"
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -82,6 +87,7 @@ def grammar_spec(so: StructuredOutputsParams) -> GrammarSpec:
 
 def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
     """The tokenizer-free grammar of a spec; raises InvalidRequestError when it is not valid."""
+    import xgrammar as xgr
     try:
         if spec.kind == "json":
             return _json_grammar(spec.text)
@@ -125,11 +131,13 @@ def _check_grammar(spec: GrammarSpec) -> None:
 
 
 def _json_grammar(schema: str) -> xgr.Grammar:
+    import xgrammar as xgr
     return _json_strings(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
 
 
 def _json_strings(grammar: xgr.Grammar) -> xgr.Grammar:
     """The grammar with its length-bounded JSON strings kept free of raw control characters."""
+    import xgrammar as xgr
     ebnf = str(grammar)
     if _LOOSE_STRING_CHAR not in ebnf:
         return grammar
@@ -153,6 +161,7 @@ def _first_line(exc: Exception) -> str:
 def tokenizer_info(tokenizer_json: Path, vocab_size: int, eos_token_ids: Iterable[int]) -> xgr.TokenizerInfo:
     """xgrammar's view of the vocabulary, from tokenizer.json (the `tokenizers` library, no
     transformers). `vocab_size` is the model's, which may exceed the tokenizer's (padded rows)."""
+    import xgrammar as xgr
     from tokenizers import Tokenizer as HFTokenizer
 
     backend = HFTokenizer.from_file(str(tokenizer_json))
@@ -170,6 +179,7 @@ class GrammarCompiler:
     """Compiles specs against one vocabulary (thread-safe: xgrammar's compiler releases the GIL)."""
 
     def __init__(self, info: xgr.TokenizerInfo) -> None:
+        import xgrammar as xgr
         self.info = info
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
@@ -183,6 +193,7 @@ class GrammarState:
     `ignore_eos`) or a token is refused, it is unconstrained again."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, start_after: list[int]) -> None:
+        import xgrammar as xgr
         self._matcher = xgr.GrammarMatcher(compiled)
         self._start_after = list(start_after)
         self._tail: list[int] = []  # the last output tokens, while waiting for start_after

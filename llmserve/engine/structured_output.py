@@ -21,11 +21,14 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import xgrammar as xgr
 
 from llmserve.engine.grammar import GrammarCompiler, GrammarSpec, GrammarState, tokenizer_info
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
