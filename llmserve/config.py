@@ -25,6 +25,8 @@ POOLING_TYPES = ("mean", "cls", "last")  # how llmserve.model.pooling pools a se
 class EngineConfig:
     model: str
     tokenizer: str | None = None  # defaults to the model directory
+    # a Jinja chat template, or a file holding one, in place of the tokenizer's (vLLM's --chat-template)
+    chat_template: str | None = None
     revision: str | None = None
     dtype: str = "auto"  # auto: the checkpoint's dtype on CPU; bfloat16 on CUDA unless the checkpoint is float16
     device: str = "auto"  # auto: cuda when available, else cpu
@@ -217,6 +219,12 @@ class _EngineFlag:
 
 
 _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
+    _EngineFlag("tokenizer", "--tokenizer", help="a directory with the tokenizer to use (default: the model's)"),
+    _EngineFlag(
+        "chat_template", "--chat-template",
+        help="a Jinja chat template, or a file holding one, used in place of the tokenizer's (for a model without "
+        "one, or to change it)",
+    ),
     _EngineFlag("dtype", "--dtype", choices=("auto", "float32", "bfloat16", "float16")),
     _EngineFlag("device", "--device"),
     _EngineFlag("max_model_len", "--max-model-len"),

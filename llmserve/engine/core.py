@@ -89,6 +89,8 @@ class EngineCore:
             pooling_needs_kv=not self.runner.is_encoder,
             max_loras=config.max_loras if self.runner.lora is not None else None,
             proposer=NgramProposer(speculative) if (speculative := config.speculative) is not None else None,
+            fast_step_tokens=self.runner.fast_step_tokens(),
+            strict_fast_step=self.runner.compute_bound_past_fast_step(),
         )
         # Speculation needs a step's accepted tokens before it schedules the next one.
         self.overlapped = config.async_scheduling and speculative is None

@@ -20,7 +20,7 @@ from llmserve.model.loader import resolve_model_path
 from llmserve.model.pooling import ClassifierConfig, PoolerConfig, classifier_config, pooler_config
 from llmserve.model.registry import model_class
 from llmserve.plugins import load_plugins
-from llmserve.tokenizer.tokenizer import Tokenizer
+from llmserve.tokenizer.tokenizer import Tokenizer, read_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
     config.validate()
     load_plugins()
     model_dir = resolve_model_path(config.model, config.revision)
-    tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
+    chat_template = read_chat_template(config.chat_template) if config.chat_template is not None else None
+    tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir, chat_template)
     model_config = _with_classifier_tokens(ModelConfig.from_pretrained(model_dir, config.hf_overrides), tokenizer)
     cls = model_class(model_config.architecture)
     is_encoder = getattr(cls, "is_encoder", False)

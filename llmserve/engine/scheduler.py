@@ -45,7 +45,10 @@ a grammar does not speculate (its state would have to follow the drafts). Drafts
 (and, on CPU, a step of more than 16 tokens leaves the one-call decoder), so each sequence's draft length
 follows its acceptance: the accepted count plus one after a miss, twice as long after a whole draft held
 (up to `num_speculative_tokens`), and a sequence whose drafts keep failing outright pauses speculating for
-1, 2, 4, ... up to 32 of its steps.
+1, 2, 4, ... up to 32 of its steps. Where a step's cost per token jumps past some size (`fast_step_tokens`:
+the CPU's one-call decoder), a sequence whose last drafts failed outright only drafts within that size, but
+for one probing step in 32 where they all may; where a larger step is compute-bound (a CPU without bf16
+GEMM instructions), no draft takes a step past that size.
 
 An embedding request (`Request.pooling`) is prefill-only work under the same token budget: its whole
 prompt is admitted in one step or waits (it is never chunked: an encoder attends both ways, and mean
@@ -124,7 +127,8 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs",
         eos_token_ids: Iterable[int] = (), max_model_len: int | None = None, pooling_needs_kv: bool = True,
-        max_loras: int | None = None, proposer: NgramProposer | None = None,
+        max_loras: int | None = None, proposer: NgramProposer | None = None, fast_step_tokens: int | None = None,
+        strict_fast_step: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"Unknown scheduling policy {policy!r}; use one of {', '.join(POLICIES)}.")
@@ -147,6 +151,9 @@ class Scheduler:
         )
         self.pending_copies: list[tuple[Sequence, int, int]] = []  # (child, src, dst) copy-on-write
         self.proposer = proposer  # speculative decoding: the draft tokens of decoding sequences
+        self.fast_step_tokens = fast_step_tokens  # the most tokens a step takes before its cost per token jumps
+        self.strict_fast_step = strict_fast_step  # past it every token costs in full: drafts never go there
+        self.draft_rounds = 0  # steps drafts were proposed in
         self.spec = SpecDecodeStats()
 
     @property
@@ -250,15 +257,34 @@ class Scheduler:
     def _add_drafts(self, scheduled: dict[Sequence, int], drafts: dict[Sequence, tuple[int, ...]], budget: int) -> int:
         """Speculative tokens for the decoding sequences, once every running one has its token (they come
         before admissions, as in vLLM); returns the budget left."""
+        rows = sum(scheduled.values())
+        self.draft_rounds += 1
+        probing = self.draft_rounds % MAX_DRAFT_PAUSE == 0
         for seq, num_new in scheduled.items():
             if budget < 1:
                 break
             if num_new == 1:
-                proposed = self._drafts(seq, budget)
+                proposed = self._drafts(seq, self._draft_room(seq, budget, rows, probing))
                 if proposed:
                     drafts[seq] = proposed
                     scheduled[seq] = 1 + len(proposed)
                     budget -= len(proposed)
+                    rows += len(proposed)
+        return budget
+
+    def _draft_room(self, seq: Sequence, budget: int, rows: int, probing: bool) -> int:
+        """The most drafts `seq` may add to a step of `rows` tokens. Past `fast_step_tokens` a step costs more
+        per token, so drafts that likely miss would slow every sequence: one whose last drafts missed outright
+        keeps the step within it, except in a probing step, one in MAX_DRAFT_PAUSE, where such sequences all
+        try together (text turning repetitive is found again at the cost of one slower step). Where the step
+        is compute-bound past it (`strict_fast_step`), no draft goes there: even drafts that all hold cost
+        more than they give."""
+        edge = self.fast_step_tokens
+        if edge is None:
+            return budget
+        within = min(budget, max(0, edge - rows))
+        if self.strict_fast_step or not (probing or seq.draft_limit != 1 or rows > edge):
+            return within
         return budget
 
     def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
@@ -268,6 +294,8 @@ class Scheduler:
             return ()  # (before its first token an n > 1 request's choices are not forked yet)
         if seq.draft_pause:
             seq.draft_pause -= 1
+            return ()
+        if budget < 1:
             return ()
         params = seq.request.params
         limit = min(budget, seq.draft_limit) if seq.draft_limit else budget

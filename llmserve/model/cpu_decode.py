@@ -173,14 +173,16 @@ class CpuDecoder:
         lib = load()
         return None if lib is None else cls(model, kv_caches, backend, lib)
 
+    def max_tokens(self) -> int:
+        """The most tokens a step runs here now: MAX_TOKENS, or fewer where the linear kernels take fewer rows
+        on the path they run now; 0 while the kernels are off (larger steps take the per-module path)."""
+        if not _kernel_path_active() or (self._int8 and not cpu_linear.int8_kernel_runs()):
+            return 0
+        return min(MAX_TOKENS, cpu_linear.int8_max_rows() if self._int8 else cpu_linear.max_rows())
+
     def fits(self, num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` tokens runs here: at most MAX_TOKENS, and no more rows than the linear
-        kernels take on the path they run now (larger steps take the per-module path)."""
-        limit = cpu_linear.int8_max_rows() if self._int8 else cpu_linear.max_rows()
-        return (
-            0 < num_tokens <= min(MAX_TOKENS, limit) and _kernel_path_active()
-            and (not self._int8 or cpu_linear.int8_kernel_runs())
-        )
+        """Whether a step of `num_tokens` tokens runs here."""
+        return 0 < num_tokens <= self.max_tokens()
 
     def takes_lora(self) -> bool:
         """Whether its steps can add LoRA adapters (their slots are no wider than the C code takes)."""

@@ -28,7 +28,7 @@ import torch
 
 from llmserve.config import DEFAULT_STEP_TOKENS, EngineConfig
 from llmserve.errors import ModelLoadError
-from llmserve.model import huge_pages
+from llmserve.model import cpu_linear, huge_pages
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, get_backend
 from llmserve.model.config import ModelConfig, parse_dtype
 from llmserve.model.cpu_decode import CpuDecoder
@@ -284,6 +284,16 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None  # the previous step's sampled ids, on the device
         if self._use_cuda_graphs():
             self._capture_or_run_eagerly()
+
+    def fast_step_tokens(self) -> int | None:
+        """The most tokens a step takes before its cost per token jumps: on CPU, the one-call decoder's limit
+        (a larger step's linear layers leave our kernels for a GEMM); None where steps have no such edge."""
+        return self.cpu_decoder.max_tokens() or None if self.cpu_decoder is not None else None
+
+    def compute_bound_past_fast_step(self) -> bool:
+        """Whether a step past `fast_step_tokens` costs in proportion to its tokens: on a CPU without bf16 GEMM
+        instructions (AVX512-BF16, AMX) its GEMM runs in float32 (`cpu_linear.float32_gemm`)."""
+        return self.fast_step_tokens() is not None and not cpu_linear.native_bf16_gemm()
 
     # ---- setup ----------------------------------------------------------------------------------
     def _load_model(self, model_dir, max_model_len: int) -> torch.nn.Module:

@@ -151,6 +151,23 @@ def compile_chat_template(template: str) -> jinja2.Template:
     return _template_environment().from_string(template)
 
 
+def read_chat_template(given: str) -> str:
+    """A chat template given by the operator (vLLM's --chat-template): the file `given` names, else `given`
+    itself when it reads as a template; it must compile. Raises ValueError saying what is wrong."""
+    path = Path(given).expanduser()
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif any(mark in given for mark in ("{{", "{%", "\n")):
+        template = given
+    else:
+        raise ValueError(f"chat_template: {given!r} is neither a file nor a Jinja template.")
+    try:
+        compile_chat_template(template)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat_template does not compile: {exc}") from None
+    return template
+
+
 @functools.lru_cache(maxsize=16)
 def chat_template_variables(template: str) -> frozenset[str]:
     """The variables a chat template reads from its context (`messages`, `enable_thinking`, ...)."""
@@ -278,8 +295,9 @@ class Tokenizer:
     # -- loading ------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """Load from a directory holding tokenizer.json and, optionally, tokenizer_config.json."""
+    def from_pretrained(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """Load from a directory holding tokenizer.json and, optionally, tokenizer_config.json.
+        `chat_template` (a template's text) replaces the directory's own."""
         directory = Path(path)
         tokenizer_file = directory / TOKENIZER_FILE
         if not tokenizer_file.is_file():
@@ -288,8 +306,9 @@ class Tokenizer:
         config_file = directory / TOKENIZER_CONFIG_FILE
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
         template_file = directory / CHAT_TEMPLATE_FILE
-        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
-        return cls(backend, config, template)
+        if chat_template is None and template_file.is_file():
+            chat_template = template_file.read_text(encoding="utf-8")
+        return cls(backend, config, chat_template)
 
     def _read_named_tokens(self) -> dict[str, str]:
         named: dict[str, str] = {}

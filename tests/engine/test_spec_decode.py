@@ -19,6 +19,7 @@ from llmserve.config import EngineConfig, SpeculativeConfig, parse_speculative_c
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.ngram_proposer import NgramProposer
 from llmserve.engine.scheduler import Scheduler
+from llmserve.model import cpu_linear
 from llmserve.model.runner import ModelOutput
 from tests.engine.steps import add, step
 
@@ -70,9 +71,13 @@ def test_speculative_config_takes_vllms_form_and_names_what_it_refuses():
 
 
 # ---- the scheduler ----------------------------------------------------------------------------------------------
-def _scheduler(num_blocks: int = 64, budget: int = 64, k: int = 3, disable_by_batch_size: int | None = None) -> Scheduler:
+def _scheduler(
+    num_blocks: int = 64, budget: int = 64, k: int = 3, disable_by_batch_size: int | None = None,
+    fast_step_tokens: int | None = None, strict_fast_step: bool = False,
+) -> Scheduler:
     proposer = NgramProposer(SpeculativeConfig(k, 1, 3, disable_by_batch_size=disable_by_batch_size))
-    return Scheduler(BlockManager(num_blocks, 4), max_num_batched_tokens=budget, max_num_seqs=8, proposer=proposer)
+    return Scheduler(BlockManager(num_blocks, 4), max_num_batched_tokens=budget, max_num_seqs=8, proposer=proposer,
+                     fast_step_tokens=fast_step_tokens, strict_fast_step=strict_fast_step)
 
 
 def _verify(sched: Scheduler, sampled: list[int]):
@@ -165,6 +170,51 @@ def test_drafts_stay_within_max_tokens_the_budget_and_the_free_blocks():
     step(sched, token=7)
     out = sched.schedule()
     assert out.samples[0].drafts == (8,) and not out.preempted and seq.num_computed_tokens == 8
+
+
+def test_drafts_that_missed_keep_the_step_fast_but_for_a_probing_step_in_32():
+    cycle = [5, 6, 7, 8]
+
+    def following(token: int, count: int) -> list[int]:
+        return [cycle[(cycle.index(token) + 1 + i) % 4] for i in range(count)]
+
+    sched = _scheduler(fast_step_tokens=1)  # a step of one token: any draft goes past it
+    seq = add(sched, [5, 6, 7, 8, 5, 6])
+    step(sched, token=7)
+    _, outputs = _verify(sched, [5, 0, 0, 0])  # never drafted before: it may try, and misses outright
+    assert seq.draft_limit == 1
+    drafted = []
+    while sched.draft_rounds < 33:
+        out = sched.schedule()
+        drafts = out.samples[0].drafts
+        drafted.append((sched.draft_rounds, len(drafts)))
+        sched.update_from_output(out, ModelOutput(following(seq.token_ids[-1], 1 + len(drafts))))
+    # Its pause, then no drafts while they would slow the step; the 32nd step that could draft probes, its
+    # draft holds, and a sequence whose drafts hold drafts past the edge again, twice as many.
+    assert [r for r, count in drafted if count] == [32, 33] and dict(drafted)[33] == 2
+    assert sched.spec.num_drafts == 3 and sched.spec.num_accepted_tokens == 1 + 2
+
+    sched = _scheduler(fast_step_tokens=3)  # room for two drafts besides its own token
+    seq = add(sched, [5, 6, 7, 8, 5, 6])
+    step(sched, token=7)
+    _verify(sched, [5, 0, 0, 0])
+    step(sched, token=6)  # its pause
+    assert sched.schedule().samples[0].drafts == (7,)  # within the edge it drafts as ever (its limit is one)
+    sched.block_manager.check_invariants(sched.live_sequences())
+
+
+def test_where_a_larger_step_is_compute_bound_no_draft_goes_past_the_fast_step():
+    for strict, expected in ((False, (8, 5, 6)), (True, (8, 5))):
+        sched = _scheduler(fast_step_tokens=3, strict_fast_step=strict)
+        add(sched, [5, 6, 7, 8, 5, 6])
+        step(sched, token=7)
+        # Never drafted before: past the edge it may try, unless every token past it costs in full.
+        assert sched.schedule().samples[0].drafts == expected
+    sched = _scheduler(fast_step_tokens=3, strict_fast_step=True)
+    for _ in range(4):
+        add(sched, [5, 6, 7, 8, 5, 6])
+    step(sched, token=7)
+    assert [t.drafts for t in sched.schedule().samples] == [(), (), (), ()]  # four rows already: none fits
 
 
 # ---- the engine -------------------------------------------------------------------------------------------------
@@ -273,6 +323,9 @@ def test_bf16_batch_one_through_the_one_call_decoder_gives_the_same_bits(cycling
     assert _choices(got) == _choices(expected)
     assert got[0].outputs[0].logprobs == expected[0].outputs[0].logprobs
     assert speculating.engine.core.stats().spec_decode.num_accepted_tokens > 40
+    scheduler = speculating.engine.core.scheduler
+    assert scheduler.fast_step_tokens == cpu_linear.max_rows()  # where steps get dearer
+    assert scheduler.strict_fast_step is not cpu_linear.native_bf16_gemm()  # and whether past it is compute-bound
 
 
 def test_a_lora_adapters_drafts_are_verified_through_the_adapter(cycling_llama_dir, tmp_path):

@@ -144,6 +144,21 @@ def serving(model_dir, max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS, max
             thread.join(timeout=30)
 
 
+@contextmanager
+def serving_config(config: EngineConfig, name: str) -> Iterator[LiveServer]:
+    """An engine of `config` (its core with one intra-op thread) served as `name`."""
+    with one_thread_engine_cores():
+        engine = AsyncLLM.from_config(config)
+    app = build_app(engine, name, model_root=config.model)
+    server, thread, base_url, loop = start_server(app)
+    try:
+        yield LiveServer(base_url, engine, app, loop, model=name)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.close()
+
+
 @pytest.fixture(scope="module")
 def live_server(tiny_llama_dir) -> Iterator[LiveServer]:
     with serving(tiny_llama_dir, max_waiting_requests=1024) as server:

@@ -11,10 +11,8 @@ import httpx
 import pytest
 
 from llmserve.config import EngineConfig
-from llmserve.engine.async_llm import AsyncLLM
-from llmserve.server.app import build_app
 from tests import hf_reference
-from tests.server.conftest import LiveServer, one_thread_engine_cores, start_server
+from tests.server.conftest import LiveServer, serving_config
 
 BASE = "tiny"
 PROMPT = [17, 99, 302, 5, 640, 23, 88, 410, 7, 512, 64]
@@ -32,19 +30,12 @@ def adapter_dirs(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, adapter_dirs) -> Iterator[LiveServer]:
-    with one_thread_engine_cores():
-        engine = AsyncLLM.from_config(EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, max_model_len=256,
-            lora_modules=[f"sql={adapter_dirs['sql']}"], max_loras=2, max_lora_rank=8,
-        ))
-    app = build_app(engine, BASE, model_root=str(tiny_llama_dir))
-    uvicorn, thread, base_url, loop = start_server(app)
-    try:
-        yield LiveServer(base_url, engine, app, loop, model=BASE)
-    finally:
-        uvicorn.should_exit = True
-        thread.join(timeout=30)
-        engine.close()
+    config = EngineConfig(
+        model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, max_model_len=256,
+        lora_modules=[f"sql={adapter_dirs['sql']}"], max_loras=2, max_lora_rank=8,
+    )
+    with serving_config(config, BASE) as server:
+        yield server
 
 
 def _complete(base_url: str, model: str, **extra) -> httpx.Response:

@@ -14,9 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmserve import LLM, SamplingParams
 from llmserve.cli import build_parser
 from llmserve.config import EngineConfig, engine_config_kwargs
-from llmserve.engine.async_llm import AsyncLLM
-from llmserve.server.app import build_app
-from tests.server.conftest import LiveServer, one_thread_engine_cores, start_server
+from tests.server.conftest import LiveServer, serving_config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 PROMPT = "Once upon a time"
@@ -25,18 +23,11 @@ MAX_NEW = 48
 
 @pytest.fixture(scope="module")
 def server(cycling_llama_dir) -> Iterator[LiveServer]:
-    with one_thread_engine_cores():
-        engine = AsyncLLM.from_config(EngineConfig(
-            model=str(cycling_llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, speculative_config=NGRAM,
-        ))
-    app = build_app(engine, "cycling", model_root=str(cycling_llama_dir))
-    uvicorn, thread, base_url, loop = start_server(app)
-    try:
-        yield LiveServer(base_url, engine, app, loop, model="cycling")
-    finally:
-        uvicorn.should_exit = True
-        thread.join(timeout=30)
-        engine.close()
+    config = EngineConfig(
+        model=str(cycling_llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, speculative_config=NGRAM,
+    )
+    with serving_config(config, "cycling") as server:
+        yield server
 
 
 def test_the_flag_reaches_the_engine_config():
