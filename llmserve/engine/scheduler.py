@@ -153,7 +153,7 @@ class Scheduler:
         self.proposer = proposer  # speculative decoding: the draft tokens of decoding sequences
         self.fast_step_tokens = fast_step_tokens  # the most tokens a step takes before its cost per token jumps
         self.strict_fast_step = strict_fast_step  # past it every token costs in full: drafts never go there
-        self.draft_rounds = 0  # steps drafts were proposed in
+        self.draft_rounds = 0  # steps that could take drafts (speculating, nothing preempted)
         self.spec = SpecDecodeStats()
 
     @property
@@ -282,10 +282,8 @@ class Scheduler:
         edge = self.fast_step_tokens
         if edge is None:
             return budget
-        within = min(budget, max(0, edge - rows))
-        if self.strict_fast_step or not (probing or seq.draft_limit != 1 or rows > edge):
-            return within
-        return budget
+        may_pass = not self.strict_fast_step and (rows > edge or probing or seq.draft_limit != 1)
+        return budget if may_pass else min(budget, max(0, edge - rows))
 
     def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """Speculative tokens for a decoding sequence, within the budget, its length limits and the blocks
