@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from llmserve.config import add_engine_args, engine_config_kwargs
@@ -152,6 +153,11 @@ def add_platform_args(parser: argparse.ArgumentParser, config_help: str) -> argp
     platform.add_argument(
         "--conversation-max-messages", type=int, default=None,
         help="a conversation may hold at most this many messages, every branch counted (default 10000; 413 beyond)",
+    )
+    platform.add_argument(
+        "--api-key", default=os.environ.get("LLMSERVE_API_KEY") or None, metavar="KEY",
+        help="clients must send this key (Authorization: Bearer KEY), as vLLM's --api-key; not stored, unlimited, "
+        "an admin's; keys made with `llmserve keys create` work too (default: $LLMSERVE_API_KEY)",
     )
     platform.add_argument(
         "--public-metrics", action="store_true", help="answer /metrics without an API key once keys exist"

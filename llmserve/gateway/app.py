@@ -121,13 +121,14 @@ def build_gateway_app(
     platform: Platform | None = None, aliases: Mapping[str, Sequence[tuple[str, float]]] | None = None,
     public_metrics: bool = False, public_openapi: bool = False, allowed_origins: Sequence[str] = (),
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, stream_resume: ResumeLimits | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The gateway over `pools` (model name -> replica base URLs, e.g. http://10.0.0.5:8000, or
     `dns+http://name:port` for every address the name resolves to), answering to `aliases` too
     (alias -> [(pool, weight)], a canary when several). `platform` puts the platform services in front
     (once keys exist, every path but /health needs one, /metrics too unless `public_metrics`); None
     passes requests through as they are. `public_openapi`, `allowed_origins` (CORS) and `stream_resume` (the
-    bounds of the resumable streams it relays) as `llmserve serve`'s."""
+    bounds of the resumable streams it relays) and `api_key` (one more key, given at start) as `llmserve serve`'s."""
     if not pools or any(not urls for urls in pools.values()):
         raise ValueError("The gateway needs at least one pool, each with at least one replica URL.")
     state = GatewayState(pools, policy, options or ReplicaOptions(), aliases=aliases or {})
@@ -158,9 +159,11 @@ def build_gateway_app(
     app.state.platform = platform
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
-    if platform is not None and platform.keys is not None:
+    keys = platform.keys if platform is not None else None
+    if keys is not None or api_key:
         public = public_paths(app, public_metrics, public_openapi) | page_paths()
-        app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=platform.metrics, public_paths=public)
+        app.add_middleware(AuthMiddleware, keys=keys, metrics=platform.metrics if platform is not None else None,
+                           public_paths=public, api_key=api_key)
     install_cors(app, allowed_origins)
     front = GatewayPlatform(platform or Platform(), state.router, state.proxy, workers, StreamRegistry(stream_resume))
     app.state.streams = front.streams  # resumed by /v1/streams/{id} (gateway/resume.py)
@@ -208,6 +211,8 @@ def build_gateway_app(
 
     if platform is None:  # the bodies are passed on as they are: they take the lane, past FastAPI
         app.lane = ProxyLane({path: forwarder(path) for path in PROXIED_PATHS}, max_request_body_bytes, HOP_HEADERS)
+        if api_key:
+            app.lane_entry = AuthMiddleware(app.lane, keys=None, api_key=api_key)
         app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"],
                           response_model=None)
         app.add_api_route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"],

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from fastapi import FastAPI
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve.server.errors import CLIENT_CLOSED_REQUEST, APIError, body_too_large, from_exception
 from llmserve.server.limits import content_length
@@ -93,10 +93,11 @@ class LaneApp(FastAPI):
     """FastAPI, with the requests its `lane` takes (when it has one) answered before its stack."""
 
     lane: ProxyLane | None = None
+    lane_entry: ASGIApp | None = None  # the lane behind what must still run before it (`--api-key`'s check)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lane = self.lane
         if lane is not None and lane.takes(scope):
-            await lane(scope, receive, send)
+            await (self.lane_entry or lane)(scope, receive, send)
             return
         await super().__call__(scope, receive, send)

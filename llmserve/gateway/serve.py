@@ -79,7 +79,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         parse_pools(args.pool, args.config), args.policy, options, platform=build_platform(args, config),
         aliases=configured_aliases(args, config), public_metrics=args.public_metrics,
         public_openapi=args.public_openapi, allowed_origins=parse_origins(args.allowed_origins),
-        max_request_body_bytes=args.max_request_body_bytes, stream_resume=resume_limits(args),
+        max_request_body_bytes=args.max_request_body_bytes, stream_resume=resume_limits(args), api_key=args.api_key,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)

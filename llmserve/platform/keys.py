@@ -31,6 +31,16 @@ DISPLAY_PREFIX_LENGTH = len(SECRET_PREFIX) + 4
 TIER_LENGTH = 64
 
 
+STATIC_KEY_ID = "api-key"  # the id `--api-key`'s key meters and owns conversations under
+
+
+def static_api_key(created_at: datetime) -> ApiKey:
+    """The key of `--api-key` (vLLM's: one secret given at start, not stored): every model, no limits, an
+    admin's (the operator's own)."""
+    return ApiKey(id=STATIC_KEY_ID, name="--api-key", prefix="", tier="default", rpm=None, tpm=None, models=None,
+                  is_admin=True, created_at=created_at, revoked_at=None)
+
+
 def generate_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(_SECRET_RANDOM_BYTES)
 

@@ -165,6 +165,7 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     stream_resume: ResumeLimits | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over one engine (`engine_client` served as `served_model_name`, also
     answering to `model_aliases`) or several (`models`, routed by name and `aliases`).
@@ -222,9 +223,11 @@ def build_app(
     install_error_handlers(app)
     install_openapi(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
-    if platform is not None and platform.keys is not None:
+    keys = platform.keys if platform is not None else None
+    if keys is not None or api_key:
         public = public_paths(app, public_metrics, public_openapi) | page_paths()
-        app.add_middleware(AuthMiddleware, keys=platform.keys, metrics=state.metrics.platform, public_paths=public)
+        app.add_middleware(AuthMiddleware, keys=keys, metrics=state.metrics.platform, public_paths=public,
+                           api_key=api_key)
     app.add_middleware(DrainMiddleware, state=state)
     install_cors(app, allowed_origins)
     for module in (

@@ -8,6 +8,7 @@ background thread writes in batches, and rate limits are one in-process or Redis
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import math
 import time
@@ -21,7 +22,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve.outputs import RequestOutput
-from llmserve.platform.keys import ApiKey, KeyCache, looks_like_key
+from llmserve.platform.keys import ApiKey, KeyCache, looks_like_key, static_api_key
 from llmserve.platform.ratelimit import Limits, RateLimiter, RateLimiterUnavailable, Reservation
 from llmserve.platform.usage import PriceTable, UsageRecord, UsageRecorder, UsageStatus
 from llmserve.server.errors import APIError
@@ -350,20 +351,26 @@ def _masked(secret: str) -> str:
 class AuthMiddleware:
     """Once keys exist, every HTTP request but those for `public_paths` needs a valid key (401
     otherwise), so a route added later is private unless made public on purpose; with no keys the
-    server is open (local mode). The key found is left in the request's state as `api_key` (None when
-    open)."""
+    server is open (local mode). `api_key` (`--api-key`, vLLM's) is one more secret, not stored, which
+    closes the server by itself; `keys` may then be None (no platform). The key found is left in the
+    request's state as `api_key` (None when open)."""
 
     def __init__(
         self,
         app: ASGIApp,
-        keys: KeyCache,
+        keys: KeyCache | None,
         metrics: PlatformMetrics | None = None,
         public_paths: Collection[str] = ALWAYS_PUBLIC_PATHS,
+        api_key: str | None = None,
     ) -> None:
+        if keys is None and not api_key:
+            raise ValueError("AuthMiddleware needs stored keys or an api_key.")
         self.app = app
         self.keys = keys
         self.metrics = metrics
         self.public_paths = frozenset(public_paths)
+        self.api_key = api_key.encode() if api_key else None
+        self.static_key = static_api_key(datetime.now(timezone.utc))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.public_paths:
@@ -382,7 +389,9 @@ class AuthMiddleware:
 
     async def _authenticate(self, scope: Scope) -> ApiKey | None:
         secret = _bearer(scope)
-        if not await self.keys.has_active_keys():
+        if self.api_key is not None and secret and hmac.compare_digest(secret.encode(), self.api_key):
+            return self.static_key
+        if self.api_key is None and self.keys is not None and not await self.keys.has_active_keys():
             return None
         if not secret:
             raise _auth_error(
@@ -390,9 +399,9 @@ class AuthMiddleware:
                 "(Authorization: Bearer YOUR_KEY).",
                 "missing_api_key",
             )
-        if not looks_like_key(secret):
+        if not looks_like_key(secret) and self.api_key is None:
             raise _auth_error(f"Malformed API key provided: {_masked(secret)}.", "invalid_api_key")
-        key = await self.keys.authenticate(secret)
+        key = await self.keys.authenticate(secret) if self.keys is not None and looks_like_key(secret) else None
         if key is None:
             raise _auth_error(
                 f"Incorrect API key provided: {_masked(secret)}. The key is unknown or was revoked.",

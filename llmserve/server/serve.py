@@ -141,6 +141,7 @@ def make_app(args: argparse.Namespace, config: ModelsConfig | None, platform: Pl
         allowed_origins=parse_origins(args.allowed_origins),
         max_request_body_bytes=args.max_request_body_bytes,
         stream_resume=resume_limits(args),
+        api_key=args.api_key,
     )
 
 
@@ -175,7 +176,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     def on_listening(host: str, port: int) -> None:
         _announce(f"llmserve: listening at http://{host}:{port}/v1, loading {names}")
-        if platform is not None and platform.database is not None and not KeyStore(platform.database).has_active_keys():
+        if (not args.api_key and platform is not None and platform.database is not None
+                and not KeyStore(platform.database).has_active_keys()):
             _announce(
                 "llmserve: no API keys exist, so the server is open to anyone who can reach it (local mode); "
                 "`llmserve keys create --name NAME` turns on authentication"
