@@ -23,6 +23,7 @@ from llmserve.outputs import (
     ScoringRequestOutput,
 )
 from llmserve.sampling.params import RequestOutputKind, SamplingParams
+from llmserve.tokenizer.tokenizer import read_chat_template
 
 # vLLM's prompt shapes: text, token ids, {"prompt": text} (TextPrompt), {"prompt_token_ids": ids}
 # (TokensPrompt); either dict may carry a "cache_salt".
@@ -86,17 +87,23 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Seq[Mapping[str, object]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations; `continue_final_message` (with `add_generation_prompt`
         False) has the model go on with each conversation's final message instead. `lora_request` as
-        `generate`'s."""
+        `generate`'s. As vLLM's: `chat_template` (a template, or a file holding one) in place of the model's,
+        `chat_template_kwargs` the template's further variables, `tools` OpenAI tool dicts it renders."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
+        template = read_chat_template(chat_template) if chat_template is not None else None
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         prompts = [
             tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt, tokenize=True,
-                                          continue_final_message=continue_final_message)
+                                          continue_final_message=continue_final_message, chat_template=template,
+                                          tools=tools, **(chat_template_kwargs or {}))
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, lora_request=lora_request)

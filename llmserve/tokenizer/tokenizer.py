@@ -578,9 +578,11 @@ class Tokenizer:
         tokenize: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **extra: Any,
     ) -> str | list[int]:
-        """Render the chat template; with `tokenize`, return the token ids (no special tokens re-added).
+        """Render the chat template (`chat_template`'s text for this call, if given); with `tokenize`, return the
+        token ids (no special tokens re-added).
 
         `tools` are OpenAI tool dicts ({"type": "function", "function": {...}}), given to the template as
         `tools`; `extra` are further template variables (a request's `chat_template_kwargs`, such as
@@ -588,7 +590,8 @@ class Tokenizer:
         `continue_final_message` (vLLM's) ends the text right after the final message's own text, so the
         model goes on with that message (an assistant reply begun by the caller) instead of a new one.
         """
-        if self._chat_template is None:
+        template = chat_template if chat_template is not None else self._chat_template
+        if template is None:
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template, so chat requests are not supported; "
                 "use the completions API with a plain prompt instead",
@@ -599,7 +602,7 @@ class Tokenizer:
             context["tools"] = [dict(tool) for tool in tools]
         context["messages"] = normalize_messages(messages)
         context["add_generation_prompt"] = add_generation_prompt
-        text = render_chat_template(self._chat_template, context)
+        text = render_chat_template(template, context)
         if continue_final_message:
             text = _open_final_message(text, context["messages"][-1] if context["messages"] else {})
         return self.encode(text, add_special_tokens=False) if tokenize else text

@@ -94,3 +94,18 @@ def test_an_inline_template_replaces_the_tokenizers_own(tiny_llama_dir: Path):
 def test_a_template_that_cannot_be_used_fails_the_start_naming_it(tiny_llama_dir: Path, given: str, message: str):
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, chat_template=given)
+
+
+def test_offline_chat_takes_a_template_its_variables_and_tools_per_call(tiny_llama_dir: Path, template_file: Path):
+    """vLLM's `LLM.chat(..., chat_template=, chat_template_kwargs=, tools=)`: this call's template and variables."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    tokenizer = llm.get_tokenizer()
+    with_tools = TEMPLATE + "{% for t in tools %} {{ t.function.name }}{% endfor %} {{ mood }}"
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    (chat,) = llm.chat(MESSAGES, params, chat_template=with_tools, chat_template_kwargs={"mood": "calm"}, tools=tools)
+    assert chat.prompt_token_ids == tokenizer.encode(RENDERED + " lookup calm", add_special_tokens=False)
+    (from_file,) = llm.chat(MESSAGES, params, chat_template=str(template_file))
+    assert from_file.prompt_token_ids == tokenizer.encode(RENDERED, add_special_tokens=False)
+    (own,) = llm.chat(MESSAGES, params)  # the model's own template again
+    assert own.prompt_token_ids == tokenizer.apply_chat_template(MESSAGES, tokenize=True) != from_file.prompt_token_ids
