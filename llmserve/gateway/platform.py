@@ -97,7 +97,8 @@ class _Call:
 @dataclass(frozen=True)
 class _Pooled:
     """A request answered from embeddings: where it goes, the texts the replica embeds (each once), how it
-    truncates them, and which texts the safety filter reads under which field name."""
+    truncates them, which texts the safety filter reads under which field name, and for a score or rerank
+    the pairs scored (places in `inputs`)."""
 
     path: str
     id_prefix: str
@@ -106,13 +107,16 @@ class _Pooled:
     inputs: Sequence[str | list[int]]
     truncate: int | None
     screened: list[tuple[Sequence[str | list[int]], str]]
+    pairs: Sequence[tuple[int, int]] | None = None
 
 
 def _scored(path: str, id_prefix: str, body: ScoreRequest | RerankRequest) -> _Pooled:
-    """A score or rerank request: the replica embeds each of its texts once, screened by the field it came from."""
+    """A score or rerank request: an embedding model embeds each of its texts once, a cross-encoder reads each
+    pair whole; each text screened by the field it came from."""
     texts = body.scored_texts()
     screened = [(fielded, field) for field, fielded in texts_by_field(texts.items, texts.params).items()]
-    return _Pooled(path, id_prefix, body.model, body.user, texts.items, body.truncate_prompt_tokens, screened)
+    return _Pooled(path, id_prefix, body.model, body.user, texts.items, body.truncate_prompt_tokens, screened,
+                   body.scored_pairs(texts))
 
 
 class GatewayPlatform:
@@ -215,6 +219,12 @@ class GatewayPlatform:
             call.prompt_tokens = call.reserve_tokens = sum(
                 _truncated(count, pooled.truncate, max_model_len) for count in counts
             )
+            if pooled.pairs is not None:
+                # Which a pool's model is, an embedding model or a cross-encoder (reading the first text again
+                # with each pair), is the replica's to know: the reservation takes the larger, each pair's two
+                # texts (with their special tokens, at least the pair's own), settled to the usage reported.
+                call.reserve_tokens = sum(_truncated(counts[a] + counts[b], pooled.truncate, max_model_len)
+                                          for a, b in pooled.pairs)
         return await self._run(request, call)
 
     async def forward_tokenizer(self, request: Request, path: str) -> Response:

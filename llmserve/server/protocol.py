@@ -1043,6 +1043,12 @@ class ScoreRequest(RequestBody):
         return ScoredTexts(_named(firsts, "text_1", isinstance(self.text_1, list))
                            + _named(seconds, "text_2", isinstance(self.text_2, list)))
 
+    def scored_pairs(self, texts: ScoredTexts) -> list[tuple[int, int]]:
+        """The pairs scored, as places in `texts`: one text_1 with each text_2, or each with its own."""
+        firsts, seconds = self.texts()
+        return [(texts.at[firsts[0] if len(firsts) == 1 else firsts[i]], texts.at[second])
+                for i, second in enumerate(seconds)]
+
 
 class RerankDocument(_Request):
     text: str
@@ -1067,6 +1073,10 @@ class RerankRequest(RequestBody):
 
     def scored_texts(self) -> ScoredTexts:
         return ScoredTexts([(self.query, "query"), *_named(self.document_texts(), "documents", True)])
+
+    def scored_pairs(self, texts: ScoredTexts) -> list[tuple[int, int]]:
+        """The pairs scored, as places in `texts`: the query with each document."""
+        return [(texts.at[self.query], texts.at[document]) for document in self.document_texts()]
 
 
 class Embedding(_Response):

@@ -76,10 +76,8 @@ Answer = Callable[[str], Callable[[str, list[float], dict[str, int]], bytes]]
 @router.post("/v1/score", response_model=None, responses=documented(ScoreResponse))
 @router.post("/score", response_model=None, include_in_schema=False)
 async def create_score(body: ScoreRequest, request: Request) -> Response:
-    firsts, seconds = body.texts()
     texts = body.scored_texts()
-    pairs = [(texts.at[firsts[0] if len(firsts) == 1 else firsts[i]], texts.at[second])
-             for i, second in enumerate(seconds)]
+    pairs = body.scored_pairs(texts)
 
     def answer(model: str) -> Callable[[str, list[float], dict[str, int]], bytes]:
         return lambda response_id, scores, used: _JSON.encode({
@@ -96,7 +94,7 @@ async def create_score(body: ScoreRequest, request: Request) -> Response:
 async def create_rerank(body: RerankRequest, request: Request) -> Response:
     documents = body.document_texts()
     texts = body.scored_texts()
-    pairs = [(texts.at[body.query], texts.at[document]) for document in documents]
+    pairs = body.scored_pairs(texts)
 
     def ranked(scores: list[float]) -> list[dict]:
         order = sorted(range(len(documents)), key=lambda i: (-scores[i], i))[: body.top_n or len(documents)]

@@ -237,7 +237,13 @@ def test_scores_and_reranks_are_keyed_screened_and_metered_with_the_texts_tokens
     assert ranked.json()["usage"]["prompt_tokens"] == scored.json()["usage"]["prompt_tokens"] == tokens
     rows = server.wait_for_usage_rows(3)
     assert [(r.key_id, r.prompt_tokens, r.status) for r in rows] == [(key.id, tokens, "completed")] * 3
-    assert 100_000 - int(scored.headers["x-ratelimit-remaining-tokens"]) == 2 * tokens
+    # The score's reservation: llmserve serve tokenizes exactly; a gateway cannot tell an embedding model from a
+    # cross-encoder, so it reserves each pair's two texts (the query once per document), settled to the usage.
+    query = httpx.post(f"{server.base_url}/tokenize", headers=headers, json={"model": MODEL, "prompt": QUERY},
+                       timeout=60).json()["count"]
+    behind_gateway = hasattr(server.app.state, "gateway")
+    reserved = tokens + (len(DOCUMENTS) - 1) * query if behind_gateway else tokens
+    assert 100_000 - int(scored.headers["x-ratelimit-remaining-tokens"]) == tokens + reserved
     server.platform.safety = RuleSetFilter(words=["forbidden"])
     blocked = httpx.post(f"{server.base_url}/v1/rerank", headers=headers, timeout=60,
                          json={"model": MODEL, "query": QUERY, "documents": ["fine", "the forbidden one"]})
@@ -247,3 +253,33 @@ def test_scores_and_reranks_are_keyed_screened_and_metered_with_the_texts_tokens
                             json={"model": MODEL, "input": ["fine", "a fox"]})
     assert classified.status_code == 400 and error_of(classified)["param"] == "model"  # an embedding model: no labels
     assert server.count_usage_rows() == 3
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncLLM]:
+    from tests.hf_reference import build_cross_encoder
+
+    checkpoint = build_cross_encoder("bert", tmp_path_factory.mktemp("ce") / "bert", Path(gt_minilm.get_model_path()))
+    with one_thread_engine_cores():
+        engine = AsyncLLM.from_config(EngineConfig(model=str(checkpoint), dtype="float32"))
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def test_a_gateways_reservation_for_a_cross_encoders_rerank_covers_the_pairs_it_reads(
+    cross_encoder_engine: AsyncLLM, tmp_path: Path
+) -> None:
+    """A cross-encoder reads the query again with each document: the gateway's TPM reservation is at least the
+    usage the replica reports (it once counted each text once, under-reserving by the repeated query)."""
+    for server in serve_platform(cross_encoder_engine, tmp_path, mode="gateway",
+                                 models=[ModelSpec("reranker", engine=cross_encoder_engine)]):
+        _, secret = server.new_key("tpm", tpm=100_000)
+        query = "which of these texts is about a quick brown fox jumping over the lazy dog " * 3
+        ranked = httpx.post(f"{server.base_url}/v1/rerank", headers={"Authorization": f"Bearer {secret}"},
+                            json={"model": "reranker", "query": query, "documents": DOCUMENTS}, timeout=60)
+        assert ranked.status_code == 200, ranked.text
+        reserved = 100_000 - int(ranked.headers["x-ratelimit-remaining-tokens"])
+        used = ranked.json()["usage"]["prompt_tokens"]
+        assert used <= reserved <= used + 4 * len(DOCUMENTS)  # a pair's special tokens at most over
