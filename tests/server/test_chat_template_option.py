@@ -78,7 +78,8 @@ def test_a_model_without_a_template_chats_with_the_one_served(server: LiveServer
 
 def test_an_inline_template_replaces_the_tokenizers_own(tiny_llama_dir: Path):
     """Offline as served: the prompt is the given template's, and the tokens follow from it."""
-    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=32, max_model_len=256, chat_template=TEMPLATE)
+    long_template = "{#" + " a comment longer than any file name" * 10 + " #}" + TEMPLATE
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=32, max_model_len=256, chat_template=long_template)
     tokenizer = llm.get_tokenizer()
     assert tokenizer.apply_chat_template(MESSAGES, tokenize=False) == RENDERED
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
