@@ -250,7 +250,12 @@ class GatewayPlatform:
 
     # ---- before the replica -----------------------------------------------------------------------
     def _limits_tokens(self, key: ApiKey | None) -> bool:
-        return self.platform.limiter is not None and key is not None and key.tpm is not None
+        """Whether the key's requests need their tokens counted before they run (a TPM limit, a quota)."""
+        if key is None:
+            return False
+        return (self.platform.limiter is not None and key.tpm is not None) or (
+            self.platform.quotas is not None and key.token_quota is not None
+        )
 
     async def _screen(self, texts: Callable[[], Sequence[str]], model: str, param: str) -> None:
         if self.platform.safety is not None:

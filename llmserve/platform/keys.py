@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
+from llmserve.platform.quota import QUOTA_PERIODS
 from llmserve.store.db import Database
 from llmserve.store.schema import NAME_LENGTH, ApiKeyRow, utcnow
 
@@ -31,6 +32,7 @@ DISPLAY_PREFIX_LENGTH = len(SECRET_PREFIX) + 4
 TIER_LENGTH = 64
 
 
+UPDATABLE_LIMITS = ("rpm", "tpm", "models", "token_quota", "quota_period")
 STATIC_KEY_ID = "api-key"  # the id `--api-key`'s key meters and owns conversations under
 
 
@@ -68,6 +70,8 @@ class ApiKey:
     is_admin: bool
     created_at: datetime
     revoked_at: datetime | None
+    token_quota: int | None = None  # tokens per quota_period (platform.quota); None: unlimited
+    quota_period: str | None = None  # day, week, month or total (UTC calendar periods)
 
     @property
     def active(self) -> bool:
@@ -84,6 +88,8 @@ class ApiKey:
             "tier": self.tier,
             "rpm": self.rpm,
             "tpm": self.tpm,
+            "token_quota": self.token_quota,
+            "quota_period": self.quota_period,
             "models": list(self.models) if self.models is not None else None,
             "is_admin": self.is_admin,
             "created_at": self.created_at.isoformat(),
@@ -103,6 +109,8 @@ def _to_api_key(row: ApiKeyRow) -> ApiKey:
         is_admin=row.is_admin,
         created_at=row.created_at,
         revoked_at=row.revoked_at,
+        token_quota=row.token_quota,
+        quota_period=row.quota_period if row.token_quota is not None else None,
     )
 
 
@@ -130,6 +138,19 @@ def _checked_limit(flag: str, value: int | None) -> int | None:
     return value
 
 
+def _checked_quota(token_quota: int | None, quota_period: str | None) -> tuple[int | None, str | None]:
+    """A quota and its period; a quota given alone is per month."""
+    token_quota = _checked_limit("token_quota", token_quota)
+    if token_quota is None:
+        if quota_period is not None:
+            raise ValueError("quota_period needs a token_quota")
+        return None, None
+    period = quota_period or "month"
+    if period not in QUOTA_PERIODS:
+        raise ValueError(f"quota_period must be one of {', '.join(QUOTA_PERIODS)}, got {quota_period!r}")
+    return token_quota, period
+
+
 def _checked_models(models: Iterable[str] | None) -> list[str] | None:
     if models is None:
         return None
@@ -153,12 +174,15 @@ class KeyStore:
         tpm: int | None = None,
         models: Iterable[str] | None = None,
         admin: bool = False,
+        token_quota: int | None = None,
+        quota_period: str | None = None,
     ) -> tuple[ApiKey, str]:
         """Create a key; returns it and its secret, which is not stored and cannot be shown again.
 
         Raises ValueError for bad input or when an active key already has this name.
         """
         name = _checked_name(name)
+        token_quota, quota_period = _checked_quota(token_quota, quota_period)
         row = ApiKeyRow(
             id="key_" + secrets.token_hex(8),
             name=name,
@@ -168,6 +192,8 @@ class KeyStore:
             models=_checked_models(models),
             is_admin=bool(admin),
             created_at=utcnow(),
+            token_quota=token_quota,
+            quota_period=quota_period,
         )
         secret = generate_secret()
         row.prefix = secret[:DISPLAY_PREFIX_LENGTH]
@@ -188,6 +214,30 @@ class KeyStore:
             query = query.where(ApiKeyRow.revoked_at.is_(None))
         with self._db.session() as session:
             return [_to_api_key(row) for row in session.scalars(query)]
+
+    def update(self, id_or_name: str, **limits: Any) -> ApiKey:
+        """Change an active key's limits, named as `create`'s (rpm, tpm, models, token_quota, quota_period;
+        None lifts one); the rest are kept. Takes effect within the servers' key-cache ttl.
+
+        Raises KeyError when there is no such active key, ValueError for bad input.
+        """
+        unknown = set(limits) - set(UPDATABLE_LIMITS)
+        if unknown:
+            raise ValueError(f"cannot update {', '.join(sorted(unknown))} (only {', '.join(UPDATABLE_LIMITS)})")
+        with self._db.session(write=True) as session:
+            row = session.get(ApiKeyRow, id_or_name) or self._active_by_name(session, id_or_name)
+            if row is None or row.revoked_at is not None:
+                raise KeyError(f"no active key with id or name {id_or_name!r}")
+            for flag in ("rpm", "tpm"):
+                if flag in limits:
+                    setattr(row, flag, _checked_limit(flag, limits[flag]))
+            if "models" in limits:
+                row.models = _checked_models(limits["models"])
+            if "token_quota" in limits or "quota_period" in limits:
+                quota = limits.get("token_quota", row.token_quota)
+                period = limits.get("quota_period", row.quota_period if quota is not None else None)
+                row.token_quota, row.quota_period = _checked_quota(quota, period)
+            return _to_api_key(row)
 
     def revoke(self, id_or_name: str) -> ApiKey:
         """Revoke the key with this id, or the active key with this name. Revoking twice is harmless.

@@ -1,4 +1,4 @@
-"""`llmserve keys create|list|revoke`: manage API keys in the server's database.
+"""`llmserve keys create|list|update|revoke`: manage API keys in the server's database.
 
 Only argparse loads at import, so building the `llmserve` parser stays cheap; SQLAlchemy and
 Alembic load when a keys command runs.
@@ -17,10 +17,11 @@ if TYPE_CHECKING:
     from llmserve.platform.keys import ApiKey, KeyStore
 
 EXIT_BAD_INPUT = 2
+QUOTA_PERIOD_CHOICES = ("day", "week", "month", "total")  # platform.quota.QUOTA_PERIODS, without loading it
 
 
 def add_keys_parser(subparsers: argparse._SubParsersAction) -> None:
-    keys = subparsers.add_parser("keys", help="create, list and revoke API keys")
+    keys = subparsers.add_parser("keys", help="create, list, update and revoke API keys")
     actions = keys.add_subparsers(dest="keys_command", required=True)
 
     create = actions.add_parser("create", help="create a key and print its secret (shown only once)")
@@ -30,8 +31,24 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--tpm", type=int, default=None, help="tokens per minute (default: unlimited)")
     create.add_argument("--models", default=None, help="comma-separated models this key may use (default: all)")
     create.add_argument("--admin", action="store_true", help="an admin key sees every key's usage")
+    create.add_argument("--token-quota", type=int, default=None,
+                        help="tokens (prompt plus completion) per quota period (default: unlimited)")
+    create.add_argument("--quota-period", choices=QUOTA_PERIOD_CHOICES, default=None,
+                        help="the UTC period a token quota renews every (default: month; total: never)")
     _add_database_arg(create)
     create.set_defaults(func=cmd_keys_create)
+
+    update = actions.add_parser("update", help="change an active key's limits (takes effect within seconds)")
+    update.add_argument("key", help="key id (key_...) or the name of an active key")
+    for flag, what in (("--rpm", "requests per minute"), ("--tpm", "tokens per minute"),
+                       ("--token-quota", "tokens per quota period")):
+        update.add_argument(flag, type=_limit_or_none, default=argparse.SUPPRESS, help=f"{what}, or none to lift it")
+    update.add_argument("--quota-period", choices=QUOTA_PERIOD_CHOICES, default=argparse.SUPPRESS,
+                        help="the UTC period the token quota renews every")
+    update.add_argument("--models", default=argparse.SUPPRESS,
+                        help="comma-separated models this key may use, or all")
+    _add_database_arg(update)
+    update.set_defaults(func=cmd_keys_update)
 
     listing = actions.add_parser("list", help="list keys (never their secrets)")
     listing.add_argument("--all", action="store_true", help="include revoked keys")
@@ -57,11 +74,36 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
     def create(store: KeyStore) -> None:
         key, secret = store.create(
-            args.name, tier=args.tier, rpm=args.rpm, tpm=args.tpm, models=models, admin=args.admin
+            args.name, tier=args.tier, rpm=args.rpm, tpm=args.tpm, models=models, admin=args.admin,
+            token_quota=args.token_quota, quota_period=args.quota_period,
         )
         _print_created(key, secret)
 
     return _run(args, create)
+
+
+def cmd_keys_update(args: argparse.Namespace) -> int:
+    changes = {name: getattr(args, name) for name in ("rpm", "tpm", "token_quota", "quota_period", "models")
+               if hasattr(args, name)}
+    if "models" in changes:
+        changes["models"] = None if changes["models"] == "all" else changes["models"].split(",")
+    if not changes:
+        return _fail("give at least one limit to change (--rpm, --tpm, --token-quota, --quota-period, --models)")
+
+    def update(store: KeyStore) -> None:
+        key = store.update(args.key, **changes)
+        print(f"Updated key {key.id} named {key.name!r} ({_describe_limits(key)}).")
+
+    return _run(args, update)
+
+
+def _limit_or_none(value: str) -> int | None:
+    if value.lower() == "none":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or none, got {value!r}") from None
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
@@ -100,13 +142,23 @@ def _fail(message: object) -> int:
 def _describe_limits(key: ApiKey) -> str:
     models = ",".join(key.models) if key.models is not None else "all"
     return (
-        f"tier {key.tier}, rpm {_limit(key.rpm)}, tpm {_limit(key.tpm)}, models {models}"
+        f"tier {key.tier}, rpm {_limit(key.rpm)}, tpm {_limit(key.tpm)}, quota {_quota(key)}, models {models}"
         f"{', admin' if key.is_admin else ''}"
     )
 
 
+def _quota(key: ApiKey) -> str:
+    if key.token_quota is None:
+        return "unlimited"
+    return f"{key.token_quota} tokens {'in total' if key.quota_period == 'total' else f'per {key.quota_period}'}"
+
+
 def _limit(value: int | None) -> str:
     return "unlimited" if value is None else str(value)
+
+
+def _short_quota(key: ApiKey) -> str:
+    return "unlimited" if key.token_quota is None else f"{key.token_quota}/{key.quota_period}"
 
 
 def _print_created(key: ApiKey, secret: str) -> None:
@@ -123,13 +175,13 @@ def _print_table(keys: Sequence[ApiKey], show_revoked: bool) -> None:
     if not keys:
         print("No keys." if show_revoked else "No active keys (the server accepts requests without a key).")
         return
-    header = ["ID", "NAME", "PREFIX", "TIER", "RPM", "TPM", "MODELS", "ADMIN", "CREATED (UTC)"]
+    header = ["ID", "NAME", "PREFIX", "TIER", "RPM", "TPM", "QUOTA", "MODELS", "ADMIN", "CREATED (UTC)"]
     if show_revoked:
         header.append("REVOKED (UTC)")
     rows = [header]
     for key in keys:
         row = [
-            key.id, key.name, key.prefix + "...", key.tier, _limit(key.rpm), _limit(key.tpm),
+            key.id, key.name, key.prefix + "...", key.tier, _limit(key.rpm), _limit(key.tpm), _short_quota(key),
             ",".join(key.models) if key.models is not None else "all",
             "yes" if key.is_admin else "no", f"{key.created_at:%Y-%m-%d %H:%M}",
         ]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from sqlalchemy import Insert, String, func, select
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Journal(Protocol):
@@ -142,6 +144,7 @@ class UsageRecorder:
         self.failed = 0
         self.dropped = 0
         self.flushes = 0
+        self._written_listeners: list[Callable[[Sequence[UsageRecord]], None]] = []
         if journal is not None:
             self._buffer.extend(journal.recover())
         self._thread = threading.Thread(target=self._flush_periodically, name="llmserve-usage-writer", daemon=True)
@@ -187,6 +190,16 @@ class UsageRecorder:
             batch_ready = len(self._buffer) >= self._max_batch
         if batch_ready:
             self._wake.set()
+
+    def add_written_listener(self, listener: Callable[[Sequence[UsageRecord]], None]) -> None:
+        """Call `listener` with the records of each write, on the writing thread, once they are stored."""
+        self._written_listeners.append(listener)
+
+    def read_between_writes(self, read: Callable[[], T]) -> T:
+        """Run `read` while no write is under way: what it reads of this recorder's records is exactly
+        what the written listeners have been told of."""
+        with self._flush_lock:
+            return read()
 
     def flush(self) -> int:
         """Write everything buffered now (in this thread); returns how many records were written.
@@ -252,7 +265,7 @@ class UsageRecorder:
             return self._write_one_by_one(batch)
         self._note_recovery()
         self.written += len(batch)
-        self._settled(batch)
+        self._stored(batch)
         return len(batch), True
 
     def _write_one_by_one(self, batch: list[UsageRecord]) -> tuple[int, bool]:
@@ -272,8 +285,16 @@ class UsageRecorder:
             else:
                 self.written += 1
                 written += 1
-                self._settled([record])
+                self._stored([record])
         return written, True
+
+    def _stored(self, records: Sequence[UsageRecord]) -> None:
+        self._settled(records)
+        for listener in self._written_listeners:
+            try:
+                listener(records)
+            except Exception:  # a listener's failure must not lose or rewrite records
+                logger.exception("a usage written-listener failed")
 
     def _settled(self, records: Sequence[UsageRecord]) -> None:
         if self.journal is not None:

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve.outputs import RequestOutput
 from llmserve.platform.keys import ApiKey, KeyCache, looks_like_key, static_api_key
+from llmserve.platform.quota import QuotaHold, QuotaLedger, QuotaState
 from llmserve.platform.ratelimit import Limits, RateLimiter, RateLimiterUnavailable, Reservation
 from llmserve.platform.usage import PriceTable, UsageRecord, UsageRecorder, UsageStatus
 from llmserve.server.errors import APIError
@@ -51,6 +52,7 @@ class Platform:
 
     keys: KeyCache | None = None
     limiter: RateLimiter | None = None
+    quotas: QuotaLedger | None = None
     usage: UsageRecorder | None = None
     conversations: ConversationStore | None = None
     responses: ResponseStore | None = None  # the Responses API's stored responses
@@ -131,7 +133,19 @@ class Platform:
 
     # ---- rate limits ------------------------------------------------------------------------------
     async def admit(self, key: ApiKey | None, model: str, reserve_tokens: int) -> Admission:
-        """Take one request and `reserve_tokens` from the key's limits (429 when they are spent)."""
+        """Hold `reserve_tokens` of the key's quota, then take one request and them from its rate limits
+        (429 when either is spent)."""
+        hold = await self._hold_quota(key, model, reserve_tokens)
+        try:
+            admission = await self._acquire_limits(key, model, reserve_tokens)
+        except BaseException:
+            if hold is not None and self.quotas is not None:
+                self.quotas.release(hold, None, 0)
+            raise
+        admission.quota_hold = hold
+        return admission
+
+    async def _acquire_limits(self, key: ApiKey | None, model: str, reserve_tokens: int) -> Admission:
         limits = Limits(key.rpm, key.tpm) if key is not None else Limits(None, None)
         if self.limiter is None or key is None or (limits.rpm is None and limits.tpm is None):
             return Admission(self, None, {})
@@ -148,6 +162,21 @@ class Platform:
                 type=result.kind or "tokens", headers=headers,
             )
         return Admission(self, result.reservation, headers)
+
+    async def _hold_quota(self, key: ApiKey | None, model: str, reserve_tokens: int) -> QuotaHold | None:
+        if self.quotas is None or key is None or key.token_quota is None:
+            return None
+        try:
+            state, hold = await self.quotas.hold(key, reserve_tokens)
+        except Exception as exc:  # its use unknown, the key cannot be let through
+            logger.error("could not read the quota use of key %s: %s", key.id, exc)
+            raise APIError(503, "Quota accounting is unavailable; retry later.", code="quota_unavailable",
+                           headers={"Retry-After": "1"}) from None
+        if hold is None:
+            if self.metrics is not None:
+                self.metrics.rate_limited.labels(model, "quota").inc()
+            raise _quota_exceeded(state)
+        return hold
 
     def _admit_without_limiter(self, model: str, exc: RateLimiterUnavailable) -> Admission:
         """The limiter's store is down: admit (fail open) or refuse with a 503 (closed), counted in a
@@ -186,19 +215,40 @@ class Platform:
                 then()
 
 
+def _quota_exceeded(state: QuotaState | None) -> APIError:
+    """OpenAI's answer to a spent quota: 429 `insufficient_quota`, retried once the period turns."""
+    assert state is not None
+    per = "in total" if state.period == "total" else f"per {state.period}"
+    message = f"You exceeded your token quota of {state.quota} tokens {per}: {state.used} used"
+    if state.used < state.quota:  # running requests hold the rest: retry once they end
+        message += f", the other {state.quota - state.used} held by this key's running requests."
+        retry_after = 1
+    elif state.resets_at is None:
+        message += "; it does not renew. Ask for a larger quota."
+        retry_after = None
+    else:
+        message += f"; it renews at {state.resets_at.isoformat().replace('+00:00', 'Z')}."
+        retry_after = max(1, math.ceil((state.resets_at - datetime.now(timezone.utc)).total_seconds()))
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+    return APIError(429, message, code="insufficient_quota", type="insufficient_quota", headers=headers)
+
+
 @dataclass
 class Admission:
-    """A request let through the rate limits: the headers to answer with and its token reservation."""
+    """A request let through the quota and rate limits: the headers to answer with, its rate-limit
+    reservation and its hold on the key's quota."""
 
     platform: Platform
     reservation: Reservation | None
     headers: dict[str, str]
+    quota_hold: QuotaHold | None = None
 
     def release(self) -> None:
         """The request never reached the engine: give its tokens back (the request still counts)."""
         if self.reservation is not None:
             self.platform.settle_later(self.reservation, 0)
             self.reservation = None
+        self.settle_quota(None, 0)
 
     def withdraw(self) -> None:
         """The request was refused as invalid (a replica's 4xx behind the gateway; the server refuses
@@ -206,6 +256,13 @@ class Admission:
         if self.reservation is not None:
             self.platform.settle_later(self.reservation, 0, withdrawn=True)
             self.reservation = None
+        self.settle_quota(None, 0)
+
+    def settle_quota(self, request_id: str | None, used_tokens: int) -> None:
+        """The request ended: its hold on the quota becomes the tokens it used, metered as `request_id`."""
+        if self.quota_hold is not None and self.platform.quotas is not None:
+            self.platform.quotas.release(self.quota_hold, request_id, used_tokens)
+        self.quota_hold = None
 
 
 class Meter:
@@ -286,9 +343,11 @@ class Meter:
         if usage is not None:
             self._durable = usage.journal_end(record)
         write = (lambda: usage.record(record)) if usage is not None else None
+        used = self.prompt_tokens + self.completion_tokens
+        if self.admission is not None:  # the quota's ledger counts the tokens until the record is stored
+            self.admission.settle_quota(self.request_id, used)
         if self.admission is not None and self.admission.reservation is not None:
             # Settled before the record is written: once a request's usage is visible, so is its refund.
-            used = self.prompt_tokens + self.completion_tokens
             self.platform.settle_later(self.admission.reservation, used, then=write)
             self.admission.reservation = None
         elif write is not None:
@@ -370,7 +429,7 @@ class AuthMiddleware:
         self.metrics = metrics
         self.public_paths = frozenset(public_paths)
         self.api_key = api_key.encode() if api_key else None
-        self.static_key = static_api_key(datetime.now(timezone.utc))
+        self.static_key = static_api_key(datetime.now(timezone.utc)) if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.public_paths:

@@ -44,6 +44,7 @@ def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Pla
         return None
     from llmserve.platform.conversations import ConversationStore
     from llmserve.platform.keys import KeyCache, KeyStore
+    from llmserve.platform.quota import QuotaLedger
     from llmserve.platform.responses import ResponseStore
     from llmserve.platform.safety import load_filter
     from llmserve.platform.usage import Price, PriceTable
@@ -60,11 +61,13 @@ def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Pla
             for model, p in (config.prices.items() if config is not None else ())
         }
     )
+    usage = _usage_recorder(database, args.usage_journal, args.usage_journal_sync)
     return Platform(
         keys=KeyCache(key_store),
         limiter=make_rate_limiter(args.redis_url, args.redis_timeout_ms),
+        quotas=QuotaLedger(database, usage),
         rate_limit_failure_mode=args.rate_limit_failure_mode,
-        usage=_usage_recorder(database, args.usage_journal, args.usage_journal_sync),
+        usage=usage,
         conversations=ConversationStore(database, conversation_limits(args)),
         responses=ResponseStore(database),
         safety=load_filter(spec, rules),

@@ -1,5 +1,6 @@
 """GET /v1/usage: tokens, requests and cost over a period (the seed's /api/usage), grouped by model, key
-or day. A key sees its own usage; an admin key (or anyone in local mode, with no keys) sees all."""
+or day. A key sees its own usage; an admin key (or anyone in local mode, with no keys) sees all. A key
+with a token quota also sees it as `quota`: tokens, period, used, remaining and when it renews."""
 
 from __future__ import annotations
 
@@ -60,4 +61,7 @@ async def get_usage(
         key_id=key_id,
         prices=platform.prices,
     )
+    if key is not None and platform.quotas is not None and key.token_quota is not None:
+        quota = await platform.quotas.state(key)
+        report["quota"] = quota.as_dict() if quota is not None else None
     return JSONResponse(report)

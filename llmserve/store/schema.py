@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     DateTime,
     Dialect,
     Float,
@@ -84,6 +85,8 @@ class ApiKeyRow(Base):
     tier: Mapped[str] = mapped_column(String(64), default="default")
     rpm: Mapped[int | None]  # requests per minute; NULL: unlimited
     tpm: Mapped[int | None]  # tokens per minute; NULL: unlimited
+    token_quota: Mapped[int | None] = mapped_column(BigInteger)  # tokens per quota_period; NULL: unlimited
+    quota_period: Mapped[str | None] = mapped_column(String(16))  # day, week, month or total
     models: Mapped[list[str] | None] = mapped_column(JSON)  # NULL: every model
     is_admin: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -154,10 +154,11 @@ def compile_chat_template(template: str) -> jinja2.Template:
 def read_chat_template(given: str) -> str:
     """A chat template given by the operator (vLLM's --chat-template): the file `given` names, else `given`
     itself when it reads as a template; it must compile. Raises ValueError saying what is wrong."""
+    path = Path(given).expanduser()
     if any(mark in given for mark in ("{{", "{%", "\n")):
         template = given  # (checked first: a template longer than a file name is no path to look up)
-    elif Path(given).expanduser().is_file():
-        template = Path(given).expanduser().read_text(encoding="utf-8")
+    elif path.is_file():
+        template = path.read_text(encoding="utf-8")
     else:
         raise ValueError(f"chat_template: {given!r} is neither a file nor a Jinja template.")
     try:

@@ -1,4 +1,4 @@
-"""`llmserve keys create|list|revoke` end to end, against SQLite and PostgreSQL."""
+"""`llmserve keys create|list|update|revoke` end to end, against SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_create_prints_the_secret_once_and_stores_the_key(db_url: str, capsys: p
     assert (status, err) == (0, "")
     secret = SECRET_LINE.search(out).group(1)
     assert "This secret will not be shown again" in out
-    assert "rpm 60, tpm 5000, models tiny-llama,other, admin" in out
+    assert "rpm 60, tpm 5000, quota unlimited, models tiny-llama,other, admin" in out
 
     database = open_database(db_url)
     try:
@@ -54,10 +54,12 @@ def test_list_shows_keys_without_secrets_and_revoke_removes_them(
     status, listing, _ = run_keys(capsys, "list", "--database-url", db_url)
     assert status == 0
     lines = listing.splitlines()
-    assert lines[0].split() == ["ID", "NAME", "PREFIX", "TIER", "RPM", "TPM", "MODELS", "ADMIN", "CREATED", "(UTC)"]
+    assert lines[0].split() == [
+        "ID", "NAME", "PREFIX", "TIER", "RPM", "TPM", "QUOTA", "MODELS", "ADMIN", "CREATED", "(UTC)",
+    ]
     assert [line.split()[1] for line in lines[1:]] == ["alpha", "beta"]
     assert lines[1].split()[2] == secret[:12] + "..."
-    assert lines[2].split()[3:8] == ["default", "10", "unlimited", "all", "no"]
+    assert lines[2].split()[3:9] == ["default", "10", "unlimited", "unlimited", "all", "no"]
     assert secret not in listing
 
     status, out, _ = run_keys(capsys, "revoke", "alpha", "--database-url", db_url)
@@ -76,6 +78,9 @@ def test_list_shows_keys_without_secrets_and_revoke_removes_them(
         (["create", "--name", "x", "--tpm", "0"], "error: tpm must be a positive integer, got 0\n"),
         (["create", "--name", "x", "--models", ""], "error: models must be a non-empty list"),
         (["revoke", "ghost"], "error: no key with id or active name 'ghost'\n"),
+        (["create", "--name", "x", "--token-quota", "0"], "error: token_quota must be a positive integer, got 0\n"),
+        (["update", "ghost", "--rpm", "5"], "error: no active key with id or name 'ghost'\n"),
+        (["update", "ghost"], "error: give at least one limit to change"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(
@@ -120,3 +125,43 @@ def test_the_command_uses_the_data_directory_by_default(tmp_path: Path) -> None:
         assert KeyStore(database).lookup(secret).name == "from-shell"
     finally:
         database.dispose()
+
+
+def test_a_token_quota_is_created_listed_and_updated(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_keys(capsys, "create", "--name", "metered", "--token-quota", "50000", "--quota-period", "day",
+                              "--database-url", db_url)
+    assert status == 0 and "quota 50000 tokens per day" in out
+    _, listing, _ = run_keys(capsys, "list", "--database-url", db_url)
+    assert listing.splitlines()[1].split()[6] == "50000/day"
+
+    status, out, _ = run_keys(capsys, "update", "metered", "--token-quota", "80000", "--tpm", "900",
+                              "--database-url", db_url)
+    assert status == 0 and "tpm 900, quota 80000 tokens per day" in out  # the period is kept
+    status, out, _ = run_keys(capsys, "update", "metered", "--quota-period", "total", "--database-url", db_url)
+    assert status == 0 and "quota 80000 tokens in total" in out
+    status, out, _ = run_keys(capsys, "update", "metered", "--token-quota", "none", "--tpm", "none",
+                              "--models", "a,b", "--database-url", db_url)
+    assert status == 0 and "rpm unlimited, tpm unlimited, quota unlimited, models a,b" in out
+
+    database = open_database(db_url)
+    try:
+        (key,) = KeyStore(database).list()
+    finally:
+        database.dispose()
+    assert (key.token_quota, key.quota_period, key.tpm, key.models) == (None, None, None, ("a", "b"))
+
+
+def test_a_quota_given_alone_renews_monthly_and_a_period_alone_is_refused(
+    db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = run_keys(capsys, "create", "--name", "m", "--token-quota", "10", "--database-url", db_url)
+    assert status == 0 and "quota 10 tokens per month" in out
+    status, _, err = run_keys(capsys, "create", "--name", "p", "--quota-period", "day", "--database-url", db_url)
+    assert (status, err) == (2, "error: quota_period needs a token_quota\n")
+
+
+def test_the_cli_offers_exactly_the_quota_periods() -> None:
+    from llmserve.platform.keys_cli import QUOTA_PERIOD_CHOICES
+    from llmserve.platform.quota import QUOTA_PERIODS
+
+    assert QUOTA_PERIOD_CHOICES == QUOTA_PERIODS

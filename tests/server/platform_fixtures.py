@@ -24,6 +24,7 @@ from llmserve.engine.messages import EngineStats
 from llmserve.gateway.app import build_gateway_app
 from llmserve.platform.conversations import ConversationStore
 from llmserve.platform.keys import ApiKey, KeyCache, KeyStore
+from llmserve.platform.quota import QuotaLedger
 from llmserve.platform.ratelimit import InProcessRateLimiter
 from llmserve.platform.responses import ResponseStore
 from llmserve.platform.usage import PriceTable, UsageRecorder
@@ -136,10 +137,12 @@ def serve_platform(
     database = open_database(f"sqlite:///{directory / 'platform.db'}")
     clock = FrozenClock()
     keys = KeyStore(database)
+    usage = UsageRecorder(database, flush_interval=0.2)
     platform = Platform(
         keys=KeyCache(keys, ttl_seconds=2.0, clock=clock),
         limiter=InProcessRateLimiter(clock=clock),
-        usage=UsageRecorder(database, flush_interval=0.2),
+        quotas=QuotaLedger(database, usage, clock=clock),
+        usage=usage,
         conversations=ConversationStore(database),
         responses=ResponseStore(database),
         prices=prices or PriceTable(),

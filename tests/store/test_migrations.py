@@ -29,7 +29,7 @@ def test_migrated_schema_matches_the_models(db_url: str) -> None:
             context = MigrationContext.configure(connection, opts={"compare_type": True})
             assert compare_metadata(context, Base.metadata) == []
             assert set(inspect(connection).get_table_names()) == TABLES | {"alembic_version"}
-        assert _current_revision(database) == "0002"
+        assert _current_revision(database) == "0003"
     finally:
         database.dispose()
 
@@ -47,7 +47,7 @@ def test_migrating_again_keeps_the_data(db_url: str) -> None:
     try:
         with second.session() as session:
             assert session.scalars(select(ApiKeyRow.name)).all() == ["kept"]
-        assert _current_revision(second) == "0002"
+        assert _current_revision(second) == "0003"
     finally:
         second.dispose()
 
@@ -84,6 +84,26 @@ def test_a_new_revision_from_the_template_has_nothing_to_do(tmp_path: Path) -> N
         database.dispose()
     source = Path(script.path).read_text()
     compile(source, script.path, "exec")
-    assert "down_revision = '0002'" in source
+    assert "down_revision = '0003'" in source
     operations = source.replace("from alembic import op", "")
     assert "op." not in operations  # autogenerate writes an op.* call for every difference
+
+
+def test_keys_made_before_quotas_existed_migrate_without_one(db_url: str) -> None:
+    database = Database(db_url)
+    try:
+        config = alembic_config()
+        with database.engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.upgrade(config, "0002")
+            connection.execute(text(
+                "INSERT INTO api_keys (id, name, prefix, secret_hash, tier, rpm, is_admin, created_at)"
+                " VALUES ('key_old', 'old', 'sk-llms-abcd', :hash, 'default', 5, false, :now)"
+            ), {"hash": "1" * 64, "now": utcnow()})
+        database.migrate()
+        with database.session() as session:
+            row = session.get(ApiKeyRow, "key_old")
+            assert (row.name, row.rpm, row.token_quota, row.quota_period) == ("old", 5, None, None)
+        assert _current_revision(database) == "0003"
+    finally:
+        database.dispose()
