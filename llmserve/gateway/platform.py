@@ -317,6 +317,9 @@ class GatewayPlatform:
 
     # ---- the replica and after ----------------------------------------------------------------------
     async def _run(self, request: Request, call: _Call) -> Response:
+        requested = call.payload.get("priority", 0)
+        if (priority := self.platform.priority_of(call.key, requested)) != requested:
+            call.payload["priority"] = priority  # the key's tier's, for replicas run with --scheduling-policy priority
         admission = await self.platform.admit(call.key, call.model, call.reserve_tokens)
         started = time.monotonic()
         response_id = random_id(call.id_prefix)

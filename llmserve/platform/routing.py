@@ -343,6 +343,14 @@ class Price(BaseModel):
     cached_input: float | None = Field(default=None, ge=0)
 
 
+class Tier(BaseModel):
+    """What a key's tier (`llmserve keys create --tier`) gives its requests."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    priority: int = Field(ge=-(2**31), lt=2**31)  # with --scheduling-policy priority: lower runs first
+
+
 class ModelsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -350,6 +358,7 @@ class ModelsConfig(BaseModel):
     aliases: dict[str, str | dict[str, float]] = Field(default_factory=dict)
     prices: dict[str, Price] = Field(default_factory=dict)
     safety: SafetyConfig = Field(default_factory=SafetyConfig)
+    tiers: dict[str, Tier] = Field(default_factory=dict)
 
     @field_validator("models")
     @classmethod

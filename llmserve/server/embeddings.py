@@ -122,6 +122,7 @@ async def _start(
     streams: list[RequestStream] = []
     try:
         if state.platform is not None:
+            priority = state.platform.priority_of(key, priority)
             admission = await state.platform.admit(key, endpoint.name, prompt_tokens)
         endpoint.admit(token_ids, state.draining)
         for i, (ids, second_text_start) in enumerate(tokenized):

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY_TOKENS = 16  # how often a running request's token count is journaled
 PURGE_INTERVAL_SECONDS = 3600.0
+MAX_PRIORITY = 2**63 - 1  # a request's priority is an int64 (protocol.Int64)
 
 # Answered without a key even once keys exist: liveness probes learn nothing about models or load.
 ALWAYS_PUBLIC_PATHS = frozenset({"/health"})
@@ -63,6 +64,7 @@ class Platform:
     conversation_retention: timedelta | None = None  # deleted conversations are purged after this
     response_retention: timedelta | None = None  # stored responses are purged this long after they were made
     metrics: PlatformMetrics | None = None
+    tier_priorities: dict[str, int] = field(default_factory=dict)  # the config's `tiers`: key tier -> priority
     # When the rate limiter's store (Redis) is unreachable: "open" admits without limits (they keep
     # tenants fair, they are not a security boundary), "closed" answers 503.
     rate_limit_failure_mode: Literal["open", "closed"] = "open"
@@ -130,6 +132,18 @@ class Platform:
             if self.metrics is not None:
                 self.metrics.safety_blocks.labels(model, "output", verdict.rule or "plugin").inc()
             logger.warning("safety: stopped the output of %s (rule %s)", response_id, verdict.rule)
+
+    # ---- scheduling priority ----------------------------------------------------------------------
+    def priority_of(self, key: ApiKey | None, requested: int) -> int:
+        """The priority a request runs at: its key's tier's (config `tiers`) plus its own `priority`, which
+        may put it later (a positive number), never earlier; without a tier priority, its own."""
+        base = self.tier_priorities.get(key.tier) if key is not None else None
+        if base is None:
+            return requested
+        if requested < 0:
+            raise APIError(400, f"'priority' must not be negative for a key of tier {key.tier!r}: the tier sets "
+                           "how early its requests run, a request may only ask to run later.", param="priority")
+        return min(base + requested, MAX_PRIORITY)
 
     # ---- rate limits ------------------------------------------------------------------------------
     async def admit(self, key: ApiKey | None, model: str, reserve_tokens: int) -> Admission:

@@ -73,6 +73,7 @@ def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Pla
         safety=load_filter(spec, rules),
         holdback_chars=safety_config.holdback_chars if safety_config is not None else 32,
         prices=prices,
+        tier_priorities={name: tier.priority for name, tier in (config.tiers.items() if config is not None else ())},
         database=database,
         conversation_retention=timedelta(days=args.conversation_retention_days),
         response_retention=timedelta(days=args.response_retention_days),

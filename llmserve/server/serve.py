@@ -125,9 +125,21 @@ def _aliases(args: argparse.Namespace, config: ModelsConfig | None, models: list
     return {**aliases, **configured_aliases(args, config)}
 
 
+def _check_tier_priorities(args: argparse.Namespace, models: list[ModelArg], platform: Platform | None) -> None:
+    """The config's tier priorities order requests only where the scheduler goes by priority."""
+    if platform is None or not platform.tier_priorities:
+        return
+    first_come = [m.name for m in models
+                  if {**engine_config_kwargs(args), **m.engine_overrides}.get("scheduling_policy", "fcfs") != "priority"]
+    if first_come:
+        raise SystemExit(f"llmserve serve: the config's tiers set priorities, which need --scheduling-policy "
+                         f"priority (first come, first served: {', '.join(first_come)})")
+
+
 def make_app(args: argparse.Namespace, config: ModelsConfig | None, platform: Platform | None) -> FastAPI:
     """The app `llmserve serve` runs; its models load in threads once it starts."""
     models = _model_args(args, config)
+    _check_tier_priorities(args, models, platform)
     return build_app(
         models=_model_specs(args, models),
         aliases=_aliases(args, config, models),

@@ -141,6 +141,7 @@ async def start_requests(
     streams: list[RequestStream] = []
     try:
         if state.platform is not None:
+            priority = state.platform.priority_of(key, priority)
             admission = await state.platform.admit(key, endpoint.name, reserved_tokens(endpoint, prompts, params))
         endpoint.admit(prompts, state.draining)
         for i, prompt in enumerate(prompts):

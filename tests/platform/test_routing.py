@@ -210,6 +210,9 @@ safety:
   words: [badword]
   regexes: ['\bsecret-\d+\b']
   holdback_chars: 32
+tiers:
+  gold: {priority: -10}
+  free: {priority: 10}
 """
 
 
@@ -227,6 +230,7 @@ def test_a_valid_config_loads(tmp_path: Path) -> None:
     assert config.models[1].engine_config() == EngineConfig(model="org/small-v2", served_model_name="small-v2")
     assert config.alias_targets() == {"gpt-4o-mini": [("small", 1.0)], "chat": [("small", 0.9), ("small-v2", 0.1)]}
     assert (config.prices["small"].cached_input, config.prices["chat"].cached_input) == (0.075, None)
+    assert {name: tier.priority for name, tier in config.tiers.items()} == {"gold": -10, "free": 10}
     safety = ContentSafety.from_config(config.safety)
     assert safety is not None
     assert safety.output_guard("r").feed("my secret-12 is", finished=True).verdict.rule == "regexes[0]"
@@ -261,6 +265,8 @@ def test_a_config_feeds_the_router(tmp_path: Path) -> None:
         ("models: [{name: a, model: x}]\nprices: {a: {input: -1, output: 2}}\n", "prices.a.input: Input should be greater than or equal to 0"),
         ("models: [{name: a, model: x}]\nsafety: {regexes: ['(']}\n", "safety.regexes: Value error, Safety rule regexes\\[0\\]"),
         ("models: [{name: a, model: x}]\nsafety: {word: [x]}\n", "safety.word: Extra inputs are not permitted"),
+        ("tiers: {gold: {priority: high}}\n", "tiers.gold.priority: Input should be a valid integer"),
+        ("tiers: {gold: {priority: 1, rpm: 5}}\n", "tiers.gold.rpm: Extra inputs are not permitted"),
         ("models: [{name: a, model: x\n", "Cannot read models config"),
         ("- just\n- a list\n", "Input should be a valid dictionary"),
     ],

@@ -130,6 +130,7 @@ def serve_platform(
     aliases: dict | None = None,
     prices: PriceTable | None = None,
     mode: str = "direct",
+    tier_priorities: dict[str, int] | None = None,
     **app_options: object,
 ) -> Iterator[PlatformServer]:
     """The platform over a fresh SQLite database, in `mode` ("direct": `llmserve serve`'s app;
@@ -147,6 +148,7 @@ def serve_platform(
         responses=ResponseStore(database),
         prices=prices or PriceTable(),
         database=database,
+        tier_priorities=tier_priorities or {},
     )
     if mode == "gateway":
         yield from _behind_gateway(engine, platform, database, keys, clock, models, aliases, **app_options)
