@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 QuotaPeriod = Literal["day", "week", "month", "total"]
 QUOTA_PERIODS: tuple[str, ...] = get_args(QuotaPeriod)
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+READ_COST_FACTOR = 50  # a key's use is reread no sooner than this many times its last read took
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class _KeyUse:
     unstored: dict[str, int] = field(default_factory=dict)  # request id -> tokens metered here, not yet written
     held: int = 0
     read_at: float | None = None  # monotonic; None: never read
+    read_seconds: float = 0.0  # how long the last read took
     reading: asyncio.Future[None] | None = None
 
     @property
@@ -140,12 +142,14 @@ class QuotaLedger:
         db: Database,
         recorder: UsageRecorder | None,
         refresh_seconds: float = 5.0,
+        read_cost_factor: float = READ_COST_FACTOR,
         now: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._db = db
         self._recorder = recorder
         self._refresh_seconds = refresh_seconds
+        self._read_cost_factor = read_cost_factor
         self._now = now
         self._clock = clock
         self._uses: dict[str, _KeyUse] = {}
@@ -204,9 +208,14 @@ class QuotaLedger:
                 use = self._uses[key_id] = _KeyUse(start)
         if use.read_at is None:  # nothing known of this period yet: wait for the database
             await asyncio.shield(self._reading(key_id, use))
-        elif self._clock() - use.read_at >= self._refresh_seconds and use.reading is None:
+        elif self._clock() - use.read_at >= self._refresh_interval(use) and use.reading is None:
             self._reading(key_id, use).add_done_callback(self._note_failed_refresh)
         return use
+
+    def _refresh_interval(self, use: _KeyUse) -> float:
+        """`refresh_seconds`, or longer for a key whose reads are slow (many records in its period), so
+        that refreshing one key never takes more than 1/read_cost_factor of a database connection's time."""
+        return max(self._refresh_seconds, self._read_cost_factor * use.read_seconds)
 
     def _reading(self, key_id: str, use: _KeyUse) -> asyncio.Future[None]:
         """The read of the key's stored use now under way, started if none is (concurrent callers share it)."""
@@ -222,12 +231,14 @@ class QuotaLedger:
 
     def _read_stored(self, key_id: str, use: _KeyUse) -> None:
         def read() -> None:
+            started = self._clock()
             query = select(func.coalesce(func.sum(UsageRecordRow.prompt_tokens + UsageRecordRow.completion_tokens), 0))
             query = query.where(UsageRecordRow.key_id == key_id, UsageRecordRow.created_at >= use.start)
             with self._db.session() as session:
                 stored = int(session.scalar(query))
             with self._lock:
                 use.stored, use.stored_since_read, use.read_at = stored, 0, self._clock()
+                use.read_seconds = use.read_at - started
             self.reads += 1
 
         if self._recorder is not None:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from sqlalchemy import event
 
 from llmserve.platform.keys import ApiKey
 from llmserve.platform.quota import QuotaLedger, period_end, period_start
@@ -198,7 +199,7 @@ def test_records_this_process_did_not_meter_are_counted_by_the_read_alone(
 
 def test_writes_racing_reads_never_count_a_record_twice_or_lose_it(db: Database, clocks: Clocks) -> None:
     recorder = UsageRecorder(db, flush_interval=0.001, max_batch=3)
-    ledger = QuotaLedger(db, recorder, refresh_seconds=0.0, now=clocks.now)
+    ledger = QuotaLedger(db, recorder, refresh_seconds=0.0, now=clocks.now, read_cost_factor=0.0)
     requests, tokens = 300, 7
     big = replace(KEY, token_quota=10**9)
 
@@ -226,3 +227,30 @@ def test_writes_racing_reads_never_count_a_record_twice_or_lose_it(db: Database,
     assert [used for used in seen[:-1] if not (0 < used <= requests * tokens)] == []
     assert seen[-1] == requests * tokens
     assert all(later >= earlier for earlier, later in zip(seen, seen[1:], strict=False))  # no read lost one
+
+
+def test_a_key_whose_read_is_slow_is_reread_less_often(db: Database, recorder: UsageRecorder, clocks: Clocks) -> None:
+    """A read taking 0.2 s puts the next one 50 x 0.2 = 10 s later, not at the 5 s of `refresh_seconds`."""
+    ledger = ledger_for(db, recorder, clocks)
+
+    def slow_query(_conn: object, _cursor: object, statement: str, *_args: object) -> None:
+        if "sum(" in statement.lower():  # the read's query (not a connection's set-up statements)
+            clocks.monotonic += 0.2
+
+    event.listen(db.engine, "before_cursor_execute", slow_query)
+    try:
+        async def scenario() -> list[int]:
+            reads = []
+            await ledger.state(KEY)
+            for elapsed in (6.0, 9.7, 10.3):
+                clocks.monotonic = 0.2 + elapsed  # since the first read ended
+                await ledger.state(KEY)
+                await asyncio.sleep(0.05)
+                while any(use.reading is not None for use in ledger._uses.values()):
+                    await asyncio.sleep(0.01)
+                reads.append(ledger.reads)
+            return reads
+
+        assert asyncio.run(scenario()) == [1, 1, 2]
+    finally:
+        event.remove(db.engine, "before_cursor_execute", slow_query)
