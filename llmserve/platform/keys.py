@@ -32,7 +32,7 @@ DISPLAY_PREFIX_LENGTH = len(SECRET_PREFIX) + 4
 TIER_LENGTH = 64
 
 
-UPDATABLE_LIMITS = ("rpm", "tpm", "models", "token_quota", "quota_period")
+UPDATABLE = ("rpm", "tpm", "models", "token_quota", "quota_period", "tier")
 STATIC_KEY_ID = "api-key"  # the id `--api-key`'s key meters and owns conversations under
 
 
@@ -216,14 +216,14 @@ class KeyStore:
             return [_to_api_key(row) for row in session.scalars(query)]
 
     def update(self, id_or_name: str, **limits: Any) -> ApiKey:
-        """Change an active key's limits, named as `create`'s (rpm, tpm, models, token_quota, quota_period;
-        None lifts one); the rest are kept. Takes effect within the servers' key-cache ttl.
+        """Change an active key's limits or tier, named as `create`'s (UPDATABLE; None lifts a limit); the
+        rest are kept. Takes effect within the servers' key-cache ttl.
 
         Raises KeyError when there is no such active key, ValueError for bad input.
         """
-        unknown = set(limits) - set(UPDATABLE_LIMITS)
+        unknown = set(limits) - set(UPDATABLE)
         if unknown:
-            raise ValueError(f"cannot update {', '.join(sorted(unknown))} (only {', '.join(UPDATABLE_LIMITS)})")
+            raise ValueError(f"cannot update {', '.join(sorted(unknown))} (only {', '.join(UPDATABLE)})")
         with self._db.session(write=True) as session:
             row = session.get(ApiKeyRow, id_or_name) or self._active_by_name(session, id_or_name)
             if row is None or row.revoked_at is not None:
@@ -233,6 +233,8 @@ class KeyStore:
                     setattr(row, flag, _checked_limit(flag, limits[flag]))
             if "models" in limits:
                 row.models = _checked_models(limits["models"])
+            if "tier" in limits:
+                row.tier = _checked_tier(limits["tier"])
             if "token_quota" in limits or "quota_period" in limits:
                 quota = limits.get("token_quota", row.token_quota)
                 period = limits.get("quota_period", row.quota_period if quota is not None else None)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 EXIT_BAD_INPUT = 2
 QUOTA_PERIOD_CHOICES = ("day", "week", "month", "total")  # platform.quota.QUOTA_PERIODS, without loading it
+UPDATABLE = ("rpm", "tpm", "models", "token_quota", "quota_period", "tier")  # keys.UPDATABLE, without loading it
 
 
 def add_keys_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,7 +27,8 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> None:
 
     create = actions.add_parser("create", help="create a key and print its secret (shown only once)")
     create.add_argument("--name", required=True, help="a unique name among active keys")
-    create.add_argument("--tier", default="default", help="rate-limit tier (default: default)")
+    create.add_argument("--tier", default="default",
+                        help="the key's tier, which the config's `tiers` may give a scheduling priority (default: default)")
     create.add_argument("--rpm", type=int, default=None, help="requests per minute (default: unlimited)")
     create.add_argument("--tpm", type=int, default=None, help="tokens per minute (default: unlimited)")
     create.add_argument("--models", default=None, help="comma-separated models this key may use (default: all)")
@@ -38,7 +40,7 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_database_arg(create)
     create.set_defaults(func=cmd_keys_create)
 
-    update = actions.add_parser("update", help="change an active key's limits (takes effect within seconds)")
+    update = actions.add_parser("update", help="change an active key's limits or tier (takes effect within seconds)")
     update.add_argument("key", help="key id (key_...) or the name of an active key")
     for flag, what in (("--rpm", "requests per minute"), ("--tpm", "tokens per minute"),
                        ("--token-quota", "tokens per quota period")):
@@ -47,6 +49,7 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="the UTC period the token quota renews every")
     update.add_argument("--models", default=argparse.SUPPRESS,
                         help="comma-separated models this key may use, or all")
+    update.add_argument("--tier", default=argparse.SUPPRESS, help="the key's tier")
     _add_database_arg(update)
     update.set_defaults(func=cmd_keys_update)
 
@@ -83,12 +86,11 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_update(args: argparse.Namespace) -> int:
-    changes = {name: getattr(args, name) for name in ("rpm", "tpm", "token_quota", "quota_period", "models")
-               if hasattr(args, name)}
+    changes = {name: getattr(args, name) for name in UPDATABLE if hasattr(args, name)}
     if "models" in changes:
         changes["models"] = None if changes["models"] == "all" else changes["models"].split(",")
     if not changes:
-        return _fail("give at least one limit to change (--rpm, --tpm, --token-quota, --quota-period, --models)")
+        return _fail("give at least one thing to change (--rpm, --tpm, --token-quota, --quota-period, --models, --tier)")
 
     def update(store: KeyStore) -> None:
         key = store.update(args.key, **changes)

@@ -1,7 +1,9 @@
-"""The platform in front of the engines: API-key authentication, per-key rate limits, usage metering.
+"""The platform in front of the engines: API-key authentication, per-key rate limits and token quotas,
+scheduling priority by key tier, usage metering.
 
 Each service is optional (`Platform` fields left None are off). The request path never waits on the
-database: keys are looked up through a short-lived cache, usage records go to a buffer that a
+database: keys are looked up through a short-lived cache, a key's quota use is read at its first
+request of a period and refreshed in the background after, usage records go to a buffer that a
 background thread writes in batches, and rate limits are one in-process or Redis call per request.
 """
 
@@ -186,7 +188,7 @@ class Platform:
             logger.error("could not read the quota use of key %s: %s", key.id, exc)
             raise APIError(503, "Quota accounting is unavailable; retry later.", code="quota_unavailable",
                            headers={"Retry-After": "1"}) from None
-        if hold is None:
+        if hold is None and state is not None:
             if self.metrics is not None:
                 self.metrics.rate_limited.labels(model, "quota").inc()
             raise _quota_exceeded(state)
@@ -229,9 +231,8 @@ class Platform:
                 then()
 
 
-def _quota_exceeded(state: QuotaState | None) -> APIError:
+def _quota_exceeded(state: QuotaState) -> APIError:
     """OpenAI's answer to a spent quota: 429 `insufficient_quota`, retried once the period turns."""
-    assert state is not None
     per = "in total" if state.period == "total" else f"per {state.period}"
     message = f"You exceeded your token quota of {state.quota} tokens {per}: {state.used} used"
     if state.used < state.quota:  # running requests hold the rest: retry once they end

@@ -80,7 +80,7 @@ def test_list_shows_keys_without_secrets_and_revoke_removes_them(
         (["revoke", "ghost"], "error: no key with id or active name 'ghost'\n"),
         (["create", "--name", "x", "--token-quota", "0"], "error: token_quota must be a positive integer, got 0\n"),
         (["update", "ghost", "--rpm", "5"], "error: no active key with id or name 'ghost'\n"),
-        (["update", "ghost"], "error: give at least one limit to change"),
+        (["update", "ghost"], "error: give at least one thing to change"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(
@@ -140,8 +140,8 @@ def test_a_token_quota_is_created_listed_and_updated(db_url: str, capsys: pytest
     status, out, _ = run_keys(capsys, "update", "metered", "--quota-period", "total", "--database-url", db_url)
     assert status == 0 and "quota 80000 tokens in total" in out
     status, out, _ = run_keys(capsys, "update", "metered", "--token-quota", "none", "--tpm", "none",
-                              "--models", "a,b", "--database-url", db_url)
-    assert status == 0 and "rpm unlimited, tpm unlimited, quota unlimited, models a,b" in out
+                              "--models", "a,b", "--tier", "gold", "--database-url", db_url)
+    assert status == 0 and "tier gold, rpm unlimited, tpm unlimited, quota unlimited, models a,b" in out
 
     database = open_database(db_url)
     try:
@@ -160,8 +160,9 @@ def test_a_quota_given_alone_renews_monthly_and_a_period_alone_is_refused(
     assert (status, err) == (2, "error: quota_period needs a token_quota\n")
 
 
-def test_the_cli_offers_exactly_the_quota_periods() -> None:
-    from llmserve.platform.keys_cli import QUOTA_PERIOD_CHOICES
+def test_the_cli_offers_exactly_the_quota_periods_and_what_can_be_updated() -> None:
+    from llmserve.platform import keys, keys_cli
     from llmserve.platform.quota import QUOTA_PERIODS
 
-    assert QUOTA_PERIOD_CHOICES == QUOTA_PERIODS
+    assert keys_cli.QUOTA_PERIOD_CHOICES == QUOTA_PERIODS
+    assert keys_cli.UPDATABLE == keys.UPDATABLE
