@@ -57,6 +57,15 @@ def ledger_for(db: Database, recorder: UsageRecorder | None, clocks: Clocks) -> 
     return QuotaLedger(db, recorder, refresh_seconds=5.0, now=clocks.now, clock=clocks.clock)
 
 
+async def reread(ledger: QuotaLedger, clocks: Clocks) -> None:
+    """Let the refresh interval pass, and wait for the read the next decision starts."""
+    reads = ledger.reads
+    clocks.monotonic += 5.0
+    await ledger.state(KEY)
+    while ledger.reads == reads:
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize(
     ("period", "start", "end"),
     [
@@ -114,10 +123,7 @@ def test_running_requests_hold_their_reservation_and_their_use_counts_once_writt
         used.append((await ledger.state(KEY)).used)
         await asyncio.to_thread(recorder.flush)  # written: moved, not added
         used.append((await ledger.state(KEY)).used)
-        clocks.monotonic += 5.0  # the next decision starts a refresh from the database
-        await ledger.state(KEY)
-        while ledger.reads < 2:
-            await asyncio.sleep(0.01)
+        await reread(ledger, clocks)
         state = await ledger.state(KEY)
         used.append(state.used)
         assert state.held == 50
@@ -163,10 +169,7 @@ def test_another_process_sees_the_use_once_written_and_refreshed(
         recorder.record(record("here-1", 70))
         await asyncio.to_thread(recorder.flush)
         seen.append((await there.state(KEY)).used)  # not reread yet
-        clocks.monotonic += 5.0
-        await there.state(KEY)
-        while there.reads < 2:
-            await asyncio.sleep(0.01)
+        await reread(there, clocks)
         seen.append((await there.state(KEY)).used)
         return seen
 
@@ -187,10 +190,7 @@ def test_records_this_process_did_not_meter_are_counted_by_the_read_alone(
         recorder.record(record("recovered", 33))
         await asyncio.to_thread(recorder.flush)
         used.append((await ledger.state(KEY)).used)
-        clocks.monotonic += 5.0
-        await ledger.state(KEY)
-        while ledger.reads < 2:
-            await asyncio.sleep(0.01)
+        await reread(ledger, clocks)
         used.append((await ledger.state(KEY)).used)
         return used
 
