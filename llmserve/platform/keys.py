@@ -32,6 +32,7 @@ DISPLAY_PREFIX_LENGTH = len(SECRET_PREFIX) + 4
 TIER_LENGTH = 64
 
 
+LIMIT_MAX = {"rpm": 2**31 - 1, "tpm": 2**31 - 1, "token_quota": 2**63 - 1}  # their columns' ranges
 UPDATABLE = ("rpm", "tpm", "models", "token_quota", "quota_period", "tier")
 STATIC_KEY_ID = "api-key"  # the id `--api-key`'s key meters and owns conversations under
 
@@ -135,6 +136,8 @@ def _checked_limit(flag: str, value: int | None) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+    if value > LIMIT_MAX[flag]:
+        raise ValueError(f"{flag} must be at most {LIMIT_MAX[flag]}, got {value}")
     return value
 
 
