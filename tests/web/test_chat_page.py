@@ -335,6 +335,21 @@ def test_a_wrong_key_shows_the_401_message_and_limits_show_when_to_retry(page, s
         page.unroute("**/v1/models")
 
 
+def test_a_spent_quota_says_so_and_when_it_renews(page, server: PlatformServer):
+    _, secret = server.new_key("metered", token_quota=1, quota_period="day")
+    server.clock.advance(10)  # past the key cache's memory of "no keys yet"
+    open_page_without_models(page)
+    page.fill("#api-key", secret)
+    page.press("#api-key", "Enter")
+    page.wait_for_selector("#model option", state="attached")
+    send(page, "Hello")  # the first request starts under the quota, and spends it
+    send(page, "Hello again")
+    page.wait_for_selector("#error:not([hidden])")
+    error = page.inner_text("#error")
+    assert error.startswith("429 Quota used up: You exceeded your token quota of 1 tokens per day")
+    assert "it renews at " in error and "rate limit" not in error
+
+
 def refusal(status: int, retry_after: str):
     """A route handler answering `status` with Retry-After, as the server does when it refuses."""
     def fulfill(route) -> None:

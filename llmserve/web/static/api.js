@@ -39,6 +39,9 @@ async function errorOf(response) {
   if (response.status === 401) {
     return new ApiError(401, "401 Unauthorized: this server needs a valid API key. Enter it in the Key field.", code);
   }
+  if (response.status === 429 && code === "insufficient_quota") {
+    return new ApiError(429, `429 Quota used up: ${message}`, code);
+  }
   if (response.status === 429) {
     const wait = retry ? ` Try again in ${retry} s.` : "";
     return new ApiError(429, `429 Too many requests: your key's rate limit is reached.${wait}`, code);
