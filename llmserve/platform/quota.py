@@ -5,7 +5,9 @@ A key's use in its current period is what the database's usage records say, read
 its running requests hold (each holds its reservation, prompt plus `max_tokens`, until it ends). A
 request is admitted while that sum is under the quota; so one request may overshoot it by its own
 size, never more in one process. Replicas sharing a database see each other's use once it is
-written and read (the usage writer's interval plus `refresh_seconds`).
+written and read: the usage writer's interval plus `refresh_seconds`, or longer for a key whose read
+is slow (a million records in its period take 0.1-0.3 s), which is reread no sooner than
+READ_COST_FACTOR times its last read took.
 
 The read and this process's writes never overlap (`UsageRecorder.read_between_writes`), so a record
 is counted once: the writer reports the records it wrote (`written`), and what was written after
@@ -129,7 +131,6 @@ class QuotaHold:
     key_id: str
     start: datetime
     tokens: int
-    request_id: str | None = None
     released: bool = False
 
 
