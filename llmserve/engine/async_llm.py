@@ -242,6 +242,15 @@ class AsyncLLM:
         stats = self._stats
         return max(0, self._num_sent - stats.num_requests_added) + stats.num_waiting
 
+    def queue_ahead(self, priority: int) -> tuple[int, int]:
+        """What a new request of `priority` would wait behind: the requests waiting (on their way to the core
+        or in its queue) and the prompt tokens still to prefill, less those of a later priority, which it would
+        overtake (priority policy; under first come, first served it waits behind all)."""
+        stats = self._stats
+        behind = [(count, tokens) for p, count, tokens in stats.waiting_by_priority if p > priority]
+        return (self.num_waiting - sum(count for count, _ in behind),
+                stats.num_pending_prefill_tokens - sum(tokens for _, tokens in behind))
+
     # ---- requests --------------------------------------------------------------------------------
     async def add_request(
         self,

@@ -418,6 +418,7 @@ class EngineCore:
             num_steps=self.num_steps,
             num_pending_prefill_tokens=scheduler.num_pending_prefill_tokens(),
             num_requests_added=self.num_requests_added,
+            waiting_by_priority=scheduler.waiting_by_priority(),
             spec_decode=scheduler.spec_stats() if scheduler.proposer is not None else None,
             **(self._adapters_in_use() if self.runner.lora is not None else {}),
         )

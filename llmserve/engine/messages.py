@@ -44,6 +44,8 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     running_loras: list[str] = []  # with LoRA served: the adapters of the running requests, by name
     waiting_loras: list[str] = []  # and of the waiting ones
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding: its counts so far
+    # Priority policy: (priority, waiting sequences, their tokens still to prefill) per priority, lowest first.
+    waiting_by_priority: list[tuple[int, int, int]] = []
 
 
 class StepRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -714,6 +714,17 @@ class Scheduler:
     def live_sequences(self) -> list[Sequence]:
         return [s for r in self.requests.values() for s in r.seqs if s.status is not SequenceStatus.FINISHED]
 
+    def waiting_by_priority(self) -> list[tuple[int, int, int]]:
+        """(priority, waiting sequences, their tokens still to prefill) for each priority that waits, lowest
+        first; empty unless the policy is priority (then every waiting sequence is ahead of a new one)."""
+        if self.policy != "priority":
+            return []
+        totals: dict[int, tuple[int, int]] = {}
+        for seq in self.waiting:
+            count, tokens = totals.get(seq.request.priority, (0, 0))
+            totals[seq.request.priority] = (count + 1, tokens + seq.num_uncomputed_tokens)
+        return sorted((priority, count, tokens) for priority, (count, tokens) in totals.items())
+
     def num_pending_prefill_tokens(self) -> int:
         waiting = sum(s.num_uncomputed_tokens for s in self.waiting)
         return waiting + sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1)

@@ -124,7 +124,7 @@ async def _start(
         if state.platform is not None:
             priority = state.platform.priority_of(key, priority)
             admission = await state.platform.admit(key, endpoint.name, prompt_tokens)
-        endpoint.admit(token_ids, state.draining)
+        endpoint.admit(token_ids, state.draining, priority)
         for i, (ids, second_text_start) in enumerate(tokenized):
             request_id = response_id if len(token_ids) == 1 else f"{response_id}-{i}"
             params = pooling if second_text_start is None else dataclasses.replace(

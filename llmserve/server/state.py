@@ -79,28 +79,28 @@ class ModelEndpoint:
                 f"completions, not {what}.", param="model", code="invalid_value",
             )
 
-    def admit(self, prompts: Sequence[str | Sequence[int]] = ("",), draining: bool = False) -> None:
+    def admit(self, prompts: Sequence[str | Sequence[int]] = ("",), draining: bool = False, priority: int = 0) -> None:
         """Admission control: refuse with 503 when draining, when the waiting queue is full, or when
-        the TTFT target (--slo-ttft-ms) cannot be met at the current load."""
+        the TTFT target (--slo-ttft-ms) cannot be met at the current load. Under the priority policy
+        only what would run before a request of `priority` counts: later ones it overtakes."""
         if draining or not self.engine.is_accepting:
             if self.engine.dead_error is not None:
                 raise errors.from_exception(self.engine.dead_error)
             raise errors.shutting_down()
-        waiting = self.engine.num_waiting
+        waiting, queued_tokens = self.engine.queue_ahead(priority)
         if waiting + len(prompts) > self.max_waiting_requests:
             self._reject("queue_full")
             raise errors.overloaded(
                 f"The server has {waiting} requests waiting (limit {self.max_waiting_requests}); retry later."
             )
-        self._check_ttft_slo(prompts)
+        self._check_ttft_slo(prompts, queued_tokens)
 
-    def _check_ttft_slo(self, prompts: Sequence[str | Sequence[int]]) -> None:
+    def _check_ttft_slo(self, prompts: Sequence[str | Sequence[int]], queued: int) -> None:
         telemetry = self.telemetry
         if telemetry is None or telemetry.slo.ttft_ms is None:
             return
         telemetry.drain()
         prompt_tokens = sum(self.num_tokens(p) for p in prompts)
-        queued = self.engine.last_stats.num_pending_prefill_tokens
         predicted = telemetry.estimator.predict_ttft(queued, prompt_tokens)
         target = telemetry.slo.ttft_ms / 1000
         if predicted is None or predicted <= target:

@@ -143,7 +143,7 @@ async def start_requests(
         if state.platform is not None:
             priority = state.platform.priority_of(key, priority)
             admission = await state.platform.admit(key, endpoint.name, reserved_tokens(endpoint, prompts, params))
-        endpoint.admit(prompts, state.draining)
+        endpoint.admit(prompts, state.draining, priority)
         for i, prompt in enumerate(prompts):
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
             streams.append(

@@ -36,6 +36,18 @@ def test_budget_and_max_num_seqs_cap_admission():
     assert sched.num_running == 2 and sched.num_waiting == 2
 
 
+def test_waiting_sequences_are_counted_per_priority_for_admission_control():
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=8, max_num_seqs=1, policy="priority")
+    add(sched, 4, priority=5)
+    step(sched)  # runs; the rest wait behind it
+    for tokens, priority in ((6, 5), (3, 0), (9, 5), (2, 7)):
+        add(sched, tokens, priority=priority)
+    assert sched.waiting_by_priority() == [(0, 1, 3), (5, 2, 15), (7, 1, 2)]
+    first_come = Scheduler(BlockManager(64, 4), max_num_batched_tokens=8, max_num_seqs=1)
+    add(first_come, 4, priority=5)
+    assert first_come.waiting_by_priority() == []  # every waiting request is ahead of a new one
+
+
 def test_preempts_the_latest_admitted_and_resumes_it_from_scratch():
     bm = BlockManager(4, 4)  # 16 tokens in all
     sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8)

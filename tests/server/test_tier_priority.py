@@ -104,3 +104,48 @@ def test_serve_refuses_tier_priorities_a_first_come_first_served_model_would_ign
     with pytest.raises(SystemExit, match="the config's tiers set priorities, which need --scheduling-policy priority "
                        rf"\(first come, first served: {tiny_llama_dir.name}\)"):
         make_app(first_come, None, platform)
+
+
+@pytest.fixture
+def small_queue(one_at_a_time: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:
+    yield from serve_platform(one_at_a_time, tmp_path, tier_priorities=TIERS, max_waiting_requests=2)
+
+
+def test_a_full_queue_sheds_a_free_request_but_admits_a_gold_one_that_would_run_first(
+    small_queue: PlatformServer,
+) -> None:
+    server = small_queue
+    _, free = server.new_key("free-key", tier="free")
+    _, gold = server.new_key("gold-key", tier="gold")
+
+    async def main() -> tuple[int, int, list[str]]:
+        finished: list[str] = []
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+
+            async def send(name: str, secret: str) -> int:
+                response = await http.post("/v1/completions", json=completion(),
+                                           headers={"Authorization": f"Bearer {secret}"})
+                if response.status_code == 200:
+                    finished.append(name)
+                return response.status_code
+
+            blocker = completion(max_tokens=200, ignore_eos=True, stream=True)
+            async with http.stream("POST", "/v1/completions", json=blocker,
+                                   headers={"Authorization": f"Bearer {free}"}) as stream:
+                lines = stream.aiter_lines()
+                while not (await anext(lines)).startswith("data: "):
+                    pass  # the blocker runs
+                queued = [asyncio.ensure_future(send(f"free {i}", free)) for i in range(2)]
+                while server.engine.num_waiting < 2:  # the queue is full
+                    await asyncio.sleep(0.01)
+                shed = await send("free 2", free)
+                admitted = asyncio.ensure_future(send("gold", gold))
+                while server.engine.num_waiting < 3 and not admitted.done():  # queued, or refused
+                    await asyncio.sleep(0.01)
+            gold_status = await admitted
+            await asyncio.gather(*queued)
+        return shed, gold_status, finished
+
+    shed, gold_status, finished = asyncio.run(main())
+    assert (shed, gold_status) == (503, 200)
+    assert finished == ["gold", "free 0", "free 1"]
