@@ -4,7 +4,8 @@ a request runs at its tier's priority plus its own, which may only put it later.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,6 +43,18 @@ def completion(priority: int | None = None, **extra: object) -> dict:
     return body if priority is None else {**body, "priority": priority}
 
 
+@asynccontextmanager
+async def blocker_running(http: httpx.AsyncClient, secret: str) -> AsyncIterator[None]:
+    """A long stream of `secret`'s holding the one sequence slot while the block runs; dropped at its end."""
+    blocker = completion(max_tokens=200, ignore_eos=True, stream=True)
+    async with http.stream("POST", "/v1/completions", json=blocker,
+                           headers={"Authorization": f"Bearer {secret}"}) as stream:
+        lines = stream.aiter_lines()
+        while not (await anext(lines)).startswith("data: "):
+            pass  # the blocker runs
+        yield
+
+
 def test_a_gold_keys_request_overtakes_free_ones_that_waited_longer(server: PlatformServer) -> None:
     _, free = server.new_key("free-key", tier="free")
     _, gold = server.new_key("gold-key", tier="gold")
@@ -56,12 +69,7 @@ def test_a_gold_keys_request_overtakes_free_ones_that_waited_longer(server: Plat
                 response.raise_for_status()
                 finished.append(name)
 
-            blocker = completion(max_tokens=200, ignore_eos=True, stream=True)
-            async with http.stream("POST", "/v1/completions", json=blocker,
-                                   headers={"Authorization": f"Bearer {free}"}) as stream:
-                lines = stream.aiter_lines()
-                while not (await anext(lines)).startswith("data: "):
-                    pass  # the blocker runs
+            async with blocker_running(http, free):
                 senders = []
                 for name, secret, priority in (("free, later by 3", free, 3), ("free", free, None), ("gold", gold, 0)):
                     senders.append(asyncio.ensure_future(send(name, secret, priority)))
@@ -129,12 +137,7 @@ def test_a_full_queue_sheds_a_free_request_but_admits_a_gold_one_that_would_run_
                     finished.append(name)
                 return response.status_code
 
-            blocker = completion(max_tokens=200, ignore_eos=True, stream=True)
-            async with http.stream("POST", "/v1/completions", json=blocker,
-                                   headers={"Authorization": f"Bearer {free}"}) as stream:
-                lines = stream.aiter_lines()
-                while not (await anext(lines)).startswith("data: "):
-                    pass  # the blocker runs
+            async with blocker_running(http, free):
                 queued = [asyncio.ensure_future(send(f"free {i}", free)) for i in range(2)]
                 while server.engine.num_waiting < 2:  # the queue is full
                     await asyncio.sleep(0.01)
