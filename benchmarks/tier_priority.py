@@ -7,7 +7,10 @@ Both servers run at once (the idle one costs nothing) and are driven in alternat
 while one gold client sends a request, waits for its end, and sends the next. Per tier: TTFT and latency
 percentiles over all rounds, and the free tier's output tokens/s (what the priority costs it).
 
-    python benchmarks/tier_priority.py [--size small] [--rounds 2] [--seconds 30] [--json out.json]
+With `--max-waiting-requests N` the servers shed (503) what finds N requests ahead of it; a shed client waits
+its Retry-After, and each tier's shed requests are counted.
+
+    python benchmarks/tier_priority.py [--size small] [--rounds 2] [--seconds 30] [--max-waiting-requests N]
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ def chat(i: int, max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}}
 
 
-async def one_stream(client: httpx.AsyncClient, body: dict) -> tuple[float, float, int]:
-    """(TTFT s, latency s, completion tokens) of one streamed chat."""
+async def one_stream(client: httpx.AsyncClient, body: dict) -> tuple[float, float, int] | float:
+    """(TTFT s, latency s, completion tokens) of one streamed chat, or its Retry-After (s) when it is shed (503)."""
     started = time.perf_counter()
     first = None
     tokens = 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code == 503:
+            await response.aread()
+            return float(response.headers.get("retry-after", "1"))
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
@@ -52,15 +58,21 @@ async def one_stream(client: httpx.AsyncClient, body: dict) -> tuple[float, floa
     return (first or ended) - started, ended - started, tokens
 
 
-async def drive(url: str, keys: dict[str, str], args: argparse.Namespace) -> dict[str, list[tuple[float, float, int]]]:
-    results: dict[str, list[tuple[float, float, int]]] = {"gold": [], "free": []}
+async def drive(url: str, keys: dict[str, str], args: argparse.Namespace) -> dict[str, list]:
+    """Each tier's finished requests (TTFT, latency, tokens), and a None for each request shed."""
+    results: dict[str, list] = {"gold": [], "free": []}
     deadline = time.perf_counter() + args.seconds
     limits = httpx.Limits(max_connections=args.free_clients + 4)
 
     async def client_loop(tier: str, client: httpx.AsyncClient, max_tokens: int) -> None:
         i = 0
         while time.perf_counter() < deadline:
-            results[tier].append(await one_stream(client, chat(i, max_tokens)))
+            outcome = await one_stream(client, chat(i, max_tokens))
+            if isinstance(outcome, float):  # shed: wait as told, as a client honouring Retry-After does
+                results[tier].append(None)
+                await asyncio.sleep(outcome)
+            else:
+                results[tier].append(outcome)
             i += 1
 
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits,
@@ -72,10 +84,12 @@ async def drive(url: str, keys: dict[str, str], args: argparse.Namespace) -> dic
     return results
 
 
-def summary(samples: list[tuple[float, float, int]], seconds: float) -> dict:
-    ttft = [s[0] * 1000 for s in samples]
-    latency = [s[1] * 1000 for s in samples]
-    return {"requests": len(samples), "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
+def summary(outcomes: list, seconds: float) -> dict:
+    samples = [s for s in outcomes if s is not None]
+    ttft = [s[0] * 1000 for s in samples] or [float("nan")]
+    latency = [s[1] * 1000 for s in samples] or [float("nan")]
+    return {"requests": len(samples), "shed": len(outcomes) - len(samples),
+            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
             "latency_ms_p50": percentile(latency, 50), "latency_ms_p90": percentile(latency, 90),
             "output_tok_s": sum(s[2] for s in samples) / seconds}
 
@@ -89,6 +103,8 @@ def main() -> int:
     parser.add_argument("--free-clients", type=int, default=12)
     parser.add_argument("--free-tokens", type=int, default=64)
     parser.add_argument("--gold-tokens", type=int, default=16)
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="the servers' queue limit; past it a request is shed with 503 (default: none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -112,6 +128,7 @@ def main() -> int:
             urls[name] = servers.enter_context(server(
                 model, "--database-url", database_url, "--max-num-seqs", str(args.max_num_seqs),
                 "--usage-journal", str(Path(tmp) / (name.split()[0] + "-journal")), "--dtype", "bfloat16", *extra,
+                *(["--max-waiting-requests", str(args.max_waiting_requests)] if args.max_waiting_requests else []),
             ))
         samples: dict[str, dict[str, list]] = {name: {"gold": [], "free": []} for name in urls}
         for round_index in range(args.rounds):
@@ -123,17 +140,19 @@ def main() -> int:
         "model": f"built-in {args.size} llama, bfloat16",
         "workload": (f"{args.free_clients} free clients x {args.free_tokens} tokens out, back to back; one gold client "
                      f"x {args.gold_tokens} tokens; --max-num-seqs {args.max_num_seqs}; "
+                     f"--max-waiting-requests {args.max_waiting_requests or 'unlimited'}; "
                      f"{args.rounds} rounds of {args.seconds:.0f} s per server"),
         "servers": {name: {tier: summary(values, seconds) for tier, values in tiers.items()}
                     for name, tiers in samples.items()},
     }
     print(json.dumps(result, indent=2))
     print()
-    print("| server | tier | requests | TTFT p50 ms | TTFT p90 ms | latency p50 ms | latency p90 ms | output tok/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| server | tier | requests | shed | TTFT p50 ms | TTFT p90 ms | latency p50 ms | latency p90 ms "
+          "| output tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, tiers in result["servers"].items():
         for tier, s in tiers.items():
-            print(f"| {name} | {tier} | {s['requests']} | {s['ttft_ms_p50']:.0f} | {s['ttft_ms_p90']:.0f} | "
+            print(f"| {name} | {tier} | {s['requests']} | {s['shed']} | {s['ttft_ms_p50']:.0f} | {s['ttft_ms_p90']:.0f} | "
                   f"{s['latency_ms_p50']:.0f} | {s['latency_ms_p90']:.0f} | {s['output_tok_s']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
