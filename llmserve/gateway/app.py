@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -36,6 +37,7 @@ from llmserve.gateway.proxy import (
     prompt_key,
 )
 from llmserve.gateway.routing import policy_by_name
+from llmserve.platform.content_routing import ContentRouter, ContentRouterConfig
 from llmserve.platform.routing import ModelRouter
 from llmserve.server import conversations, responses_api, stored_responses, streams, usage
 from llmserve.server.cors import install_cors
@@ -116,10 +118,20 @@ class GatewayState:
         await self.client.aclose()
 
 
+def _content_router(front: GatewayPlatform, name: str, config: ContentRouterConfig) -> ContentRouter:
+    """A router answering to `name` (an alias of its default for whatever it does not route), embedding with a
+    replica of its embedding model's pool."""
+    unknown = [model for model in config.models() if model not in front.router.model_names()]
+    if unknown:
+        raise ValueError(f"Router {name!r} names {unknown[0]!r}, which is not a pool.")
+    front.router.add_alias(name, config.default)
+    return ContentRouter(name, config, partial(front.embed_texts, config.embedding_model))
+
+
 def build_gateway_app(
     pools: Mapping[str, Sequence[str]], policy: str = "prefix", options: ReplicaOptions | None = None, *,
     platform: Platform | None = None, aliases: Mapping[str, Sequence[tuple[str, float]]] | None = None,
-    public_metrics: bool = False, public_openapi: bool = False, allowed_origins: Sequence[str] = (),
+    content_routers: Mapping[str, ContentRouterConfig] | None = None, public_metrics: bool = False, public_openapi: bool = False, allowed_origins: Sequence[str] = (),
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, stream_resume: ResumeLimits | None = None,
     api_key: str | None = None,
 ) -> FastAPI:
@@ -131,6 +143,8 @@ def build_gateway_app(
     bounds of the resumable streams it relays) and `api_key` (one more key, given at start) as `llmserve serve`'s."""
     if not pools or any(not urls for urls in pools.values()):
         raise ValueError("The gateway needs at least one pool, each with at least one replica URL.")
+    if content_routers and platform is None:
+        raise ValueError("Content routers run in the gateway's platform: without it requests pass through by pool.")
     state = GatewayState(pools, policy, options or ReplicaOptions(), aliases=aliases or {})
     workers = WorkerPool()
     if platform is not None:
@@ -166,6 +180,8 @@ def build_gateway_app(
                            public_paths=public, api_key=api_key)
     install_cors(app, allowed_origins)
     front = GatewayPlatform(platform or Platform(), state.router, state.proxy, workers, StreamRegistry(stream_resume))
+    for name, config in (content_routers or {}).items():
+        front.content_routers[name] = _content_router(front, name, config)
     app.state.streams = front.streams  # resumed by /v1/streams/{id} (gateway/resume.py)
     app.state.end_streams = front.end_streams  # past the shutdown timeout (gateway/shutdown.py)
 

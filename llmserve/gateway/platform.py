@@ -26,6 +26,7 @@ its tokens back (its request still counts, as the server's when its engine fails
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -44,6 +46,7 @@ from llmserve.gateway.relay import CONTENT_FILTER, RelayMeter, Reply, StreamRela
 from llmserve.gateway.resume import resumable_response
 from llmserve.gateway.shutdown import GuardedStream, StreamCutoff
 from llmserve.gateway.whole import WholeForwarding, WholeReply
+from llmserve.platform.content_routing import ContentRouter, chat_text, prompt_text
 from llmserve.platform.keys import ApiKey
 from llmserve.platform.routing import ModelRouter
 from llmserve.platform.safety import OutputGuard
@@ -129,6 +132,7 @@ class GatewayPlatform:
         self.proxy = proxy
         self.workers = workers
         self.streams = streams if streams is not None else StreamRegistry()  # the resumable streams it relays
+        self.content_routers: dict[str, ContentRouter] = {}  # model names routed by the request's text
         self.cutoff = StreamCutoff()
 
     def end_streams(self) -> None:
@@ -141,9 +145,10 @@ class GatewayPlatform:
     async def chat(self, request: Request, body: ChatCompletionRequest, payload: dict[str, Any] | None = None) -> Response:
         """`payload`: the body as JSON when it is not the request's own (a Responses API request's chat)."""
         key = request_key(request.state)
-        model, pool = self.resolve(body.model, key, key.id if key is not None else body.user)
-        errors.reject_unsupported(body.unsupported_params())
         new_messages = template_messages(body.messages)
+        model, pool = await self.routed(body.model, key, key.id if key is not None else body.user,
+                                        lambda: chat_text(new_messages))
+        errors.reject_unsupported(body.unsupported_params())
         if body.conversation_id is not None and uses_tools(body):
             raise InvalidRequestError(
                 "Stored conversations keep text turns only: tools and tool messages cannot be used with "
@@ -171,9 +176,10 @@ class GatewayPlatform:
 
     async def completion(self, request: Request, body: CompletionRequest) -> Response:
         key = request_key(request.state)
-        model, pool = self.resolve(body.model, key, key.id if key is not None else body.user)
-        errors.reject_unsupported(body.unsupported_params())
         prompts = body.prompts()
+        model, pool = await self.routed(body.model, key, key.id if key is not None else body.user,
+                                        lambda: prompt_text(prompts))
+        errors.reject_unsupported(body.unsupported_params())
         payload = await _payload(request, model)
         if self.platform.safety is not None:
             texts = [p if isinstance(p, str) else await self._detokenize(pool, model, p) for p in prompts]
@@ -247,6 +253,30 @@ class GatewayPlatform:
             return self.router.resolve(name, routing_key)
         except KeyError:
             raise errors.model_not_found(name) from None
+
+    async def routed(
+        self, model: str | None, key: ApiKey | None, routing_key: str | None, text: Callable[[], str | None]
+    ) -> tuple[str, Pool]:
+        """`resolve`, where `model` may also name a content router: the key needs the router's name, and the
+        request goes where the router sends its `text`."""
+        router = self.content_routers.get(model) if model is not None else None
+        if router is None:
+            return self.resolve(model, key, routing_key)
+        if key is not None and not key.allows_model(router.name):
+            raise errors.model_not_found(router.name)
+        choice = await router.choose(text())
+        if self.platform.metrics is not None:
+            self.platform.metrics.routed.labels(router.name, choice.model, choice.reason).inc()
+        return self.router.resolve(choice.model, routing_key)
+
+    async def embed_texts(self, model: str, texts: Sequence[str]) -> np.ndarray:
+        """A content router's embeddings, one row per text, from a replica of `model`'s pool (each text cut to
+        what the model embeds); neither limited nor metered, as the request they route is."""
+        pool = self.router.handle(model)
+        answer = await self._ask(pool, "/v1/embeddings", {"model": model, "input": list(texts),
+                                                          "truncate_prompt_tokens": -1, "encoding_format": "base64"})
+        rows = sorted(answer["data"], key=lambda row: row["index"])
+        return np.stack([np.frombuffer(base64.b64decode(row["embedding"]), dtype=np.float32) for row in rows])
 
     # ---- before the replica -----------------------------------------------------------------------
     def _limits_tokens(self, key: ApiKey | None) -> bool:

@@ -77,7 +77,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     )
     app = build_gateway_app(
         parse_pools(args.pool, args.config), args.policy, options, platform=build_platform(args, config),
-        aliases=configured_aliases(args, config), public_metrics=args.public_metrics,
+        aliases=configured_aliases(args, config), content_routers=config.routers if config is not None else None,
+        public_metrics=args.public_metrics,
         public_openapi=args.public_openapi, allowed_origins=parse_origins(args.allowed_origins),
         max_request_body_bytes=args.max_request_body_bytes, stream_resume=resume_limits(args), api_key=args.api_key,
     )

@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from llmserve.config import EngineConfig
+from llmserve.platform.content_routing import ContentRouterConfig
 from llmserve.platform.safety import SafetyConfig
 
 T = TypeVar("T")
@@ -359,6 +360,7 @@ class ModelsConfig(BaseModel):
     prices: dict[str, Price] = Field(default_factory=dict)
     safety: SafetyConfig = Field(default_factory=SafetyConfig)
     tiers: dict[str, Tier] = Field(default_factory=dict)
+    routers: dict[str, ContentRouterConfig] = Field(default_factory=dict)  # routing by what a request asks
 
     @field_validator("models")
     @classmethod
@@ -379,6 +381,9 @@ class ModelsConfig(BaseModel):
 
     @model_validator(mode="after")
     def _known_names(self) -> ModelsConfig:
+        for router in self.routers:
+            if router in self.aliases:
+                raise ValueError(f"router {router!r} would shadow the alias of the same name")
         if not self.models:  # the models come from the command line; the server checks the names
             return self
         models = {entry.name for entry in self.models}
@@ -391,6 +396,12 @@ class ModelsConfig(BaseModel):
         for name in self.prices:
             if name not in models and name not in self.aliases:
                 raise ValueError(f"prices names {name!r}, which is not a model or alias in this file")
+        for router, config in self.routers.items():
+            if router in models:
+                raise ValueError(f"router {router!r} would shadow the model of the same name")
+            for target in config.models():
+                if target not in models:
+                    raise ValueError(f"router {router!r} names {target!r}, which is not a model in this file")
         return self
 
     def alias_targets(self) -> dict[str, Targets]:

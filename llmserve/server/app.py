@@ -8,12 +8,14 @@ import logging
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llmserve
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.platform.content_routing import ContentRouter, ContentRouterConfig
 from llmserve.platform.routing import ModelRouter
 from llmserve.server import (
     admin,
@@ -34,6 +36,7 @@ from llmserve.server import (
 )
 from llmserve.server import models as models_api
 from llmserve.server.cors import install_cors
+from llmserve.server.embeddings import embed_texts
 from llmserve.server.errors import install_error_handlers, shutting_down
 from llmserve.server.gateway import AuthMiddleware, Platform, public_paths
 from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
@@ -144,12 +147,23 @@ async def _drain_telemetry(state: ServerState) -> None:
         state.metrics.drain()
 
 
+def _content_router(state: ServerState, name: str, config: ContentRouterConfig) -> ContentRouter:
+    """A router answering to `name` (an alias of its default for whatever it does not route), embedding with
+    the server's own engine."""
+    unknown = [model for model in config.models() if model not in state.router.model_names()]
+    if unknown:
+        raise ValueError(f"Router {name!r} names {unknown[0]!r}, which is not a served model.")
+    state.router.add_alias(name, config.default)
+    return ContentRouter(name, config, partial(embed_texts, state, config.embedding_model))
+
+
 def build_app(
     engine_client: AsyncLLM | None = None,
     served_model_name: str | None = None,
     *,
     models: Sequence[ModelSpec] = (),
     aliases: Mapping[str, Sequence[tuple[str, float]]] | None = None,
+    content_routers: Mapping[str, ContentRouterConfig] | None = None,
     model_aliases: Sequence[str] = (),
     unlisted_aliases: Collection[str] = (),
     model_root: str | None = None,
@@ -175,6 +189,8 @@ def build_app(
     keys, rate limits, usage metering, conversations and safety filters; once keys exist, every path
     but /health needs one, and /metrics and the OpenAPI document too unless `public_metrics` or
     `public_openapi`. `unlisted_aliases` (among `aliases`) are answered but not listed in /v1/models.
+    `content_routers` are names whose chat and completion requests go to the model their text is most like
+    (platform/content_routing.py); anything else sent to one goes to its default.
     The chat page at `/` (llmserve/web) is public: it asks for a key itself. `allowed_origins` turns
     on CORS for those origins ("*": any). A body over `max_request_body_bytes` gets a 413 before
     anything reads it. `tool_call_parser` and `reasoning_parser` name the formats
@@ -210,6 +226,8 @@ def build_app(
             router.add_alias(alias, [(specs[0].name, 1.0)])
     for alias, targets in (aliases or {}).items():
         router.add_alias(alias, list(targets), listed=alias not in unlisted_aliases)
+    for name, config in (content_routers or {}).items():
+        state.content_routers[name] = _content_router(state, name, config)
     app = FastAPI(
         title="llmserve",
         version=llmserve.__version__,

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from llmserve.errors import InvalidRequestError
 from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.platform.content_routing import chat_text
 from llmserve.sampling.params import SamplingParams
 from llmserve.server import errors
 from llmserve.server.assistant_output import ReplyPlan, plan_reply, reasoning_start, whole_tool_calls
@@ -45,10 +46,11 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
     key = request_key(request.state)
-    endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
+    new_messages = template_messages(body.messages)
+    endpoint = await state.routed_endpoint(body.model, key, key.id if key is not None else body.user,
+                                           lambda: chat_text(new_messages))
     errors.reject_unsupported(body.unsupported_params())
     plan = plan_reply(body, endpoint.tool_parser, endpoint.reasoning)
-    new_messages = template_messages(body.messages)
     if body.conversation_id is not None and uses_tools(body):
         raise InvalidRequestError(
             "Stored conversations keep text turns only: tools and tool messages cannot be used with conversation_id.",

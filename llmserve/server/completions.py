@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.platform.content_routing import prompt_text
 from llmserve.server import errors
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import (
@@ -34,12 +35,13 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     key = request_key(request.state)
-    endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
+    prompts = body.prompts()
+    endpoint = await state.routed_endpoint(body.model, key, key.id if key is not None else body.user,
+                                           lambda: prompt_text(prompts))
     errors.reject_unsupported(body.unsupported_params())
     params = to_sampling_params(
         body, endpoint.engine.default_sampling_params(), body.max_tokens, logprobs=body.logprobs
     )
-    prompts = body.prompts()
     for prompt in prompts:
         if isinstance(prompt, str):
             endpoint.prompt_bound.check(len(prompt))

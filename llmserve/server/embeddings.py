@@ -13,6 +13,7 @@ from functools import partial
 from typing import TypeVar
 
 import msgspec
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -152,6 +153,25 @@ def _response_json(model: str, outputs: Sequence[EmbeddingRequestOutput], encodi
         "model": model,
         "usage": usage(outputs),
     })
+
+
+async def embed_texts(state: ServerState, model: str, texts: Sequence[str]) -> np.ndarray:
+    """The platform's own embeddings (a content router's), one row per text: each text cut to what the model
+    embeds, one engine request each, neither limited nor metered (the request they route is)."""
+    endpoint = state.endpoint(model)
+    processor = endpoint.engine.input_processor
+    processor.check_can_embed()
+    token_ids = await state.workers.run(lambda: [processor.embedding_tokens(text, -1) for text in texts])
+    streams: list[RequestStream] = []
+    try:
+        for ids in token_ids:
+            streams.append(await endpoint.engine.add_embedding_request(random_id("route"), ids, PoolingParams()))
+    except BaseException:
+        for stream in streams:
+            stream.abort()
+        raise
+    outputs = await final_outputs(streams)
+    return np.stack([output.outputs.data for output in outputs])
 
 
 def usage(outputs: Sequence[EmbeddingRequestOutput]) -> dict[str, int]:

@@ -150,6 +150,10 @@ class PlatformMetrics:
         )
         self.safety_blocks = counter("llmserve:safety_blocks", "Prompts or outputs blocked by the safety filter.",
                                      LABELS + ["stage", "rule"])
+        self.routed = counter(
+            "llmserve:routed_requests", "Requests a content router sent on, by the model it chose and why "
+            "(matched, below_threshold, no_text, unavailable).", ["router", "model_name", "reason"],
+        )
 
 
 class ServerMetrics:

@@ -143,6 +143,7 @@ def make_app(args: argparse.Namespace, config: ModelsConfig | None, platform: Pl
     return build_app(
         models=_model_specs(args, models),
         aliases=_aliases(args, config, models),
+        content_routers=config.routers if config is not None else None,
         unlisted_aliases={typed for m in models for typed in m.aliases},  # /v1/models shows names, not paths
         owns_engine=True,
         shutdown_timeout=args.shutdown_timeout,

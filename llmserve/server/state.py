@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +14,8 @@ from fastapi import Request
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.heap import freeze_startup_heap
 from llmserve.model.lora_request import LoRARequest
-from llmserve.platform.routing import ModelFailed, ModelLoading, ModelRouter
+from llmserve.platform.content_routing import ContentRouter
+from llmserve.platform.routing import LoadState, ModelFailed, ModelLoading, ModelRouter
 from llmserve.platform.safety import OutputGuard
 from llmserve.server import errors
 from llmserve.server.limits import PromptBound
@@ -128,6 +129,7 @@ class ServerState:
     draining: bool = False  # set on SIGTERM: new requests get a 503
     workers: WorkerPool = field(default_factory=WorkerPool)  # tokenization, templating, the safety screen
     streams: StreamRegistry = field(default_factory=StreamRegistry)  # resumable streams, by response id
+    content_routers: dict[str, ContentRouter] = field(default_factory=dict)  # model names routed by the request's text
     created: int = field(default_factory=now)
     _tasks: set[asyncio.Task] = field(default_factory=set)
     _ready: asyncio.Event | None = None
@@ -164,6 +166,26 @@ class ServerState:
         name = model if model is not None else self.router.default_name()
         if key is not None and not key.allows_model(name):
             raise errors.model_not_found(name)
+        return self._resolved(name, routing_key)
+
+    async def routed_endpoint(
+        self, model: str | None, key: ApiKey | None, routing_key: str | None, text: Callable[[], str | None]
+    ) -> ModelEndpoint:
+        """`endpoint`, where `model` may also name a content router: the key needs the router's name, and the
+        request goes where the router sends its `text` (its default when that model is not ready)."""
+        router = self.content_routers.get(model) if model is not None else None
+        if router is None:
+            return self.endpoint(model, key, routing_key)
+        if key is not None and not key.allows_model(router.name):
+            raise errors.model_not_found(router.name)
+        choice = await router.choose(text())
+        chosen, reason = choice.model, choice.reason
+        if chosen != router.config.default and self.router.state(chosen) is not LoadState.READY:
+            chosen, reason = router.config.default, "unavailable"
+        self.metrics.platform.routed.labels(router.name, chosen, reason).inc()
+        return self._resolved(chosen, routing_key)
+
+    def _resolved(self, name: str, routing_key: str | None) -> ModelEndpoint:
         try:
             _, endpoint = self.router.resolve(name, routing_key)
         except KeyError:
