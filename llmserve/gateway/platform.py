@@ -46,7 +46,7 @@ from llmserve.gateway.relay import CONTENT_FILTER, RelayMeter, Reply, StreamRela
 from llmserve.gateway.resume import resumable_response
 from llmserve.gateway.shutdown import GuardedStream, StreamCutoff
 from llmserve.gateway.whole import WholeForwarding, WholeReply
-from llmserve.platform.content_routing import ContentRouter, chat_text, prompt_text
+from llmserve.platform.content_routing import ContentRouter, chat_texts, prompt_texts
 from llmserve.platform.keys import ApiKey
 from llmserve.platform.routing import ModelRouter
 from llmserve.platform.safety import OutputGuard
@@ -147,7 +147,7 @@ class GatewayPlatform:
         key = request_key(request.state)
         new_messages = template_messages(body.messages)
         model, pool = await self.routed(body.model, key, key.id if key is not None else body.user,
-                                        lambda: chat_text(new_messages))
+                                        lambda: chat_texts(new_messages))
         errors.reject_unsupported(body.unsupported_params())
         if body.conversation_id is not None and uses_tools(body):
             raise InvalidRequestError(
@@ -178,7 +178,7 @@ class GatewayPlatform:
         key = request_key(request.state)
         prompts = body.prompts()
         model, pool = await self.routed(body.model, key, key.id if key is not None else body.user,
-                                        lambda: prompt_text(prompts))
+                                        lambda: prompt_texts(prompts))
         errors.reject_unsupported(body.unsupported_params())
         payload = await _payload(request, model)
         if self.platform.safety is not None:
@@ -255,7 +255,7 @@ class GatewayPlatform:
             raise errors.model_not_found(name) from None
 
     async def routed(
-        self, model: str | None, key: ApiKey | None, routing_key: str | None, text: Callable[[], str | None]
+        self, model: str | None, key: ApiKey | None, routing_key: str | None, texts: Callable[[], Sequence[str]]
     ) -> tuple[str, Pool]:
         """`resolve`, where `model` may also name a content router: the key needs the router's name, and the
         request goes where the router sends its `text`."""
@@ -264,7 +264,7 @@ class GatewayPlatform:
             return self.resolve(model, key, routing_key)
         if key is not None and not key.allows_model(router.name):
             raise errors.model_not_found(router.name)
-        choice = await router.choose(text())
+        choice = await router.choose(texts())
         if self.platform.metrics is not None:
             self.platform.metrics.routed.labels(router.name, choice.model, choice.reason).inc()
         return self.router.resolve(choice.model, routing_key)

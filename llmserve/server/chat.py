@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from llmserve.errors import InvalidRequestError
 from llmserve.outputs import CompletionOutput, RequestOutput
-from llmserve.platform.content_routing import chat_text
+from llmserve.platform.content_routing import chat_texts
 from llmserve.sampling.params import SamplingParams
 from llmserve.server import errors
 from llmserve.server.assistant_output import ReplyPlan, plan_reply, reasoning_start, whole_tool_calls
@@ -48,7 +48,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     key = request_key(request.state)
     new_messages = template_messages(body.messages)
     endpoint = await state.routed_endpoint(body.model, key, key.id if key is not None else body.user,
-                                           lambda: chat_text(new_messages))
+                                           lambda: chat_texts(new_messages))
     errors.reject_unsupported(body.unsupported_params())
     plan = plan_reply(body, endpoint.tool_parser, endpoint.reasoning)
     if body.conversation_id is not None and uses_tools(body):

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from llmserve.outputs import CompletionOutput, RequestOutput
-from llmserve.platform.content_routing import prompt_text
+from llmserve.platform.content_routing import prompt_texts
 from llmserve.server import errors
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import (
@@ -37,7 +37,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     key = request_key(request.state)
     prompts = body.prompts()
     endpoint = await state.routed_endpoint(body.model, key, key.id if key is not None else body.user,
-                                           lambda: prompt_text(prompts))
+                                           lambda: prompt_texts(prompts))
     errors.reject_unsupported(body.unsupported_params())
     params = to_sampling_params(
         body, endpoint.engine.default_sampling_params(), body.max_tokens, logprobs=body.logprobs

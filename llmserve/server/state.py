@@ -169,7 +169,7 @@ class ServerState:
         return self._resolved(name, routing_key)
 
     async def routed_endpoint(
-        self, model: str | None, key: ApiKey | None, routing_key: str | None, text: Callable[[], str | None]
+        self, model: str | None, key: ApiKey | None, routing_key: str | None, texts: Callable[[], Sequence[str]]
     ) -> ModelEndpoint:
         """`endpoint`, where `model` may also name a content router: the key needs the router's name, and the
         request goes where the router sends its `text` (its default when that model is not ready)."""
@@ -178,7 +178,7 @@ class ServerState:
             return self.endpoint(model, key, routing_key)
         if key is not None and not key.allows_model(router.name):
             raise errors.model_not_found(router.name)
-        choice = await router.choose(text())
+        choice = await router.choose(texts())
         chosen, reason = choice.model, choice.reason
         if chosen != router.config.default and self.router.state(chosen) is not LoadState.READY:
             chosen, reason = router.config.default, "unavailable"

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from llmserve.platform import content_routing
 from llmserve.platform.content_routing import (
     ContentRouter,
     ContentRouterConfig,
-    chat_text,
-    prompt_text,
+    chat_texts,
+    prompt_texts,
 )
 from llmserve.platform.routing import ModelsConfig
 
@@ -36,16 +37,19 @@ class BagOfWords:
         return np.array([[text.lower().split().count(word) for word in VOCABULARY] for text in texts], dtype=float)
 
 
-def router(embed: BagOfWords, threshold: float = 0.5, top_k: int = 1, margin: float = 0.0) -> ContentRouter:
+def router(
+    embed: BagOfWords, threshold: float = 0.5, top_k: int = 1, margin: float = 0.0, history_turns: int = 1
+) -> ContentRouter:
     config = ContentRouterConfig(
         embedding_model="embedder", default="big", threshold=threshold, top_k=top_k, margin=margin,
+        history_turns=history_turns,
         routes={"small": ["hi", "thanks", "capital"], "big": ["prove theorem", "design database", "code"]},
     )
     return ContentRouter("auto", config, embed)
 
 
-def choose(router: ContentRouter, text: str | None):
-    return asyncio.run(router.choose(text))
+def choose(router: ContentRouter, *texts: str):
+    return asyncio.run(router.choose(texts))
 
 
 def test_a_text_goes_to_the_route_of_its_nearest_example() -> None:
@@ -93,7 +97,7 @@ def test_the_examples_are_embedded_once_for_every_request() -> None:
     auto = router(embed)
 
     async def many() -> list[str]:
-        return [choice.model for choice in await asyncio.gather(*(auto.choose(t) for t in ["hi", "code", "capital"]))]
+        return [choice.model for choice in await asyncio.gather(*(auto.choose([t]) for t in ["hi", "code", "capital"]))]
 
     assert asyncio.run(many()) == ["small", "big", "small"]
     example_calls = [call for call in embed.calls if len(call) == 6]
@@ -104,7 +108,7 @@ def test_the_examples_are_embedded_once_for_every_request() -> None:
 def test_without_text_or_an_embedding_the_default_takes_the_request() -> None:
     embed = BagOfWords()
     auto = router(embed)
-    assert (choose(auto, None).model, choose(auto, None).reason) == ("big", "no_text")
+    assert (choose(auto).model, choose(auto).reason) == ("big", "no_text")
     assert choose(auto, "  \n").reason == "no_text"
     assert embed.calls == []  # nothing embedded for them
     embed.failing = True
@@ -114,7 +118,7 @@ def test_without_text_or_an_embedding_the_default_takes_the_request() -> None:
     assert choose(auto, "hi").model == "small"
 
 
-def test_the_text_a_request_is_routed_by() -> None:
+def test_the_texts_a_request_is_routed_by() -> None:
     messages = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "first question"},
@@ -122,10 +126,32 @@ def test_the_text_a_request_is_routed_by() -> None:
         {"role": "user", "content": "the latest question"},
         {"role": "assistant", "content": "a prefilled start"},
     ]
-    assert chat_text(messages) == "the latest question"
-    assert chat_text([{"role": "system", "content": "only a system prompt"}]) is None
-    assert prompt_text(["one", [1, 2, 3], "two"]) == "one\ntwo"
-    assert prompt_text([[1, 2, 3]]) is None
+    assert chat_texts(messages) == ["first question", "the latest question"]
+    assert chat_texts([{"role": "system", "content": "only a system prompt"}]) == []
+    assert prompt_texts(["one", [1, 2, 3], "two"]) == ["one\ntwo"]
+    assert prompt_texts([[1, 2, 3]]) == []
+
+
+def test_with_history_a_turn_that_went_to_the_default_keeps_the_chat_there() -> None:
+    embed = BagOfWords()
+    sticky = router(embed, history_turns=2)
+    assert choose(sticky, "hi", "thanks").model == "small"  # both turns easy
+    escalated = choose(sticky, "prove theorem", "thanks")  # the hard turn before keeps it on the default
+    assert (escalated.model, escalated.reason) == ("big", "history")
+    assert choose(sticky, "prove theorem", "hi", "thanks").model == "small"  # past the 2 turns looked at
+    assert choose(sticky, "hi", "prove theorem").reason == "matched"  # the latest went to the default itself
+    # each text embedded once: after the examples, only texts not seen before (earlier turns come from the cache)
+    assert embed.calls[1:] == [["hi", "thanks"], ["prove theorem"]]
+    assert choose(router(BagOfWords()), "prove theorem", "thanks").model == "small"  # history_turns 1: the latest
+
+
+def test_recent_texts_are_kept_up_to_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(content_routing, "RECENT_TEXTS", 2)
+    embed = BagOfWords()
+    auto = router(embed)
+    for text in ("hi", "code", "hi", "capital", "code"):  # "code" is the least recent when "capital" comes
+        choose(auto, text)
+    assert embed.calls[1:] == [["hi"], ["code"], ["capital"], ["code"]]
 
 
 def test_the_config_names_models_it_serves() -> None:

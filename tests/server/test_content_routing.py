@@ -33,6 +33,8 @@ HARD = ["Prove that there are infinitely many prime numbers.",
         "Design a distributed database that survives the loss of a data center."]
 ROUTERS = {
     "auto": ContentRouterConfig(embedding_model="minilm", default="big", routes={"small": EASY, "big": HARD}, top_k=1),
+    "sticky": ContentRouterConfig(embedding_model="minilm", default="big", routes={"small": EASY, "big": HARD},
+                                  top_k=1, history_turns=2),
     # the decoder cannot embed: every request this router takes goes to its default
     "broken": ContentRouterConfig(embedding_model="small", default="big", routes={"big": HARD}),
 }
@@ -94,6 +96,22 @@ def test_easy_requests_go_to_the_small_model_and_hard_ones_to_the_big(server: Pl
     assert (routed(server, "small", "matched"), routed(server, "big", "matched")) == (4, 3)
     listed = [model["id"] for model in httpx.get(f"{server.base_url}/v1/models").json()["data"]]
     assert "auto" in listed
+
+
+def test_a_conversation_that_needed_the_big_model_stays_on_it(server: PlatformServer) -> None:
+    def turns(*users: str) -> dict:
+        messages = []
+        for text in users:
+            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": "An answer."}]
+        return {"model": "sticky", "messages": messages[:-1], "max_tokens": 2}
+
+    with server.client() as client:
+        hard_then_easy = client.post("/v1/chat/completions", json=turns("Prove that 17 is prime.", "thanks a lot!"))
+        easy_then_easy = client.post("/v1/chat/completions", json=turns("hi there!", "thanks a lot!"))
+        auto = client.post("/v1/chat/completions", json={**turns("Prove that 17 is prime.", "thanks!"), "model": "auto"})
+    assert hard_then_easy.json()["model"] == "big" and easy_then_easy.json()["model"] == "small"
+    assert auto.json()["model"] == "small"  # history_turns 1 (the default): the latest message alone
+    assert routed(server, "big", "history", router="sticky") == 1
 
 
 def test_a_request_without_text_goes_to_the_default(server: PlatformServer) -> None:
