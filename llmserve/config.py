@@ -77,6 +77,9 @@ class EngineConfig:
     # Speculative decoding (vLLM's --speculative-config): {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": n, "prompt_lookup_min": m}; see SpeculativeConfig. Steps then run one after another.
     speculative_config: dict[str, Any] | None = None
+    # Megatron-style tensor parallelism (vLLM's --tensor-parallel-size): every layer's heads and MLP features split
+    # over this many processes (torch.distributed: gloo on CPU, NCCL on CUDA), one device each
+    tensor_parallel_size: int = 1
 
     @property
     def lora_enabled(self) -> bool:
@@ -115,6 +118,23 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
         parse_lora_modules(self.lora_modules or [])
         parse_speculative_config(self.speculative_config)
+        self._validate_tensor_parallel()
+
+    def _validate_tensor_parallel(self) -> None:
+        """What tensor parallelism serves: a decoder's unquantized weights read from its checkpoint."""
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        if self.tensor_parallel_size == 1:
+            return
+        unsupported = [
+            (self.quantization is not None, "quantization"), (self.lora_enabled, "LoRA adapters"),
+            (self.speculative_config is not None, "speculative decoding"),
+            (self.load_format == "dummy", "load_format dummy"),
+            (self.kv_cache_dtype != "auto", "a quantized KV cache"),
+        ]
+        for used, what in unsupported:
+            if used:
+                raise ValueError(f"tensor_parallel_size > 1 does not serve {what} yet.")
 
 
 @dataclass(frozen=True)
@@ -295,6 +315,11 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} proposes the tokens that followed the sequence\'s last '
         "n-gram earlier in its own text, verified in one step (steps then run one after another)",
+    ),
+    _EngineFlag(
+        "tensor_parallel_size", "--tensor-parallel-size",
+        help="split every layer over this many processes (one device each; gloo on CPU, NCCL on CUDA): for a "
+        "model too big for one device, or decode bound by one device's memory bandwidth",
     ),
     _EngineFlag(
         "async_scheduling", "--no-async-scheduling",

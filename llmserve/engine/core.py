@@ -48,6 +48,7 @@ from llmserve.engine.messages import (
 )
 from llmserve.engine.model_facts import ModelFacts
 from llmserve.engine.ngram_proposer import NgramProposer
+from llmserve.engine.parallel_runner import ParallelRunner
 from llmserve.engine.prefix_cache import hash_root
 from llmserve.engine.scheduler import SampleTarget, ScheduledRow, Scheduler, SchedulerOutput
 from llmserve.engine.sequence import Request, Sequence
@@ -73,7 +74,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, facts: ModelFacts) -> None:
         self.config = config
         self.facts = facts
-        self.runner = ModelRunner(config, facts.model_config, facts.model_dir, facts.max_model_len, facts.pooler)
+        runner = ParallelRunner if config.tensor_parallel_size > 1 else ModelRunner
+        self.runner = runner(config, facts.model_config, facts.model_dir, facts.max_model_len, facts.pooler)
         pool_tokens = self.runner.num_blocks * config.block_size
         if not self.runner.is_encoder and pool_tokens < facts.max_model_len:
             raise ValueError(
@@ -445,6 +447,8 @@ class EngineCore:
             self._in_flight.handle.result()
             self._in_flight = None
         self.structured_output.shutdown()
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.close()
 
 
 def _is_constrained(seq: Sequence) -> bool:

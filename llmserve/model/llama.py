@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from llmserve.errors import ModelLoadError
+from llmserve.model import parallel
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
 from llmserve.model.config import ModelConfig
 from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, linear
@@ -22,8 +23,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = parallel.shard(cfg.num_attention_heads, "the attention heads")  # this rank's
+        self.num_kv_heads = parallel.shard_kv_heads(cfg.num_key_value_heads)
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -48,19 +49,20 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.rotary, positions)
-        return self.o_proj(out.reshape(tokens, self.q_size)), residual
+        return parallel.all_reduce(self.o_proj(out.reshape(tokens, self.q_size))), residual
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, cfg.dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, cfg.dtype)
+        intermediate = parallel.shard(cfg.intermediate_size, "the MLP's intermediate size")  # this rank's
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * intermediate, cfg.mlp_bias, cfg.dtype)
+        self.down_proj = Linear(intermediate, cfg.hidden_size, cfg.mlp_bias, cfg.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MLP of norm(x + residual), the residual stream x + residual)."""
         hidden, residual = self.gate_up_proj.after_norm(x, norm, residual, swiglu=True)
-        return self.down_proj(hidden), residual
+        return parallel.all_reduce(self.down_proj(hidden)), residual
 
 
 class DecoderLayer(nn.Module):
@@ -92,6 +94,8 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     ignored_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    # Split by their input features over tensor-parallel ranks (the rest of the fused ones by their outputs).
+    row_parallel: tuple[str, ...] = ("o_proj", "down_proj")
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -123,10 +127,12 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weight loading -------------------------------------------------------------------------
     def shard_sizes(self, fused: str) -> list[int]:
-        cfg = self.config
+        """The rows each checkpoint tensor of a fused matrix fills in this rank's shard."""
+        cfg, ranks = self.config, parallel.size()
         if fused == "qkv_proj":
-            return [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2
-        return [cfg.intermediate_size] * 2
+            kv_rows = parallel.shard_kv_heads(cfg.num_key_value_heads) * cfg.head_dim
+            return [cfg.num_attention_heads * cfg.head_dim // ranks, kv_rows, kv_rows]
+        return [cfg.intermediate_size // ranks] * 2
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -135,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
             if any(hf_name.endswith(s) for s in self.ignored_weights):
                 continue
             name, offset, size = self._locate(hf_name)
+            tensor = self._rank_shard(name, tensor, size)
             if name not in params:
                 if name == "lm_head.weight" and self.lm_head is None:
                     continue  # tied checkpoints sometimes store the tied copy too
@@ -147,6 +154,25 @@ class LlamaForCausalLM(nn.Module):
             target.copy_(tensor)
             loaded.add(name if size is None else f"{name}#{offset}")
         self._check_complete(params, loaded)
+
+    def _rank_shard(self, name: str, tensor: torch.Tensor, piece_rows: int | None) -> torch.Tensor:
+        """This tensor-parallel rank's part of a checkpoint tensor: a fused matrix's piece by its rows (heads,
+        features; `piece_rows` of them, from `shard_sizes`), a row-parallel weight by its columns; a row-parallel
+        bias is added once, after the ranks' sum."""
+        ranks, rank = parallel.size(), parallel.rank()
+        if ranks == 1:
+            return tensor
+        if piece_rows is not None:
+            heads = tensor.shape[0] // self.config.head_dim
+            if ".qkv_proj." in name and heads == self.config.num_key_value_heads < ranks:  # a replicated kv head
+                return tensor.narrow(0, parallel.kv_head(heads) * piece_rows, piece_rows)
+            return tensor.narrow(0, rank * piece_rows, piece_rows)
+        if any(f".{part}." in name for part in self.row_parallel):
+            if name.endswith(".bias"):
+                return tensor if rank == 0 else torch.zeros_like(tensor)
+            columns = tensor.shape[1] // ranks
+            return tensor.narrow(1, rank * columns, columns)
+        return tensor
 
     def _locate(self, hf_name: str) -> tuple[str, int, int | None]:
         name = hf_name.removeprefix("model.")

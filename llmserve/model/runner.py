@@ -28,7 +28,7 @@ import torch
 
 from llmserve.config import DEFAULT_STEP_TOKENS, EngineConfig
 from llmserve.errors import ModelLoadError
-from llmserve.model import cpu_linear, huge_pages
+from llmserve.model import cpu_linear, huge_pages, parallel
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, get_backend
 from llmserve.model.config import ModelConfig, parse_dtype
 from llmserve.model.cpu_decode import CpuDecoder
@@ -261,6 +261,7 @@ class ModelRunner:
             config.quantization, model_config.raw, config.load_format == "dummy", config.quantize_lm_head
         )
         self.model = self._load_model(model_dir, max_model_len)
+        self._check_parallel()
         # on CPU, the weights on 2 MiB pages where the kernel has them (None elsewhere): see huge_pages
         self.weight_arena = huge_pages.move_parameters(self.model) if self.device.type == "cpu" else None
         self.is_encoder = getattr(self.model, "is_encoder", False)  # no KV cache, no sampling
@@ -268,9 +269,9 @@ class ModelRunner:
         self.classifies = hasattr(self.model, "classify")  # pooled states -> label logits
         self.uses_token_types = getattr(self.model, "uses_token_types", False)  # BERT's: a pair's second text
         self.attn_backend = choose_attention_backend(config.attention_backend, self.device)(
-            model_config.num_attention_heads, model_config.num_key_value_heads, model_config.head_dim, self.block_size,
-            self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-        )
+            model_config.num_attention_heads // parallel.size(), parallel.shard_kv_heads(model_config.num_key_value_heads),
+            model_config.head_dim, self.block_size, self.dtype, kv_cache_dtype=self.kv_cache_dtype,
+        )  # this tensor-parallel rank's heads
         if config.speculative is not None:  # a draft's row reads the KV the rows before it write in the same step
             self.attn_backend.separate_kv_writes()
         self.sampler = Sampler()
@@ -278,8 +279,10 @@ class ModelRunner:
         self.cpu_decoder: CpuDecoder | None = None  # built once the KV cache exists; the profiling step runs without
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = [] if self.is_encoder else self._allocate_kv_cache(self.num_blocks)
-        # small bf16 steps on CPU: the whole forward pass in one C call (None where it does not apply)
-        self.cpu_decoder = None if self.is_encoder else CpuDecoder.build(self.model, self.kv_caches, self.attn_backend)
+        # small bf16 steps on CPU: the whole forward pass in one C call (None where it does not apply; its layers
+        # have no all-reduce between them)
+        self.cpu_decoder = None if self.is_encoder or parallel.size() > 1 else CpuDecoder.build(
+            self.model, self.kv_caches, self.attn_backend)
         self.graphs: DecodeGraphs | None = None
         self._last_sampled: torch.Tensor | None = None  # the previous step's sampled ids, on the device
         if self._use_cuda_graphs():
@@ -296,6 +299,15 @@ class ModelRunner:
         return self.fast_step_tokens() is not None and not cpu_linear.native_bf16_gemm()
 
     # ---- setup ----------------------------------------------------------------------------------
+    def _check_parallel(self) -> None:
+        """Tensor parallelism splits a generating decoder's unquantized layers (model/parallel.py)."""
+        if parallel.size() == 1:
+            return
+        if self.quantization is not None:
+            raise ModelLoadError("Tensor parallelism does not serve quantized weights yet.")
+        if getattr(self.model, "is_encoder", False) or hasattr(self.model, "classify"):
+            raise ModelLoadError(f"Tensor parallelism serves generating decoders, not {self.model_config.architecture}.")
+
     def _load_model(self, model_dir, max_model_len: int) -> torch.nn.Module:
         cls = model_class(self.model_config.architecture)
         with torch.device(self.device):
@@ -348,7 +360,7 @@ class ModelRunner:
             return max(1, self.config.kv_cache_memory // per_block)
         self.memory_profile = self.profile_memory()
         budget = kv_cache_budget(self.memory_profile, self.config.gpu_memory_utilization)
-        blocks = num_kv_blocks(budget, per_block)
+        blocks = parallel.all_min(num_kv_blocks(budget, per_block))  # what every tensor-parallel rank can hold
         logger.info(
             "KV cache: %.2f GiB for %d blocks (peak without KV %.2f GiB, outside torch %.2f GiB, device %.2f GiB)",
             blocks * per_block / (1 << 30), blocks, self.memory_profile.peak_torch_bytes / (1 << 30),
@@ -425,6 +437,8 @@ class ModelRunner:
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def _use_cuda_graphs(self) -> bool:
         if self.device.type != "cuda" or self.config.enforce_eager or self.is_encoder:
+            return False
+        if parallel.size() > 1:  # not captured with the all-reduces inside yet
             return False
         if self.attn_backend.name not in GRAPH_SAFE_BACKENDS:
             logger.warning("CUDA graphs are off: the %r attention backend is not graph-safe", self.attn_backend.name)

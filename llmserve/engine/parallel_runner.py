@@ -1,0 +1,133 @@
+"""Tensor parallelism's processes (model/parallel.py has the split): the engine core's runner is rank 0, and it
+starts ranks 1..N-1 as worker processes, each a ModelRunner over its own shard. Every step, rank 0 sends the step
+batch to the workers and all ranks run it together, meeting in each layer's all-reduce; every rank samples the same
+tokens, so rank 0 alone reports them and nothing else comes back.
+
+A worker is started with `python -m llmserve.engine.parallel_runner`, its arguments pickled on its stdin, which stays
+open: the worker exits when it closes (its engine core ended, however it ended). A worker that dies fails rank 0's
+next collective, so the engine core fails and its front end restarts it, workers and all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmserve.config import EngineConfig
+from llmserve.errors import ModelLoadError
+from llmserve.model import parallel
+from llmserve.model.config import ModelConfig
+from llmserve.model.pooling import PoolerConfig
+from llmserve.model.runner import ModelRunner, StepBatch, StepHandle, resolve_device
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXIT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class _WorkerArgs:
+    setup: parallel.ParallelSetup
+    config: EngineConfig
+    model_config: ModelConfig
+    model_dir: Path
+    max_model_len: int
+    pooler: PoolerConfig | None
+    log_level: int
+
+
+class ParallelRunner:
+    """Rank 0's ModelRunner, with the workers that hold the other shards: `execute` runs a step on every rank;
+    everything else is rank 0's runner's."""
+
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, max_model_len: int,
+        pooler: PoolerConfig | None,
+    ) -> None:
+        ranks = config.tensor_parallel_size
+        meeting = f"tcp://127.0.0.1:{_free_port()}"
+        self._workers: list[subprocess.Popen] = []
+        try:
+            for rank in range(1, ranks):
+                args = _WorkerArgs(parallel.ParallelSetup(rank, ranks, meeting), config, model_config, Path(model_dir),
+                                   max_model_len, pooler, logging.getLogger().getEffectiveLevel())
+                self._workers.append(_start_worker(args))
+            parallel.init(parallel.ParallelSetup(0, ranks, meeting), resolve_device(config.device))
+            self.runner = ModelRunner(config, model_config, model_dir, max_model_len, pooler)
+        except BaseException:
+            self._stop_workers()
+            raise
+        logger.info("tensor parallel over %d ranks (worker pids %s)", ranks, [w.pid for w in self._workers])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def execute(self, batch: StepBatch) -> StepHandle:
+        parallel.broadcast(batch)
+        return self.runner.execute(batch)
+
+    def read_weights(self, model_dir: Path) -> list:
+        raise ModelLoadError("Reloading weights is not served with tensor parallelism yet.")
+
+    def close(self) -> None:
+        """Stop the workers (each ends its loop) and leave the group."""
+        try:
+            parallel.broadcast(None)
+        finally:
+            self._stop_workers()
+            parallel.close()
+
+    def _stop_workers(self) -> None:
+        for worker in self._workers:
+            if worker.stdin is not None:
+                worker.stdin.close()  # a worker not yet in its loop exits on this
+        for worker in self._workers:
+            try:
+                worker.wait(WORKER_EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        self._workers = []
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _start_worker(args: _WorkerArgs) -> subprocess.Popen:
+    worker = subprocess.Popen([sys.executable, "-m", "llmserve.engine.parallel_runner"], stdin=subprocess.PIPE)
+    assert worker.stdin is not None
+    worker.stdin.write(pickle.dumps(args))
+    worker.stdin.flush()  # and kept open: its end is the worker's signal to exit
+    return worker
+
+
+def _run_worker() -> None:
+    args: _WorkerArgs = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(level=args.log_level,
+                        format=f"%(asctime)s %(levelname)s %(name)s [rank {args.setup.rank}]: %(message)s")
+    threading.Thread(target=_exit_when_stdin_closes, name="llmserve-parent-watch", daemon=True).start()
+    parallel.init(args.setup, resolve_device(args.config.device))
+    runner = ModelRunner(args.config, args.model_config, args.model_dir, args.max_model_len, args.pooler)
+    while (batch := parallel.broadcast()) is not None:
+        runner.execute(batch)
+    parallel.close()
+
+
+def _exit_when_stdin_closes() -> None:
+    sys.stdin.buffer.read()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _run_worker()

@@ -1,0 +1,128 @@
+"""Tensor parallelism over two processes (gloo on CPU): greedy outputs token-identical to transformers for every
+decoder architecture (GQA split, MQA's one key/value head replicated, qkv bias, q/k norms), under chunked prefill
+and preemption; seeded sampling the same as one process's; what it does not serve refused at start; and a worker
+that dies fails the engine core, which its front end restarts (float32, random weights)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from llmserve.config import EngineConfig
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.core_client import EngineCoreStartError
+from llmserve.errors import EngineDeadError
+from llmserve.sampling.params import SamplingParams
+from llmserve.server.streaming import final_outputs
+from tests import hf_reference
+
+MAX_NEW = 16
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 1024) for _ in range(rng.randint(3, 90))] for _ in range(count)]
+
+
+def generate(
+    model_dir: Path, batch: list[list[int]], params: list[SamplingParams], **config
+) -> tuple[list[list[int]], int]:
+    """Each prompt's output tokens, and how many times the engine preempted a sequence."""
+
+    async def run() -> tuple[list[list[int]], int]:
+        engine = AsyncLLM.from_config(EngineConfig(model=str(model_dir), dtype="float32", **config))
+        try:
+            streams = [await engine.add_request(f"r{i}", prompt, p) for i, (prompt, p) in
+                       enumerate(zip(batch, params, strict=True))]
+            outputs = await final_outputs(streams)
+            stats = await engine.stats()
+            assert stats.num_running == stats.num_waiting == stats.num_used_blocks == 0  # no leaked block
+            await engine.check_invariants()
+            return [output.outputs[0].token_ids for output in outputs], stats.num_preemptions
+        finally:
+            engine.close()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("case", ["llama", "llama-linear-mqa", "qwen2", "qwen3"])
+def test_two_ranks_match_transformers(case: str, tmp_path: Path, tiny_llama_dir: Path) -> None:
+    model_dir = hf_reference.build_checkpoint(case, tmp_path / case, tiny_llama_dir)
+    reference = hf_reference.load_model(model_dir)
+    batch = prompts(10, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    # a 32-token step budget (prompts take several chunks) and 20 blocks for 10 sequences of up to 106 tokens:
+    # sequences are preempted and computed again
+    outputs, preemptions = generate(model_dir, batch, [greedy] * len(batch), tensor_parallel_size=2,
+                                    num_kv_blocks=20, max_num_batched_tokens=32, max_model_len=256)
+    assert preemptions > 0
+    assert outputs == [hf_reference.greedy(reference, prompt, MAX_NEW) for prompt in batch]
+
+
+def test_seeded_sampling_is_the_same_as_one_process(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Each rank samples for itself: had rank 1 drawn other tokens, its KV cache (and so the sum of every
+    layer) would have gone another way."""
+    model_dir = hf_reference.build_checkpoint("llama", tmp_path / "llama", tiny_llama_dir)
+    batch = prompts(6, seed=6)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=MAX_NEW, ignore_eos=True)
+              for i in range(len(batch))]
+    one, _ = generate(model_dir, batch, params, num_kv_blocks=64)
+    two, _ = generate(model_dir, batch, params, num_kv_blocks=64, tensor_parallel_size=2)
+    assert two == one
+    assert len({tuple(tokens) for tokens in one}) == len(batch)
+
+
+def test_what_two_ranks_do_not_serve_is_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    for config, refusal in [
+        (dict(quantization="int8"), "does not serve quantization"),
+        (dict(enable_lora=True), "does not serve LoRA adapters"),
+        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}),
+         "does not serve speculative decoding"),
+        (dict(load_format="dummy"), "does not serve load_format dummy"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size must be at least 1"),
+    ]:
+        with pytest.raises(ValueError, match=refusal):
+            EngineConfig(model=str(tiny_llama_dir), **{"tensor_parallel_size": 2, **config}).validate()
+    model_dir = hf_reference.build_checkpoint("llama", tmp_path / "llama", tiny_llama_dir)  # 4 heads, 2 kv heads
+    with pytest.raises(EngineCoreStartError, match="needs the attention heads divisible by 3"):
+        AsyncLLM.from_config(EngineConfig(model=str(model_dir), dtype="float32", tensor_parallel_size=3))
+
+
+def test_a_worker_that_dies_fails_the_core_which_comes_back(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    model_dir = hf_reference.build_checkpoint("llama", tmp_path / "llama", tiny_llama_dir)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompt = prompts(1, seed=7)[0]
+    expected = hf_reference.greedy(hf_reference.load_model(model_dir), prompt, MAX_NEW)
+
+    async def run() -> None:
+        engine = AsyncLLM.from_config(EngineConfig(model=str(model_dir), dtype="float32", tensor_parallel_size=2,
+                                                   num_kv_blocks=64))
+        try:
+            first_core = engine.engine_core_pid
+            [worker] = workers_of(first_core)
+            os.kill(worker, signal.SIGKILL)
+            stream = await engine.add_request("doomed", prompt, greedy)
+            with pytest.raises(EngineDeadError):  # its step's collective finds the worker gone
+                await final_outputs([stream])
+            while not engine.is_healthy:  # as a load balancer's health check would poll
+                await asyncio.sleep(0.05)
+            assert engine.num_restarts == 1 and engine.engine_core_pid != first_core
+            assert len(workers_of(engine.engine_core_pid)) == 1
+            [output] = await final_outputs([await engine.add_request("after", prompt, greedy)])
+            assert output.outputs[0].token_ids == expected
+        finally:
+            engine.close()
+
+    asyncio.run(run())
+
+
+def workers_of(core_pid: int | None) -> list[int]:
+    """The engine core's child processes: its tensor-parallel workers."""
+    assert core_pid is not None
+    children = Path(f"/proc/{core_pid}/task/{core_pid}/children").read_text().split()
+    return [int(pid) for pid in children if b"parallel_runner" in Path(f"/proc/{pid}/cmdline").read_bytes()]
