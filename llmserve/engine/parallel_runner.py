@@ -60,7 +60,8 @@ class ParallelRunner:
                 args = _WorkerArgs(parallel.ParallelSetup(rank, ranks, meeting), config, model_config, Path(model_dir),
                                    max_model_len, pooler, logging.getLogger().getEffectiveLevel())
                 self._workers.append(_start_worker(args))
-            parallel.init(parallel.ParallelSetup(0, ranks, meeting), resolve_device(config.device))
+            parallel.init(parallel.ParallelSetup(0, ranks, meeting), resolve_device(config.device),
+                          peers_alive=lambda: all(worker.poll() is None for worker in self._workers))
             self.runner = ModelRunner(config, model_config, model_dir, max_model_len, pooler)
         except BaseException:
             self._stop_workers()

@@ -13,12 +13,16 @@ One process group per process, set by `init` before the model is built; without 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from llmserve.model import shm_all_reduce
+from llmserve.model.shm_all_reduce import SharedMemoryAllReduce
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # a rank gone (killed, out of memory) fails the others' step at most then
 
@@ -35,15 +39,20 @@ class _Group:
     rank: int = 0
     size: int = 1
     control: Any = None  # a gloo group for Python objects (the step batches), whatever the device's backend
+    shared_memory: SharedMemoryAllReduce | None = None  # CPU ranks: small all-reduces through shared memory
 
 
 _group = _Group()
 
 
-def init(setup: ParallelSetup, device: torch.device) -> None:
-    """Join the ranks: NCCL over CUDA devices (one each, by rank), gloo on CPU; objects always over gloo."""
+def init(setup: ParallelSetup, device: torch.device, peers_alive: Callable[[], bool] = lambda: True) -> None:
+    """Join the ranks: NCCL over CUDA devices (one each, by rank), gloo on CPU, where small all-reduces go through
+    shared memory (`peers_alive` tells a rank waiting there whether the others live); objects always over gloo."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
+        if torch.cuda.device_count() < setup.world_size:
+            raise ValueError(f"Tensor parallelism over {setup.world_size} ranks needs {setup.world_size} GPUs; "
+                             f"{torch.cuda.device_count()} are visible.")
         torch.cuda.set_device(setup.rank)
     dist.init_process_group(backend, init_method=setup.init_method, rank=setup.rank, world_size=setup.world_size,
                             timeout=COLLECTIVE_TIMEOUT)
@@ -51,12 +60,28 @@ def init(setup: ParallelSetup, device: torch.device) -> None:
     _group.rank, _group.size, _group.control = setup.rank, setup.world_size, control
     if device.type == "cpu":  # the ranks share the machine's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // setup.world_size))
+        if shm_all_reduce.available():
+            _group.shared_memory = _open_shared_memory(peers_alive)
+
+
+def _open_shared_memory(peers_alive: Callable[[], bool]) -> SharedMemoryAllReduce:
+    """Rank 0 makes the segment and names it to the others; once all have it mapped, its name goes."""
+    path = broadcast(SharedMemoryAllReduce.create(_group.size) if _group.rank == 0 else None)
+    try:
+        shared = SharedMemoryAllReduce(_group.rank, _group.size, path, peers_alive)
+        dist.barrier(group=_group.control)
+    finally:
+        if _group.rank == 0:
+            path.unlink(missing_ok=True)
+    return shared
 
 
 def close() -> None:
+    if _group.shared_memory is not None:
+        _group.shared_memory.close()
     if _group.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
-    _group.rank, _group.size, _group.control = 0, 1, None
+    _group.rank, _group.size, _group.control, _group.shared_memory = 0, 1, None, None
 
 
 def rank() -> int:
@@ -93,8 +118,11 @@ def kv_head(total: int) -> int:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of `x` over the ranks, in place (every rank gets the same bits)."""
-    if _group.size > 1:
-        dist.all_reduce(x)
+    if _group.size == 1:
+        return x
+    if _group.shared_memory is not None and _group.shared_memory.fits(x):
+        return _group.shared_memory(x)
+    dist.all_reduce(x)
     return x
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism over two processes (gloo on CPU): greedy outputs token-identical to transformers for every
+"""Tensor parallelism over two processes on CPU (gloo, and shared memory for small all-reduces): greedy outputs token-identical to transformers for every
 decoder architecture (GQA split, MQA's one key/value head replicated, qkv bias, q/k norms), under chunked prefill
 and preemption; seeded sampling the same as one process's; what it does not serve refused at start; and a worker
 that dies fails the engine core, which its front end restarts (float32, random weights)."""
@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
@@ -35,7 +36,7 @@ def generate(
     """Each prompt's output tokens, and how many times the engine preempted a sequence."""
 
     async def run() -> tuple[list[list[int]], int]:
-        engine = AsyncLLM.from_config(EngineConfig(model=str(model_dir), dtype="float32", **config))
+        engine = AsyncLLM.from_config(EngineConfig(model=str(model_dir), dtype="float32", **{"device": "cpu", **config}))
         try:
             streams = [await engine.add_request(f"r{i}", prompt, p) for i, (prompt, p) in
                        enumerate(zip(batch, params, strict=True))]
@@ -90,7 +91,7 @@ def test_what_two_ranks_do_not_serve_is_refused(tmp_path: Path, tiny_llama_dir: 
             EngineConfig(model=str(tiny_llama_dir), **{"tensor_parallel_size": 2, **config}).validate()
     model_dir = hf_reference.build_checkpoint("llama", tmp_path / "llama", tiny_llama_dir)  # 4 heads, 2 kv heads
     with pytest.raises(EngineCoreStartError, match="needs the attention heads divisible by 3"):
-        AsyncLLM.from_config(EngineConfig(model=str(model_dir), dtype="float32", tensor_parallel_size=3))
+        AsyncLLM.from_config(EngineConfig(model=str(model_dir), dtype="float32", device="cpu", tensor_parallel_size=3))
 
 
 def test_a_worker_that_dies_fails_the_core_which_comes_back(tmp_path: Path, tiny_llama_dir: Path) -> None:
@@ -100,8 +101,8 @@ def test_a_worker_that_dies_fails_the_core_which_comes_back(tmp_path: Path, tiny
     expected = hf_reference.greedy(hf_reference.load_model(model_dir), prompt, MAX_NEW)
 
     async def run() -> None:
-        engine = AsyncLLM.from_config(EngineConfig(model=str(model_dir), dtype="float32", tensor_parallel_size=2,
-                                                   num_kv_blocks=64))
+        engine = AsyncLLM.from_config(EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
+                                                   tensor_parallel_size=2, num_kv_blocks=64))
         try:
             first_core = engine.engine_core_pid
             [worker] = workers_of(first_core)
@@ -126,3 +127,14 @@ def workers_of(core_pid: int | None) -> list[int]:
     assert core_pid is not None
     children = Path(f"/proc/{core_pid}/task/{core_pid}/children").read_text().split()
     return [int(pid) for pid in children if b"parallel_runner" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_give_what_one_gives(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """NCCL between two GPUs (the CPU tests above run gloo): the same greedy tokens as one GPU, float32."""
+    model_dir = hf_reference.build_checkpoint("qwen2", tmp_path / "qwen2", tiny_llama_dir)
+    batch = prompts(8, seed=8)
+    greedy = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * len(batch)
+    one, _ = generate(model_dir, batch, greedy, device="cuda", num_kv_blocks=64)
+    two, _ = generate(model_dir, batch, greedy, device="cuda", num_kv_blocks=64, tensor_parallel_size=2)
+    assert two == one
