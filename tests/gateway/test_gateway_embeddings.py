@@ -28,16 +28,6 @@ TEXTS = ["the quick brown fox", "paged attention kernels", "café 東京 🙂"]
 REFERENCE_BODY = {"input": TEXTS, "dimensions": 128}
 
 
-@pytest.fixture(scope="module")
-def minilm_engine() -> Iterator[AsyncLLM]:
-    with one_thread_engine_cores():
-        engine = AsyncLLM.from_config(EngineConfig(model=str(gt_minilm.get_model_path()), dtype="float32"))
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
 @contextmanager
 def replica(engine: AsyncLLM) -> Iterator[str]:
     """A replica as `llmserve serve --no-platform` runs it (the engine serves one running loop at a time)."""

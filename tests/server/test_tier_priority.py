@@ -151,4 +151,6 @@ def test_a_full_queue_sheds_a_free_request_but_admits_a_gold_one_that_would_run_
 
     shed, gold_status, finished = asyncio.run(main())
     assert (shed, gold_status) == (503, 200)
-    assert finished == ["gold", "free 0", "free 1"]
+    # the gold request ran before both queued free ones (which of those two reached the server first is the
+    # connections' race)
+    assert finished[0] == "gold" and sorted(finished[1:]) == ["free 0", "free 1"]
