@@ -121,13 +121,13 @@ class EngineConfig:
         self._validate_tensor_parallel()
 
     def _validate_tensor_parallel(self) -> None:
-        """What tensor parallelism serves: a decoder's unquantized weights read from its checkpoint."""
+        """What tensor parallelism serves: a decoder's weights read from its checkpoint."""
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
         if self.tensor_parallel_size == 1:
             return
         unsupported = [
-            (self.quantization is not None, "quantization"), (self.lora_enabled, "LoRA adapters"),
+            (self.lora_enabled, "LoRA adapters"),
             (self.speculative_config is not None, "speculative decoding"),
             (self.load_format == "dummy", "load_format dummy"),
             (self.kv_cache_dtype != "auto", "a quantized KV cache"),

@@ -157,8 +157,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _rank_shard(self, name: str, tensor: torch.Tensor, piece_rows: int | None) -> torch.Tensor:
         """This tensor-parallel rank's part of a checkpoint tensor: a fused matrix's piece by its rows (heads,
-        features; `piece_rows` of them, from `shard_sizes`), a row-parallel weight by its columns; a row-parallel
-        bias is added once, after the ranks' sum."""
+        features; `piece_rows` of them, from `shard_sizes`; its quantization scales too), a row-parallel weight by
+        its columns; a row-parallel bias is added once, after the ranks' sum. Weights quantized at load were
+        quantized whole, so each rank holds the same quantized values one rank would."""
         ranks, rank = parallel.size(), parallel.rank()
         if ranks == 1:
             return tensor
@@ -170,8 +171,9 @@ class LlamaForCausalLM(nn.Module):
         if any(f".{part}." in name for part in self.row_parallel):
             if name.endswith(".bias"):
                 return tensor if rank == 0 else torch.zeros_like(tensor)
-            columns = tensor.shape[1] // ranks
-            return tensor.narrow(1, rank * columns, columns)
+            if name.endswith(".weight"):  # a quantized one's per-output-row scales stay whole
+                columns = tensor.shape[1] // ranks
+                return tensor.narrow(1, rank * columns, columns)
         return tensor
 
     def _locate(self, hf_name: str) -> tuple[str, int, int | None]:

@@ -300,11 +300,9 @@ class ModelRunner:
 
     # ---- setup ----------------------------------------------------------------------------------
     def _check_parallel(self) -> None:
-        """Tensor parallelism splits a generating decoder's unquantized layers (model/parallel.py)."""
+        """Tensor parallelism splits a generating decoder's layers (model/parallel.py)."""
         if parallel.size() == 1:
             return
-        if self.quantization is not None:
-            raise ModelLoadError("Tensor parallelism does not serve quantized weights yet.")
         if getattr(self.model, "is_encoder", False) or hasattr(self.model, "classify"):
             raise ModelLoadError(f"Tensor parallelism serves generating decoders, not {self.model_config.architecture}.")
 

@@ -21,6 +21,7 @@ from llmserve.errors import EngineDeadError
 from llmserve.sampling.params import SamplingParams
 from llmserve.server.streaming import final_outputs
 from tests import hf_reference
+from tests.model.test_quantization import _compressed_tensors_config, _int8_tensors, _write_checkpoint
 
 MAX_NEW = 16
 
@@ -78,9 +79,22 @@ def test_seeded_sampling_is_the_same_as_one_process(tmp_path: Path, tiny_llama_d
     assert len({tuple(tokens) for tokens in one}) == len(batch)
 
 
+def test_int8_weights_over_two_ranks_give_one_ranks_tokens(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Quantized at load (each weight quantized whole, then split) and read from a compressed-tensors int8
+    checkpoint: the quantized values one rank holds, so the same greedy tokens (float32)."""
+    batch = prompts(6, seed=9)
+    greedy = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * len(batch)
+    one, _ = generate(tiny_llama_dir, batch, greedy, num_kv_blocks=64, quantization="int8", max_model_len=256)
+    at_load, _ = generate(tiny_llama_dir, batch, greedy, num_kv_blocks=64, quantization="int8", tensor_parallel_size=2,
+                          max_model_len=256)
+    checkpoint = _write_checkpoint(tiny_llama_dir, tmp_path / "int8", _compressed_tensors_config("int", "int-quantized"),
+                                   _int8_tensors)
+    prequantized, _ = generate(checkpoint, batch, greedy, num_kv_blocks=64, tensor_parallel_size=2, max_model_len=256)
+    assert at_load == prequantized == one
+
+
 def test_what_two_ranks_do_not_serve_is_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
     for config, refusal in [
-        (dict(quantization="int8"), "does not serve quantization"),
         (dict(enable_lora=True), "does not serve LoRA adapters"),
         (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}),
          "does not serve speculative decoding"),
