@@ -128,9 +128,7 @@ class EngineConfig:
             return
         unsupported = [
             (self.lora_enabled, "LoRA adapters"),
-            (self.speculative_config is not None, "speculative decoding"),
             (self.load_format == "dummy", "load_format dummy"),
-            (self.kv_cache_dtype != "auto", "a quantized KV cache"),
         ]
         for used, what in unsupported:
             if used:

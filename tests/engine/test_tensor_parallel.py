@@ -17,6 +17,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.core_client import EngineCoreStartError
+from llmserve.engine.messages import EngineStats
 from llmserve.errors import EngineDeadError
 from llmserve.sampling.params import SamplingParams
 from llmserve.server.streaming import final_outputs
@@ -33,10 +34,10 @@ def prompts(count: int, seed: int) -> list[list[int]]:
 
 def generate(
     model_dir: Path, batch: list[list[int]], params: list[SamplingParams], **config
-) -> tuple[list[list[int]], int]:
-    """Each prompt's output tokens, and how many times the engine preempted a sequence."""
+) -> tuple[list[list[int]], EngineStats]:
+    """Each prompt's output tokens, and the engine's stats at the end."""
 
-    async def run() -> tuple[list[list[int]], int]:
+    async def run() -> tuple[list[list[int]], EngineStats]:
         engine = AsyncLLM.from_config(EngineConfig(model=str(model_dir), dtype="float32", **{"device": "cpu", **config}))
         try:
             streams = [await engine.add_request(f"r{i}", prompt, p) for i, (prompt, p) in
@@ -45,7 +46,7 @@ def generate(
             stats = await engine.stats()
             assert stats.num_running == stats.num_waiting == stats.num_used_blocks == 0  # no leaked block
             await engine.check_invariants()
-            return [output.outputs[0].token_ids for output in outputs], stats.num_preemptions
+            return [output.outputs[0].token_ids for output in outputs], stats
         finally:
             engine.close()
 
@@ -60,9 +61,9 @@ def test_two_ranks_match_transformers(case: str, tmp_path: Path, tiny_llama_dir:
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     # a 32-token step budget (prompts take several chunks) and 20 blocks for 10 sequences of up to 106 tokens:
     # sequences are preempted and computed again
-    outputs, preemptions = generate(model_dir, batch, [greedy] * len(batch), tensor_parallel_size=2,
-                                    num_kv_blocks=20, max_num_batched_tokens=32, max_model_len=256)
-    assert preemptions > 0
+    outputs, stats = generate(model_dir, batch, [greedy] * len(batch), tensor_parallel_size=2,
+                              num_kv_blocks=20, max_num_batched_tokens=32, max_model_len=256)
+    assert stats.num_preemptions > 0
     assert outputs == [hf_reference.greedy(reference, prompt, MAX_NEW) for prompt in batch]
 
 
@@ -93,11 +94,28 @@ def test_int8_weights_over_two_ranks_give_one_ranks_tokens(tmp_path: Path, tiny_
     assert at_load == prequantized == one
 
 
+def test_speculation_and_an_int8_kv_cache_over_two_ranks(tmp_path: Path, tiny_llama_dir: Path,
+                                                         cycling_llama_dir: Path) -> None:
+    """N-gram drafts verified on every rank (a model that repeats cycles of tokens, so drafts hold): one rank's
+    tokens without drafts; an int8 KV cache (each rank's heads quantized on their own): one rank's tokens."""
+    batch = prompts(4, seed=10)
+    greedy = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * len(batch)
+    plain, _ = generate(cycling_llama_dir, batch, greedy, num_kv_blocks=128, max_model_len=512)
+    speculating, stats = generate(cycling_llama_dir, batch, greedy, num_kv_blocks=128, max_model_len=512,
+                                  tensor_parallel_size=2, speculative_config={
+                                      "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                      "prompt_lookup_min": 2})
+    assert speculating == plain
+    assert stats.spec_decode is not None and stats.spec_decode.num_accepted_tokens > 0
+    model_dir = hf_reference.build_checkpoint("llama", tmp_path / "llama", tiny_llama_dir)
+    int8_kv = dict(num_kv_blocks=128, max_model_len=512, kv_cache_dtype="int8")
+    assert generate(model_dir, batch, greedy, tensor_parallel_size=2, **int8_kv)[0] == generate(
+        model_dir, batch, greedy, **int8_kv)[0]
+
+
 def test_what_two_ranks_do_not_serve_is_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
     for config, refusal in [
         (dict(enable_lora=True), "does not serve LoRA adapters"),
-        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}),
-         "does not serve speculative decoding"),
         (dict(load_format="dummy"), "does not serve load_format dummy"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be at least 1"),
     ]:
