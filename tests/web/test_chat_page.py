@@ -17,6 +17,8 @@ import httpx
 import pytest
 
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.platform.content_routing import ContentRouterConfig
+from llmserve.server.app import ModelSpec
 from tests.server.conftest import tiny_engine_running
 from tests.server.platform_fixtures import PlatformServer, serve_platform
 
@@ -361,3 +363,28 @@ def refusal(status: int, retry_after: str):
 def open_page_without_models(page) -> None:
     page.goto("/")
     page.wait_for_selector("#error:not([hidden])")  # no key yet: the model list is refused
+
+
+@pytest.fixture
+def routed_server(engine: AsyncLLM, minilm_engine: AsyncLLM, tmp_path: Path) -> Iterator[PlatformServer]:
+    """`auto` routes greetings to `small`, proofs to `big` (the tiny model under both names) by all-MiniLM-L6-v2."""
+    models = [ModelSpec("small", engine=engine), ModelSpec("big", engine=engine), ModelSpec("minilm", engine=minilm_engine)]
+    auto = ContentRouterConfig(embedding_model="minilm", default="big", top_k=1,
+                               routes={"small": ["hi there, how are you?"], "big": ["Prove that 2 is irrational."]})
+    yield from serve_platform(engine, tmp_path, models=models, content_routers={"auto": auto})
+
+
+def test_an_answer_a_router_sent_on_names_the_model_that_ran(browser, routed_server: PlatformServer):
+    context = browser.new_context(base_url=routed_server.base_url)
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    try:
+        open_page(page, {"max-tokens": "4"})
+        page.select_option("#model", "auto")
+        send(page, "hello, how are you doing?")
+        assert "answered by small" in page.locator(".msg.assistant .meta").last.inner_text()
+        page.select_option("#model", "small")
+        send(page, "hello again")
+        assert "answered by" not in page.locator(".msg.assistant .meta").last.inner_text()  # the model it asked for
+    finally:
+        context.close()

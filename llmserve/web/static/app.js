@@ -16,7 +16,7 @@ const state = {
   nodes: new Map(), // message id -> {id, parent_id, role, content, token_count}
   children: new Map(), // parent id (ROOT for none) -> child ids, oldest first
   choice: new Map(), // which child (or which reply of a group of same-text user turns) is shown
-  stats: new Map(), // message id -> {tokens, firstTokenMs, totalMs}
+  stats: new Map(), // message id -> {tokens, firstTokenMs, totalMs, asked, answeredBy}: this tab's answers
   pending: null, // the turn being streamed: {user, reply, streamId, controller}
 };
 
@@ -179,6 +179,7 @@ function actions(node) {
     const meta = document.createElement("span");
     meta.className = "meta";
     const parts = [];
+    if (stats?.answeredBy && stats.answeredBy !== stats.asked) parts.push(`answered by ${stats.answeredBy}`);
     if (tokens != null) parts.push(`${tokens} tokens`);
     if (stats?.firstTokenMs != null) parts.push(`first token ${(stats.firstTokenMs / 1000).toFixed(2)} s`);
     if (stats?.totalMs != null) parts.push(`${(stats.totalMs / 1000).toFixed(2)} s`);
@@ -380,7 +381,7 @@ async function ask(text, parent) {
   const reply = { id: `pending-reply-${Date.now()}`, parent_id: user.id, role: "assistant", content: "", streaming: true, pending: true };
   const controller = new AbortController();
   state.pending = { user, reply, streamId: null, controller };
-  const stats = { tokens: null, firstTokenMs: null, totalMs: null };
+  const stats = { tokens: null, firstTokenMs: null, totalMs: null, asked: model, answeredBy: null };
   const started = performance.now();
   const body = { model, messages: [{ role: "user", content: text }], ...settings() };
   if (local) body.messages = [...historyTo(parent), { role: "user", content: text }];
@@ -396,6 +397,7 @@ async function ask(text, parent) {
       signal: controller.signal,
       onStart: (streamId) => { state.pending.streamId = streamId; },
       onChunk: (chunk) => {
+        stats.answeredBy ??= chunk.model ?? null; // a router's pick (model "auto") names the model that ran
         const delta = chunk.choices?.[0]?.delta?.content;
         if (delta) {
           if (stats.firstTokenMs === null) stats.firstTokenMs = performance.now() - started;
