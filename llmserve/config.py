@@ -126,13 +126,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
         if self.tensor_parallel_size == 1:
             return
-        unsupported = [
-            (self.lora_enabled, "LoRA adapters"),
-            (self.load_format == "dummy", "load_format dummy"),
-        ]
-        for used, what in unsupported:
-            if used:
-                raise ValueError(f"tensor_parallel_size > 1 does not serve {what} yet.")
+        if self.load_format == "dummy":
+            raise ValueError("tensor_parallel_size > 1 does not serve load_format dummy yet.")
 
 
 @dataclass(frozen=True)

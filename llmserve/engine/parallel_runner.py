@@ -1,7 +1,8 @@
 """Tensor parallelism's processes (model/parallel.py has the split): the engine core's runner is rank 0, and it
 starts ranks 1..N-1 as worker processes, each a ModelRunner over its own shard. Every step, rank 0 sends the step
 batch to the workers and all ranks run it together, meeting in each layer's all-reduce; every rank samples the same
-tokens, so rank 0 alone reports them and nothing else comes back.
+tokens, so rank 0 alone reports them and nothing else comes back. A LoRA adapter rank 0 reads, each worker reads
+too (its own share of it), in the same state, so every rank puts it in the same slot.
 
 A worker is started with `python -m llmserve.engine.parallel_runner`, its arguments pickled on its stdin, which stays
 open: the worker exits when it closes (its engine core ended, however it ended). A worker that dies fails rank 0's
@@ -17,14 +18,17 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmserve.config import EngineConfig
-from llmserve.errors import ModelLoadError
+from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.model import parallel
 from llmserve.model.config import ModelConfig
+from llmserve.model.lora import LoRASlots
+from llmserve.model.lora_request import LoRARequest
 from llmserve.model.pooling import PoolerConfig
 from llmserve.model.runner import ModelRunner, StepBatch, StepHandle, resolve_device
 
@@ -63,6 +67,7 @@ class ParallelRunner:
             parallel.init(parallel.ParallelSetup(0, ranks, meeting), resolve_device(config.device),
                           peers_alive=lambda: all(worker.poll() is None for worker in self._workers))
             self.runner = ModelRunner(config, model_config, model_dir, max_model_len, pooler)
+            self.lora = _ParallelLoRA(self.runner.lora) if self.runner.lora is not None else None
         except BaseException:
             self._stop_workers()
             raise
@@ -101,6 +106,28 @@ class ParallelRunner:
         self._workers = []
 
 
+class _ParallelLoRA:
+    """Rank 0's LoRA slots, whose adapters every rank reads: the same adapter read in the same state on each (the
+    ids of live requests, which may not be dropped from the host cache, sent along), so their slots agree."""
+
+    def __init__(self, slots: LoRASlots) -> None:
+        self.slots = slots
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.slots, name)
+
+    def add(self, request: LoRARequest, in_use: Callable[[], Collection[int]] = frozenset) -> None:
+        live = frozenset(in_use())
+        parallel.broadcast(_ReadAdapter(request, live))
+        self.slots.add(request, lambda: live)
+
+
+@dataclass(frozen=True)
+class _ReadAdapter:
+    request: LoRARequest
+    in_use: frozenset[int]
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -122,9 +149,20 @@ def _run_worker() -> None:
     threading.Thread(target=_exit_when_stdin_closes, name="llmserve-parent-watch", daemon=True).start()
     parallel.init(args.setup, resolve_device(args.config.device))
     runner = ModelRunner(args.config, args.model_config, args.model_dir, args.max_model_len, args.pooler)
-    while (batch := parallel.broadcast()) is not None:
-        runner.execute(batch)
+    while (message := parallel.broadcast()) is not None:
+        if isinstance(message, _ReadAdapter):
+            _read_adapter(runner, message)
+        else:
+            runner.execute(message)
     parallel.close()
+
+
+def _read_adapter(runner: ModelRunner, message: _ReadAdapter) -> None:
+    assert runner.lora is not None
+    try:
+        runner.lora.add(message.request, lambda: message.in_use)
+    except InvalidRequestError:
+        pass  # rank 0 failed to read it too, and fails its request
 
 
 def _exit_when_stdin_closes() -> None:
@@ -133,4 +171,7 @@ def _exit_when_stdin_closes() -> None:
 
 
 if __name__ == "__main__":
-    _run_worker()
+    # By its import name, not as __main__: the messages rank 0 pickles name this module's classes.
+    from llmserve.engine import parallel_runner
+
+    parallel_runner._run_worker()

@@ -141,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
             if any(hf_name.endswith(s) for s in self.ignored_weights):
                 continue
             name, offset, size = self._locate(hf_name)
-            tensor = self._rank_shard(name, tensor, size)
+            tensor = self.rank_shard(name, tensor, size)
             if name not in params:
                 if name == "lm_head.weight" and self.lm_head is None:
                     continue  # tied checkpoints sometimes store the tied copy too
@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name if size is None else f"{name}#{offset}")
         self._check_complete(params, loaded)
 
-    def _rank_shard(self, name: str, tensor: torch.Tensor, piece_rows: int | None) -> torch.Tensor:
+    def rank_shard(self, name: str, tensor: torch.Tensor, piece_rows: int | None) -> torch.Tensor:
         """This tensor-parallel rank's part of a checkpoint tensor: a fused matrix's piece by its rows (heads,
         features; `piece_rows` of them, from `shard_sizes`; its quantization scales too), a row-parallel weight by
         its columns; a row-parallel bias is added once, after the ranks' sum. Weights quantized at load were

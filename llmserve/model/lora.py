@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from llmserve.errors import InvalidRequestError
-from llmserve.model import cpu_lora
+from llmserve.model import cpu_lora, parallel
 from llmserve.model.config import ModelConfig
 from llmserve.model.layers import Linear, linear
 from llmserve.model.lora_request import LoRARequest
@@ -79,6 +79,7 @@ def read_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
         target, shard = _target(model, name, modules)
         layer = modules[target]
         sizes = _shard_sizes(model, target)
+        a, b = _rank_shard(model, target, shard, sizes, a, b)
         if tuple(a.shape) != (rank, layer.weight.shape[1]) or tuple(b.shape) != (sizes[shard], rank):
             raise LoRAAdapterError(
                 f"The adapter's {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; this model needs A "
@@ -193,6 +194,21 @@ def _target(model: nn.Module, name: str, modules: dict[str, nn.Module]) -> tuple
             f"The adapter adapts {name!r}; LoRA is served on {', '.join(TARGET_MODULES)} of this model's layers."
         )
     return target, shard
+
+
+def _rank_shard(
+    model: nn.Module, target: str, shard: int, sizes: list[int], a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor-parallel rank's part of an adapted layer's A and B, split as the layer's weight is: B by its rows
+    where the layer's outputs are split, A by its columns where its inputs are (the rank's share of the shrink,
+    summed with the layer's output over the ranks)."""
+    if parallel.size() == 1:
+        return a, b
+    leaf = target.rsplit(".", 1)[-1]
+    weight = f"{target}.weight"
+    if leaf in model.row_parallel:  # type: ignore[union-attr]
+        return model.rank_shard(weight, a, None), b  # type: ignore[operator]
+    return a, model.rank_shard(weight, b, sizes[shard])  # type: ignore[operator]
 
 
 def _shard_sizes(model: nn.Module, target: str) -> list[int]:

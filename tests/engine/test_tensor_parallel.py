@@ -19,6 +19,7 @@ from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.core_client import EngineCoreStartError
 from llmserve.engine.messages import EngineStats
 from llmserve.errors import EngineDeadError
+from llmserve.model.lora_request import LoRARequest
 from llmserve.sampling.params import SamplingParams
 from llmserve.server.streaming import final_outputs
 from tests import hf_reference
@@ -113,9 +114,38 @@ def test_speculation_and_an_int8_kv_cache_over_two_ranks(tmp_path: Path, tiny_ll
         model_dir, batch, greedy, **int8_kv)[0]
 
 
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_lora_adapters_over_two_ranks_match_peft(tmp_path: Path, tiny_llama_dir: Path, max_loras: int) -> None:
+    """Two adapters and none in one batch, each rank holding its share of each adapter (MQA: the one key/value
+    head, replicated, adapted on both); with one slot the ranks swap adapters in and out alike."""
+    base = hf_reference.build_checkpoint("llama-linear-mqa", tmp_path / "base", tiny_llama_dir)
+    adapters = {
+        "every": hf_reference.build_lora_adapter(base, tmp_path / "every", rank=8, alpha=16, seed=1),
+        "some": hf_reference.build_lora_adapter(base, tmp_path / "some", targets=("q_proj", "v_proj", "down_proj"),
+                                                rank=4, alpha=8, seed=2, rslora=True),
+    }
+    references = {None: hf_reference.load_model(base)} | {
+        name: hf_reference.load_with_adapter(base, path) for name, path in adapters.items()}
+    requests = {None: None} | {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())}
+    cases = [(prompt, name) for prompt in prompts(3, seed=11) for name in references]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+    async def run() -> list[list[int]]:
+        engine = AsyncLLM.from_config(EngineConfig(
+            model=str(base), dtype="float32", device="cpu", tensor_parallel_size=2, num_kv_blocks=128,
+            max_model_len=256, enable_lora=True, max_loras=max_loras, max_lora_rank=8))
+        try:
+            streams = [await engine.add_request(f"r{i}", prompt, greedy, lora_request=requests[name])
+                       for i, (prompt, name) in enumerate(cases)]
+            return [output.outputs[0].token_ids for output in await final_outputs(streams)]
+        finally:
+            engine.close()
+
+    assert asyncio.run(run()) == [hf_reference.greedy(references[name], prompt, MAX_NEW) for prompt, name in cases]
+
+
 def test_what_two_ranks_do_not_serve_is_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
     for config, refusal in [
-        (dict(enable_lora=True), "does not serve LoRA adapters"),
         (dict(load_format="dummy"), "does not serve load_format dummy"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be at least 1"),
     ]:
