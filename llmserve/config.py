@@ -118,16 +118,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
         parse_lora_modules(self.lora_modules or [])
         parse_speculative_config(self.speculative_config)
-        self._validate_tensor_parallel()
-
-    def _validate_tensor_parallel(self) -> None:
-        """What tensor parallelism serves: a decoder's weights read from its checkpoint."""
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
-        if self.tensor_parallel_size == 1:
-            return
-        if self.load_format == "dummy":
-            raise ValueError("tensor_parallel_size > 1 does not serve load_format dummy yet.")
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmserve.model import parallel
+
 DUMMY_STD = 0.02
 DUMMY_PERIOD = 1_000_003  # prime
+PARAMETERS_PER_SEED = 1 << 20  # seeds of different models' parameters never meet
 
 
 def init_dummy_weights_(model: nn.Module, seed: int = 0, std: float = DUMMY_STD) -> None:
-    """Norm weights 1, everything else N(0, std) values; deterministic for a seed on a given device."""
+    """Norm weights 1, everything else N(0, std) values; deterministic for a seed on a given device. Split over
+    tensor-parallel ranks, each parameter draws from its own seed, so those whole on every rank (embeddings, the
+    head) are the same on each, however large the split ones before them."""
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for index, (name, param) in enumerate(model.named_parameters()):
             if "norm" in name:
                 param.fill_(1.0)
             elif param.device.type == "meta":  # shapes only, nothing to draw
@@ -28,6 +33,8 @@ def init_dummy_weights_(model: nn.Module, seed: int = 0, std: float = DUMMY_STD)
             else:
                 if param.device not in generators:
                     generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+                if parallel.size() > 1:
+                    generators[param.device].manual_seed(seed * PARAMETERS_PER_SEED + index)
                 _fill_normal_(param.view(-1), std, generators[param.device])
 
 

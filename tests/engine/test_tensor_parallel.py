@@ -19,6 +19,11 @@ from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.core_client import EngineCoreStartError
 from llmserve.engine.messages import EngineStats
 from llmserve.errors import EngineDeadError
+from llmserve.model import parallel
+from llmserve.model.builtin import SIZES
+from llmserve.model.config import ModelConfig
+from llmserve.model.dummy_weights import init_dummy_weights_
+from llmserve.model.llama import LlamaForCausalLM
 from llmserve.model.lora_request import LoRARequest
 from llmserve.sampling.params import SamplingParams
 from llmserve.server.streaming import final_outputs
@@ -144,16 +149,30 @@ def test_lora_adapters_over_two_ranks_match_peft(tmp_path: Path, tiny_llama_dir:
     assert asyncio.run(run()) == [hf_reference.greedy(references[name], prompt, MAX_NEW) for prompt, name in cases]
 
 
-def test_what_two_ranks_do_not_serve_is_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    for config, refusal in [
-        (dict(load_format="dummy"), "does not serve load_format dummy"),
-        (dict(tensor_parallel_size=0), "tensor_parallel_size must be at least 1"),
-    ]:
-        with pytest.raises(ValueError, match=refusal):
-            EngineConfig(model=str(tiny_llama_dir), **{"tensor_parallel_size": 2, **config}).validate()
+def test_heads_the_ranks_cannot_divide_are_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
+        EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=0).validate()
     model_dir = hf_reference.build_checkpoint("llama", tmp_path / "llama", tiny_llama_dir)  # 4 heads, 2 kv heads
     with pytest.raises(EngineCoreStartError, match="needs the attention heads divisible by 3"):
         AsyncLLM.from_config(EngineConfig(model=str(model_dir), dtype="float32", device="cpu", tensor_parallel_size=3))
+
+
+def test_dummy_weights_whole_on_every_rank_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--load-format dummy` split over ranks: the embeddings and the head, drawn after split matrices of another
+    size on each rank, come out the same on every rank (each rank's draws, as two processes would make them)."""
+    config = ModelConfig.from_dict(SIZES["tiny"] | {"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False})
+    drawn = []
+    for rank in range(2):
+        monkeypatch.setattr(parallel._group, "rank", rank)
+        monkeypatch.setattr(parallel._group, "size", 2)
+        model = LlamaForCausalLM(config)
+        init_dummy_weights_(model, seed=3)
+        drawn.append(dict(model.named_parameters()))
+    assert torch.equal(drawn[0]["embed_tokens.weight"], drawn[1]["embed_tokens.weight"])
+    assert torch.equal(drawn[0]["lm_head.weight"], drawn[1]["lm_head.weight"])
+    qkv = drawn[0]["layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.shape[0] == (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim // 2
+    assert qkv.std() > 0
 
 
 def test_a_worker_that_dies_fails_the_core_which_comes_back(tmp_path: Path, tiny_llama_dir: Path) -> None:
