@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmserve.config import EngineConfig
-from llmserve.errors import InvalidRequestError, ModelLoadError
+from llmserve.errors import InvalidRequestError
 from llmserve.model import parallel
 from llmserve.model.config import ModelConfig
 from llmserve.model.lora import LoRASlots
@@ -83,7 +83,14 @@ class ParallelRunner:
         return self.runner.execute(batch)
 
     def read_weights(self, model_dir: Path) -> list:
-        raise ModelLoadError("Reloading weights is not served with tensor parallelism yet.")
+        """Rank 0's weights read and checked (on a thread, as steps go on); the others read theirs at the swap."""
+        return _CheckpointWeights(self.runner.read_weights(model_dir), Path(model_dir))
+
+    def swap_weights(self, weights: _CheckpointWeights) -> None:
+        """Between two steps: every rank puts its share of the checkpoint in place; the other ranks read theirs
+        now, so the next step waits for that."""
+        parallel.broadcast(_SwapWeights(weights.model_dir))
+        self.runner.swap_weights(weights)
 
     def close(self) -> None:
         """Stop the workers (each ends its loop) and leave the group."""
@@ -128,6 +135,19 @@ class _ReadAdapter:
     in_use: frozenset[int]
 
 
+@dataclass(frozen=True)
+class _SwapWeights:
+    model_dir: Path
+
+
+class _CheckpointWeights(list):
+    """Rank 0's read weights, with the checkpoint they came from (for the other ranks to read)."""
+
+    def __init__(self, weights: list, model_dir: Path) -> None:
+        super().__init__(weights)
+        self.model_dir = model_dir
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -152,6 +172,8 @@ def _run_worker() -> None:
     while (message := parallel.broadcast()) is not None:
         if isinstance(message, _ReadAdapter):
             _read_adapter(runner, message)
+        elif isinstance(message, _SwapWeights):
+            runner.swap_weights(runner.read_weights(message.model_dir))
         else:
             runner.execute(message)
     parallel.close()

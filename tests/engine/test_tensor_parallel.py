@@ -149,6 +149,31 @@ def test_lora_adapters_over_two_ranks_match_peft(tmp_path: Path, tiny_llama_dir:
     assert asyncio.run(run()) == [hf_reference.greedy(references[name], prompt, MAX_NEW) for prompt, name in cases]
 
 
+def test_weights_reloaded_on_every_rank(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """A reload while serving: after it, transformers' greedy tokens on the new checkpoint (each rank read its
+    share), with the prefix cache of the old weights forgotten."""
+    old = hf_reference.build_checkpoint("llama", tmp_path / "old", tiny_llama_dir, seed=0)
+    new = hf_reference.build_checkpoint("llama", tmp_path / "new", tiny_llama_dir, seed=1)
+    prompt = prompts(1, seed=12)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+    async def run() -> tuple[list[int], list[int], int]:
+        engine = AsyncLLM.from_config(EngineConfig(model=str(old), dtype="float32", device="cpu",
+                                                   tensor_parallel_size=2, num_kv_blocks=64, max_model_len=256))
+        try:
+            [before] = await final_outputs([await engine.add_request("before", prompt, greedy)])
+            forgotten = await engine.reload_weights(new)
+            [after] = await final_outputs([await engine.add_request("after", prompt, greedy)])
+            return before.outputs[0].token_ids, after.outputs[0].token_ids, forgotten
+        finally:
+            engine.close()
+
+    before, after, forgotten = asyncio.run(run())
+    assert before == hf_reference.greedy(hf_reference.load_model(old), prompt, MAX_NEW)
+    assert after == hf_reference.greedy(hf_reference.load_model(new), prompt, MAX_NEW) != before
+    assert forgotten > 0
+
+
 def test_heads_the_ranks_cannot_divide_are_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
         EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=0).validate()
