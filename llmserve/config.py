@@ -80,6 +80,9 @@ class EngineConfig:
     # Megatron-style tensor parallelism (vLLM's --tensor-parallel-size): every layer's heads and MLP features split
     # over this many processes (torch.distributed: gloo on CPU, NCCL on CUDA), one device each
     tensor_parallel_size: int = 1
+    # CPU: the threads each engine core (each tensor-parallel rank) computes with; None: the machine's cores, shared
+    # among the ranks. One thread serves a small encoder's single texts sooner (a router's embeddings).
+    cpu_threads: int | None = None
 
     @property
     def lora_enabled(self) -> bool:
@@ -120,6 +123,8 @@ class EngineConfig:
         parse_speculative_config(self.speculative_config)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}.")
 
 
 @dataclass(frozen=True)
@@ -305,6 +310,11 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
         "tensor_parallel_size", "--tensor-parallel-size",
         help="split every layer over this many processes (one device each; gloo on CPU, NCCL on CUDA): for a "
         "model too big for one device, or decode bound by one device's memory bandwidth",
+    ),
+    _EngineFlag(
+        "cpu_threads", "--cpu-threads",
+        help="CPU: threads each engine core computes with (default: the machine's cores, shared among tensor-parallel "
+        "ranks); 1 serves a small encoder's single texts sooner",
     ),
     _EngineFlag(
         "async_scheduling", "--no-async-scheduling",

@@ -252,6 +252,8 @@ class ModelRunner:
         self.model_config = model_config
         self.pooler = pooler  # how hidden states become embeddings; None: the model does not embed
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         model_config.dtype = self.dtype
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)

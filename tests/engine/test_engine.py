@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.config import EngineConfig
 from llmserve.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
@@ -337,3 +340,13 @@ def test_half_precision_engines_run_and_keep_greedy_tokens_on_the_tiny_model(tin
     assert [o.outputs[0].token_ids[0] for o in got] == [o.outputs[0].token_ids[0] for o in expected]
     assert all(len(o.outputs[0].token_ids) == 8 for o in got)
     _assert_pool_empty(half)
+
+
+def test_cpu_threads_sets_the_threads_an_engine_computes_with(tiny_llama_dir):
+    """In a process of its own: the offline engine computes in the caller's process, whose threads it sets."""
+    script = (f"from llmserve import LLM; import torch; LLM({str(tiny_llama_dir)!r}, cpu_threads=1, device='cpu', "
+              "num_kv_blocks=8, max_model_len=128); print(torch.get_num_threads())")
+    answer = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    assert answer.stdout.strip().splitlines()[-1] == "1"
+    with pytest.raises(ValueError, match="cpu_threads must be at least 1"):
+        EngineConfig(model=str(tiny_llama_dir), cpu_threads=0).validate()
