@@ -258,7 +258,7 @@ class GatewayPlatform:
         self, model: str | None, key: ApiKey | None, routing_key: str | None, texts: Callable[[], Sequence[str]]
     ) -> tuple[str, Pool]:
         """`resolve`, where `model` may also name a content router: the key needs the router's name, and the
-        request goes where the router sends its `text`."""
+        request goes where the router sends it by `texts()`."""
         router = self.content_routers.get(model) if model is not None else None
         if router is None:
             return self.resolve(model, key, routing_key)

@@ -172,7 +172,7 @@ class ServerState:
         self, model: str | None, key: ApiKey | None, routing_key: str | None, texts: Callable[[], Sequence[str]]
     ) -> ModelEndpoint:
         """`endpoint`, where `model` may also name a content router: the key needs the router's name, and the
-        request goes where the router sends its `text` (its default when that model is not ready)."""
+        request goes where the router sends it by `texts()` (to its default when that model is not ready)."""
         router = self.content_routers.get(model) if model is not None else None
         if router is None:
             return self.endpoint(model, key, routing_key)
