@@ -244,3 +244,15 @@ def serve_models(model_args: list[str], database_url: str | None, *extra: str) -
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_serve_splits_a_model_over_two_ranks(tiny_llama_dir: Path) -> None:
+    """`llmserve serve --tensor-parallel-size 2`: the engine core's process starts the other rank, and a greedy
+    completion comes out as one rank's."""
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    texts = []
+    for ranks in ("1", "2"):
+        with serve_models(["--model", str(tiny_llama_dir)], None, "--no-platform", "--tensor-parallel-size", ranks) as url:
+            texts.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status().json())
+    assert texts[1]["choices"][0]["text"] == texts[0]["choices"][0]["text"]
+    assert texts[1]["usage"]["completion_tokens"] == 12
