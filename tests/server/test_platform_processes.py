@@ -5,6 +5,7 @@ SIGTERM in the middle of load loses no usage record, and named models, aliases a
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -248,11 +249,21 @@ def serve_models(model_args: list[str], database_url: str | None, *extra: str) -
 
 def test_serve_splits_a_model_over_two_ranks(tiny_llama_dir: Path) -> None:
     """`llmserve serve --tensor-parallel-size 2`: the engine core's process starts the other rank, and a greedy
-    completion comes out as one rank's."""
+    completion, and a chat under a JSON schema, come out as one rank's."""
     body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    texts = []
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+    constrained = {"messages": [{"role": "user", "content": "Which city?"}], "max_tokens": 40, "temperature": 0,
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}}
+    answers = []
     for ranks in ("1", "2"):
         with serve_models(["--model", str(tiny_llama_dir)], None, "--no-platform", "--tensor-parallel-size", ranks) as url:
-            texts.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status().json())
-    assert texts[1]["choices"][0]["text"] == texts[0]["choices"][0]["text"]
-    assert texts[1]["usage"]["completion_tokens"] == 12
+            answers.append((
+                httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status().json(),
+                httpx.post(f"{url}/v1/chat/completions", json=constrained, timeout=60).raise_for_status().json(),
+            ))
+    (one, one_json), (two, two_json) = answers
+    assert two["choices"][0]["text"] == one["choices"][0]["text"] and two["usage"]["completion_tokens"] == 12
+    # an output constraint's token masks go to every rank with the step
+    assert two_json["choices"][0]["message"]["content"] == one_json["choices"][0]["message"]["content"]
+    assert set(json.loads(two_json["choices"][0]["message"]["content"])) == {"city"}
