@@ -93,6 +93,20 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     )
     gateway.add_argument("--resolve-interval", type=float, default=5.0, metavar="SECONDS",
                          help="how often dns+http://name:port pool entries are resolved again")
+    gateway.add_argument(
+        "--prefill-pool", action="append", default=[], metavar="NAME=URL[,URL...]",
+        help="prefill replicas of pool NAME (started with --kv-transfer, as NAME's own replicas, which then "
+             "decode): long prompts are computed there and their KV pulled by the decode replica; repeatable",
+    )
+    gateway.add_argument(
+        "--pd-min-prompt-chars", type=int, default=4096, metavar="N",
+        help="disaggregate a request only when the part of its prompt (characters of the messages' text or "
+             "the prompt) that its decode replica does not hold cached is at least N (default: about one "
+             "prefill step of 1024 tokens)",
+    )
+    gateway.add_argument("--pd-prefill-timeout", type=float, default=30.0, metavar="SECONDS",
+                         help="a prefill call not answered within this is given up: the decode replica "
+                              "computes the prompt itself")
     add_platform_args(gateway, "`pools: {name: [url, ...]}`, and aliases, prices, safety rules")
     gateway.set_defaults(func=cmd_gateway)
 

@@ -83,6 +83,13 @@ class EngineConfig:
     # CPU: the threads each engine core (each tensor-parallel rank) computes with; None: the machine's cores, shared
     # among the ranks. One thread serves a small encoder's single texts sooner (a router's embeddings).
     cpu_threads: int | None = None
+    # Prefill/decode disaggregation: this engine keeps the prompt KV of requests sent with kv_transfer_params
+    # {"do_remote_decode": true} for another engine to pull, and pulls the KV of those sent with
+    # {"do_remote_prefill": true, ...} from the engine named; over a ZeroMQ port of its own (0: any free port)
+    kv_transfer: bool = False
+    kv_transfer_host: str = "0.0.0.0"
+    kv_transfer_port: int = 0
+    kv_transfer_ttl: float = 30.0  # seconds held KV waits for its pull before it is let go
 
     @property
     def lora_enabled(self) -> bool:
@@ -125,6 +132,18 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}.")
+        if self.kv_transfer:
+            self._validate_kv_transfer()
+
+    def _validate_kv_transfer(self) -> None:
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_transfer needs prefix caching: pulled KV joins the prefix cache.")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_transfer is not built for tensor parallelism (each rank holds a share of the KV).")
+        if not 0 <= self.kv_transfer_port <= 65535:
+            raise ValueError(f"kv_transfer_port must be a TCP port (0: any free one), got {self.kv_transfer_port}.")
+        if self.kv_transfer_ttl <= 0:
+            raise ValueError(f"kv_transfer_ttl must be positive, got {self.kv_transfer_ttl}.")
 
 
 @dataclass(frozen=True)
@@ -316,6 +335,15 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
         help="CPU: threads each engine core computes with (default: the machine's cores, shared among tensor-parallel "
         "ranks); 1 serves a small encoder's single texts sooner",
     ),
+    _EngineFlag(
+        "kv_transfer", "--kv-transfer",
+        help="prefill/decode disaggregation: keep the prompt KV of requests with kv_transfer_params "
+        '{"do_remote_decode": true} for another replica to pull, and pull it for requests with '
+        '{"do_remote_prefill": true, ...} (the gateway\'s --prefill-pool sends both)',
+    ),
+    _EngineFlag("kv_transfer_host", "--kv-transfer-host", help="the address the KV side channel listens on (default 0.0.0.0)"),
+    _EngineFlag("kv_transfer_port", "--kv-transfer-port", help="the KV side channel's TCP port (default 0: any free one)"),
+    _EngineFlag("kv_transfer_ttl", "--kv-transfer-ttl", help="seconds held KV waits for its pull (default 30)"),
     _EngineFlag(
         "async_scheduling", "--no-async-scheduling",
         help="run engine steps one after another instead of overlapping the next step's scheduling "

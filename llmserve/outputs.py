@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -83,6 +84,8 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked for them
+    # disaggregation's prefill side, when finished: where its prompt's KV waits (vLLM's kv_transfer_params)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

@@ -41,6 +41,7 @@ from llmserve.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
+    KVTransferParams,
     StepRecord,
     StopChoices,
     UtilityCall,
@@ -260,6 +261,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> RequestStream:
         """Validate and queue a request (generated with `lora_request`'s adapter, when given). Raises
         InvalidRequestError (and subclasses) for bad input, EngineClosedError / EngineDeadError when no engine
@@ -268,7 +270,9 @@ class AsyncLLM:
         self._check_open()
         if request_id in self._streams:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
-        request = self.input_processor.process(request_id, prompt, params, priority, cache_salt, lora_request)
+        request = self.input_processor.process(
+            request_id, prompt, params, priority, cache_salt, lora_request, kv_transfer
+        )
         return self._send_request(request, prompt)
 
     def check_lora(self, lora_request: LoRARequest) -> None:

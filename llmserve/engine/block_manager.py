@@ -180,6 +180,30 @@ class BlockManager:
         seq.num_registered_blocks = len(seq.block_table)
         return len(seq.block_table) * self.block_size + self._take_tail(seq)
 
+    def adopt_blocks(self, seq: Sequence, first: int, count: int) -> list[int] | None:
+        """For KV computed elsewhere (disaggregation): give block-less `seq` its cached full blocks before
+        `first` and fresh blocks for its next `count`, which the caller writes, then names
+        (`register_computed`) and lets go (`release`), so they wait in the cache as if computed here.
+        Returns the fresh blocks; None, with nothing taken, when a block before `first` is no longer
+        cached or the pool cannot spare `count` blocks."""
+        assert self.cache is not None and not seq.block_table
+        for k in range(first):
+            block = self._find(seq, k)
+            if block is None:
+                self.release(seq)
+                return None
+            if self.ref_counts[block] == 0:
+                del self._evictable[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+        seq.num_registered_blocks = first
+        if count > self.num_free_blocks:
+            self.release(seq)
+            return None
+        fresh = [self._allocate() for _ in range(count)]
+        seq.block_table.extend(fresh)
+        return fresh
+
     def _keep_tail(self, seq: Sequence) -> None:
         """File `seq`'s partly filled, computed last block as a tail, if nobody else holds it (never an
         embedding request's: its blocks are not named, and nothing is kept of them)."""

@@ -39,11 +39,13 @@ import numpy as np
 from llmserve.config import EngineConfig
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.grammar import grammar_spec
+from llmserve.engine.kv_transfer import KVTransfer, PulledKV
 from llmserve.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
+    KVTransferParams,
     StepRecord,
 )
 from llmserve.engine.model_facts import ModelFacts
@@ -53,6 +55,7 @@ from llmserve.engine.prefix_cache import hash_root
 from llmserve.engine.scheduler import SampleTarget, ScheduledRow, Scheduler, SchedulerOutput
 from llmserve.engine.sequence import Request, Sequence
 from llmserve.engine.structured_output import StructuredOutputManager
+from llmserve.engine.wakeup import Wakeup
 from llmserve.errors import InvalidRequestError
 from llmserve.heap import freeze_startup_heap
 from llmserve.model.runner import ModelRunner, PromptLogprobsBatch, StepBatch, StepHandle
@@ -93,7 +96,15 @@ class EngineCore:
             proposer=NgramProposer(speculative) if (speculative := config.speculative) is not None else None,
             fast_step_tokens=self.runner.fast_step_tokens(),
             strict_fast_step=self.runner.compute_bound_past_fast_step(),
+            export_kv=self._export_kv,
         )
+        # Disaggregation: the side channel other engines pull held KV from, and pull ours from theirs.
+        self.kv_transfer = KVTransfer(
+            self.runner.read_kv_blocks, self.runner.kv_layout, config.block_size, config.kv_transfer_host,
+            config.kv_transfer_port, config.kv_transfer_ttl,
+        ) if config.kv_transfer else None
+        self._awaiting_kv: dict[str, tuple[Request, Future[PulledKV]]] = {}  # requests pulling their prompt's KV
+        self._exported: dict[str, KVTransferParams] = {}  # held by this step's update, for its outputs
         # Speculation needs a step's accepted tokens before it schedules the next one.
         self.overlapped = config.async_scheduling and speculative is None
         # What else changes the KV of the same tokens (a request's LoRA adapter joins per request).
@@ -158,8 +169,10 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the front end validated."""
         request_id = request.request_id
-        if request_id in self.scheduler.requests or request_id in self._awaiting_grammar:
+        if request_id in self.scheduler.requests or request_id in self._awaiting_grammar or request_id in self._awaiting_kv:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
+        if request.kv_transfer is not None and self.kv_transfer is None:
+            raise InvalidRequestError("This engine transfers no KV (start it with --kv-transfer).", param="kv_transfer_params")
         core_request = Request(
             request_id=request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -174,13 +187,110 @@ class EngineCore:
         self.num_requests_added += 1
         if request.lora is not None and not self._read_adapter(core_request):
             return
-        so = request.params.structured_outputs
+        transfer = request.kv_transfer
+        if transfer is not None:
+            core_request.export_kv = transfer.do_remote_decode
+            if transfer.do_remote_prefill and self._pull_prompt(core_request, transfer):
+                return
+        self._queue(core_request)
+
+    def _queue(self, core_request: Request) -> None:
+        """Into the scheduler, or first to the grammar compiler when it has a grammar."""
+        request_id = core_request.request_id
+        so = core_request.params.structured_outputs
         if so is None:
             self.scheduler.add_request(core_request)
             return
         future = self.structured_output.compile(grammar_spec(so))
         self._awaiting_grammar[request_id] = (core_request, future)
         self._admit_compiled()  # a cached grammar: queued at once
+
+    # ---- KV transfer (disaggregation) -------------------------------------------------------------
+    def _export_kv(self, seq: Sequence) -> None:
+        """The scheduler's hook as an `export_kv` request ends: hold its prompt's blocks for a pull. Held
+        blocks cannot be preempted, so they never take more than half the pool: past that the request
+        ends as any other, without a transfer (its decode replica computes the prompt)."""
+        assert self.kv_transfer is not None
+        held = sum(len(holder.block_table) for holder in self.kv_transfer.holders())
+        if held + seq.num_prompt_tokens // self.config.block_size > self.block_manager.num_blocks // 2:
+            logger.warning("request %s: its KV is not held for a pull (%d blocks held already)", seq.request.request_id, held)
+            return
+        self._exported[seq.request.request_id] = self.kv_transfer.hold(seq, self.block_manager)
+
+    def _pull_prompt(self, request: Request, transfer: KVTransferParams) -> bool:
+        """Start pulling the prompt blocks this engine's cache lacks; False when there is nothing to pull."""
+        assert self.kv_transfer is not None
+        probe = Sequence(request, 0, list(request.prompt_token_ids), len(request.prompt_token_ids), request.seed)
+        first = self.block_manager.num_cached_prefix_blocks(probe)
+        count = (len(request.prompt_token_ids) - 1) // self.config.block_size - first  # the last token is computed here
+        if count <= 0 or request.needs_prompt_logprobs or not transfer.remote_host or not transfer.remote_port:
+            return False
+        future = self.kv_transfer.pull(transfer.remote_host, transfer.remote_port, transfer.transfer_id or "", first, count)
+        self._awaiting_kv[request.request_id] = (request, future)
+        return True
+
+    def _admit_pulled(self) -> None:
+        """Write the KV of the pulls that completed into the cache and queue their requests."""
+        ready = [(rid, entry) for rid, entry in self._awaiting_kv.items() if entry[1].done()]
+        for request_id, (request, future) in ready:
+            del self._awaiting_kv[request_id]
+            error = future.exception()
+            if error is not None:
+                self._pull_failed(request, str(error))
+            else:
+                self._adopt(request, future.result())
+            self._queue(request)
+
+    def _adopt(self, request: Request, pulled: PulledKV) -> None:
+        assert self.kv_transfer is not None
+        bs = self.config.block_size
+        begin, end = pulled.first_block * bs, (pulled.first_block + pulled.num_blocks) * bs
+        if pulled.token_ids != request.prompt_token_ids[begin:end]:
+            self._pull_failed(request, "the pulled blocks hold other tokens")
+            return
+        seq = Sequence(request, 0, list(request.prompt_token_ids), len(request.prompt_token_ids), request.seed)
+        fresh = self.block_manager.adopt_blocks(seq, pulled.first_block, pulled.num_blocks)
+        if fresh is None:
+            self._pull_failed(request, "the KV pool has no room for the pulled blocks now")
+            return
+        try:
+            self.runner.write_kv_blocks(fresh, pulled.frames)
+        except ValueError as exc:
+            self.block_manager.release(seq)
+            self._pull_failed(request, str(exc))
+            return
+        seq.num_computed_tokens = end
+        self.block_manager.register_computed(seq)
+        self.block_manager.release(seq)
+        request.num_imported_tokens = end
+        self.kv_transfer.counts.blocks_received += pulled.num_blocks
+
+    def _pull_failed(self, request: Request, reason: str) -> None:
+        assert self.kv_transfer is not None
+        self.kv_transfer.counts.pulls_failed += 1
+        logger.warning("request %s: its prompt's KV could not be pulled (%s); computing it here", request.request_id, reason)
+
+    def release_kv_exports(self) -> bool:
+        """Let go of held KV that was pulled, or that nobody pulled in time; True when some was."""
+        return self.kv_transfer is not None and self.kv_transfer.release_done(self.block_manager)
+
+    def seconds_to_next_kv_expiry(self) -> float | None:
+        """How long the step loop may sleep before held KV must be let go; None: as long as it likes."""
+        deadline = self.kv_transfer.next_deadline() if self.kv_transfer is not None else None
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    @property
+    def wakeup_fds(self) -> list[int]:
+        """Readable when work done off the step loop completed: a grammar compiled, a KV pull or serve ended."""
+        return [wakeup.fd for wakeup in self._wakeups()]
+
+    def clear_wakeups(self) -> None:
+        for wakeup in self._wakeups():
+            wakeup.clear()
+
+    def _wakeups(self) -> list[Wakeup]:
+        wakeups = [self.structured_output.wakeup]
+        return wakeups + [self.kv_transfer.wakeup] if self.kv_transfer is not None else wakeups
 
     def _read_adapter(self, request: Request) -> bool:
         """Have the request's LoRA adapter read (the front end checked it; its files may have changed since);
@@ -223,9 +333,10 @@ class EngineCore:
             request.new_grammar = partial(self.structured_output.new_state, future.result(), so.start_after)
             self.scheduler.add_request(request)
 
-    def wait_for_grammars(self, timeout: float | None = None) -> None:
-        """Block until some awaited grammar is compiled (or `timeout`); returns at once with none awaited."""
-        futures = [future for _, future in self._awaiting_grammar.values()]
+    def wait_for_pending(self, timeout: float | None = None) -> None:
+        """Block until some awaited grammar is compiled or KV pull ended (or `timeout`); returns at once with
+        none awaited."""
+        futures = [future for _, future in chain(self._awaiting_grammar.values(), self._awaiting_kv.values())]
         if futures:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
@@ -233,6 +344,7 @@ class EngineCore:
         """Stop requests wherever they are; their blocks return to the pool at once."""
         for request_id in request_ids:
             self._awaiting_grammar.pop(request_id, None)
+            self._awaiting_kv.pop(request_id, None)  # its pull ends on its own; nothing was taken for it
         self.scheduler.finish_requests(request_ids)
 
     def stop_choices(self, choices: list[tuple[str, int]]) -> None:
@@ -241,18 +353,21 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Some request is unfinished (its grammar may still be compiling) or a step is in flight."""
-        return self.can_step() or bool(self._awaiting_grammar)
+        return self.can_step() or bool(self._awaiting_grammar) or bool(self._awaiting_kv)
 
     def can_step(self) -> bool:
         """A step would do something now; False when the only requests left wait for their grammar."""
         return (
             self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._failed_outputs)
-            or any(future.done() for _, future in self._awaiting_grammar.values())
+            or any(future.done() for _, future in chain(self._awaiting_grammar.values(), self._awaiting_kv.values()))
         )
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs | None:
         """Run one step; return the outputs of the step that completed (None when none did)."""
+        self.release_kv_exports()
+        if self._awaiting_kv:
+            self._admit_pulled()
         self._admit_compiled()
         if self.overlapped:
             outputs = self._step_overlapped()
@@ -284,12 +399,21 @@ class EngineCore:
         result = launched.handle.result()
         prompt_logprobs = self.scheduler.prompt_logprobs_of(launched.scheduled, result)
         outputs = self.scheduler.update_from_output(launched.scheduled, result)
+        if self._exported:
+            self._attach_exports(outputs)
         end = time.monotonic()
         # Under overlap a step's host work hides behind the previous one: it took from the later of
         # its launch and the previous step's end.
         self._record_step(max(launched.start_time, self._last_end), end, launched.scheduled)
         self._last_end = end
         return EngineCoreOutputs(outputs, self.last_step, self.stats(), prompt_logprobs)
+
+    def _attach_exports(self, outputs: list[EngineCoreOutput]) -> None:
+        """Each request whose KV this step's update held tells, on its last output, where it is."""
+        for output in outputs:
+            if output.finish_reason is not None and (params := self._exported.pop(output.request_id, None)):
+                output.kv_transfer = params
+        self._exported.clear()  # aborted meanwhile: nobody learns the transfer id, it expires
 
     def _record_step(self, start: float, end: float, scheduled: SchedulerOutput) -> None:
         rows = scheduled.rows
@@ -407,8 +531,8 @@ class EngineCore:
         bm, scheduler = self.block_manager, self.scheduler
         return EngineStats(
             num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting + len(self._awaiting_grammar),
-            num_unfinished_requests=len(scheduler.requests) + len(self._awaiting_grammar),
+            num_waiting=scheduler.num_waiting + len(self._awaiting_grammar) + len(self._awaiting_kv),
+            num_unfinished_requests=len(scheduler.requests) + len(self._awaiting_grammar) + len(self._awaiting_kv),
             num_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,
             num_used_blocks=bm.num_used_blocks,
@@ -423,7 +547,17 @@ class EngineCore:
             waiting_by_priority=scheduler.waiting_by_priority(),
             spec_decode=scheduler.spec_stats() if scheduler.proposer is not None else None,
             **(self._adapters_in_use() if self.runner.lora is not None else {}),
+            **(self._kv_transfer_stats() if self.kv_transfer is not None else {}),
         )
+
+    def _kv_transfer_stats(self) -> dict[str, int]:
+        assert self.kv_transfer is not None
+        counts = self.kv_transfer.counts
+        return {
+            "kv_blocks_sent": counts.blocks_sent, "kv_blocks_received": counts.blocks_received,
+            "kv_pulls_failed": counts.pulls_failed, "kv_exports_expired": counts.exports_expired,
+            "kv_blocks_held": sum(len(holder.block_table) for holder in self.kv_transfer.holders()),
+        }
 
     def _adapters_in_use(self) -> dict[str, list[str]]:
         """vLLM's `lora_requests_info`: the adapters of the running and of the waiting requests."""
@@ -433,7 +567,9 @@ class EngineCore:
         return {"running_loras": names(self.scheduler.running), "waiting_loras": names(self.scheduler.waiting)}
 
     def live_sequences(self) -> list[Sequence]:
-        return self.scheduler.live_sequences()
+        """Every sequence holding blocks: the scheduler's, and the holders of KV kept for other engines."""
+        held = self.kv_transfer.holders() if self.kv_transfer is not None else []
+        return self.scheduler.live_sequences() + held
 
     def check_invariants(self) -> None:
         """Block accounting is exact: every block is free or owned, ref counts equal owners."""
@@ -442,10 +578,13 @@ class EngineCore:
     def shutdown(self) -> None:
         """Drop every request (their blocks return to the pool) and let the step in flight end."""
         self._awaiting_grammar.clear()
+        self._awaiting_kv.clear()
         self.scheduler.finish_requests(list(self.scheduler.requests))
         if self._in_flight is not None:
             self._in_flight.handle.result()
             self._in_flight = None
+        if self.kv_transfer is not None:
+            self.kv_transfer.close(self.block_manager)
         self.structured_output.shutdown()
         if isinstance(self.runner, ParallelRunner):
             self.runner.close()

@@ -1,8 +1,10 @@
 """The engine core's own process (vLLM v1's `EngineCoreProc`): a busy loop that takes requests,
 aborts and utility calls from the front end over ZeroMQ, runs engine steps while there is work, and
-sends one message per step back. With nothing to step it sleeps on its input socket, and on the
-structured-output wakeup pipe while requests wait for their grammar to compile (never polling). The front end starts it (`core_client`), and it never outlives
-the front end: when the parent process is gone, it exits.
+sends one message per step back. With nothing to step it sleeps on its input socket, and on the wakeup
+pipes of work done off the loop while requests wait for their grammar to compile or their prompt's KV to
+be pulled (never polling); while it holds KV for another engine to pull (disaggregation), only until
+that is due to be let go. The front end starts it (`core_client`), and it never outlives the front end:
+when the parent process is gone, it exits.
 
 A failure, at start or in a step, is reported with a last `EngineCoreDead` message before the
 process exits with a non-zero status; the front end fails what was in flight and starts a new one.
@@ -59,7 +61,7 @@ class EngineCoreProc:
         self._idle_waiters: list[int] = []
         self._reloads: list[tuple[int, str, Future]] = []  # (call id, model dir, weights being read)
         self._changed = False  # a message changed the core's state since the last step
-        self._grammar_poller: zmq.Poller | None = None
+        self._wakeup_poller: zmq.Poller | None = None
         self._handlers: dict[type, Callable[[Any], None]] = {
             EngineCoreRequest: core.add_request,
             AbortRequests: lambda message: core.abort_requests(message.request_ids),
@@ -73,6 +75,8 @@ class EngineCoreProc:
             self._changed = False
             if self._take_inputs(block=not self.core.can_step() and not self._reloads):
                 return
+            if self.core.release_kv_exports():
+                self._changed = True
             if self.core.can_step():
                 outputs = self.core.step()
                 if outputs is not None:
@@ -89,8 +93,8 @@ class EngineCoreProc:
     def _take_inputs(self, block: bool) -> bool:
         """Handle every message waiting (waiting for one first when `block`); True on shutdown. While
         requests wait for their grammar, a blocking wait also ends when a compile completes."""
-        if block and self.core.has_work():
-            self._wait_for_input_or_grammar()
+        if block and (self.core.has_work() or self.core.seconds_to_next_kv_expiry() is not None):
+            self._wait_for_input_or_wakeup()
             block = False
         flags = 0 if block else zmq.NOBLOCK
         while True:
@@ -104,18 +108,21 @@ class EngineCoreProc:
             self._handlers[type(message)](message)
             flags = zmq.NOBLOCK
 
-    def _wait_for_input_or_grammar(self) -> None:
-        structured = self.core.structured_output
-        self._poller.poll()
-        structured.clear_wakeups()
+    def _wait_for_input_or_wakeup(self) -> None:
+        """Sleep until a message comes, work off the loop completes (a grammar, a KV pull or serve), or
+        held KV is due to be let go."""
+        expiry = self.core.seconds_to_next_kv_expiry()
+        self._poller.poll(None if expiry is None else int(expiry * 1000) + 1)
+        self.core.clear_wakeups()
 
     @property
     def _poller(self) -> zmq.Poller:
-        if self._grammar_poller is None:
-            self._grammar_poller = zmq.Poller()
-            self._grammar_poller.register(self.inputs, zmq.POLLIN)
-            self._grammar_poller.register(self.core.structured_output.wakeup_fd, zmq.POLLIN)
-        return self._grammar_poller
+        if self._wakeup_poller is None:
+            self._wakeup_poller = zmq.Poller()
+            self._wakeup_poller.register(self.inputs, zmq.POLLIN)
+            for fd in self.core.wakeup_fds:
+                self._wakeup_poller.register(fd, zmq.POLLIN)
+        return self._wakeup_poller
 
     def _call(self, call: UtilityCall) -> None:
         if call.method not in UTILITY_METHODS:

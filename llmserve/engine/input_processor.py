@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from llmserve.config import EngineConfig
 from llmserve.engine.grammar import validate_structured_outputs
-from llmserve.engine.messages import EngineCoreRequest
+from llmserve.engine.messages import EngineCoreRequest, KVTransferParams
 from llmserve.engine.model_facts import ModelFacts
 from llmserve.errors import ContextLengthExceededError, InvalidRequestError
 from llmserve.model.lora import AdapterChecker
@@ -48,6 +48,7 @@ class InputProcessor:
         self.max_embedding_tokens = min(facts.max_model_len, config.max_num_batched_tokens)
         self._defaults = _generation_defaults(facts.generation_config)
         self._rng = random.Random(config.seed)
+        self.kv_transfer = config.kv_transfer  # disaggregation: it takes kv_transfer_params
         self.adapters = AdapterChecker(facts.model_config, config.max_lora_rank) if config.lora_enabled else None
 
     def check_lora(self, lora: LoRARequest) -> None:
@@ -127,6 +128,7 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         lora: LoRARequest | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> EngineCoreRequest:
         """The engine core's request, validated and with every default filled in."""
         if not self.can_generate:
@@ -162,7 +164,26 @@ class InputProcessor:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         if lora is not None:
             self.check_lora(lora)
-        return EngineCoreRequest(request_id, token_ids, params, seed, priority, cache_salt, lora=lora)
+        if kv_transfer is not None:
+            self.check_kv_transfer(kv_transfer, params)
+        return EngineCoreRequest(request_id, token_ids, params, seed, priority, cache_salt, lora=lora,
+                                 kv_transfer=kv_transfer)
+
+    def check_kv_transfer(self, transfer: KVTransferParams, params: SamplingParams) -> None:
+        """A request's disaggregation part is one this engine can do."""
+        def bad(message: str) -> InvalidRequestError:
+            return InvalidRequestError(message, param="kv_transfer_params")
+
+        if not self.kv_transfer:
+            raise bad("This server transfers no KV between replicas (start it with --kv-transfer).")
+        if transfer.do_remote_decode == transfer.do_remote_prefill:
+            raise bad("kv_transfer_params must ask for exactly one of do_remote_decode and do_remote_prefill.")
+        if transfer.do_remote_decode and params.n != 1:
+            raise bad("A request whose KV is kept for another replica (do_remote_decode) must have n = 1.")
+        if transfer.do_remote_prefill:
+            missing = [name for name in ("transfer_id", "remote_host", "remote_port") if not getattr(transfer, name)]
+            if missing:
+                raise bad(f"do_remote_prefill needs {', '.join(missing)}.")
 
 
     def check_can_embed(self) -> None:

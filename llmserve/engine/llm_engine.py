@@ -12,7 +12,7 @@ from collections.abc import Sequence as Seq
 from llmserve.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.engine.input_processor import InputProcessor
-from llmserve.engine.messages import EngineStats
+from llmserve.engine.messages import EngineStats, KVTransferParams
 from llmserve.engine.model_facts import load_model
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import InvalidRequestError
@@ -51,11 +51,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> None:
         """Validate and queue a request. Raises InvalidRequestError; nothing is queued then."""
         if request_id in self.output_processor.requests:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
-        request = self.input_processor.process(request_id, prompt, params, priority, cache_salt, lora_request)
+        request = self.input_processor.process(
+            request_id, prompt, params, priority, cache_salt, lora_request, kv_transfer
+        )
         self.output_processor.add_request(request, prompt, arrival_time if arrival_time is not None else time.monotonic())
         self.core.add_request(request)
 
@@ -87,9 +90,9 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Run one engine step; report every request that made progress in the step that completed.
-        When the only requests left wait for their grammar, it first waits for one to compile."""
+        When the only requests left wait for their grammar or their prompt's KV, it first waits for one."""
         if not self.core.can_step():
-            self.core.wait_for_grammars()
+            self.core.wait_for_pending()
         core_outputs = self.core.step()
         if core_outputs is None:
             return []

@@ -26,6 +26,21 @@ class SpecDecodeStats(msgspec.Struct, array_like=True, gc=False):
     accepted_per_position: list[int] = []  # how often the draft's k-th token was accepted
 
 
+class KVTransferParams(msgspec.Struct, omit_defaults=True, gc=False):
+    """Prefill/decode disaggregation (`kv_transfer`), as vLLM's `kv_transfer_params` name it.
+
+    On a request: `do_remote_decode` (compute the prompt and keep its KV for another engine to pull) or
+    `do_remote_prefill` with where to pull it from (`remote_host`, `remote_port`, `transfer_id`). On the
+    last output of a `do_remote_decode` request: the transfer's id, port and tokens."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    transfer_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    num_tokens: int | None = None  # the prompt tokens whose KV is held
+
+
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_running: int
     num_waiting: int
@@ -46,6 +61,13 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding: its counts so far
     # Priority policy: (priority, waiting sequences, their tokens still to prefill) per priority, lowest first.
     waiting_by_priority: list[tuple[int, int, int]] = []
+    # KV transfer (disaggregation) since the core started: blocks sent and received, pulls that failed
+    # (the request computed its prompt itself), held exports nobody pulled in time, and blocks held now.
+    kv_blocks_sent: int = 0
+    kv_blocks_received: int = 0
+    kv_pulls_failed: int = 0
+    kv_exports_expired: int = 0
+    kv_blocks_held: int = 0
 
 
 class StepRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -76,6 +98,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
     cache_salt: str | None = None
     pooling: PoolingParams | None = None  # an embedding request: its prompt's pooled hidden states, no tokens
     lora: LoRARequest | None = None  # the LoRA adapter it generates with
+    kv_transfer: KVTransferParams | None = None  # disaggregation: export its prompt's KV, or import it
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -126,6 +149,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int | None = None  # on the first output: prompt tokens found in the prefix cache
     num_preemptions: int = 0  # on the last output
     embedding: bytes | None = None  # an embedding request's one output (token_id -1): float32 values
+    kv_transfer: KVTransferParams | None = None  # on the last output of a request exporting its KV: where it is
 
 
 class PromptLogprobsChunk(msgspec.Struct, array_like=True, gc=False):

@@ -13,6 +13,7 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -147,6 +148,7 @@ class RequestState:
     metrics: RequestMetrics
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
     num_finished_choices: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # complete before the first output is made
     is_embedding: bool = False
@@ -173,6 +175,7 @@ class RequestState:
             metrics=self.metrics.snapshot(),
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,  # no longer changes: shared, not copied
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     def add_prompt_logprobs(self, chunk: PromptLogprobsChunk, text: TokenText) -> None:
@@ -267,6 +270,10 @@ class OutputProcessor:
             state.num_cached_tokens = output.num_cached_tokens or 0
         if output.finish_reason is not None:
             metrics.num_preemptions = max(metrics.num_preemptions, output.num_preemptions)
+        if output.kv_transfer is not None:
+            held = output.kv_transfer
+            state.kv_transfer_params = {"transfer_id": held.transfer_id, "remote_host": held.remote_host,
+                                        "remote_port": held.remote_port, "num_tokens": held.num_tokens}
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request here (its choices finish with "abort"); its final output, or None if it was

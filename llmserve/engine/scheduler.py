@@ -128,7 +128,7 @@ class Scheduler:
         self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs",
         eos_token_ids: Iterable[int] = (), max_model_len: int | None = None, pooling_needs_kv: bool = True,
         max_loras: int | None = None, proposer: NgramProposer | None = None, fast_step_tokens: int | None = None,
-        strict_fast_step: bool = False,
+        strict_fast_step: bool = False, export_kv: Callable[[Sequence], None] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"Unknown scheduling policy {policy!r}; use one of {', '.join(POLICIES)}.")
@@ -155,6 +155,7 @@ class Scheduler:
         self.strict_fast_step = strict_fast_step  # past it every token costs in full: drafts never go there
         self.draft_rounds = 0  # steps that could take drafts (speculating, nothing preempted)
         self.spec = SpecDecodeStats()
+        self.export_kv = export_kv  # disaggregation: holds an ending `export_kv` request's prompt blocks
 
     @property
     def num_waiting(self) -> int:
@@ -207,12 +208,15 @@ class Scheduler:
         insort(self.waiting, seq, key=self.order)
 
     def _remove(self, seq: Sequence) -> None:
-        """Take `seq` out of the queues and free its blocks."""
+        """Take `seq` out of the queues and free its blocks (those of its prompt held first, when it ended
+        normally and another engine is to read them)."""
         if seq.status is SequenceStatus.RUNNING:
             if seq.request.pooling is None:  # an embedding request in its step is not in `running`
                 self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        if seq.request.export_kv and seq.finish_reason in ("stop", "length") and self.export_kv is not None:
+            self.export_kv(seq)
         self.block_manager.release(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -481,11 +485,15 @@ class Scheduler:
 
     def _note_reuse(self, seq: Sequence, reused: int) -> None:
         seq.num_cached_tokens = reused
-        if self.block_manager.enable_prefix_caching:
-            self.block_manager.count_lookup(seq.num_tokens, reused)
         request = seq.request
-        if seq.index == 0 and request.num_cached_tokens is None:
-            request.num_cached_tokens = reused
+        first = seq.index == 0 and request.num_cached_tokens is None
+        # KV another engine computed for this request (disaggregation) is no cache hit: not in the
+        # hit rate, and not billed as cached.
+        found = max(0, reused - request.num_imported_tokens) if first else reused
+        if self.block_manager.enable_prefix_caching:
+            self.block_manager.count_lookup(seq.num_tokens, found)
+        if first:
+            request.num_cached_tokens = found
 
     def _evict_for(self, seq: Sequence, num_tokens: int, scheduled: dict[Sequence, int], out: SchedulerOutput) -> bool:
         """Priority policy: a waiting sequence may preempt running ones that rank below it."""

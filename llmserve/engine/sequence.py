@@ -130,6 +130,8 @@ class Request:
     # An embedding request: its prompt is computed whole in one step, pooled, and it ends there.
     pooling: PoolingParams | None = None
     lora: LoRARequest | None = None  # the LoRA adapter it generates with
+    export_kv: bool = False  # disaggregation's prefill side: its prompt's KV is kept for another engine when it ends
+    num_imported_tokens: int = 0  # disaggregation's decode side: prompt tokens whose KV another engine computed
 
     @property
     def lora_id(self) -> int:

@@ -16,7 +16,6 @@ sampler.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from llmserve.engine.grammar import GrammarCompiler, GrammarSpec, GrammarState, tokenizer_info
+from llmserve.engine.wakeup import Wakeup
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -46,9 +46,7 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
-        self._wakeup_read, self._wakeup_write = os.pipe()
-        os.set_blocking(self._wakeup_read, False)
-        os.set_blocking(self._wakeup_write, False)
+        self.wakeup = Wakeup()  # readable after a compile completed
         self.bitmask_width = (vocab_size + 31) // 32
 
     # ---- compiling -------------------------------------------------------------------------------
@@ -80,22 +78,7 @@ class StructuredOutputManager:
             return self._compiler
 
     def _on_done(self, future: Future) -> None:
-        try:
-            os.write(self._wakeup_write, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wakeup is pending anyway) or closed at shutdown
-
-    @property
-    def wakeup_fd(self) -> int:
-        """Readable after a compile completed; `clear_wakeups` empties it."""
-        return self._wakeup_read
-
-    def clear_wakeups(self) -> None:
-        try:
-            while os.read(self._wakeup_read, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self.wakeup.notify()
 
     # ---- per step --------------------------------------------------------------------------------
     def new_bitmask(self, rows: int) -> np.ndarray:
@@ -108,5 +91,4 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-        os.close(self._wakeup_read)
-        os.close(self._wakeup_write)
+        self.wakeup.close()

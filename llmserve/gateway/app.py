@@ -4,7 +4,8 @@ it), `/v1/models` (the pools and aliases), /tokenize and /detokenize (answered b
 `/metrics`. With a platform (platform.py), the keys, rate limits, usage, conversations and safety of
 `llmserve serve` around it all, and `/v1/usage`, `/v1/conversations` and stored responses served from the
 platform's store; without one, requests are passed through as they are, and a stored response is read from
-the replica that knows it."""
+the replica that knows it. A pool with prefill replicas disaggregates long prompts (disaggregation.py); the
+`kv_transfer_params` that does it are the gateway's own, a client's are a 400."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.gateway import errors
 from llmserve.gateway.client import ReplicaClient
+from llmserve.gateway.disaggregation import (
+    KV_TRANSFER_PARAMS,
+    DisaggregationOptions,
+    Disaggregator,
+    prefill_pool_name,
+)
 from llmserve.gateway.discovery import Discovery, Resolver, resolve_host
 from llmserve.gateway.lane import LaneApp, ProxyLane
 from llmserve.gateway.metrics import GatewayMetrics
@@ -81,25 +88,30 @@ class ReplicaOptions:
 class GatewayState:
     def __init__(
         self, pools: Mapping[str, Sequence[str]], policy: str, options: ReplicaOptions, *,
-        aliases: Mapping[str, Sequence[tuple[str, float]]],
+        aliases: Mapping[str, Sequence[tuple[str, float]]], prefill_pools: Mapping[str, Sequence[str]],
+        disaggregation: DisaggregationOptions,
     ) -> None:
         self.pools = {name: Pool.of(name, urls, policy_by_name(policy)) for name, urls in pools.items()}
+        # A pool's prefill replicas: least loaded first (what they hold is handed on, not kept for reuse).
+        self.prefill_pools = {name: Pool.of(prefill_pool_name(name), urls, policy_by_name("least_load"))
+                              for name, urls in prefill_pools.items()}
         self.router: ModelRouter[Pool] = ModelRouter()
         for name, pool in self.pools.items():
             self.router.add_model(name, pool)
         for alias, targets in aliases.items():
             self.router.add_alias(alias, list(targets))
-        self.metrics = GatewayMetrics(self.pools.values())
+        watched = [*self.pools.values(), *self.prefill_pools.values()]
+        self.metrics = GatewayMetrics(watched)
         self.client = ReplicaClient()
+        disaggregator = (Disaggregator(self.prefill_pools, self.client, self.metrics, disaggregation)
+                         if self.prefill_pools else None)
         self.proxy = Proxy(self.client, self.metrics, first_byte_timeout_s=options.first_byte_timeout_s,
-                           stream_idle_timeout_s=options.stream_idle_timeout_s)
+                           stream_idle_timeout_s=options.stream_idle_timeout_s, disaggregator=disaggregator)
         self.health = HealthChecker(
-            list(self.pools.values()), self.client, interval_s=options.health_interval_s,
-            timeout_s=options.health_timeout_s,
+            watched, self.client, interval_s=options.health_interval_s, timeout_s=options.health_timeout_s,
         )
-        self.discovery = Discovery(list(self.pools.values()), resolver=options.resolver,
-                                   interval_s=options.resolve_interval_s)
-        for pool in self.pools.values():
+        self.discovery = Discovery(watched, resolver=options.resolver, interval_s=options.resolve_interval_s)
+        for pool in watched:
             pool.on_eject = lambda pool, replica: self.metrics.ejections.labels(pool.name, replica.url).inc()
             pool.on_change = lambda pool: self.health.sync()
         self.created = int(time.time())
@@ -133,19 +145,28 @@ def build_gateway_app(
     platform: Platform | None = None, aliases: Mapping[str, Sequence[tuple[str, float]]] | None = None,
     content_routers: Mapping[str, ContentRouterConfig] | None = None, public_metrics: bool = False, public_openapi: bool = False, allowed_origins: Sequence[str] = (),
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, stream_resume: ResumeLimits | None = None,
-    api_key: str | None = None,
+    api_key: str | None = None, prefill_pools: Mapping[str, Sequence[str]] | None = None,
+    disaggregation: DisaggregationOptions | None = None,
 ) -> FastAPI:
     """The gateway over `pools` (model name -> replica base URLs, e.g. http://10.0.0.5:8000, or
     `dns+http://name:port` for every address the name resolves to), answering to `aliases` too
     (alias -> [(pool, weight)], a canary when several). `platform` puts the platform services in front
     (once keys exist, every path but /health needs one, /metrics too unless `public_metrics`); None
     passes requests through as they are. `public_openapi`, `allowed_origins` (CORS) and `stream_resume` (the
-    bounds of the resumable streams it relays) and `api_key` (one more key, given at start) as `llmserve serve`'s."""
+    bounds of the resumable streams it relays) and `api_key` (one more key, given at start) as `llmserve serve`'s.
+    `prefill_pools` (pool name -> its prefill replicas' URLs, as `pools`') disaggregates the long prompts of
+    those pools, by `disaggregation`'s rule (disaggregation.py)."""
     if not pools or any(not urls for urls in pools.values()):
         raise ValueError("The gateway needs at least one pool, each with at least one replica URL.")
+    for name, urls in (prefill_pools or {}).items():
+        if name not in pools:
+            raise ValueError(f"Prefill pool {name!r} is not a pool: its decode replicas are the pool of that name.")
+        if not urls:
+            raise ValueError(f"Prefill pool {name!r} has no replica URL.")
     if content_routers and platform is None:
         raise ValueError("Content routers run in the gateway's platform: without it requests pass through by pool.")
-    state = GatewayState(pools, policy, options or ReplicaOptions(), aliases=aliases or {})
+    state = GatewayState(pools, policy, options or ReplicaOptions(), aliases=aliases or {},
+                         prefill_pools=prefill_pools or {}, disaggregation=disaggregation or DisaggregationOptions())
     workers = WorkerPool()
     if platform is not None:
         platform.metrics = PlatformMetrics(state.metrics.registry)
@@ -195,6 +216,8 @@ def build_gateway_app(
             if not isinstance(model, str):
                 return errors.error_response(400, "`model` is required (a string).", param="model",
                                              code="missing_model")
+            if KV_TRANSFER_PARAMS in payload:
+                return errors.kv_transfer_params_refused()
             pool = state.pools.get(model)
             if pool is None:
                 return errors.model_not_found(model)
@@ -205,7 +228,7 @@ def build_gateway_app(
                 # stops when its client leaves.
                 body = json.dumps(payload).encode()
             return await state.proxy.forward(pool, path, body, prompt_key(payload), headers,
-                                             cache_key=prompt_cache_key(payload))
+                                             cache_key=prompt_cache_key(payload), payload=payload)
 
         return forward
 

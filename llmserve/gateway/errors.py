@@ -46,3 +46,12 @@ def sse_error_and_done(message: str) -> bytes:
     """The end of a stream whose replica failed mid-way: an error event, then `data: [DONE]`."""
     event = json.dumps(error_body(502, message, code="replica_failed"))
     return f"data: {event}\n\n".encode() + SSE_DONE
+
+
+KV_TRANSFER_PARAMS_REFUSED = ("`kv_transfer_params` is set by the gateway itself (prefill/decode "
+                              "disaggregation); a request may not carry it.")
+
+
+def kv_transfer_params_refused() -> JSONResponse:
+    """A client's body with `kv_transfer_params`: the gateway's own, for prefill/decode disaggregation."""
+    return error_response(400, KV_TRANSFER_PARAMS_REFUSED, code="unsupported_parameter", param="kv_transfer_params")

@@ -1,18 +1,24 @@
 """GET /metrics of the gateway: routing decisions by pool and reason, each replica's health and the
-requests sent to it, requests retried and streams broken (Prometheus text, `llmserve:gateway_` names)."""
+requests sent to it, requests retried and streams broken, and prefill/decode disaggregation's outcomes
+and prefill calls (Prometheus text, `llmserve:gateway_` names). A pool's prefill replicas show as a pool
+of their own, `NAME/prefill`."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llmserve.gateway.replica import ReplicaState
 
 if TYPE_CHECKING:
     from llmserve.gateway.pool import Pool
+
+# A prefill call computes a prompt and one token: from milliseconds (a short prompt on an idle replica)
+# to tens of seconds (a context window's worth, queued).
+PREFILL_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 
 
 class GatewayMetrics:
@@ -34,6 +40,17 @@ class GatewayMetrics:
         self.ejections = Counter(
             "llmserve:gateway_replica_ejections", "Times a replica was ejected (failed a health check, a "
             "connection, or answered 503).", ["pool", "replica"], registry=self.registry,
+        )
+        self.disaggregated = Counter(
+            "llmserve:gateway_disaggregated_requests", "Chat and completion requests of pools with prefill "
+            "replicas, by outcome: transferred (prefilled on a prefill replica, decoded on a decode replica), "
+            "prefill_failed (the prefill call failed: decoded whole), no_prefill_replica (none healthy), "
+            "skipped_short (prompt under --pd-min-prompt-chars), skipped_cached (the decode replica holds "
+            "most of the prompt).", ["pool", "outcome"], registry=self.registry,
+        )
+        self.prefill_seconds = Histogram(
+            "llmserve:gateway_prefill_seconds", "Seconds of the prefill calls that succeeded, from sending "
+            "to the prefill replica's answer.", ["pool"], buckets=PREFILL_SECONDS_BUCKETS, registry=self.registry,
         )
 
 

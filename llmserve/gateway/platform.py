@@ -19,6 +19,10 @@ validated → the safety screen over its text inputs → the rate limits (its in
 one /tokenize call, no completion) → forwarded to a replica → its reply passed on as the replica wrote
 it, metered with its `usage`.
 
+A chat or completion its pool disaggregates (disaggregation.py) is metered as any other: with the usage
+the decode replica reports, the prefill call's own never counted (the proxy makes it and reads its answer,
+which never reaches the relay); a client's `kv_transfer_params` are a 400, as they are the gateway's own.
+
 A request the replica refuses as invalid (a 4xx) is not metered and counts against no limit, as the
 server refuses such a request before admitting it; one no replica could take is not metered and gives
 its tokens back (its request still counts, as the server's when its engine fails to take it)."""
@@ -39,7 +43,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmserve.errors import InvalidRequestError
-from llmserve.gateway.errors import error_body
+from llmserve.gateway.disaggregation import KV_TRANSFER_PARAMS
+from llmserve.gateway.errors import error_body, kv_transfer_params_refused
 from llmserve.gateway.pool import Pool
 from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_cache_key, prompt_key
 from llmserve.gateway.relay import CONTENT_FILTER, RelayMeter, Reply, StreamRelay
@@ -144,6 +149,8 @@ class GatewayPlatform:
     # ---- the endpoints ----------------------------------------------------------------------------
     async def chat(self, request: Request, body: ChatCompletionRequest, payload: dict[str, Any] | None = None) -> Response:
         """`payload`: the body as JSON when it is not the request's own (a Responses API request's chat)."""
+        if payload is None and KV_TRANSFER_PARAMS in await _json(request):
+            return kv_transfer_params_refused()
         key = request_key(request.state)
         new_messages = template_messages(body.messages)
         model, pool = await self.routed(body.model, key, key.id if key is not None else body.user,
@@ -175,6 +182,8 @@ class GatewayPlatform:
         return await self._run(request, call)
 
     async def completion(self, request: Request, body: CompletionRequest) -> Response:
+        if KV_TRANSFER_PARAMS in await _json(request):
+            return kv_transfer_params_refused()
         key = request_key(request.state)
         prompts = body.prompts()
         model, pool = await self.routed(body.model, key, key.id if key is not None else body.user,
@@ -375,7 +384,7 @@ class GatewayPlatform:
 
         def forward() -> Awaitable[Response]:
             return self.proxy.forward(call.pool, call.path, body, prompt_key(call.payload), replica_headers, relay,
-                                      cache_key=prompt_cache_key(call.payload))
+                                      cache_key=prompt_cache_key(call.payload), payload=call.payload)
 
         if call.stream:
             call.payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

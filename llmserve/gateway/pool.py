@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmserve.gateway.client import REPLICA_ERRORS, ReplicaClient
 from llmserve.gateway.prefix_index import PromptKey
 from llmserve.gateway.replica import Replica, ReplicaState
-from llmserve.gateway.routing import RoutingPolicy
+from llmserve.gateway.routing import Route, RoutingPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +97,12 @@ class Pool:
     def choose(self, prompt: PromptKey, excluded: Sequence[Replica] = (), cache_key: str | None = None) -> Replica:
         """A routable replica for the prompt (and its `prompt_cache_key`), never one of `excluded` (raises
         `NoReplicaAvailable`)."""
+        return self.route(prompt, excluded, cache_key).replica
+
+    def route(self, prompt: PromptKey, excluded: Sequence[Replica] = (), cache_key: str | None = None) -> Route:
+        """`choose`, with the reason and what the replica was remembered to hold of the prompt."""
         candidates = [replica for replica in self.replicas if replica not in excluded]
-        return self.policy.choose(prompt, candidates, cache_key)
+        return self.policy.route(prompt, candidates, cache_key)
 
     def eject(self, replica: Replica, reason: str) -> None:
         """Out of routing until healthy again. A draining replica that stops answering has just finished

@@ -17,13 +17,17 @@ the request is retried elsewhere; a stream that sends nothing for `stream_idle_t
 an error event.
 
 A caller may rewrite a stream's events on their way (a `StreamFilter`: the platform screens the output
-and counts the usage there) and learns when the response is over, whether its body ran or not."""
+and counts the usage there) and learns when the response is over, whether its body ran or not.
+
+A chat or completion whose pool has prefill replicas may be disaggregated (disaggregation.py): once its
+decode replica is chosen, the prefill call is made, and the decode replica (and a retry's) is sent the
+request with the transfer's `kv_transfer_params`; the caller passes the parsed body (`payload`) for that."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
@@ -35,6 +39,9 @@ from llmserve.gateway.pool import Pool, is_draining_answer
 from llmserve.gateway.prefix_index import PromptKey
 from llmserve.gateway.replica import Replica, ReplicaState
 from llmserve.gateway.routing import NoReplicaAvailable
+
+if TYPE_CHECKING:
+    from llmserve.gateway.disaggregation import Disaggregator
 
 MAX_ATTEMPTS = 2  # the first try and one retry (a draining replica's refusal is not a try)
 FIRST_BYTE_TIMEOUT_S = 600.0  # a non-streamed reply comes whole: this bounds a whole generation
@@ -110,27 +117,38 @@ class Proxy:
     def __init__(
         self, client: ReplicaClient, metrics: GatewayMetrics, *,
         first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S, stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
+        disaggregator: Disaggregator | None = None,
     ) -> None:
         self.client = client
         self.metrics = metrics
+        self.disaggregator = disaggregator
         self.first_byte_timeout_s = first_byte_timeout_s
         self.stream_idle_timeout_s = stream_idle_timeout_s
 
     async def forward(
         self, pool: Pool, path: str, body: bytes, prompt: PromptKey, headers: Mapping[str, str],
         stream_filter: Callable[[], StreamFilter] | None = None, cache_key: str | None = None, method: str = "POST",
+        payload: Mapping[str, Any] | None = None,
     ) -> Response:
         """The replica's response; a stream's events go through the filter `stream_filter` makes (called
         once the stream is handed over to the client, so never for a request that failed before).
-        `cache_key`: the request's `prompt_cache_key`, which routing takes with the prompt."""
+        `cache_key`: the request's `prompt_cache_key`, which routing takes with the prompt. `payload`: the
+        body parsed (a chat's or completion's, to be disaggregated when its pool has prefill replicas)."""
+        disaggregator = self.disaggregator
+        undecided = disaggregator is not None and disaggregator.applies(pool, path, payload)
         tried: list[Replica] = []
         failures = 0
         reason = ""
         while failures < MAX_ATTEMPTS:
             try:
-                replica = pool.choose(prompt, tried, cache_key)
+                route = pool.route(prompt, tried, cache_key)
             except NoReplicaAvailable:
                 return errors.no_replica(pool.name)
+            replica = route.replica
+            if undecided:  # once: a retry's replica is sent the same body, the transfer still waiting
+                assert disaggregator is not None and payload is not None
+                undecided = False
+                body = await disaggregator.decode_request(pool, path, payload, prompt, route, headers) or body
             if tried:
                 self.metrics.retried.labels(pool.name).inc()
             try:

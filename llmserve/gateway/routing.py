@@ -28,6 +28,10 @@ Each choice is counted by the reason it was made in `policy.decisions` (and pass
   The chosen replica is then recorded as holding the prompt's blocks. An ejected replica's record is
   dropped (its cache is presumed lost), also when it comes back: a replica's `cache_epoch` changes on
   each ejection, so a record older than that is never trusted.
+
+`route` is `choose` with what the choice knew: the reason, and how much of the prompt the chosen replica
+was remembered to hold before this request (`Route.cached`; 0 where a policy remembers nothing), which
+prefill/decode disaggregation weighs (disaggregation.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import inspect
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 from llmserve.gateway.prefix_index import PrefixIndex, PromptKey, block_hashes
@@ -55,6 +60,16 @@ class NoReplicaAvailable(RuntimeError):
     """No replica of the pool may be sent requests (all ejected or draining, or the pool is empty)."""
 
 
+@dataclass(frozen=True)
+class Route:
+    """A routing decision: the replica, why, and the length of the prompt's start (in the prompt's units:
+    characters of a text, token ids of a list) the replica was remembered to hold in its cache before."""
+
+    replica: Replica
+    reason: str
+    cached: int = 0
+
+
 class RoutingPolicy(ABC):
     name: ClassVar[str]
 
@@ -65,15 +80,19 @@ class RoutingPolicy(ABC):
     def choose(self, prompt: PromptKey, replicas: Sequence[Replica], cache_key: str | None = None) -> Replica:
         """The replica for a request whose prompt is `prompt` (token ids, or text) and whose
         `prompt_cache_key` is `cache_key`."""
+        return self.route(prompt, replicas, cache_key).replica
+
+    def route(self, prompt: PromptKey, replicas: Sequence[Replica], cache_key: str | None = None) -> Route:
+        """`choose`, with the reason and what the replica was remembered to hold of the prompt."""
         routable = [replica for replica in replicas if replica.routable]
         if not routable:
             self.decisions[NO_REPLICA] += 1
             raise NoReplicaAvailable(f"none of the {len(replicas)} replicas can take requests now.")
-        replica, reason = self._pick(prompt, routable, replicas, cache_key)
-        self.decisions[reason] += 1
+        route = self._pick(prompt, routable, replicas, cache_key)
+        self.decisions[route.reason] += 1
         if self._on_decision is not None:
-            self._on_decision(reason, replica)
-        return replica
+            self._on_decision(route.reason, route.replica)
+        return route
 
     def on_start(self, replica: Replica) -> None:
         """The gateway sent a request to the replica."""
@@ -89,8 +108,8 @@ class RoutingPolicy(ABC):
     @abstractmethod
     def _pick(
         self, prompt: PromptKey, routable: list[Replica], replicas: Sequence[Replica], cache_key: str | None
-    ) -> tuple[Replica, str]:
-        """The replica among `routable` (never empty; in pool order) and the reason."""
+    ) -> Route:
+        """The replica among `routable` (never empty; in pool order), the reason, and what it holds."""
 
 
 def _least_loaded(replicas: list[Replica]) -> Replica:
@@ -107,13 +126,13 @@ class RoundRobinPolicy(RoutingPolicy):
 
     def _pick(
         self, prompt: PromptKey, routable: list[Replica], replicas: Sequence[Replica], cache_key: str | None
-    ) -> tuple[Replica, str]:
+    ) -> Route:
         count = len(replicas)
         for step in range(count):
             position = (self._next + step) % count
             if replicas[position].routable:
                 self._next = position + 1
-                return replicas[position], ROUND_ROBIN
+                return Route(replicas[position], ROUND_ROBIN)
         raise AssertionError("unreachable: routable is not empty")
 
 
@@ -122,8 +141,8 @@ class LeastLoadPolicy(RoutingPolicy):
 
     def _pick(
         self, prompt: PromptKey, routable: list[Replica], replicas: Sequence[Replica], cache_key: str | None
-    ) -> tuple[Replica, str]:
-        return _least_loaded(routable), LEAST_LOAD
+    ) -> Route:
+        return Route(_least_loaded(routable), LEAST_LOAD)
 
 
 class PrefixPolicy(RoutingPolicy):
@@ -169,25 +188,31 @@ class PrefixPolicy(RoutingPolicy):
 
     def _pick(
         self, prompt: PromptKey, routable: list[Replica], replicas: Sequence[Replica], cache_key: str | None
-    ) -> tuple[Replica, str]:
+    ) -> Route:
         self._forget_lost_caches(replicas)
         hashes = block_hashes(prompt, tokens_per_block=self.tokens_per_block,
                               chars_per_block=self.chars_per_block, cache_key=cache_key)
-        replica, reason = self._decide(hashes, routable)
+        matched = self.index.matched_blocks(hashes)
+        replica, reason = self._decide(hashes, matched, routable)
         self.index.insert(replica.name, hashes)
         self._epochs[replica.name] = replica.cache_epoch
-        return replica, reason
+        return Route(replica, reason, self._cached_length(prompt, matched.get(replica.name, 0), cache_key))
 
-    def _decide(self, hashes: list[int], routable: list[Replica]) -> tuple[Replica, str]:
+    def _decide(self, hashes: list[int], matched: dict[str, int], routable: list[Replica]) -> tuple[Replica, str]:
         if self.imbalanced(routable):
             return _least_loaded(routable), LOAD_BALANCE
-        matched = self.index.matched_blocks(hashes)
         longest = max((matched.get(replica.name, 0) for replica in routable), default=0)
         if longest > 0 and longest >= self.min_match_ratio * len(hashes):
             holders = [replica for replica in routable if matched.get(replica.name, 0) == longest]
             return _least_loaded(holders), PREFIX_HIT
         return min(routable, key=lambda replica: (
             replica.load_score, self.index.size(replica.name), replica.kv_cache_usage)), PREFIX_MISS
+
+    def _cached_length(self, prompt: PromptKey, matched_blocks: int, cache_key: str | None) -> int:
+        """How much of the prompt `matched_blocks` leading blocks cover (a cache key's block covers none)."""
+        prompt_blocks = max(0, matched_blocks - (cache_key is not None))
+        size = self.chars_per_block if isinstance(prompt, str) else self.tokens_per_block
+        return min(len(prompt), prompt_blocks * size)
 
     def _forget_lost_caches(self, replicas: Sequence[Replica]) -> None:
         for replica in replicas:

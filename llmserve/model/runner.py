@@ -18,6 +18,7 @@ and filled in on the device from the previous step's samples.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -556,6 +557,35 @@ class ModelRunner:
             return pieces[0]
         chosen, ranks, top_ids, top_logprobs = (torch.cat(parts) for parts in zip(*pieces, strict=True))
         return chosen, ranks, top_ids, top_logprobs
+
+    # ---- KV transfer (disaggregation) ---------------------------------------------------------------
+    @property
+    def kv_layout(self) -> str:
+        """What a block of this engine's KV is: another engine may only take blocks of the same layout."""
+        block_shape = tuple(self.kv_caches[0][0].shape[1:]) if self.kv_caches else ()
+        return (f"{self.model_config.architecture}/{self.model_config.num_hidden_layers} layers/block "
+                f"{block_shape} {str(self.kv_cache_dtype).removeprefix('torch.')}")
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        """The bytes of these blocks, per layer its keys and then its values, on the host (for another engine)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        frames = []
+        for key_cache, value_cache in self.kv_caches:
+            for cache in (key_cache, value_cache):
+                blocks = cache.index_select(0, index).cpu().contiguous()
+                frames.append(memoryview(blocks.view(torch.uint8).numpy()))
+        return frames
+
+    def write_kv_blocks(self, block_ids: list[int], frames: Sequence[memoryview]) -> None:
+        """Put blocks read by another engine's `read_kv_blocks` into these blocks."""
+        if len(frames) != 2 * len(self.kv_caches):
+            raise ValueError(f"{len(frames)} KV frames for {len(self.kv_caches)} layers")
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        with warnings.catch_warnings():  # the frames are read-only, and only read
+            warnings.simplefilter("ignore", UserWarning)
+            for frame, cache in zip(frames, chain.from_iterable(self.kv_caches), strict=True):
+                data = torch.frombuffer(frame, dtype=torch.uint8).view(cache.dtype).view(len(block_ids), *cache.shape[1:])
+                cache.index_copy_(0, index, data.to(self.device))
 
     def copy_blocks(self, blocks_to_copy: Sequence[tuple[int, int]]) -> None:
         """Copy whole KV blocks, every layer's keys and values (block is the caches' first dimension)."""

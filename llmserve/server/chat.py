@@ -34,7 +34,7 @@ from llmserve.server.protocol import (
     DeltaMessage,
     Usage,
 )
-from llmserve.server.sampling import constraint_field, to_sampling_params
+from llmserve.server.sampling import constraint_field, engine_kv_transfer, to_sampling_params
 from llmserve.server.state import ModelEndpoint, get_state
 from llmserve.server.streaming import Delta, StreamCursor, content_choice_json
 from llmserve.server.workers import WorkerPool
@@ -85,6 +85,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         screen_param="messages",
         priority=body.priority,
         cache_salt=body.cache_salt,
+        kv_transfer=engine_kv_transfer(body.kv_transfer_params),
         renames=renames,
         headers=turn.headers() if turn is not None else {},
     )
@@ -320,6 +321,7 @@ class ChatShape(ResponseShape):
         return ChatCompletionResponse(
             id=response_id, model=model, choices=choices, usage=usage, prompt_logprobs=prompt_logprobs,
             prompt_token_ids=None if self.prompt_token_ids is None else list(outputs[0].prompt_token_ids),
+            kv_transfer_params=outputs[0].kv_transfer_params,
         )
 
     def opening_chunks(self, prompts: int, n: int) -> list[list[Choice]]:

@@ -24,7 +24,7 @@ from llmserve.server.logprobs import (
 from llmserve.server.openapi import documented
 from llmserve.server.pipeline import Choice, ChoiceRenderer, PreparedRequest, ResponseShape, respond
 from llmserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
-from llmserve.server.sampling import constraint_field, to_sampling_params
+from llmserve.server.sampling import constraint_field, engine_kv_transfer, to_sampling_params
 from llmserve.server.state import ModelEndpoint, get_state
 from llmserve.server.streaming import Delta, text_choice_json
 
@@ -61,6 +61,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         screen_param="prompt",
         priority=body.priority,
         cache_salt=body.cache_salt,
+        kv_transfer=engine_kv_transfer(body.kv_transfer_params),
         renames={"structured_outputs": field} if (field := constraint_field(body)) is not None else None,
         return_token_ids=body.return_token_ids,
     )
@@ -194,7 +195,8 @@ class CompletionShape(ResponseShape):
     def response(
         self, response_id: str, model: str, choices: list[BaseModel], usage: Usage, outputs: Sequence[RequestOutput]
     ) -> CompletionResponse:
-        return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
+        return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage,
+                                  kv_transfer_params=outputs[0].kv_transfer_params)
 
     def opening_chunks(self, prompts: int, n: int) -> list[list[Choice]]:
         if self.echo_logprobs:

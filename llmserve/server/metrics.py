@@ -93,6 +93,31 @@ class EngineCollector(Collector):
                      lambda e: int(e.engine.is_healthy))
         yield _lora_info(endpoints)
         yield from _spec_decode(endpoints)
+        yield from _kv_transfer([e for e in endpoints if e.engine.config.kv_transfer])
+
+
+def _kv_transfer(endpoints: list[ServedModel]) -> Iterator[Metric]:
+    """Disaggregation, for the engines that transfer KV: blocks sent and received, pulls that failed (the
+    request computed its prompt here), held KV nobody pulled in time, and the blocks held now."""
+    blocks = CounterMetricFamily("llmserve:kv_transfer_blocks", "KV blocks sent to or received from other "
+                                 "replicas (prefill/decode disaggregation).", labels=[*LABELS, "direction"])
+    for endpoint in endpoints:
+        stats = endpoint.engine.last_stats
+        blocks.add_metric([endpoint.name, "sent"], stats.kv_blocks_sent)
+        blocks.add_metric([endpoint.name, "received"], stats.kv_blocks_received)
+    yield blocks
+    for kind, name, documentation, value in (
+        (CounterMetricFamily, "llmserve:kv_transfer_pulls_failed", "KV pulls that failed (the prompt was computed "
+         "here instead).", lambda s: s.kv_pulls_failed),
+        (CounterMetricFamily, "llmserve:kv_transfer_exports_expired", "Held KV that no replica pulled in time.",
+         lambda s: s.kv_exports_expired),
+        (GaugeMetricFamily, "llmserve:kv_transfer_blocks_held", "KV blocks held for other replicas to pull.",
+         lambda s: s.kv_blocks_held),
+    ):
+        metric = kind(name, documentation, labels=LABELS)
+        for endpoint in endpoints:
+            metric.add_metric([endpoint.name], value(endpoint.engine.last_stats))
+        yield metric
 
 
 def _spec_decode(endpoints: list[ServedModel]) -> Iterator[Metric]:

@@ -22,7 +22,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from llmserve.errors import LLMServeError
+from llmserve.engine.messages import KVTransferParams
+from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.keys import ApiKey
 from llmserve.sampling.params import SamplingParams
@@ -127,6 +128,7 @@ class PreparedRequest:
     return_token_ids: bool = False  # the choices' token ids go out (vLLM's return_token_ids)
     priority: int = 0
     cache_salt: str | None = None
+    kv_transfer: KVTransferParams | None = None  # disaggregation: keep the prompt's KV, or pull it
     renames: Mapping[str, str] | None = None  # engine parameter names -> the request's own
     headers: dict[str, str] = field(default_factory=dict)  # more response headers
 
@@ -135,6 +137,8 @@ async def respond(request: Request, prepared: PreparedRequest, shape: ResponseSh
     """Check, screen and start the request's engine requests, and answer: a JSON response, or an event stream."""
     state, endpoint = prepared.state, prepared.endpoint
     check_request_size(endpoint, prepared.prompts, prepared.params, prepared.renames)
+    if prepared.kv_transfer is not None:
+        check_kv_transfer(prepared.kv_transfer, len(prepared.prompts), prepared.stream)
     if state.screens_outputs and (prepared.params.logprobs is not None or prepared.return_token_ids):
         # Only the tokens within the text the screen releases may be shown: the engine says which.
         prepared.params = dataclasses.replace(prepared.params, track_text_ends=True)
@@ -151,6 +155,7 @@ async def respond(request: Request, prepared: PreparedRequest, shape: ResponseSh
         prepared.priority,
         prepared.renames,
         prepared.cache_salt,
+        prepared.kv_transfer,
     )
     run = _Run(prepared, shape, started)
     headers = {**started.headers, **prepared.headers}
@@ -163,6 +168,15 @@ async def respond(request: Request, prepared: PreparedRequest, shape: ResponseSh
     if request.headers.get(PROGRESS_HEADER):
         return event_stream(run.whole_with_progress(), headers)
     return JSONResponse(await run.to_end(request), headers=headers)
+
+
+def check_kv_transfer(transfer: KVTransferParams, num_prompts: int, stream: bool) -> None:
+    """What a request's kv_transfer_params asks of the API, beside what the engine checks."""
+    if num_prompts != 1:
+        raise InvalidRequestError("kv_transfer_params takes one prompt.", param="kv_transfer_params")
+    if transfer.do_remote_decode and stream:
+        raise InvalidRequestError("A request whose KV is kept for another replica (do_remote_decode) is not "
+                                  "streamed: its answer carries where the KV is.", param="kv_transfer_params")
 
 
 def usage_of(meter: Meter) -> Usage:

@@ -178,7 +178,7 @@ class PromptTokenLogprob(_Response):
 PromptLogprobsField = list[dict[int, PromptTokenLogprob] | None] | None
 
 
-VLLM_RESPONSE_EXTRAS = ("prompt_logprobs", "prompt_token_ids", "token_ids")
+VLLM_RESPONSE_EXTRAS = ("prompt_logprobs", "prompt_token_ids", "token_ids", "kv_transfer_params")
 
 
 def _without_unset_extras(data: dict[str, Any]) -> dict[str, Any]:
@@ -335,6 +335,18 @@ class StructuredOutputsRequest(_Request):
         return bool(value) if name == "json_object" else value is not None
 
 
+class KVTransferRequest(_Request):
+    """vLLM's `kv_transfer_params` (disaggregated prefill, sent by a gateway): keep the prompt's KV for another
+    replica (`do_remote_decode`), or pull it from the replica that kept it (`do_remote_prefill`)."""
+
+    do_remote_decode: StrictBool = False
+    do_remote_prefill: StrictBool = False
+    transfer_id: str | None = Field(None, min_length=1, max_length=64)
+    remote_host: str | None = Field(None, min_length=1, max_length=253)
+    remote_port: StrictInt | None = Field(None, ge=1, le=65535)
+    num_tokens: StrictInt | None = None  # what the prefill replica said it holds: passed back as given
+
+
 class SamplingFields(RequestBody):
     """Parameters both endpoints share, with vLLM's extras."""
 
@@ -394,6 +406,7 @@ class SamplingFields(RequestBody):
     # vLLM's: the response carries the prompt's token ids and each choice's (streamed: the prompt's in the
     # first chunk, each chunk's own)
     return_token_ids: StrictBool = False
+    kv_transfer_params: KVTransferRequest | None = None  # vLLM's disaggregated prefill (--kv-transfer)
 
     @field_validator("stop")
     @classmethod
@@ -664,6 +677,7 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobsField = None  # vLLM's
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: where a do_remote_decode request's KV is held
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -806,6 +820,11 @@ class CompletionResponse(_Response):
     choices: list[CompletionChoice]
     usage: Usage | None
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: where a do_remote_decode request's KV is held
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unset_extras(handler(self))
 
 
 # ---- models, tokenizer, errors ------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""OpenAI request fields -> the engine's `SamplingParams`."""
+"""OpenAI request fields -> the engine's `SamplingParams` (and its disaggregation part)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,29 @@ import dataclasses
 import json
 from typing import Any
 
+from llmserve.engine.messages import KVTransferParams
 from llmserve.errors import InvalidRequestError
 from llmserve.sampling.params import SamplingParams, StructuredOutputsParams
-from llmserve.server.protocol import ResponseFormat, SamplingFields, StructuredOutputsRequest
+from llmserve.server.protocol import (
+    KVTransferRequest,
+    ResponseFormat,
+    SamplingFields,
+    StructuredOutputsRequest,
+)
 
 # Fields the request may leave unset, to fall back on the model's generation_config defaults.
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 # The grammar engine behind structured output, the one `guided_decoding_backend` may name ("auto" too).
 STRUCTURED_OUTPUTS_BACKEND = "xgrammar"
+
+
+def engine_kv_transfer(fields: KVTransferRequest | None) -> KVTransferParams | None:
+    """The request's kv_transfer_params as the engine takes them (what the prefill replica held is its own)."""
+    if fields is None:
+        return None
+    return KVTransferParams(fields.do_remote_decode, fields.do_remote_prefill, fields.transfer_id,
+                            fields.remote_host, fields.remote_port)
 
 
 def to_sampling_params(

@@ -13,6 +13,7 @@ from fastapi import Request
 
 from llmserve.engine.async_llm import RequestStream
 from llmserve.engine.grammar import validate_structured_outputs
+from llmserve.engine.messages import KVTransferParams
 from llmserve.errors import InvalidRequestError
 from llmserve.platform.keys import ApiKey
 from llmserve.sampling.params import SamplingParams
@@ -132,6 +133,7 @@ async def start_requests(
     priority: int = 0,
     rename: Mapping[str, str] | None = None,
     cache_salt: str | None = None,
+    kv_transfer: KVTransferParams | None = None,
 ) -> Started:
     """Rate-limit, admit and add one engine request per prompt (token ids). On any failure the
     requests already added are aborted, the reservation is returned, and the error (params renamed)
@@ -147,7 +149,9 @@ async def start_requests(
         for i, prompt in enumerate(prompts):
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
             streams.append(
-                await endpoint.engine.add_request(request_id, prompt, params, priority, cache_salt, endpoint.lora)
+                await endpoint.engine.add_request(
+                    request_id, prompt, params, priority, cache_salt, endpoint.lora, kv_transfer
+                )
             )
     except BaseException as exc:
         for stream in streams:

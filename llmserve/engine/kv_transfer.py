@@ -1,0 +1,261 @@
+"""Prefill/decode disaggregation: a prompt's KV computed by one engine (the prefill replica) and read by
+another (the decode replica), which computes only what is left (vLLM's disaggregated prefill, llm-d's
+P/D). The KV travels engine core to engine core over a ZeroMQ side channel of their own, never through
+the API processes.
+
+Export (the prefill side): a request sent with `do_remote_decode` keeps its prompt's full KV blocks when
+it ends: a holder sequence takes a reference on them, filed under a random transfer id that the request's
+last output carries with this engine's side-channel port. A thread answers pulls on that port: it reads
+a copy of the held blocks (nothing writes them), and the step loop lets them go as it sends them. Blocks
+nobody pulls go after `ttl` seconds.
+
+Import (the decode side): a request sent with `do_remote_prefill` waits outside the scheduler while a
+thread pulls the blocks of its prompt that this engine's prefix cache lacks. The step loop then writes
+them into free blocks and names them in the prefix cache (`BlockManager.adopt_blocks`), and queues the
+request: its admission finds them cached, and it computes its last block only. A pull that fails (the
+peer is gone, the transfer expired, another model's layout, other tokens) leaves the request to
+compute its prompt itself: the answer is the same, only later.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from llmserve.engine.block_manager import BlockManager
+from llmserve.engine.messages import KVTransferParams
+from llmserve.engine.sequence import Sequence
+from llmserve.engine.wakeup import Wakeup
+
+logger = logging.getLogger(__name__)
+
+PULL_TIMEOUT_S = 10.0  # a pull not answered by then fails (the request computes its prompt itself)
+_POLL_MS = 200  # how often the serving thread looks whether it should stop
+
+ReadBlocks = Callable[[list[int]], list[memoryview]]
+
+
+class KVPull(msgspec.Struct, array_like=True, gc=False):
+    """Decode side to prefill side: send blocks [first_block, first_block + num_blocks) of a transfer."""
+
+    transfer_id: str
+    first_block: int
+    num_blocks: int
+    layout: str  # the asker's KV layout: the blocks are only sent to an engine that stores them alike
+
+
+class KVPullReply(msgspec.Struct, array_like=True, gc=False):
+    """The answer's first frame; on success the blocks follow, a key and a value frame per layer."""
+
+    error: str | None = None
+    token_ids: list[int] = []  # the tokens the sent blocks hold, for the asker to check
+
+
+@dataclass(slots=True)
+class PulledKV:
+    """Blocks pulled from a prefill engine: `frames` hold, per layer, its key and then its value blocks."""
+
+    first_block: int
+    num_blocks: int
+    token_ids: list[int]  # the tokens the prefill engine says they hold
+    frames: list[memoryview]
+
+
+@dataclass(slots=True)
+class _Export:
+    holder: Sequence
+    deadline: float
+    serving: bool = False  # a pull is reading its blocks: they stay held whatever the clock says
+
+
+@dataclass
+class KVTransferCounts:
+    blocks_sent: int = 0
+    blocks_received: int = 0
+    pulls_failed: int = 0
+    exports_expired: int = 0
+
+
+@dataclass
+class KVTransfer:
+    """Both sides of one engine's transfers; every method but the threads' runs on the step loop."""
+
+    read_blocks: ReadBlocks
+    layout: str
+    block_size: int
+    host: str = "0.0.0.0"
+    port: int = 0
+    ttl: float = 30.0
+    counts: KVTransferCounts = field(default_factory=KVTransferCounts)
+
+    def __post_init__(self) -> None:
+        self.wakeup = Wakeup()
+        self._context = zmq.Context()
+        self._lock = threading.Lock()
+        self._exports: dict[str, _Export] = {}
+        self._served: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._pulls: queue.SimpleQueue[tuple[str, KVPull, Future] | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        socket = self._context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        if self.port:
+            socket.bind(f"tcp://{self.host}:{self.port}")
+        else:
+            self.port = socket.bind_to_random_port(f"tcp://{self.host}")
+        self._threads = [
+            threading.Thread(target=self._serve, args=(socket,), name="llmserve-kv-export", daemon=True),
+            threading.Thread(target=self._pull_loop, name="llmserve-kv-import", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        logger.info("KV transfer: serving held blocks on %s:%d (kept %.0f s unpulled)", self.host, self.port, self.ttl)
+
+    # ---- export ---------------------------------------------------------------------------------
+    def hold(self, seq: Sequence, block_manager: BlockManager) -> KVTransferParams:
+        """Keep the full blocks of `seq`'s computed prompt (it is ending) for a decode engine to pull."""
+        num_blocks = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.block_size
+        tokens = seq.token_ids[: num_blocks * self.block_size]
+        holder = Sequence(seq.request, seq.index, tokens, len(tokens), seq.seed)
+        block_manager.share(seq, holder, num_blocks)
+        holder.num_computed_tokens = len(tokens)
+        transfer_id = secrets.token_hex(16)
+        with self._lock:
+            self._exports[transfer_id] = _Export(holder, time.monotonic() + self.ttl)
+        return KVTransferParams(transfer_id=transfer_id, remote_port=self.port, num_tokens=len(tokens))
+
+    def release_done(self, block_manager: BlockManager, now: float | None = None) -> bool:
+        """Let go of the blocks that were pulled, and of those nobody pulled in time; True when some were."""
+        released_any = False
+        while True:
+            try:
+                transfer_id = self._served.get_nowait()
+            except queue.Empty:
+                break
+            with self._lock:
+                export = self._exports.pop(transfer_id, None)
+            if export is not None:
+                block_manager.release(export.holder)
+                released_any = True
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [tid for tid, e in self._exports.items() if not e.serving and e.deadline <= now]
+            released = [self._exports.pop(tid) for tid in expired]
+        for export in released:
+            block_manager.release(export.holder)
+        self.counts.exports_expired += len(released)
+        return released_any or bool(released)
+
+    def holders(self) -> list[Sequence]:
+        with self._lock:
+            return [export.holder for export in self._exports.values()]
+
+    def next_deadline(self) -> float | None:
+        """When the first held export expires (time.monotonic); None with none held."""
+        with self._lock:
+            return min((e.deadline for e in self._exports.values()), default=None)
+
+    def _claim(self, transfer_id: str) -> Sequence | None:
+        with self._lock:
+            export = self._exports.get(transfer_id)
+            if export is None or export.serving:
+                return None
+            export.serving = True
+            return export.holder
+
+    def _serve(self, socket: zmq.Socket) -> None:
+        decoder = msgspec.msgpack.Decoder(KVPull)
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while not self._stop.is_set():
+                if not socket.poll(_POLL_MS):
+                    continue
+                identity, *frames = socket.recv_multipart(copy=False)
+                try:
+                    pull = decoder.decode(frames[-1].buffer)
+                except (msgspec.DecodeError, IndexError):
+                    socket.send_multipart([identity, encoder.encode(KVPullReply("a malformed pull"))])
+                    continue
+                reply, blocks = self._answer(pull)
+                if reply.error is None:  # the blocks are copied out: the step loop may let them go now
+                    self._served.put(pull.transfer_id)
+                    self.counts.blocks_sent += pull.num_blocks
+                    self.wakeup.notify()
+                socket.send_multipart([identity, encoder.encode(reply), *blocks], copy=False)
+        finally:
+            socket.close(linger=0)
+
+    def _answer(self, pull: KVPull) -> tuple[KVPullReply, list[memoryview]]:
+        if pull.layout != self.layout:
+            return KVPullReply(f"KV layout {pull.layout!r} differs from this engine's {self.layout!r}"), []
+        holder = self._claim(pull.transfer_id)
+        if holder is None:
+            return KVPullReply(f"no transfer {pull.transfer_id!r} is held here (expired, or pulled already)"), []
+        first, count = pull.first_block, pull.num_blocks
+        if first < 0 or count < 1 or first + count > len(holder.block_table):
+            with self._lock:
+                self._exports[pull.transfer_id].serving = False
+            return KVPullReply(f"blocks {first}..{first + count} are outside the {len(holder.block_table)} held"), []
+        tokens = holder.token_ids[first * self.block_size : (first + count) * self.block_size]
+        return KVPullReply(None, tokens), self.read_blocks(holder.block_table[first : first + count])
+
+    # ---- import ---------------------------------------------------------------------------------
+    def pull(self, host: str, port: int, transfer_id: str, first_block: int, num_blocks: int) -> Future[PulledKV]:
+        """Pull a transfer's blocks on the import thread; the future holds them, or the reason it failed."""
+        future: Future[PulledKV] = Future()
+        self._pulls.put((f"tcp://{host}:{port}", KVPull(transfer_id, first_block, num_blocks, self.layout), future))
+        return future
+
+    def _pull_loop(self) -> None:
+        sockets: dict[str, zmq.Socket] = {}
+        encoder = msgspec.msgpack.Encoder()
+        decoder = msgspec.msgpack.Decoder(KVPullReply)
+        while (job := self._pulls.get()) is not None:
+            address, pull, future = job
+            try:
+                future.set_result(self._pull_one(sockets, address, pull, encoder, decoder))
+            except Exception as exc:  # any failure only means the request computes its prompt itself
+                stale = sockets.pop(address, None)  # a late answer must not be read as the next one's
+                if stale is not None:
+                    stale.close(linger=0)
+                future.set_exception(exc)
+            self.wakeup.notify()
+        for socket in sockets.values():
+            socket.close(linger=0)
+
+    def _pull_one(self, sockets: dict[str, zmq.Socket], address: str, pull: KVPull,
+                  encoder: msgspec.msgpack.Encoder, decoder: msgspec.msgpack.Decoder) -> PulledKV:
+        socket = sockets.get(address)
+        if socket is None:
+            socket = sockets[address] = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+        socket.send(encoder.encode(pull))
+        if not socket.poll(int(PULL_TIMEOUT_S * 1000)):
+            raise TimeoutError(f"{address} did not answer a KV pull within {PULL_TIMEOUT_S:.0f} s")
+        head, *blocks = socket.recv_multipart(copy=False)
+        reply: KVPullReply = decoder.decode(head.buffer)
+        if reply.error is not None:
+            raise LookupError(reply.error)
+        return PulledKV(pull.first_block, pull.num_blocks, reply.token_ids, [frame.buffer for frame in blocks])
+
+    def close(self, block_manager: BlockManager | None = None) -> None:
+        self._stop.set()
+        self._pulls.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        if block_manager is not None:
+            with self._lock:
+                exports, self._exports = list(self._exports.values()), {}
+            for export in exports:
+                block_manager.release(export.holder)
+        self._context.term()
+        self.wakeup.close()
