@@ -4,8 +4,7 @@ Three layers: the rule and the options alone; the wire (what the prefill and dec
 what the gateway does with each answer, fallbacks, metrics, metering) against stub replicas that speak
 the replicas' P/D contract; and real `llmserve serve` replicas of the tiny model: a plain one (the
 reference answers, and a prefill replica without --kv-transfer, which answers the prefill call with a
-400), and a prefill and a decode replica started with --kv-transfer, for the end-to-end tests, which are
-skipped where the replicas cannot transfer yet."""
+400), and a prefill and a decode replica started with --kv-transfer, for the end-to-end tests."""
 
 from __future__ import annotations
 
@@ -343,12 +342,12 @@ def _replica_command(model_dir: Path, *extra: str) -> list[str]:
 
 @contextmanager
 def _replicas(commands: list[list[str]]) -> Iterator[list[Process]]:
-    """Replicas started side by side; their processes, or a skip naming the first that did not start."""
+    """Replicas started side by side; their processes (a failure names the first that did not start)."""
     started = [_start(command, r"serving \S+ at (http://\S+)/v1") for command in commands]
     try:
         for command, (proc, ready, _) in zip(commands, started, strict=True):
-            if not ready.wait(STARTUP_TIMEOUT_S) or proc.poll() is not None:
-                pytest.skip(f"a replica did not start: llmserve serve {' '.join(command[5:])}")
+            assert ready.wait(STARTUP_TIMEOUT_S) and proc.poll() is None, (
+                f"a replica did not start: llmserve serve {' '.join(command[5:])}")
         yield [Process(proc, found[0]) for proc, _, found in started]
     finally:
         for proc, _, _ in started:
@@ -371,14 +370,12 @@ class PD:
 
 @pytest.fixture(scope="module")
 def pd(tiny_llama_dir: Path) -> Iterator[PD]:
-    """A prefill and a decode replica started with --kv-transfer, behind a gateway; skipped until replicas
-    can transfer (the prefill call's answer carries `kv_transfer_params`)."""
+    """A prefill and a decode replica started with --kv-transfer, behind a gateway."""
     command = _replica_command(tiny_llama_dir, "--kv-transfer")
     with _replicas([command, command]) as (prefill, decode):
         probe = httpx.post(f"{prefill.url}{CHAT}", json={**_chat(LONG, max_tokens=1),
                                                          "kv_transfer_params": {"do_remote_decode": True}}, timeout=60)
-        if probe.status_code != 200 or "kv_transfer_params" not in probe.json():
-            pytest.skip(f"the replicas cannot transfer KV yet (a prefill call is answered {probe.status_code})")
+        assert probe.status_code == 200 and "kv_transfer_params" in probe.json(), probe.text
         with _gateway({MODEL: [decode.url]}, {MODEL: [prefill.url]}) as gateway:
             yield PD(prefill, decode, gateway)
 
