@@ -90,6 +90,10 @@ class EngineConfig:
     kv_transfer_host: str = "0.0.0.0"
     kv_transfer_port: int = 0
     kv_transfer_ttl: float = 30.0  # seconds held KV waits for its pull before it is let go
+    # The prefix cache's second tier: full KV blocks evicted from the pool are kept, up to this many GiB, in host
+    # memory, or with kv_offload_dir in files there (kept across restarts), and loaded back instead of recomputed
+    kv_offload_gib: float = 0.0
+    kv_offload_dir: str | None = None
 
     @property
     def lora_enabled(self) -> bool:
@@ -134,6 +138,18 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}.")
         if self.kv_transfer:
             self._validate_kv_transfer()
+        if self.kv_offload_gib < 0:
+            raise ValueError(f"kv_offload_gib must be >= 0, got {self.kv_offload_gib}.")
+        if self.kv_offload_gib or self.kv_offload_dir:
+            self._validate_kv_offload()
+
+    def _validate_kv_offload(self) -> None:
+        if not self.kv_offload_gib:
+            raise ValueError("kv_offload_dir needs kv_offload_gib: how much of it the KV may take.")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offload needs prefix caching: the second tier keeps the prefix cache's blocks.")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload is not built for tensor parallelism (each rank holds a share of the KV).")
 
     def _validate_kv_transfer(self) -> None:
         if not self.enable_prefix_caching:
@@ -344,6 +360,15 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
     _EngineFlag("kv_transfer_host", "--kv-transfer-host", help="the address the KV side channel listens on (default 0.0.0.0)"),
     _EngineFlag("kv_transfer_port", "--kv-transfer-port", help="the KV side channel's TCP port (default 0: any free one)"),
     _EngineFlag("kv_transfer_ttl", "--kv-transfer-ttl", help="seconds held KV waits for its pull (default 30)"),
+    _EngineFlag(
+        "kv_offload_gib", "--kv-offload-gib",
+        help="a second tier for the prefix cache: KV blocks evicted from the pool are kept, up to this many GiB, "
+        "in host memory (or in --kv-offload-dir) and loaded back when a prompt starts with them (default 0: none)",
+    ),
+    _EngineFlag(
+        "kv_offload_dir", "--kv-offload-dir",
+        help="keep the second tier's blocks in files in this directory (an SSD), kept across restarts",
+    ),
     _EngineFlag(
         "async_scheduling", "--no-async-scheduling",
         help="run engine steps one after another instead of overlapping the next step's scheduling "

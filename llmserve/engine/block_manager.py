@@ -11,6 +11,11 @@ blocks. A new sequence starting with the same tokens takes it back instead of re
 are allocated from the never-named free blocks first, then from the evictable ones, least recently
 used first; everything is O(1) per block.
 
+With a second tier (`tier`, kv_offload.py) a named block evicted from the pool is first saved there,
+when the tier lacks it, and a prompt's blocks past the pool's cached prefix that the tier holds are
+given fresh blocks, named at once, their KV read from the tier then: `take_moves` hands the engine
+core the blocks to save and the KV to load before the step runs.
+
 A sequence's last, partly filled block is kept too when it lets go (a "tail": the computed tokens past
 its last full block, named by the hash of the prefix before them). It cannot be shared, since its free
 slots would be written, so it is handed whole to the first new sequence that continues those tokens
@@ -23,12 +28,14 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 
 from llmserve.engine import prefix_cache
+from llmserve.engine.kv_offload import KVTier
 from llmserve.engine.prefix_cache import BlockHash, PrefixCache
 from llmserve.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 tier: KVTier | None = None) -> None:
         if num_blocks < 0:  # none: an encoder's engine, which keeps no KV
             raise ValueError("The KV cache cannot have a negative number of blocks.")
         self.num_blocks = num_blocks
@@ -43,6 +50,9 @@ class BlockManager:
         self._tail_prefix: OrderedDict[int, BlockHash] = OrderedDict()
         self.prefix_queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.prefix_hits = 0  # of which found cached
+        self.tier = tier  # the second tier, with prefix caching
+        self._to_save: dict[int, BlockHash] = {}  # evicted since the last step: block -> the name it held
+        self._to_load: dict[int, bytes] = {}  # given a name the tier holds: block -> the KV read from the tier
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -100,9 +110,24 @@ class BlockManager:
         else:
             block, _ = self._evictable.popitem(last=False)  # the least recently used cached block
             assert self.cache is not None
-            self.cache.forget(block)
+            self._evict(block)
         self.ref_counts[block] = 1
         return block
+
+    def _evict(self, block: int) -> None:
+        """Forget a cached block's name, its KV first marked to be saved in the tier if the tier lacks it."""
+        assert self.cache is not None
+        name = self.cache.by_block[block].block_hash
+        if self._to_load.pop(block, None) is None and self.tier is not None and name not in self.tier:
+            self._to_save.setdefault(block, name)  # what it held before this step: saved before any load
+        self.cache.forget(block)
+
+    def take_moves(self) -> tuple[dict[int, BlockHash], dict[int, bytes]]:
+        """Since the last call: the blocks to save in the tier under their old names (their KV as it is
+        before the next step), and the KV read from the tier for blocks to load."""
+        moves = (self._to_save, self._to_load)
+        self._to_save, self._to_load = {}, {}
+        return moves
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on its blocks (finish, abort, preemption)."""
@@ -169,7 +194,8 @@ class BlockManager:
         many of its tokens they hold (the scheduler marks them computed). Undo with `release`."""
         if self.cache is None or seq.block_table:
             return 0
-        for k in range(self._max_reusable_blocks(seq)):
+        limit = self._max_reusable_blocks(seq)
+        for k in range(limit):
             block = self._find(seq, k)
             if block is None:
                 break
@@ -177,8 +203,27 @@ class BlockManager:
                 del self._evictable[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
+        if self.tier is not None:
+            self._take_from_tier(seq, limit)
         seq.num_registered_blocks = len(seq.block_table)
         return len(seq.block_table) * self.block_size + self._take_tail(seq)
+
+    def _take_from_tier(self, seq: Sequence, limit: int) -> None:
+        """Past the pool's cached prefix, the blocks the tier holds: each a fresh block, named now, its KV
+        loaded before the step (while nothing else can take it: `seq` holds it)."""
+        assert self.cache is not None and self.tier is not None
+        for k in range(len(seq.block_table), limit):
+            name = self._block_hash(seq, k)
+            if name not in self.tier or not self.num_free_blocks:
+                return
+            block = self._allocate()
+            blob = self.tier.get(name)
+            if blob is None or not self.cache.register(block, name, self._parent_hash(seq, k), self._tokens(seq, k)):
+                self.ref_counts[block] = 0
+                self._free.append(block)
+                return
+            self._to_load[block] = blob
+            seq.block_table.append(block)
 
     def adopt_blocks(self, seq: Sequence, first: int, count: int) -> list[int] | None:
         """For KV computed elsewhere (disaggregation): give block-less `seq` its cached full blocks before
@@ -262,6 +307,8 @@ class BlockManager:
         forgotten = len(self.cache)
         for block in list(self.cache.by_block):
             self.cache.forget(block)
+        self._to_save.clear()  # KV of the old weights: none of it is kept
+        self._to_load.clear()
         self._free.extend(self._evictable)
         self._free.extend(self._tail_prefix)
         self._evictable.clear()

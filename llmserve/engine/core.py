@@ -39,6 +39,14 @@ import numpy as np
 from llmserve.config import EngineConfig
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.grammar import grammar_spec
+from llmserve.engine.kv_offload import (
+    DiskKVTier,
+    KVTier,
+    MemoryKVTier,
+    disk_namespace,
+    join_blocks,
+    split_blocks,
+)
 from llmserve.engine.kv_transfer import KVTransfer, PulledKV
 from llmserve.engine.messages import (
     EngineCoreOutput,
@@ -85,8 +93,10 @@ class EngineCore:
                 f"The KV cache holds {pool_tokens} tokens, fewer than max_model_len={facts.max_model_len}; "
                 "give it more memory (kv_cache_memory / num_kv_blocks) or lower max_model_len."
             )
+        self.tier = self._kv_tier(config, facts)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            tier=self.tier,
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy,
@@ -132,6 +142,42 @@ class EngineCore:
             logger.info("speculative decoding: %s, up to %d tokens a step, n-grams of %d to %d tokens",
                         speculative.method, speculative.num_speculative_tokens, speculative.prompt_lookup_min,
                         speculative.prompt_lookup_max)
+
+    def _kv_tier(self, config: EngineConfig, facts: ModelFacts) -> KVTier | None:
+        """The prefix cache's second tier (`kv_offload_gib`): in host memory, or on disk in `kv_offload_dir`."""
+        if not config.kv_offload_gib or self.runner.is_encoder:
+            return None
+        capacity = int(config.kv_offload_gib * (1 << 30))
+        if config.kv_offload_dir is None:
+            return MemoryKVTier(capacity)
+        namespace = disk_namespace(facts.model_dir, self.runner.kv_layout)
+        return DiskKVTier(capacity, Path(config.kv_offload_dir).expanduser() / namespace)
+
+    def _move_offloaded(self) -> None:
+        """Before a step: save the blocks evicted for it in the tier (they still hold their old KV), then
+        write the KV loaded from the tier into the blocks given it."""
+        saves, loads = self.block_manager.take_moves()
+        if saves:
+            assert self.tier is not None
+            blobs = split_blocks(self.runner.read_kv_blocks(list(saves)), len(saves))
+            for name, blob in zip(saves.values(), blobs, strict=True):
+                self.tier.put(name, blob)
+        if loads:
+            self.runner.write_kv_blocks(list(loads), join_blocks(loads.values(), self.runner.num_kv_frames))
+
+    def save_cached_blocks(self) -> int:
+        """Put every named block of the pool that the tier lacks into it (a disk tier's cache then outlives
+        the process); returns how many were saved."""
+        if self.tier is None or self.block_manager.cache is None:
+            return 0
+        named = [(block, entry.block_hash) for block, entry in self.block_manager.cache.by_block.items()
+                 if entry.block_hash not in self.tier]
+        for start in range(0, len(named), 256):  # bounded host memory for the copies
+            chunk = named[start : start + 256]
+            blobs = split_blocks(self.runner.read_kv_blocks([block for block, _ in chunk]), len(chunk))
+            for (_, name), blob in zip(chunk, blobs, strict=True):
+                self.tier.put(name, blob)
+        return len(named)
 
     def _identity(self) -> tuple:
         return (str(self.facts.model_dir), self.config.revision, str(self.runner.dtype), self.weights_version)
@@ -388,6 +434,8 @@ class EngineCore:
     def _launch(self) -> _Launched | None:
         start = time.monotonic()
         scheduled = self.scheduler.schedule()
+        if self.tier is not None:
+            self._move_offloaded()
         if not scheduled:
             return None
         for seq in scheduled.admitted:
@@ -548,7 +596,13 @@ class EngineCore:
             spec_decode=scheduler.spec_stats() if scheduler.proposer is not None else None,
             **(self._adapters_in_use() if self.runner.lora is not None else {}),
             **(self._kv_transfer_stats() if self.kv_transfer is not None else {}),
+            **(self._kv_offload_stats() if self.tier is not None else {}),
         )
+
+    def _kv_offload_stats(self) -> dict[str, int]:
+        assert self.tier is not None
+        return {"kv_offload_saved": self.tier.saved, "kv_offload_loaded": self.tier.loaded,
+                "kv_offload_blocks": len(self.tier), "kv_offload_bytes": self.tier.num_bytes}
 
     def _kv_transfer_stats(self) -> dict[str, int]:
         assert self.kv_transfer is not None
@@ -585,6 +639,8 @@ class EngineCore:
             self._in_flight = None
         if self.kv_transfer is not None:
             self.kv_transfer.close(self.block_manager)
+        if isinstance(self.tier, DiskKVTier):
+            logger.info("KV offload: %d cached blocks saved to %s", self.save_cached_blocks(), self.tier.directory)
         self.structured_output.shutdown()
         if isinstance(self.runner, ParallelRunner):
             self.runner.close()

@@ -68,6 +68,11 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     kv_pulls_failed: int = 0
     kv_exports_expired: int = 0
     kv_blocks_held: int = 0
+    # The prefix cache's second tier: blocks saved there and loaded back since the start, and what it holds now.
+    kv_offload_saved: int = 0
+    kv_offload_loaded: int = 0
+    kv_offload_blocks: int = 0
+    kv_offload_bytes: int = 0
 
 
 class StepRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):

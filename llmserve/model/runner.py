@@ -566,6 +566,11 @@ class ModelRunner:
         return (f"{self.model_config.architecture}/{self.model_config.num_hidden_layers} layers/block "
                 f"{block_shape} {str(self.kv_cache_dtype).removeprefix('torch.')}")
 
+    @property
+    def num_kv_frames(self) -> int:
+        """Frames `read_kv_blocks` gives: a key and a value cache per layer."""
+        return 2 * len(self.kv_caches)
+
     def read_kv_blocks(self, block_ids: list[int]) -> list[memoryview]:
         """The bytes of these blocks, per layer its keys and then its values, on the host (for another engine)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)

@@ -94,6 +94,27 @@ class EngineCollector(Collector):
         yield _lora_info(endpoints)
         yield from _spec_decode(endpoints)
         yield from _kv_transfer([e for e in endpoints if e.engine.config.kv_transfer])
+        yield from _kv_offload([e for e in endpoints if e.engine.config.kv_offload_gib])
+
+
+def _kv_offload(endpoints: list[ServedModel]) -> Iterator[Metric]:
+    """The prefix cache's second tier, for the engines that have one: blocks saved to it and loaded back, and
+    what it holds."""
+    moved = CounterMetricFamily("llmserve:kv_offload_blocks", "KV blocks saved to the prefix cache's second tier "
+                                "(evicted from the pool) or loaded back from it.", labels=[*LABELS, "direction"])
+    for endpoint in endpoints:
+        stats = endpoint.engine.last_stats
+        moved.add_metric([endpoint.name, "saved"], stats.kv_offload_saved)
+        moved.add_metric([endpoint.name, "loaded"], stats.kv_offload_loaded)
+    yield moved
+    for name, documentation, value in (
+        ("llmserve:kv_offload_stored_blocks", "KV blocks in the second tier.", lambda s: s.kv_offload_blocks),
+        ("llmserve:kv_offload_stored_bytes", "Bytes of KV in the second tier.", lambda s: s.kv_offload_bytes),
+    ):
+        metric = GaugeMetricFamily(name, documentation, labels=LABELS)
+        for endpoint in endpoints:
+            metric.add_metric([endpoint.name], value(endpoint.engine.last_stats))
+        yield metric
 
 
 def _kv_transfer(endpoints: list[ServedModel]) -> Iterator[Metric]:
