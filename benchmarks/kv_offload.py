@@ -1,7 +1,8 @@
 """The prefix cache's second tier: what loading evicted blocks back saves against computing them again.
 
 Workload: `--docs` long documents (about `--doc-tokens` tokens each, distinct), and `--queries` requests,
-each a document chosen at random followed by a short question of its own, one request at a time; the KV
+each a document (chosen at random, or with `--order cycle` each in turn) followed by a short question of
+its own, one request at a time; the KV
 pool holds only `--pool-docs` documents' worth of blocks, so a document asked about again has usually
 been evicted. Three engines, one per arm, are driven with the same requests in alternating order:
 - `none`: no tier, an evicted document is computed again;
@@ -70,12 +71,14 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=60)
     ap.add_argument("--pool-docs", type=int, default=3, help="documents the KV pool holds at once")
     ap.add_argument("--tier-gib", type=float, default=4.0)
+    ap.add_argument("--order", choices=("random", "cycle"), default="random",
+                    help="cycle: the documents in turn, so that with --pool-docs 1 each is evicted before it comes back")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rng = random.Random(0)
     docs = [[rng.randrange(3, 8000) for _ in range(args.doc_tokens - 16)] for _ in range(args.docs)]
-    queries = [(d := rng.randrange(args.docs), docs[d] + [rng.randrange(3, 8000) for _ in range(16)])
-               for _ in range(args.queries)]
+    order = [i % args.docs if args.order == "cycle" else rng.randrange(args.docs) for i in range(args.queries)]
+    queries = [docs[d] + [rng.randrange(3, 8000) for _ in range(16)] for d in order]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / args.size, "llama", args.size, 0)
         disk_dir = Path(tmp) / "kv"
@@ -84,7 +87,7 @@ def main() -> None:
                 "disk": engine(model_dir, args, kv_offload_gib=args.tier_gib, kv_offload_dir=str(disk_dir))}
         times: dict[str, list[float]] = {name: [] for name in arms}
         computed = dict.fromkeys(arms, 0)
-        for i, (_, prompt) in enumerate(queries):
+        for i, prompt in enumerate(queries):
             for name in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
                 seconds, tokens = first_token_seconds(arms[name], f"q{i}", prompt)
                 times[name].append(seconds)
