@@ -26,17 +26,15 @@ import asyncio
 import json
 import os
 import random
-import re
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from gateway_prefix import Process
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.model.builtin import make_model
@@ -46,42 +44,12 @@ WORDS = ("river", "engine", "harbour", "lantern", "orchard", "signal", "copper",
          "summit", "thread", "ledger", "canyon", "pillar", "socket", "marble", "fabric", "tunnel", "beacon")
 
 
-class Process:
-    """A process started at once; `url()` waits for the address it prints (the first group of `pattern`)."""
-
-    def __init__(self, command: list[str], pattern: str, core: int | None = None) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        if core is not None:
-            command = ["taskset", "-c", str(core), *command]
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self._found: list[str] = []
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, args=(pattern,), daemon=True).start()
-
-    def _read(self, pattern: str) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            match = re.search(pattern, line)
-            if match and not self._ready.is_set():
-                self._found.append(match.group(1))
-                self._ready.set()
-
-    def url(self, timeout: float = 300) -> str:
-        if not self._ready.wait(timeout):
-            raise RuntimeError(f"{' '.join(self.proc.args[:8])} did not start")
-        return self._found[0]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-
-
 def replica(model_dir: Path, core: int, args: argparse.Namespace, *extra: str) -> Process:
     command = [sys.executable, "-m", "llmserve.cli", "serve", "--no-platform", "--model", str(model_dir),
                "--served-model-name", MODEL, "--port", "0", "--cpu-threads", "1", "--dtype", args.dtype,
                "--max-model-len", str(args.max_model_len), "--num-kv-blocks", str(args.kv_blocks),
                "--max-waiting-requests", "100000", *extra]
-    return Process(command, r"serving \S+ at (http://\S+)/v1", core)
+    return Process(["taskset", "-c", str(core), *command], r"serving \S+ at (http://\S+)/v1")
 
 
 def gateway(decode: list[str], prefill: list[str]) -> Process:

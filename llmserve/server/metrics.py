@@ -27,7 +27,7 @@ from llmserve.server.slo import SLO, LoadEstimator
 
 if TYPE_CHECKING:  # the gateway uses PlatformMetrics without an engine (nor torch)
     from llmserve.engine.async_llm import AsyncLLM, EngineEvents
-    from llmserve.engine.messages import StepRecord
+    from llmserve.engine.messages import EngineStats, StepRecord
     from llmserve.outputs import RequestOutput
 
 
@@ -100,45 +100,45 @@ class EngineCollector(Collector):
 def _kv_offload(endpoints: list[ServedModel]) -> Iterator[Metric]:
     """The prefix cache's second tier, for the engines that have one: blocks saved to it and loaded back, and
     what it holds."""
-    moved = CounterMetricFamily("llmserve:kv_offload_blocks", "KV blocks saved to the prefix cache's second tier "
-                                "(evicted from the pool) or loaded back from it.", labels=[*LABELS, "direction"])
-    for endpoint in endpoints:
-        stats = endpoint.engine.last_stats
-        moved.add_metric([endpoint.name, "saved"], stats.kv_offload_saved)
-        moved.add_metric([endpoint.name, "loaded"], stats.kv_offload_loaded)
-    yield moved
-    for name, documentation, value in (
-        ("llmserve:kv_offload_stored_blocks", "KV blocks in the second tier.", lambda s: s.kv_offload_blocks),
-        ("llmserve:kv_offload_stored_bytes", "Bytes of KV in the second tier.", lambda s: s.kv_offload_bytes),
-    ):
-        metric = GaugeMetricFamily(name, documentation, labels=LABELS)
-        for endpoint in endpoints:
-            metric.add_metric([endpoint.name], value(endpoint.engine.last_stats))
-        yield metric
+    yield _each_way("llmserve:kv_offload_blocks", "KV blocks saved to the prefix cache's second tier (evicted from "
+                    "the pool) or loaded back from it.", endpoints,
+                    {"saved": lambda s: s.kv_offload_saved, "loaded": lambda s: s.kv_offload_loaded})
+    yield _per_engine(GaugeMetricFamily, "llmserve:kv_offload_stored_blocks", "KV blocks in the second tier.",
+                      endpoints, lambda s: s.kv_offload_blocks)
+    yield _per_engine(GaugeMetricFamily, "llmserve:kv_offload_stored_bytes", "Bytes of KV in the second tier.",
+                      endpoints, lambda s: s.kv_offload_bytes)
 
 
 def _kv_transfer(endpoints: list[ServedModel]) -> Iterator[Metric]:
     """Disaggregation, for the engines that transfer KV: blocks sent and received, pulls that failed (the
     request computed its prompt here), held KV nobody pulled in time, and the blocks held now."""
-    blocks = CounterMetricFamily("llmserve:kv_transfer_blocks", "KV blocks sent to or received from other "
-                                 "replicas (prefill/decode disaggregation).", labels=[*LABELS, "direction"])
+    yield _each_way("llmserve:kv_transfer_blocks", "KV blocks sent to or received from other replicas "
+                    "(prefill/decode disaggregation).", endpoints,
+                    {"sent": lambda s: s.kv_blocks_sent, "received": lambda s: s.kv_blocks_received})
+    yield _per_engine(CounterMetricFamily, "llmserve:kv_transfer_pulls_failed", "KV pulls that failed (the prompt "
+                      "was computed here instead).", endpoints, lambda s: s.kv_pulls_failed)
+    yield _per_engine(CounterMetricFamily, "llmserve:kv_transfer_exports_expired", "Held KV that no replica pulled "
+                      "in time.", endpoints, lambda s: s.kv_exports_expired)
+    yield _per_engine(GaugeMetricFamily, "llmserve:kv_transfer_blocks_held", "KV blocks held for other replicas to "
+                      "pull.", endpoints, lambda s: s.kv_blocks_held)
+
+
+def _per_engine(kind: type, name: str, documentation: str, endpoints: list[ServedModel],
+                value: Callable[[EngineStats], float]) -> Metric:
+    metric = kind(name, documentation, labels=LABELS)
     for endpoint in endpoints:
-        stats = endpoint.engine.last_stats
-        blocks.add_metric([endpoint.name, "sent"], stats.kv_blocks_sent)
-        blocks.add_metric([endpoint.name, "received"], stats.kv_blocks_received)
-    yield blocks
-    for kind, name, documentation, value in (
-        (CounterMetricFamily, "llmserve:kv_transfer_pulls_failed", "KV pulls that failed (the prompt was computed "
-         "here instead).", lambda s: s.kv_pulls_failed),
-        (CounterMetricFamily, "llmserve:kv_transfer_exports_expired", "Held KV that no replica pulled in time.",
-         lambda s: s.kv_exports_expired),
-        (GaugeMetricFamily, "llmserve:kv_transfer_blocks_held", "KV blocks held for other replicas to pull.",
-         lambda s: s.kv_blocks_held),
-    ):
-        metric = kind(name, documentation, labels=LABELS)
-        for endpoint in endpoints:
-            metric.add_metric([endpoint.name], value(endpoint.engine.last_stats))
-        yield metric
+        metric.add_metric([endpoint.name], value(endpoint.engine.last_stats))
+    return metric
+
+
+def _each_way(name: str, documentation: str, endpoints: list[ServedModel],
+              directions: dict[str, Callable[[EngineStats], float]]) -> Metric:
+    """A counter per engine and direction (sent/received, saved/loaded)."""
+    metric = CounterMetricFamily(name, documentation, labels=[*LABELS, "direction"])
+    for endpoint in endpoints:
+        for direction, value in directions.items():
+            metric.add_metric([endpoint.name, direction], value(endpoint.engine.last_stats))
+    return metric
 
 
 def _spec_decode(endpoints: list[ServedModel]) -> Iterator[Metric]:
