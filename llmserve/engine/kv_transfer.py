@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -39,6 +39,7 @@ from llmserve.engine.wakeup import Wakeup
 logger = logging.getLogger(__name__)
 
 PULL_TIMEOUT_S = 10.0  # a pull not answered by then fails (the request computes its prompt itself)
+IMPORT_THREADS = 4  # pulls under way at once (each waits on the network, not on the interpreter)
 _POLL_MS = 200  # how often the serving thread looks whether it should stop
 
 ReadBlocks = Callable[[list[int]], list[memoryview]]
@@ -103,7 +104,7 @@ class KVTransfer:
         self._lock = threading.Lock()
         self._exports: dict[str, _Export] = {}
         self._served: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._pulls: queue.SimpleQueue[tuple[str, KVPull, Future] | None] = queue.SimpleQueue()
+        self._importers = ThreadPoolExecutor(IMPORT_THREADS, thread_name_prefix="llmserve-kv-import")
         self._stop = threading.Event()
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
@@ -111,12 +112,8 @@ class KVTransfer:
             socket.bind(f"tcp://{self.host}:{self.port}")
         else:
             self.port = socket.bind_to_random_port(f"tcp://{self.host}")
-        self._threads = [
-            threading.Thread(target=self._serve, args=(socket,), name="llmserve-kv-export", daemon=True),
-            threading.Thread(target=self._pull_loop, name="llmserve-kv-import", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._server = threading.Thread(target=self._serve, args=(socket,), name="llmserve-kv-export", daemon=True)
+        self._server.start()
         logger.info("KV transfer: serving held blocks on %s:%d (kept %.0f s unpulled)", self.host, self.port, self.ttl)
 
     # ---- export ---------------------------------------------------------------------------------
@@ -209,49 +206,34 @@ class KVTransfer:
 
     # ---- import ---------------------------------------------------------------------------------
     def pull(self, host: str, port: int, transfer_id: str, first_block: int, num_blocks: int) -> Future[PulledKV]:
-        """Pull a transfer's blocks on the import thread; the future holds them, or the reason it failed."""
-        future: Future[PulledKV] = Future()
-        self._pulls.put((f"tcp://{host}:{port}", KVPull(transfer_id, first_block, num_blocks, self.layout), future))
+        """Pull a transfer's blocks on an import thread; the future holds them, or the reason it failed."""
+        future = self._importers.submit(self._pull_one, f"tcp://{host}:{port}",
+                                        KVPull(transfer_id, first_block, num_blocks, self.layout))
+        future.add_done_callback(lambda _: self.wakeup.notify())
         return future
 
-    def _pull_loop(self) -> None:
-        sockets: dict[str, zmq.Socket] = {}
-        encoder = msgspec.msgpack.Encoder()
-        decoder = msgspec.msgpack.Decoder(KVPullReply)
-        while (job := self._pulls.get()) is not None:
-            address, pull, future = job
-            try:
-                future.set_result(self._pull_one(sockets, address, pull, encoder, decoder))
-            except Exception as exc:  # any failure only means the request computes its prompt itself
-                stale = sockets.pop(address, None)  # a late answer must not be read as the next one's
-                if stale is not None:
-                    stale.close(linger=0)
-                future.set_exception(exc)
-            self.wakeup.notify()
-        for socket in sockets.values():
-            socket.close(linger=0)
-
-    def _pull_one(self, sockets: dict[str, zmq.Socket], address: str, pull: KVPull,
-                  encoder: msgspec.msgpack.Encoder, decoder: msgspec.msgpack.Decoder) -> PulledKV:
-        socket = sockets.get(address)
-        if socket is None:
-            socket = sockets[address] = self._context.socket(zmq.DEALER)
+    def _pull_one(self, address: str, pull: KVPull) -> PulledKV:
+        """One pull on a socket of its own: a peer that is gone holds up no other pull, and no late answer
+        is read as another pull's."""
+        socket = self._context.socket(zmq.DEALER)
+        try:
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(address)
-        socket.send(encoder.encode(pull))
-        if not socket.poll(int(PULL_TIMEOUT_S * 1000)):
-            raise TimeoutError(f"{address} did not answer a KV pull within {PULL_TIMEOUT_S:.0f} s")
-        head, *blocks = socket.recv_multipart(copy=False)
-        reply: KVPullReply = decoder.decode(head.buffer)
+            socket.send(msgspec.msgpack.encode(pull))
+            if not socket.poll(int(PULL_TIMEOUT_S * 1000)):
+                raise TimeoutError(f"{address} did not answer a KV pull within {PULL_TIMEOUT_S:.0f} s")
+            head, *blocks = socket.recv_multipart(copy=False)
+        finally:
+            socket.close(linger=0)
+        reply = msgspec.msgpack.decode(head.buffer, type=KVPullReply)
         if reply.error is not None:
             raise LookupError(reply.error)
         return PulledKV(pull.first_block, pull.num_blocks, reply.token_ids, [frame.buffer for frame in blocks])
 
     def close(self, block_manager: BlockManager | None = None) -> None:
         self._stop.set()
-        self._pulls.put(None)
-        for thread in self._threads:
-            thread.join(timeout=5)
+        self._importers.shutdown(wait=True, cancel_futures=True)
+        self._server.join(timeout=5)
         if block_manager is not None:
             with self._lock:
                 exports, self._exports = list(self._exports.values()), {}
