@@ -57,7 +57,7 @@ from llmserve.platform.routing import ModelRouter
 from llmserve.platform.safety import OutputGuard
 from llmserve.platform.usage import UsageStatus
 from llmserve.server import errors
-from llmserve.server.conversations import ConversationTurn, fit_history, open_turn
+from llmserve.server.conversations import ConversationTurn, fit_history, open_turn, turn_messages
 from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Admission, Platform, request_key
 from llmserve.server.messages import template_messages, uses_tools
@@ -153,15 +153,16 @@ class GatewayPlatform:
             return kv_transfer_params_refused()
         key = request_key(request.state)
         new_messages = template_messages(body.messages)
-        model, pool = await self.routed(body.model, key, key.id if key is not None else body.user,
-                                        lambda: chat_texts(new_messages))
-        errors.reject_unsupported(body.unsupported_params())
         if body.conversation_id is not None and uses_tools(body):
             raise InvalidRequestError(
                 "Stored conversations keep text turns only: tools and tool messages cannot be used with "
                 "conversation_id.", param="conversation_id",
             )
         turn = await open_turn(self.platform, key, body.conversation_id, body.parent_message_id, new_messages)
+        # A content router reads the stored conversation's turns too (its history_turns).
+        model, pool = await self.routed(body.model, key, key.id if key is not None else body.user,
+                                        lambda: chat_texts(turn_messages(turn, new_messages)))
+        errors.reject_unsupported(body.unsupported_params())
         payload = _as_sent(await _json(request) if payload is None else dict(payload), model)
         max_tokens, _ = body.requested_max_tokens()
         if turn is not None:

@@ -10,8 +10,8 @@ small one). Otherwise, and whenever the text cannot be embedded (no text, the
 embedding model loading or failing), the request goes to the router's `default`, so a request is never
 refused for its routing. The examples are embedded once, at the first request.
 
-With `history_turns` above 1, a chat's latest user messages are each routed, and one that goes to the default
-takes the chat there: a conversation that once needed the big model stays on it (and on its prefix cache). The
+With `history_turns` above 1, a chat's latest user messages (a stored conversation's before its own) are each
+routed, and one that goes to the default takes the chat there: a conversation that once needed the big model stays on it (and on its prefix cache). The
 embeddings of recent texts are kept, so a conversation's earlier turns are not embedded again.
 
 Torch-free: `llmserve serve` embeds with its engine, `llmserve gateway` asks a replica's /v1/embeddings.

@@ -17,7 +17,13 @@ from llmserve.platform.content_routing import chat_texts
 from llmserve.sampling.params import SamplingParams
 from llmserve.server import errors
 from llmserve.server.assistant_output import ReplyPlan, plan_reply, reasoning_start, whole_tool_calls
-from llmserve.server.conversations import ConversationTurn, fit_history, open_turn, split_last_turn
+from llmserve.server.conversations import (
+    ConversationTurn,
+    fit_history,
+    open_turn,
+    split_last_turn,
+    turn_messages,
+)
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, chat_logprobs, logprob_texts, vllm_prompt_logprobs
 from llmserve.server.messages import template_messages, uses_tools
@@ -47,17 +53,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = get_state(request)
     key = request_key(request.state)
     new_messages = template_messages(body.messages)
-    endpoint = await state.routed_endpoint(body.model, key, key.id if key is not None else body.user,
-                                           lambda: chat_texts(new_messages))
-    errors.reject_unsupported(body.unsupported_params())
-    plan = plan_reply(body, endpoint.tool_parser, endpoint.reasoning)
     if body.conversation_id is not None and uses_tools(body):
         raise InvalidRequestError(
             "Stored conversations keep text turns only: tools and tool messages cannot be used with conversation_id.",
             param="conversation_id",
         )
-    endpoint.prompt_bound.check(sum(len(m["content"]) for m in new_messages), "messages")
     turn = await open_turn(state.platform, key, body.conversation_id, body.parent_message_id, new_messages)
+    # A content router reads the stored conversation's turns too (its history_turns).
+    endpoint = await state.routed_endpoint(body.model, key, key.id if key is not None else body.user,
+                                           lambda: chat_texts(turn_messages(turn, new_messages)))
+    errors.reject_unsupported(body.unsupported_params())
+    plan = plan_reply(body, endpoint.tool_parser, endpoint.reasoning)
+    endpoint.prompt_bound.check(sum(len(m["content"]) for m in new_messages), "messages")
     max_tokens, max_tokens_param = body.requested_max_tokens()
     prompt_text, prompt_ids = await _chat_prompt(state.workers, endpoint, body, new_messages, turn, max_tokens)
     prompt_ids = endpoint.engine.input_processor.truncate(prompt_ids, body.truncate_prompt_tokens)

@@ -101,6 +101,11 @@ class ConversationTurn:
         return {"x-conversation-id": self.conversation_id, TRUNCATED_HEADER: str(self.truncated)}
 
 
+def turn_messages(turn: ConversationTurn | None, new_messages: ChatMessages) -> ChatMessages:
+    """A chat's messages after its stored conversation's (none without one)."""
+    return [*turn.history, *new_messages] if turn is not None else list(new_messages)
+
+
 async def open_turn(
     platform: Platform | None,
     key: ApiKey | None,

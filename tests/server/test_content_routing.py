@@ -102,6 +102,23 @@ def test_a_conversation_that_needed_the_big_model_stays_on_it(server: PlatformSe
     assert routed(server, "big", "history", router="sticky") == 1
 
 
+def test_a_stored_conversations_earlier_turns_count_too(server: PlatformServer) -> None:
+    def ask(conversation_id: str, text: str) -> str:
+        response = client.post("/v1/chat/completions", json={
+            "model": "sticky", "conversation_id": conversation_id, "max_tokens": 2,
+            "messages": [{"role": "user", "content": text}]})
+        assert response.status_code == 200, response.text
+        return response.json()["model"]
+
+    with server.client() as client:
+        hard, easy = (client.post("/v1/conversations", json={"messages": []}).json()["id"] for _ in range(2))
+        assert ask(hard, "Prove that 17 is prime.") == "big"
+        assert ask(hard, "thanks a lot!") == "big"  # its stored first turn was hard
+        assert ask(easy, "hi there!") == "small"
+        assert ask(easy, "thanks a lot!") == "small"
+    assert routed(server, "big", "history", router="sticky") == 1
+
+
 def test_a_request_without_text_goes_to_the_default(server: PlatformServer) -> None:
     with server.client() as client:
         response = client.post("/v1/completions", json={"model": "auto", "prompt": [1, 2, 3], "max_tokens": 2})
