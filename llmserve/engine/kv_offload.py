@@ -152,7 +152,7 @@ def disk_namespace(model_dir: Path, layout: str) -> str:
 
 def split_blocks(frames: list[memoryview], count: int) -> list[bytes]:
     """Per block, its part of every frame (`read_kv_blocks`' frames of `count` blocks) joined as one blob."""
-    sizes = [len(frame) // count for frame in frames]
+    sizes = [memoryview(frame).nbytes // count for frame in frames]
     return [b"".join(frame[i * size : (i + 1) * size] for frame, size in zip(frames, sizes, strict=True))
             for i in range(count)]
 

@@ -168,6 +168,13 @@ class KVTransfer:
             export.serving = True
             return export.holder
 
+    def _unclaim(self, transfer_id: str) -> None:
+        """A pull that sent nothing: the transfer waits for another (or its deadline)."""
+        with self._lock:
+            export = self._exports.get(transfer_id)
+            if export is not None:
+                export.serving = False
+
     def _serve(self, socket: zmq.Socket) -> None:
         decoder = msgspec.msgpack.Decoder(KVPull)
         encoder = msgspec.msgpack.Encoder()
@@ -181,7 +188,12 @@ class KVTransfer:
                 except (msgspec.DecodeError, IndexError):
                     socket.send_multipart([identity, encoder.encode(KVPullReply("a malformed pull"))])
                     continue
-                reply, blocks = self._answer(pull)
+                try:
+                    reply, blocks = self._answer(pull)
+                except Exception as exc:  # whatever went wrong with this pull, the next ones are served
+                    logger.exception("KV transfer: a pull of %r failed", pull.transfer_id)
+                    self._unclaim(pull.transfer_id)
+                    reply, blocks = KVPullReply(f"the blocks could not be read: {exc}"), []
                 if reply.error is None:  # the blocks are copied out: the step loop may let them go now
                     self._served.put(pull.transfer_id)
                     self.counts.blocks_sent += pull.num_blocks
@@ -198,8 +210,7 @@ class KVTransfer:
             return KVPullReply(f"no transfer {pull.transfer_id!r} is held here (expired, or pulled already)"), []
         first, count = pull.first_block, pull.num_blocks
         if first < 0 or count < 1 or first + count > len(holder.block_table):
-            with self._lock:
-                self._exports[pull.transfer_id].serving = False
+            self._unclaim(pull.transfer_id)
             return KVPullReply(f"blocks {first}..{first + count} are outside the {len(holder.block_table)} held"), []
         tokens = holder.token_ids[first * self.block_size : (first + count) * self.block_size]
         return KVPullReply(None, tokens), self.read_blocks(holder.block_table[first : first + count])

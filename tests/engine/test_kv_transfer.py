@@ -237,3 +237,45 @@ def test_held_kv_never_takes_more_than_half_the_pool(tiny_llama_dir):
         prefill.check_invariants()
     finally:
         prefill.core.shutdown()
+
+
+def test_malformed_pulls_are_answered_and_the_next_pull_is_served(engines):
+    import msgspec
+    import zmq
+
+    from llmserve.engine.kv_transfer import KVPull, KVPullReply
+
+    prefill, decode = engines
+    params = _export(prefill, "p8", PROMPT)
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"tcp://127.0.0.1:{params['remote_port']}")
+    try:
+        layout = prefill.core.kv_transfer.layout
+        for message in (b"\xc1 not msgpack", msgspec.msgpack.encode(["x", "y"]),
+                        msgspec.msgpack.encode(KVPull(params["transfer_id"], 5, 99, layout)),  # past the held blocks
+                        msgspec.msgpack.encode(KVPull(params["transfer_id"], 0, 1, "another layout"))):
+            socket.send(message)
+            assert socket.poll(5000)
+            reply = msgspec.msgpack.decode(socket.recv_multipart()[0], type=KVPullReply)
+            assert reply.error
+    finally:
+        socket.close()
+    decode.core.block_manager.reset_prefix_cache()  # the whole prompt is pulled
+    before = decode.stats()
+    result = _run(decode, "d8", PROMPT, GREEDY, _remote(params))  # the transfer is still there, whole
+    after = decode.stats()
+    assert after.kv_pulls_failed == before.kv_pulls_failed
+    assert after.kv_blocks_received == before.kv_blocks_received + 9
+    assert result.outputs[0].token_ids == _run(decode, "d8-again", PROMPT, GREEDY).outputs[0].token_ids
+    _assert_no_leak(prefill, decode)
+
+
+def test_frames_of_the_wrong_size_are_refused_before_any_write(engines):
+    _, decode = engines
+    runner = decode.core.runner
+    with pytest.raises(ValueError, match="other sizes"):
+        runner.write_kv_blocks([0], [memoryview(b"\0" * 8)] * runner.num_kv_frames)
+    with pytest.raises(ValueError, match="frames for"):
+        runner.write_kv_blocks([0], [memoryview(b"\0" * 8)])
