@@ -271,7 +271,9 @@ class EngineCore:
         count = (len(request.prompt_token_ids) - 1) // self.config.block_size - first  # the last token is computed here
         if count <= 0 or request.needs_prompt_logprobs or not transfer.remote_host or not transfer.remote_port:
             return False
-        future = self.kv_transfer.pull(transfer.remote_host, transfer.remote_port, transfer.transfer_id or "", first, count)
+        adapter = request.lora.lora_name if request.lora is not None else None
+        future = self.kv_transfer.pull(transfer.remote_host, transfer.remote_port, transfer.transfer_id or "", first,
+                                       count, adapter)
         self._awaiting_kv[request.request_id] = (request, future)
         return True
 

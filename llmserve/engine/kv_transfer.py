@@ -52,6 +52,7 @@ class KVPull(msgspec.Struct, array_like=True, gc=False):
     first_block: int
     num_blocks: int
     layout: str  # the asker's KV layout: the blocks are only sent to an engine that stores them alike
+    adapter: str | None = None  # the LoRA adapter the asker generates with: the KV must have been computed with it
 
 
 class KVPullReply(msgspec.Struct, array_like=True, gc=False):
@@ -208,6 +209,10 @@ class KVTransfer:
         holder = self._claim(pull.transfer_id)
         if holder is None:
             return KVPullReply(f"no transfer {pull.transfer_id!r} is held here (expired, or pulled already)"), []
+        adapter = holder.request.lora.lora_name if holder.request.lora is not None else None
+        if pull.adapter != adapter:
+            self._unclaim(pull.transfer_id)
+            return KVPullReply(f"the KV was computed with LoRA adapter {adapter!r}, not {pull.adapter!r}"), []
         first, count = pull.first_block, pull.num_blocks
         if first < 0 or count < 1 or first + count > len(holder.block_table):
             self._unclaim(pull.transfer_id)
@@ -216,10 +221,12 @@ class KVTransfer:
         return KVPullReply(None, tokens), self.read_blocks(holder.block_table[first : first + count])
 
     # ---- import ---------------------------------------------------------------------------------
-    def pull(self, host: str, port: int, transfer_id: str, first_block: int, num_blocks: int) -> Future[PulledKV]:
-        """Pull a transfer's blocks on an import thread; the future holds them, or the reason it failed."""
+    def pull(self, host: str, port: int, transfer_id: str, first_block: int, num_blocks: int,
+             adapter: str | None = None) -> Future[PulledKV]:
+        """Pull a transfer's blocks (computed with LoRA `adapter`) on an import thread; the future holds them,
+        or the reason it failed."""
         future = self._importers.submit(self._pull_one, f"tcp://{host}:{port}",
-                                        KVPull(transfer_id, first_block, num_blocks, self.layout))
+                                        KVPull(transfer_id, first_block, num_blocks, self.layout, adapter))
         future.add_done_callback(lambda _: self.wakeup.notify())
         return future
 

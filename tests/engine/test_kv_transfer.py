@@ -255,7 +255,8 @@ def test_malformed_pulls_are_answered_and_the_next_pull_is_served(engines):
         layout = prefill.core.kv_transfer.layout
         for message in (b"\xc1 not msgpack", msgspec.msgpack.encode(["x", "y"]),
                         msgspec.msgpack.encode(KVPull(params["transfer_id"], 5, 99, layout)),  # past the held blocks
-                        msgspec.msgpack.encode(KVPull(params["transfer_id"], 0, 1, "another layout"))):
+                        msgspec.msgpack.encode(KVPull(params["transfer_id"], 0, 1, "another layout")),
+                        msgspec.msgpack.encode(KVPull(params["transfer_id"], 0, 1, layout, adapter="sql-lora"))):
             socket.send(message)
             assert socket.poll(5000)
             reply = msgspec.msgpack.decode(socket.recv_multipart()[0], type=KVPullReply)
