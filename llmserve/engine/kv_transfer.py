@@ -13,7 +13,7 @@ Import (the decode side): a request sent with `do_remote_prefill` waits outside 
 thread pulls the blocks of its prompt that this engine's prefix cache lacks. The step loop then writes
 them into free blocks and names them in the prefix cache (`BlockManager.adopt_blocks`), and queues the
 request: its admission finds them cached, and it computes its last block only. A pull that fails (the
-peer is gone, the transfer expired, another model's layout, other tokens) leaves the request to
+peer is gone, the transfer expired, another layout or LoRA adapter, other tokens) leaves the request to
 compute its prompt itself: the answer is the same, only later.
 """
 
