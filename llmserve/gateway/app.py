@@ -92,8 +92,9 @@ class GatewayState:
         disaggregation: DisaggregationOptions,
     ) -> None:
         self.pools = {name: Pool.of(name, urls, policy_by_name(policy)) for name, urls in pools.items()}
-        # A pool's prefill replicas: least loaded first (what they hold is handed on, not kept for reuse).
-        self.prefill_pools = {name: Pool.of(prefill_pool_name(name), urls, policy_by_name("least_load"))
+        # A pool's prefill replicas, routed as the pool is: a prefill replica keeps what it computed in its
+        # prefix cache too, so prompts that start alike (a system prompt) go where it is cached.
+        self.prefill_pools = {name: Pool.of(prefill_pool_name(name), urls, policy_by_name(policy))
                               for name, urls in prefill_pools.items()}
         self.router: ModelRouter[Pool] = ModelRouter()
         for name, pool in self.pools.items():

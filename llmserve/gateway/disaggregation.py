@@ -12,7 +12,8 @@ not already cached where it goes (llm-d's rule: disaggregate only when the uncac
      count `CHARS_PER_TOKEN_ID` each) is sent as it is (`skipped_short`), and so is one whose part that
      the decode replica is not remembered to hold (routing.py's `Route.cached`) is that short
      (`skipped_cached`);
-  3. otherwise the least loaded healthy prefill replica is sent the prefill call: the request with
+  3. otherwise a healthy prefill replica, chosen by the pool's routing policy (by prefix cache and load), is
+     sent the prefill call: the request with
      `kv_transfer_params: {"do_remote_decode": true}`, one token, not streamed; its answer's
      `kv_transfer_params` say where the prompt's KV waits (`remote_host` null: the host of the prefill
      replica's URL);
