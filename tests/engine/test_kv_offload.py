@@ -152,3 +152,32 @@ def test_blobs_split_and_join_back():
 def test_configs_that_cannot_offload_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="x", **overrides).validate()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "serial"])
+def test_preempted_requests_come_back_from_the_tier_with_the_tokens_they_would_have(tiny_llama_dir, async_scheduling):
+    prompts = [[(11 * i + 7 * k) % 230 + 3 for i in range(100)] for k in range(3)]  # 6 full blocks each
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    def run(engine: LLMEngine) -> list[list[int]]:
+        for k, prompt in enumerate(prompts):
+            engine.add_request(f"r{k}", prompt, long)
+        finals: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finals[output.request_id] = output.outputs[0].token_ids
+        return [finals[f"r{k}"] for k in range(len(prompts))]
+
+    roomy = _engine(tiny_llama_dir, num_kv_blocks=64, kv_offload_gib=0)
+    want = run(roomy)
+    roomy.core.shutdown()
+    # 3 x 10 blocks do not fit at once
+    tight = _engine(tiny_llama_dir, num_kv_blocks=16, max_model_len=256, async_scheduling=async_scheduling)
+    try:
+        assert run(tight) == want
+        stats = tight.stats()
+        assert stats.num_preemptions > 0 and stats.kv_offload_loaded > 0
+        _assert_no_leak(tight)
+    finally:
+        tight.core.shutdown()
