@@ -301,6 +301,8 @@ class EngineCore:
         if fresh is None:
             self._pull_failed(request, "the KV pool has no room for the pulled blocks now")
             return
+        if self.tier is not None:
+            self._move_offloaded()  # what the fresh blocks held is saved before they are written
         try:
             self.runner.write_kv_blocks(fresh, pulled.frames)
         except ValueError as exc:

@@ -280,3 +280,21 @@ def test_frames_of_the_wrong_size_are_refused_before_any_write(engines):
         runner.write_kv_blocks([0], [memoryview(b"\0" * 8)] * runner.num_kv_frames)
     with pytest.raises(ValueError, match="frames for"):
         runner.write_kv_blocks([0], [memoryview(b"\0" * 8)])
+
+
+def test_blocks_evicted_for_pulled_kv_are_saved_to_the_tier_as_they_were(engines, tiny_llama_dir):
+    prefill, _ = engines
+    decode = _engine(tiny_llama_dir, num_kv_blocks=24, max_model_len=256, kv_offload_gib=0.01)
+    try:
+        first = [(3 * i + 1) % 240 + 5 for i in range(150)]
+        want = _run(decode, "x", first, GREEDY).outputs[0].token_ids
+        _run(decode, "y", [(5 * i + 2) % 240 + 5 for i in range(150)], GREEDY)  # the pool is all named now
+        params = _export(prefill, "p9", PROMPT)
+        _run(decode, "d9", PROMPT, GREEDY, _remote(params))  # its 9 pulled blocks evict x's (saved first)
+        _run(decode, "z", [(7 * i + 4) % 240 + 5 for i in range(150)], GREEDY)
+        again = _run(decode, "x-again", first, GREEDY)
+        assert decode.stats().kv_offload_loaded > 0  # x came back from the tier...
+        assert again.outputs[0].token_ids == want  # ...with its own KV, not the pulled blocks'
+        decode.check_invariants()
+    finally:
+        decode.core.shutdown()
