@@ -377,6 +377,11 @@ class AsyncLLM:
             return
         await self._call("wait_idle")
 
+    async def reset_prefix_cache(self) -> tuple[int, int]:
+        """Forget every cached KV block, the pool's and the second tier's; returns how many of each."""
+        pool, tier = await self._call("reset_prefix_cache")  # type: ignore[misc]
+        return int(pool), int(tier)
+
     async def _call(self, method: str, *args) -> object:
         self._bind_loop()
         if self._dead is not None:

@@ -165,6 +165,12 @@ class EngineCore:
         if loads:
             self.runner.write_kv_blocks(list(loads), join_blocks(loads.values(), self.runner.num_kv_frames))
 
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Forget every cached block, the pool's (held ones stay with their requests) and the tier's; returns
+        how many of each (vLLM's /reset_prefix_cache, for benchmarks and operators)."""
+        dropped = self.tier.clear() if self.tier is not None else 0
+        return self.block_manager.reset_prefix_cache(), dropped
+
     def save_cached_blocks(self) -> int:
         """Put every named block of the pool that the tier lacks into it (a disk tier's cache then outlives
         the process); returns how many were saved."""

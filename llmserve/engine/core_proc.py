@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 # What the front end may call between steps (`UtilityCall.method`); wait_idle answers once idle, and
 # reload_weights once the new weights, read on a thread while steps go on, are in place.
-UTILITY_METHODS = ("stats", "check_invariants", "wait_idle", "reload_weights")
+UTILITY_METHODS = ("stats", "check_invariants", "wait_idle", "reload_weights", "reset_prefix_cache")
 
 
 class EngineCoreProc:

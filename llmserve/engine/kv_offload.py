@@ -67,6 +67,13 @@ class KVTier(ABC):
         self.num_bytes += len(blob)
         self.saved += 1
 
+    def clear(self) -> int:
+        """Drop every block; returns how many there were."""
+        dropped = len(self._sizes)
+        while self._sizes:
+            self._drop(next(iter(self._sizes)))
+        return dropped
+
     def _drop(self, block_hash: BlockHash) -> None:
         self.num_bytes -= self._sizes.pop(block_hash)
         self._delete(block_hash)

@@ -1,4 +1,6 @@
-"""POST /admin/reload: new weights for a served model, put in place without stopping it.
+"""POST /admin/reload: new weights for a served model, put in place without stopping it. POST
+/admin/reset_prefix_cache (also vLLM's /reset_prefix_cache): forget a model's cached KV blocks, the pool's
+and the second tier's (benchmarks start cold with it; an operator empties a disk tier).
 
 The engine core reads and checks the checkpoint on a thread while it goes on stepping, then swaps the
 weights in between two steps and empties its prefix cache (that KV came from the old weights): streams
@@ -17,7 +19,12 @@ from llmserve.platform.keys import ApiKey
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import request_key
 from llmserve.server.openapi import documented
-from llmserve.server.protocol import ReloadRequest, ReloadResponse
+from llmserve.server.protocol import (
+    ReloadRequest,
+    ReloadResponse,
+    ResetPrefixCacheRequest,
+    ResetPrefixCacheResponse,
+)
 from llmserve.server.state import get_state
 
 router = APIRouter()
@@ -46,4 +53,15 @@ async def reload_weights(body: ReloadRequest, request: Request) -> JSONResponse:
         raise APIError(400, f"Could not load the weights in {body.path}: {exc}", param="path",
                        code="weights_not_loaded") from None
     response = ReloadResponse(model=endpoint.name, path=str(path), cached_blocks_forgotten=forgotten)
+    return JSONResponse(response.model_dump())
+
+
+@router.post("/admin/reset_prefix_cache", response_model=None, responses=documented(ResetPrefixCacheResponse))
+@router.post("/reset_prefix_cache", response_model=None, include_in_schema=False)
+async def reset_prefix_cache(request: Request, body: ResetPrefixCacheRequest | None = None) -> JSONResponse:
+    key = request_key(request.state)
+    require_admin(key, "Resetting the prefix cache")
+    endpoint = get_state(request).endpoint(body.model if body is not None else None, key)
+    pool, tier = await endpoint.engine.reset_prefix_cache()
+    response = ResetPrefixCacheResponse(model=endpoint.name, cached_blocks_forgotten=pool, offloaded_blocks_dropped=tier)
     return JSONResponse(response.model_dump())

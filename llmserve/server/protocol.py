@@ -912,6 +912,16 @@ class ReloadResponse(_Response):
     cached_blocks_forgotten: int
 
 
+class ResetPrefixCacheRequest(RequestBody):
+    model: str | None = None  # the served model's (or adapter's: its base model's cache); None: the default
+
+
+class ResetPrefixCacheResponse(_Response):
+    model: str
+    cached_blocks_forgotten: int  # of the pool (blocks held by running requests stay with them)
+    offloaded_blocks_dropped: int  # of the second tier (--kv-offload-gib)
+
+
 class HealthResponse(_Response):
     status: Literal["ok"] = "ok"
 

@@ -56,6 +56,8 @@ ROUTE_ACCESS = {
     "/v1/conversations/{conversation_id}": KEY,
     "/v1/conversations/{conversation_id}/messages": KEY,
     "/admin/reload": KEY,  # an admin key, in fact (test_weight_reload.py)
+    "/admin/reset_prefix_cache": KEY,  # an admin key, in fact (test_kv_offload_http.py)
+    "/reset_prefix_cache": KEY,  # vLLM's path for it
     "/v1/load_lora_adapter": KEY,  # an admin key, in fact
     "/v1/unload_lora_adapter": KEY,  # an admin key, in fact
     "/v1/conversations/{conversation_id}/tree": KEY,
@@ -67,6 +69,8 @@ ROUTE_ACCESS = {
 NOT_IN_GATEWAY = {
     "/version",  # each replica's llmserve version
     "/admin/reload",  # weights live in the replicas (reloaded on each, behind the gateway)
+    "/admin/reset_prefix_cache",  # so do their KV caches
+    "/reset_prefix_cache",
     "/v1/load_lora_adapter",  # so do adapters: each replica is given its own
     "/v1/unload_lora_adapter",
 }

@@ -57,3 +57,18 @@ def test_the_flags_reach_the_engine_config():
     kwargs = engine_config_kwargs(build_parser().parse_args(
         ["serve", "--kv-offload-gib", "2", "--kv-offload-dir", "/var/cache/llmserve-kv"]))
     assert kwargs["kv_offload_gib"] == 2.0 and kwargs["kv_offload_dir"] == "/var/cache/llmserve-kv"
+
+
+def test_resetting_the_prefix_cache_empties_the_pool_and_the_tier(server):
+    prompt = [(17 * i + 9) % 250 + 1 for i in range(100)]
+    _complete(server, prompt)
+    assert _complete(server, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 99  # all but the last
+    for path in ("/admin/reset_prefix_cache", "/reset_prefix_cache"):  # ours, and vLLM's path
+        response = httpx.post(f"{server.base_url}{path}", json={"model": NAME}, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == NAME
+    stats = server.idle_stats()
+    assert stats.num_cached_blocks == 0 and stats.kv_offload_blocks == 0
+    assert _complete(server, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed again
+    missing = httpx.post(f"{server.base_url}/admin/reset_prefix_cache", json={"model": "nope"}, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
