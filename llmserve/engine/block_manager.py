@@ -181,11 +181,12 @@ class BlockManager:
         return (seq.num_tokens - 1) // self.block_size  # the last token is always computed: logits
 
     def num_cached_prefix_blocks(self, seq: Sequence) -> int:
-        """How many leading blocks of a block-less sequence are cached now (nothing is taken)."""
+        """How many leading blocks of a block-less sequence are cached now, in the pool or the tier (nothing
+        is taken)."""
         if self.cache is None or seq.block_table:
             return 0
         for k in range(self._max_reusable_blocks(seq)):
-            if self._find(seq, k) is None:
+            if self._find(seq, k) is None and (self.tier is None or self._block_hash(seq, k) not in self.tier):
                 return k
         return self._max_reusable_blocks(seq)
 
@@ -227,20 +228,25 @@ class BlockManager:
 
     def adopt_blocks(self, seq: Sequence, first: int, count: int) -> list[int] | None:
         """For KV computed elsewhere (disaggregation): give block-less `seq` its cached full blocks before
-        `first` and fresh blocks for its next `count`, which the caller writes, then names
-        (`register_computed`) and lets go (`release`), so they wait in the cache as if computed here.
+        `first` (from the pool, or loaded from the tier) and fresh blocks for its next `count`, which the
+        caller writes, then names (`register_computed`) and lets go (`release`), so they wait in the cache as
+        if computed here.
         Returns the fresh blocks; None, with nothing taken, when a block before `first` is no longer
         cached or the pool cannot spare `count` blocks."""
         assert self.cache is not None and not seq.block_table
         for k in range(first):
             block = self._find(seq, k)
             if block is None:
-                self.release(seq)
-                return None
+                break
             if self.ref_counts[block] == 0:
                 del self._evictable[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
+        if self.tier is not None:
+            self._take_from_tier(seq, first)
+        if len(seq.block_table) < first:
+            self.release(seq)
+            return None
         seq.num_registered_blocks = first
         if count > self.num_free_blocks:
             self.release(seq)

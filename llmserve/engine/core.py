@@ -308,7 +308,7 @@ class EngineCore:
             self._pull_failed(request, "the KV pool has no room for the pulled blocks now")
             return
         if self.tier is not None:
-            self._move_offloaded()  # what the fresh blocks held is saved before they are written
+            self._move_offloaded()  # the tier's blocks loaded, and what the fresh ones held saved before the write
         try:
             self.runner.write_kv_blocks(fresh, pulled.frames)
         except ValueError as exc:

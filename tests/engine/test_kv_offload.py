@@ -48,7 +48,11 @@ def _evict_then_ask_again(engine: LLMEngine) -> tuple[list[int], list[int], int]
     assert computed == len(PROMPT)
     for k, other in enumerate(OTHERS):
         _run(engine, f"other-{k}", other)
-    assert engine.core.block_manager.num_cached_prefix_blocks(_probe(engine, PROMPT)) == 0  # evicted from the pool
+    bm, probe = engine.core.block_manager, _probe(engine, PROMPT)
+    names = [bm._block_hash(probe, k) for k in range(9)]
+    assert not any(name in bm.cache.by_hash for name in names)  # evicted from the pool...
+    assert all(name in engine.core.tier for name in names)  # ...into the tier
+    assert bm.num_cached_prefix_blocks(probe) == 9  # which counts as cached
     again, computed = _run(engine, "again", PROMPT)
     return first.outputs[0].token_ids, again.outputs[0].token_ids, computed
 

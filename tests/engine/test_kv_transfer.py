@@ -298,3 +298,24 @@ def test_blocks_evicted_for_pulled_kv_are_saved_to_the_tier_as_they_were(engines
         decode.check_invariants()
     finally:
         decode.core.shutdown()
+
+
+def test_blocks_the_tier_holds_are_not_pulled(engines, tiny_llama_dir):
+    prefill, _ = engines
+    decode = _engine(tiny_llama_dir, num_kv_blocks=24, max_model_len=256, kv_offload_gib=0.01)
+    try:
+        shared = [5 + (3 * i) % 200 for i in range(64)]  # 4 blocks
+        _run(decode, "warm", shared + [1, 2, 3], GREEDY)
+        for k in range(3):  # evict them from the pool into the tier
+            _run(decode, f"other-{k}", [(13 * i + 5 * k) % 240 + 2 for i in range(150)], GREEDY)
+        prompt = shared + [(9 * i) % 230 + 7 for i in range(70)]
+        want = _run(prefill, "p10-plain", prompt, GREEDY).outputs[0].token_ids
+        params = _export(prefill, "p10", prompt)
+        received, loaded = decode.stats().kv_blocks_received, decode.stats().kv_offload_loaded
+        got = _run(decode, "d10", prompt, GREEDY, _remote(params)).outputs[0].token_ids
+        assert got == want
+        assert decode.stats().kv_blocks_received - received == (len(prompt) - 1) // BLOCK - 4
+        assert decode.stats().kv_offload_loaded - loaded == 4
+        decode.check_invariants()
+    finally:
+        decode.core.shutdown()
