@@ -195,7 +195,14 @@ class BlockManager:
         many of its tokens they hold (the scheduler marks them computed). Undo with `release`."""
         if self.cache is None or seq.block_table:
             return 0
-        limit = self._max_reusable_blocks(seq)
+        self._take_prefix(seq, self._max_reusable_blocks(seq))
+        seq.num_registered_blocks = len(seq.block_table)
+        return len(seq.block_table) * self.block_size + self._take_tail(seq)
+
+    def _take_prefix(self, seq: Sequence, limit: int) -> None:
+        """Give `seq` the cached blocks of its first `limit` blocks up to the first missing one: the pool's,
+        then the tier's."""
+        assert self.cache is not None
         for k in range(limit):
             block = self._find(seq, k)
             if block is None:
@@ -206,8 +213,6 @@ class BlockManager:
             seq.block_table.append(block)
         if self.tier is not None:
             self._take_from_tier(seq, limit)
-        seq.num_registered_blocks = len(seq.block_table)
-        return len(seq.block_table) * self.block_size + self._take_tail(seq)
 
     def _take_from_tier(self, seq: Sequence, limit: int) -> None:
         """Past the pool's cached prefix, the blocks the tier holds: each a fresh block, named now, its KV
@@ -234,16 +239,7 @@ class BlockManager:
         Returns the fresh blocks; None, with nothing taken, when a block before `first` is no longer
         cached or the pool cannot spare `count` blocks."""
         assert self.cache is not None and not seq.block_table
-        for k in range(first):
-            block = self._find(seq, k)
-            if block is None:
-                break
-            if self.ref_counts[block] == 0:
-                del self._evictable[block]
-            self.ref_counts[block] += 1
-            seq.block_table.append(block)
-        if self.tier is not None:
-            self._take_from_tier(seq, first)
+        self._take_prefix(seq, first)
         if len(seq.block_table) < first:
             self.release(seq)
             return None
