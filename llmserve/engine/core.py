@@ -15,6 +15,12 @@ on a CPU the host is the device, so a step computes when it is launched and ther
 overlap (a worker thread would only contend for the interpreter lock), but the order of the work is
 the same.
 
+Disaggregation (`kv_transfer`): a request whose prompt's KV another engine computed waits here while a
+thread pulls it, then joins the scheduler with those blocks in the prefix cache; one whose KV another
+engine will read has its prompt's blocks held when it ends (kv_transfer.py). The prefix cache's second
+tier (`kv_offload_gib`): before each step the blocks evicted for it are saved there and the blocks taken
+from it loaded (kv_offload.py).
+
 Structured output: a request with a grammar waits here until its grammar is compiled (off the step
 loop, `structured_output`), then joins the scheduler; each step fills the token bitmask of every
 sampling row whose sequence is under a grammar (or `allowed_token_ids`: the same row, ANDed). Under
@@ -408,11 +414,12 @@ class EngineCore:
         self.scheduler.finish_choices(choices)
 
     def has_work(self) -> bool:
-        """Some request is unfinished (its grammar may still be compiling) or a step is in flight."""
+        """Some request is unfinished (its grammar may still be compiling, its prompt's KV being pulled) or a
+        step is in flight."""
         return self.can_step() or bool(self._awaiting_grammar) or bool(self._awaiting_kv)
 
     def can_step(self) -> bool:
-        """A step would do something now; False when the only requests left wait for their grammar."""
+        """A step would do something now; False when the only requests left wait for their grammar or KV pull."""
         return (
             self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._failed_outputs)
             or any(future.done() for _, future in chain(self._awaiting_grammar.values(), self._awaiting_kv.values()))

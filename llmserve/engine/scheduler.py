@@ -18,7 +18,9 @@ The scheduler is the only owner of sequence state (nano-vllm's rule, vLLM's `upd
 sample as pending, and names the blocks it fills in the prefix cache; `update_from_output()`
 appends the sampled tokens, finishes sequences that stopped, forks the choices of an n > 1 request
 and names the blocks that a newly known token completed;
-`finish_requests()` ends requests from outside (aborts, stop strings). A sequence with a grammar
+`finish_requests()` ends requests from outside (aborts, stop strings). A request whose prompt KV another
+engine will read (disaggregation's `export_kv`) has its prompt blocks held by the core's hook as it ends
+normally, before its sequence lets them go. A sequence with a grammar
 (structured output) follows each appended token in its `GrammarState` there too; tokens recomputed
 after a preemption are never appended again, so they never advance it twice.
 
