@@ -131,7 +131,9 @@ class EngineConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
         parse_lora_modules(self.lora_modules or [])
-        parse_speculative_config(self.speculative_config)
+        speculative = parse_speculative_config(self.speculative_config)
+        if speculative is not None and speculative.model is not None and self.tensor_parallel_size > 1:
+            raise ValueError("A draft model is not built for tensor parallelism; speculate with ngram there.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -164,20 +166,25 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """N-gram speculation (vLLM's `ngram` method, "prompt lookup decoding"): each decoding sequence's last
-    `prompt_lookup_max` down to `prompt_lookup_min` tokens are looked up earlier in its own tokens, and the
-    `num_speculative_tokens` tokens that followed there are verified in the next step with it."""
+    """Speculative decoding: each decoding sequence's next tokens are guessed (drafted) and verified in the next
+    step with it. `ngram` (vLLM's, "prompt lookup decoding"): its last `prompt_lookup_max` down to
+    `prompt_lookup_min` tokens are looked up earlier in its own tokens, and the `num_speculative_tokens` tokens
+    that followed there are the draft. `draft_model` (vLLM's): a smaller model of the same vocabulary, `model`,
+    decodes `num_speculative_tokens` tokens greedily ahead of the served one."""
 
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 0
+    prompt_lookup_max: int = 0
     method: str = "ngram"
     disable_by_batch_size: int | None = None  # no drafts while this many sequences or more are running
+    model: str | None = None  # the draft model (a local directory or a hub id), for `draft_model`
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 _SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                      "disable_by_batch_size")
+_NGRAM_MODEL_NAMES = (None, "ngram", "[ngram]")  # vLLM's older way to ask for n-grams: as the "model"
+_NGRAM_ONLY_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither bound is given
 
 
@@ -186,32 +193,49 @@ def parse_speculative_config(spec: dict[str, Any] | None) -> SpeculativeConfig |
     if spec is None:
         return None
     if not isinstance(spec, dict):
-        raise ValueError(f"speculative_config must be a JSON object, got {spec!r}.")
+        raise ValueError(f"speculative_config: must be a JSON object, got {spec!r}.")
     unknown = sorted(set(spec) - set(_SPECULATIVE_KEYS))
     if unknown:
         raise ValueError(f"speculative_config: {', '.join(unknown)} not supported; it takes {', '.join(_SPECULATIVE_KEYS)}.")
     model = spec.get("model")
-    method = spec.get("method", "ngram" if model in (None, "ngram", "[ngram]") else model)
-    if method not in SPECULATIVE_METHODS or model not in (None, "ngram", "[ngram]"):
+    method = spec.get("method", "ngram" if model in _NGRAM_MODEL_NAMES else "draft_model")
+    if method not in SPECULATIVE_METHODS:
         raise ValueError(
             f"speculative_config: method {method!r} is not supported; llmserve speculates with "
-            f"{', '.join(SPECULATIVE_METHODS)} (prompt lookup), without a draft model."
+            f"{' or '.join(SPECULATIVE_METHODS)} (EAGLE, Medusa and MTP heads are not served)."
         )
+    count = spec.get("num_speculative_tokens")
+    disable = spec.get("disable_by_batch_size")
+    extra = {"disable_by_batch_size": disable} if disable is not None else {}  # null, as unset: every batch size
+    _check_positive({"num_speculative_tokens": count, **extra})
+    if method == "draft_model":
+        return _draft_model_config(spec, model, count, extra)
+    if model not in _NGRAM_MODEL_NAMES:
+        raise ValueError(f"speculative_config: the ngram method takes no model, got {model!r}.")
     lookup_min, lookup_max = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
     if lookup_min is None and lookup_max is None:
         lookup_min = lookup_max = DEFAULT_PROMPT_LOOKUP
     lookup_min = lookup_max if lookup_min is None else lookup_min
     lookup_max = lookup_min if lookup_max is None else lookup_max
-    values = {"num_speculative_tokens": spec.get("num_speculative_tokens"), "prompt_lookup_min": lookup_min,
-              "prompt_lookup_max": lookup_max}
-    if spec.get("disable_by_batch_size") is not None:  # null, as unset: speculation at every batch size
-        values["disable_by_batch_size"] = spec["disable_by_batch_size"]
+    _check_positive({"prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max})
+    if lookup_min > lookup_max:
+        raise ValueError(f"speculative_config: prompt_lookup_min ({lookup_min}) exceeds prompt_lookup_max ({lookup_max}).")
+    return SpeculativeConfig(count, lookup_min, lookup_max, method, **extra)
+
+
+def _draft_model_config(spec: dict[str, Any], model: Any, count: int, extra: dict[str, Any]) -> SpeculativeConfig:
+    if not isinstance(model, str) or not model or model in _NGRAM_MODEL_NAMES:
+        raise ValueError("speculative_config: the draft_model method needs \"model\": the draft model's path or hub id.")
+    ngram_keys = [key for key in _NGRAM_ONLY_KEYS if key in spec]
+    if ngram_keys:
+        raise ValueError(f"speculative_config: {', '.join(ngram_keys)} belong to the ngram method, not draft_model.")
+    return SpeculativeConfig(count, method="draft_model", model=model, **extra)
+
+
+def _check_positive(values: dict[str, Any]) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}.")
-    if lookup_min > lookup_max:
-        raise ValueError(f"speculative_config: prompt_lookup_min ({lookup_min}) exceeds prompt_lookup_max ({lookup_max}).")
-    return SpeculativeConfig(**values, method=method)
 
 
 @dataclass(frozen=True)

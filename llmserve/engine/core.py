@@ -30,6 +30,7 @@ needs that token), as penalised ones and those with a bad word of several tokens
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -44,6 +45,7 @@ import numpy as np
 
 from llmserve.config import EngineConfig
 from llmserve.engine.block_manager import BlockManager
+from llmserve.engine.draft_model_proposer import DraftModelProposer
 from llmserve.engine.grammar import grammar_spec
 from llmserve.engine.kv_offload import (
     DiskKVTier,
@@ -66,6 +68,7 @@ from llmserve.engine.model_facts import ModelFacts
 from llmserve.engine.ngram_proposer import NgramProposer
 from llmserve.engine.parallel_runner import ParallelRunner
 from llmserve.engine.prefix_cache import hash_root
+from llmserve.engine.proposer import Proposer
 from llmserve.engine.scheduler import SampleTarget, ScheduledRow, Scheduler, SchedulerOutput
 from llmserve.engine.sequence import Request, Sequence
 from llmserve.engine.structured_output import StructuredOutputManager
@@ -91,8 +94,14 @@ class EngineCore:
     def __init__(self, config: EngineConfig, facts: ModelFacts) -> None:
         self.config = config
         self.facts = facts
-        runner = ParallelRunner if config.tensor_parallel_size > 1 else ModelRunner
-        self.runner = runner(config, facts.model_config, facts.model_dir, facts.max_model_len, facts.pooler)
+        draft_runner = _draft_runner(config, facts)  # its weights loaded before the served model sizes its KV
+        if config.tensor_parallel_size > 1:
+            self.runner = ParallelRunner(config, facts.model_config, facts.model_dir, facts.max_model_len, facts.pooler)
+        else:
+            self.runner = ModelRunner(
+                config, facts.model_config, facts.model_dir, facts.max_model_len, facts.pooler,
+                shared_bytes_per_block=draft_runner.kv_bytes_per_block() if draft_runner is not None else 0,
+            )
         pool_tokens = self.runner.num_blocks * config.block_size
         if not self.runner.is_encoder and pool_tokens < facts.max_model_len:
             raise ValueError(
@@ -109,7 +118,7 @@ class EngineCore:
             eos_token_ids=facts.eos_token_ids, max_model_len=facts.max_model_len,
             pooling_needs_kv=not self.runner.is_encoder,
             max_loras=config.max_loras if self.runner.lora is not None else None,
-            proposer=NgramProposer(speculative) if (speculative := config.speculative) is not None else None,
+            proposer=self._proposer(config, facts, draft_runner),
             fast_step_tokens=self.runner.fast_step_tokens(),
             strict_fast_step=self.runner.compute_bound_past_fast_step(),
             export_kv=self._export_kv,
@@ -122,6 +131,7 @@ class EngineCore:
         self._awaiting_kv: dict[str, tuple[Request, Future[PulledKV]]] = {}  # requests pulling their prompt's KV
         self._exported: dict[str, KVTransferParams] = {}  # held by this step's update, for its outputs
         # Speculation needs a step's accepted tokens before it schedules the next one.
+        speculative = config.speculative
         self.overlapped = config.async_scheduling and speculative is None
         # What else changes the KV of the same tokens (a request's LoRA adapter joins per request).
         self.weights_version = 0  # bumped by each in-place weight reload
@@ -145,9 +155,19 @@ class EngineCore:
             facts.max_model_len, "overlapped" if self.overlapped else "serial",
         )
         if speculative is not None:
-            logger.info("speculative decoding: %s, up to %d tokens a step, n-grams of %d to %d tokens",
-                        speculative.method, speculative.num_speculative_tokens, speculative.prompt_lookup_min,
-                        speculative.prompt_lookup_max)
+            how = (f"draft model {facts.draft.model_dir}" if facts.draft is not None else
+                   f"n-grams of {speculative.prompt_lookup_min} to {speculative.prompt_lookup_max} tokens")
+            logger.info("speculative decoding: up to %d tokens a step, %s", speculative.num_speculative_tokens, how)
+
+    def _proposer(self, config: EngineConfig, facts: ModelFacts, draft_runner: ModelRunner | None) -> Proposer | None:
+        speculative = config.speculative
+        if speculative is None:
+            return None
+        if draft_runner is None:
+            return NgramProposer(speculative)
+        assert facts.draft is not None
+        draft_runner.allocate_kv_cache(self.runner.num_blocks)
+        return DraftModelProposer(speculative, draft_runner, facts.draft.max_model_len, facts.max_num_batched_tokens)
 
     def _kv_tier(self, config: EngineConfig, facts: ModelFacts) -> KVTier | None:
         """The prefix cache's second tier (`kv_offload_gib`): in host memory, or on disk in `kv_offload_dir`."""
@@ -643,8 +663,12 @@ class EngineCore:
         return self.scheduler.live_sequences() + held
 
     def check_invariants(self) -> None:
-        """Block accounting is exact: every block is free or owned, ref counts equal owners."""
-        self.block_manager.check_invariants(self.live_sequences())
+        """Block accounting is exact: every block is free or owned, ref counts equal owners; a draft model's
+        blocks are free or held by one live sequence."""
+        live = self.live_sequences()
+        self.block_manager.check_invariants(live)
+        if isinstance(proposer := self.scheduler.proposer, DraftModelProposer):
+            proposer.check_invariants(live)
 
     def shutdown(self) -> None:
         """Drop every request (their blocks return to the pool) and let the step in flight end."""
@@ -715,3 +739,17 @@ def _row_tokens(row: ScheduledRow) -> list[int]:
         return [row.draft]
     tokens = row.seq.token_ids[row.begin : row.begin + row.num_new]
     return tokens if len(tokens) == row.num_new else tokens + [0]
+
+
+def _draft_runner(config: EngineConfig, facts: ModelFacts) -> ModelRunner | None:
+    """Speculative decoding's draft model, loaded without its KV pool (it takes as many blocks as the served
+    model's, allocated once that is sized): unquantized unless its checkpoint is, no adapters."""
+    if facts.draft is None:
+        return None
+    draft = facts.draft
+    draft_config = dataclasses.replace(
+        config, model=str(draft.model_dir), tokenizer=None, revision=None, speculative_config=None, lora_modules=None,
+        enable_lora=False, quantization=None, quantize_lm_head=False, hf_overrides=None, kv_transfer=False,
+        kv_offload_gib=0.0, kv_offload_dir=None, task="generate", pooling=None,
+    )
+    return ModelRunner(draft_config, draft.model_config, draft.model_dir, draft.max_model_len, defer_kv_cache=True)

@@ -26,6 +26,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class DraftFacts:
+    """Speculative decoding's draft model (`speculative_config` with a `model`)."""
+
+    model_dir: Path
+    model_config: ModelConfig
+    max_model_len: int  # the served model's, or less where the draft's positions end sooner
+
+
+@dataclass
 class ModelFacts:
     model_dir: Path
     model_config: ModelConfig
@@ -36,6 +45,7 @@ class ModelFacts:
     pooler: PoolerConfig | None = None  # how it embeds; None: it does not
     classifier: ClassifierConfig | None = None  # a sequence-classification model's labels; its "embeddings" are logits
     max_num_batched_tokens: int = 1024  # the engine's step budget (`step_token_budget`)
+    draft: DraftFacts | None = None
 
     def settled(self, config: EngineConfig) -> EngineConfig:
         """`config` with the defaults the model decides filled in (the step budget), as both processes use it."""
@@ -67,7 +77,31 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
         classifier=classifier_config(model_config.raw) if is_classifier else None,
     )
     facts.max_num_batched_tokens = step_token_budget(config, is_encoder, facts.max_model_len)
+    facts.draft = _draft_facts(config, facts)
     return facts, tokenizer
+
+
+def _draft_facts(config: EngineConfig, facts: ModelFacts) -> DraftFacts | None:
+    """The draft model's, checked: a generating decoder whose token ids the served model has too."""
+    spec = config.speculative
+    if spec is None or spec.model is None:
+        return None
+    if not facts.can_generate:
+        raise ModelLoadError(f"Speculative decoding needs a generating model, not {facts.model_config.architecture}.")
+    model_dir = resolve_model_path(spec.model, None)
+    draft = ModelConfig.from_pretrained(model_dir)
+    cls = model_class(draft.architecture)
+    if getattr(cls, "is_encoder", False) or hasattr(cls, "classify"):
+        raise ModelLoadError(f"The draft model must be a generating decoder, not {draft.architecture}.")
+    if draft.vocab_size > facts.model_config.vocab_size:
+        raise ModelLoadError(
+            f"The draft model's vocabulary ({draft.vocab_size} tokens) is larger than the served model's "
+            f"({facts.model_config.vocab_size}); a draft must share the served model's tokenizer."
+        )
+    limit = draft.max_position_embeddings - _reserved_positions(cls, draft)
+    if draft.sliding_window:
+        limit = min(limit, draft.sliding_window)
+    return DraftFacts(model_dir, draft, min(facts.max_model_len, limit))
 
 
 def _with_classifier_tokens(model_config: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:

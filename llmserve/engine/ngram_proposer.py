@@ -10,9 +10,12 @@ them verified in the next step.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import numpy as np
 
 from llmserve.config import SpeculativeConfig
+from llmserve.engine.proposer import DraftAsk
 
 
 class NgramProposer:
@@ -21,6 +24,12 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.disable_by_batch_size = config.disable_by_batch_size
+
+    def propose_batch(self, asks: list[DraftAsk]) -> list[list[int]]:
+        return [self.propose(ask.token_ids, ask.limit) for ask in asks]
+
+    def release(self, key: Hashable) -> None:
+        pass  # nothing is kept per sequence
 
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         """Up to `limit` (and `num_speculative_tokens`) tokens that may follow `token_ids`; [] when its

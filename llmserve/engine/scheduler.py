@@ -32,9 +32,10 @@ tokens (which read its history) or with a grammar (structured output: its token 
 a step rather than sample from a stale one. A sequence that will have reached its
 length limit once its pending tokens arrive is not scheduled again.
 
-Speculative decoding (`--speculative-config`, n-gram lookup; steps then run one after another): a
-decoding sequence gets the draft tokens its `NgramProposer` finds, within the step's budget and its
-limits, and only where the KV pool has room without preempting anyone. Each draft is a row of its own
+Speculative decoding (`--speculative-config`; steps then run one after another): a decoding sequence
+gets the draft tokens its proposer (n-gram lookup, or a draft model: `Proposer`) finds, within the step's
+budget and its limits, and only where the KV pool has room without preempting anyone; every decoding
+sequence's room is set aside first, and the proposer drafts for all of them in one call. Each draft is a row of its own
 after the sequence's row, a decode at its position reading the cache up to it (the step writes every
 row's KV before any row attends), so a verifying step runs as a decode-only step does: the attention
 backends' decode kernels, CUDA graphs by token count, the CPU's one-call decoder. Every position of
@@ -67,7 +68,7 @@ from dataclasses import dataclass, field
 
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.messages import EngineCoreOutput, PromptLogprobsChunk, SpecDecodeStats
-from llmserve.engine.ngram_proposer import NgramProposer
+from llmserve.engine.proposer import DraftAsk, Proposer
 from llmserve.engine.sequence import Request, Sequence, SequenceStatus
 from llmserve.model.runner import ModelOutput
 
@@ -129,7 +130,7 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs",
         eos_token_ids: Iterable[int] = (), max_model_len: int | None = None, pooling_needs_kv: bool = True,
-        max_loras: int | None = None, proposer: NgramProposer | None = None, fast_step_tokens: int | None = None,
+        max_loras: int | None = None, proposer: Proposer | None = None, fast_step_tokens: int | None = None,
         strict_fast_step: bool = False, export_kv: Callable[[Sequence], None] | None = None,
     ) -> None:
         if policy not in POLICIES:
@@ -220,6 +221,8 @@ class Scheduler:
         if seq.request.export_kv and seq.finish_reason in ("stop", "length") and self.export_kv is not None:
             self.export_kv(seq)
         self.block_manager.release(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
         seq.status = SequenceStatus.FINISHED
 
     # ---- scheduling -------------------------------------------------------------------------------
@@ -262,20 +265,33 @@ class Scheduler:
 
     def _add_drafts(self, scheduled: dict[Sequence, int], drafts: dict[Sequence, tuple[int, ...]], budget: int) -> int:
         """Speculative tokens for the decoding sequences, once every running one has its token (they come
-        before admissions, as in vLLM); returns the budget left."""
+        before admissions, as in vLLM); returns the budget left. Each sequence's room (budget, step size,
+        free blocks) is set aside before the proposer drafts for all of them at once (a draft model decodes
+        them as one batch), and what a draft leaves unused goes back."""
         rows = sum(scheduled.values())
         self.draft_rounds += 1
         probing = self.draft_rounds % MAX_DRAFT_PAUSE == 0
+        free_blocks = self.block_manager.num_free_blocks
+        asks: list[tuple[Sequence, int]] = []
         for seq, num_new in scheduled.items():
             if budget < 1:
                 break
             if num_new == 1:
-                proposed = self._drafts(seq, self._draft_room(seq, budget, rows, probing))
-                if proposed:
-                    drafts[seq] = proposed
-                    scheduled[seq] = 1 + len(proposed)
-                    budget -= len(proposed)
-                    rows += len(proposed)
+                limit, blocks = self._draft_limit(seq, self._draft_room(seq, budget, rows, probing), free_blocks)
+                if limit:
+                    asks.append((seq, limit))
+                    budget, rows, free_blocks = budget - limit, rows + limit, free_blocks - blocks
+        if not asks:
+            return budget
+        assert self.proposer is not None
+        proposals = self.proposer.propose_batch([DraftAsk(seq, seq.token_ids, limit) for seq, limit in asks])
+        for (seq, limit), proposed in zip(asks, proposals, strict=True):
+            proposed = tuple(proposed[:limit])
+            budget += limit - len(proposed)
+            if proposed:
+                self.block_manager.grow(seq, seq.num_computed_tokens + 1 + len(proposed))
+                drafts[seq] = proposed
+                scheduled[seq] = 1 + len(proposed)
         return budget
 
     def _draft_room(self, seq: Sequence, budget: int, rows: int, probing: bool) -> int:
@@ -291,16 +307,14 @@ class Scheduler:
         may_pass = not self.strict_fast_step and (rows > edge or probing or seq.draft_limit != 1)
         return budget if may_pass else min(budget, max(0, edge - rows))
 
-    def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
-        """Speculative tokens for a decoding sequence, within the budget, its length limits and the blocks
-        free now (speculation never preempts), its table grown to hold them; () when none."""
+    def _draft_limit(self, seq: Sequence, budget: int, free_blocks: int) -> tuple[int, int]:
+        """How many drafts a decoding sequence may have, within the budget, its length limits and the free
+        blocks (speculation never preempts), and the blocks that many would take; (0, 0) when none."""
         if seq.grammar is not None or seq.num_pending or seq.num_uncomputed_tokens != 1 or not seq.num_output_tokens:
-            return ()  # (before its first token an n > 1 request's choices are not forked yet)
+            return 0, 0  # (before its first token an n > 1 request's choices are not forked yet)
         if seq.draft_pause:
             seq.draft_pause -= 1
-            return ()
-        if budget < 1:
-            return ()
+            return 0, 0
         params = seq.request.params
         limit = min(budget, seq.draft_limit) if seq.draft_limit else budget
         if params.max_tokens is not None:
@@ -308,12 +322,12 @@ class Scheduler:
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - seq.num_tokens - 1)
         assert self.proposer is not None
+        limit = min(limit, self.proposer.num_speculative_tokens)
         bm = self.block_manager
-        room = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens - 1
-        proposed = tuple(self.proposer.propose(seq.token_ids, min(limit, room)))
-        if proposed:
-            bm.grow(seq, seq.num_computed_tokens + 1 + len(proposed))
-        return proposed
+        limit = min(limit, (len(seq.block_table) + free_blocks) * bm.block_size - seq.num_computed_tokens - 1)
+        if limit < 1:
+            return 0, 0
+        return limit, bm.num_new_blocks(seq, seq.num_computed_tokens + 1 + limit)
 
     def _schedulable(self, seq: Sequence) -> bool:
         """Whether a running sequence can compute a token now (see the module's last paragraph)."""
@@ -514,6 +528,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.block_manager.release(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
         seq.num_computed_tokens = 0
         seq.request.num_preemptions += 1
         self.num_preemptions += 1

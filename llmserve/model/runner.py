@@ -247,8 +247,11 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, model_config: ModelConfig, model_dir, max_model_len: int,
-        pooler: PoolerConfig | None = None,
+        pooler: PoolerConfig | None = None, shared_bytes_per_block: int = 0, defer_kv_cache: bool = False,
     ) -> None:
+        """`shared_bytes_per_block`: what a block of another pool with as many blocks costs (a draft model's),
+        so that both fit the KV memory. `defer_kv_cache`: no KV pool until `allocate_kv_cache` (a draft model's
+        weights are loaded before the served model measures what memory is left)."""
         self.config = config
         self.model_config = model_config
         self.pooler = pooler  # how hidden states become embeddings; None: the model does not embed
@@ -280,16 +283,26 @@ class ModelRunner:
         self.sampler = Sampler()
         self.memory_profile: MemoryProfile | None = None
         self.cpu_decoder: CpuDecoder | None = None  # built once the KV cache exists; the profiling step runs without
-        self.num_blocks = self._decide_num_blocks()
-        self.kv_caches = [] if self.is_encoder else self._allocate_kv_cache(self.num_blocks)
+        self.graphs: DecodeGraphs | None = None
+        self._last_sampled: torch.Tensor | None = None  # the previous step's sampled ids, on the device
+        self.num_blocks = 0
+        self.kv_caches: KVCaches = []
+        if not defer_kv_cache:
+            self.allocate_kv_cache(self._decide_num_blocks(shared_bytes_per_block))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The KV pool, and what is built over it: the CPU's one-call decoder, CUDA graphs."""
+        self.num_blocks = num_blocks
+        self.kv_caches = [] if self.is_encoder else self._allocate_kv_cache(num_blocks)
         # small bf16 steps on CPU: the whole forward pass in one C call (None where it does not apply; its layers
         # have no all-reduce between them)
         self.cpu_decoder = None if self.is_encoder or parallel.size() > 1 else CpuDecoder.build(
             self.model, self.kv_caches, self.attn_backend)
-        self.graphs: DecodeGraphs | None = None
-        self._last_sampled: torch.Tensor | None = None  # the previous step's sampled ids, on the device
         if self._use_cuda_graphs():
             self._capture_or_run_eagerly()
+
+    def kv_bytes_per_block(self) -> int:
+        return self.attn_backend.kv_bytes_per_token() * self.model_config.num_hidden_layers * self.block_size
 
     def fast_step_tokens(self) -> int | None:
         """The most tokens a step takes before its cost per token jumps: on CPU, the one-call decoder's limit
@@ -351,12 +364,12 @@ class ModelRunner:
         GPU the copies queue behind the step in flight, so it finishes on the old weights)."""
         self.model.load_weights(weights)
 
-    def _decide_num_blocks(self) -> int:
+    def _decide_num_blocks(self, shared_bytes_per_block: int) -> int:
         if self.is_encoder:
             return 0
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        per_block = self.attn_backend.kv_bytes_per_token() * self.model_config.num_hidden_layers * self.block_size
+        per_block = self.kv_bytes_per_block() + shared_bytes_per_block
         if self.device.type != "cuda":
             return max(1, self.config.kv_cache_memory // per_block)
         self.memory_profile = self.profile_memory()

@@ -60,7 +60,7 @@ def test_speculative_config_takes_vllms_form_and_names_what_it_refuses():
     )
     for bad, named in (
         ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not supported"),
-        ({"model": "meta-llama/Llama-3.2-1B", "num_speculative_tokens": 3}, "is not supported"),
+        ({"method": "medusa", "model": "m", "num_speculative_tokens": 3}, "'medusa' is not supported"),
         ({"method": "ngram"}, "num_speculative_tokens must be a positive integer"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size"),

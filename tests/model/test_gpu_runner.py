@@ -193,7 +193,7 @@ def test_profile_step_runs_on_a_scratch_cache(tiny_llama_dir: Path) -> None:
 def test_profile_step_runs_while_the_runner_is_built(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA the pool is sized by a profiling step taken during construction, before the KV cache (and
     what is built on it) exists; here the CPU runner is made to size its pool the same way."""
-    monkeypatch.setattr(ModelRunner, "_decide_num_blocks", lambda self: (self.run_profile_step(), 8)[1])
+    monkeypatch.setattr(ModelRunner, "_decide_num_blocks", lambda self, shared: (self.run_profile_step(), 8)[1])
     config = EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16", device="cpu", max_num_batched_tokens=100,
                           max_num_seqs=5)
     runner = ModelRunner(config, ModelConfig.from_pretrained(tiny_llama_dir), tiny_llama_dir, max_model_len=64)

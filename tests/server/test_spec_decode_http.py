@@ -1,5 +1,5 @@
-"""Speculative decoding through the server: `--speculative-config` reaches the engine core process, a
-streamed completion carries the tokens decoding one at a time gives (several a chunk where drafts were
+"""Speculative decoding through the server, by n-grams and by a draft model (the served model drafting for
+itself): `--speculative-config` reaches the engine core process, a streamed completion carries the tokens decoding one at a time gives (several a chunk where drafts were
 accepted) with its usage, and /metrics has vLLM's spec_decode counters."""
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ PROMPT = "Once upon a time"
 MAX_NEW = 48
 
 
-@pytest.fixture(scope="module")
-def server(cycling_llama_dir) -> Iterator[LiveServer]:
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def server(request, cycling_llama_dir) -> Iterator[LiveServer]:
+    speculative = NGRAM if request.param == "ngram" else {"model": str(cycling_llama_dir), "num_speculative_tokens": 4}
     config = EngineConfig(
-        model=str(cycling_llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, speculative_config=NGRAM,
+        model=str(cycling_llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=256,
+        speculative_config=speculative,
     )
     with serving_config(config, "cycling") as server:
         yield server
