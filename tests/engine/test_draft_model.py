@@ -161,3 +161,14 @@ def test_aborted_requests_give_the_draft_its_blocks_back(self_drafted):
     engine.check_invariants()
     engine.abort_request([f"abort-{i}" for i in range(len(PROMPTS))])
     _assert_nothing_held(self_drafted)
+
+
+def test_the_two_kv_pools_share_the_kv_memory_block_for_block(cycling_llama_dir, other_llama_dir):
+    memory = 1 << 20
+    llm = LLM(str(cycling_llama_dir), dtype="float32", max_model_len=256, kv_cache_memory=memory,
+              speculative_config=_draft(other_llama_dir))
+    core = llm.engine.core
+    draft_runner = core.scheduler.proposer.runner
+    per_block = core.runner.kv_bytes_per_block() + draft_runner.kv_bytes_per_block()
+    assert core.runner.num_blocks == draft_runner.num_blocks == memory // per_block
+    assert core.runner.kv_cache_bytes + draft_runner.kv_cache_bytes <= memory
