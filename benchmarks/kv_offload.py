@@ -12,7 +12,8 @@ Per arm: time to first token (one token asked: prefill only) over the requests, 
 and the blocks loaded from the tier. Then `restart`: a new engine on the disk arm's directory answers each
 document once, its first sight of them, against a new engine without a tier computing them.
 
-    python benchmarks/kv_offload.py [--size small] [--docs 12] [--queries 60] [--pool-docs 3] [--json out.json]
+    python benchmarks/kv_offload.py [--size small] [--docs 12] [--queries 60] [--pool-docs 3]
+        [--tensor-parallel-size 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def engine(model_dir: Path, args: argparse.Namespace, **tier) -> LLMEngine:
     blocks = args.pool_docs * (args.doc_tokens // BLOCK + 2) + 8
     return LLMEngine(EngineConfig(model=str(model_dir), dtype=args.dtype, num_kv_blocks=blocks, block_size=BLOCK,
                                   max_model_len=args.doc_tokens + 64, max_num_batched_tokens=args.doc_tokens + 64,
-                                  **tier))
+                                  tensor_parallel_size=args.tensor_parallel_size, device="cpu", **tier))
 
 
 def first_token_seconds(llm: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, int]:
@@ -73,6 +74,8 @@ def main() -> None:
     ap.add_argument("--tier-gib", type=float, default=4.0)
     ap.add_argument("--order", choices=("random", "cycle"), default="random",
                     help="cycle: the documents in turn, so that with --pool-docs 1 each is evicted before it comes back")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks per engine (CPU processes): the tier gathers and scatters each rank's share")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rng = random.Random(0)
@@ -82,31 +85,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / args.size, "llama", args.size, 0)
         disk_dir = Path(tmp) / "kv"
-        arms = {"none": engine(model_dir, args),
-                "memory": engine(model_dir, args, kv_offload_gib=args.tier_gib),
-                "disk": engine(model_dir, args, kv_offload_gib=args.tier_gib, kv_offload_dir=str(disk_dir))}
-        times: dict[str, list[float]] = {name: [] for name in arms}
-        computed = dict.fromkeys(arms, 0)
-        for i, prompt in enumerate(queries):
-            for name in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
-                seconds, tokens = first_token_seconds(arms[name], f"q{i}", prompt)
-                times[name].append(seconds)
-                computed[name] += tokens
-        result = {"workload": vars(args), "arms": {name: summary(times[name], computed[name], llm)
-                                                   for name, llm in arms.items()}}
-        arms["disk"].core.shutdown()  # its pool's blocks saved too
-        for name in ("none", "memory"):
-            arms[name].core.shutdown()
-        restarted = engine(model_dir, args, kv_offload_gib=args.tier_gib, kv_offload_dir=str(disk_dir))
-        fresh = engine(model_dir, args)
+        tiers = {"none": {}, "memory": {"kv_offload_gib": args.tier_gib},
+                 "disk": {"kv_offload_gib": args.tier_gib, "kv_offload_dir": str(disk_dir)}}
+        # One process group per process: tensor-parallel engines run one after another, each arm whole.
+        groups = [list(tiers)] if args.tensor_parallel_size == 1 else [[name] for name in tiers]
+        result = {"workload": vars(args), "arms": {}}
+        for names in groups:
+            arms = {name: engine(model_dir, args, **tiers[name]) for name in names}
+            times: dict[str, list[float]] = {name: [] for name in arms}
+            computed = dict.fromkeys(arms, 0)
+            for i, prompt in enumerate(queries):
+                for name in (names if i % 2 == 0 else names[::-1]):
+                    seconds, tokens = first_token_seconds(arms[name], f"q{i}", prompt)
+                    times[name].append(seconds)
+                    computed[name] += tokens
+            for name, llm in arms.items():
+                result["arms"][name] = summary(times[name], computed[name], llm)
+                llm.core.shutdown()  # the disk arm's pool's blocks saved too
         cold: dict[str, list[float]] = {"none": [], "restart": []}
-        for d, doc in enumerate(docs):
-            for name, llm in (("restart", restarted), ("none", fresh))[:: 1 if d % 2 == 0 else -1]:
-                cold[name].append(first_token_seconds(llm, f"cold{d}", doc + [5, 6, 7])[0])
+        restart_tiers = {"restart": tiers["disk"], "none": {}}
+        for names in ([["restart", "none"]] if args.tensor_parallel_size == 1 else [["restart"], ["none"]]):
+            engines = {name: engine(model_dir, args, **restart_tiers[name]) for name in names}
+            for d, doc in enumerate(docs):
+                for name in (names if d % 2 == 0 else names[::-1]):
+                    cold[name].append(first_token_seconds(engines[name], f"cold{d}", doc + [5, 6, 7])[0])
+            for llm in engines.values():
+                llm.core.shutdown()
         result["restart"] = {f"{name}_ttft_ms_p50": round(statistics.median(values) * 1000, 1)
                              for name, values in cold.items()}
-        for llm in (restarted, fresh):
-            llm.core.shutdown()
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -150,8 +150,6 @@ class EngineConfig:
             raise ValueError("kv_offload_dir needs kv_offload_gib: how much of it the KV may take.")
         if not self.enable_prefix_caching:
             raise ValueError("kv_offload needs prefix caching: the second tier keeps the prefix cache's blocks.")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("kv_offload is not built for tensor parallelism (each rank holds a share of the KV).")
 
     def _validate_kv_transfer(self) -> None:
         if not self.enable_prefix_caching:

@@ -1,7 +1,8 @@
 """Tensor parallelism's processes (model/parallel.py has the split): the engine core's runner is rank 0, and it
 starts ranks 1..N-1 as worker processes, each a ModelRunner over its own shard. Every step, rank 0 sends the step
 batch to the workers and all ranks run it together, meeting in each layer's all-reduce; every rank samples the same
-tokens, so rank 0 alone reports them and nothing else comes back. A LoRA adapter rank 0 reads, each worker reads
+tokens, so rank 0 alone reports them and nothing else comes back. The KV tier's saves and loads (between steps)
+read every rank's share of the blocks into rank 0 and send each rank its share back. A LoRA adapter rank 0 reads, each worker reads
 too (its own share of it), in the same state, so every rank puts it in the same slot.
 
 A worker is started with `python -m llmserve.engine.parallel_runner`, its arguments pickled on its stdin, which stays
@@ -18,7 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,35 @@ class ParallelRunner:
         parallel.broadcast(batch)
         return self.runner.execute(batch)
 
+    @property
+    def kv_layout(self) -> str:
+        return f"{self.runner.kv_layout} over {parallel.size()} ranks"
+
+    @property
+    def num_kv_frames(self) -> int:
+        """Each rank's frames, rank after rank: its share of every layer's keys and values."""
+        return self.runner.num_kv_frames * parallel.size()
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        """Every rank's share of these blocks (the KV tier's saves), between two steps."""
+        parallel.broadcast(_ReadKV(block_ids))
+        own = self.runner.read_kv_blocks(block_ids)
+        gathered = parallel.gather(None)
+        assert gathered is not None
+        return own + [memoryview(frame) for frames in gathered[1:] for frame in frames]
+
+    def write_kv_blocks(self, block_ids: list[int], frames: Sequence[memoryview]) -> None:
+        """Each rank's share of these blocks put in place (the KV tier's loads), between two steps; the frames
+        are checked before any rank writes."""
+        per_rank = self.runner.num_kv_frames
+        if len(frames) != self.num_kv_frames:
+            raise ValueError(f"{len(frames)} KV frames for {self.num_kv_frames} (every rank's layers)")
+        self.runner.check_kv_frames(block_ids, frames)
+        parallel.broadcast(_WriteKV(block_ids))
+        parallel.scatter([None] + [[bytes(frame) for frame in frames[rank * per_rank : (rank + 1) * per_rank]]
+                                   for rank in range(1, parallel.size())])
+        self.runner.write_kv_blocks(block_ids, frames[:per_rank])
+
     def read_weights(self, model_dir: Path) -> list:
         """Rank 0's weights read and checked (on a thread, as steps go on); the others read theirs at the swap."""
         return _CheckpointWeights(self.runner.read_weights(model_dir), Path(model_dir))
@@ -140,6 +170,16 @@ class _SwapWeights:
     model_dir: Path
 
 
+@dataclass(frozen=True)
+class _ReadKV:
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class _WriteKV:
+    block_ids: list[int]
+
+
 class _CheckpointWeights(list):
     """Rank 0's read weights, with the checkpoint they came from (for the other ranks to read)."""
 
@@ -174,6 +214,10 @@ def _run_worker() -> None:
             _read_adapter(runner, message)
         elif isinstance(message, _SwapWeights):
             runner.swap_weights(runner.read_weights(message.model_dir))
+        elif isinstance(message, _ReadKV):
+            parallel.gather([bytes(frame) for frame in runner.read_kv_blocks(message.block_ids)])
+        elif isinstance(message, _WriteKV):
+            runner.write_kv_blocks(message.block_ids, [memoryview(frame) for frame in parallel.scatter()])
         else:
             runner.execute(message)
     parallel.close()

@@ -140,3 +140,17 @@ def broadcast(obj: Any = None) -> Any:
     holder = [obj]
     dist.broadcast_object_list(holder, src=0, group=_group.control)
     return holder[0]
+
+
+def gather(obj: Any) -> list[Any] | None:
+    """Every rank's `obj`, in rank order, on rank 0; None on the others (pickled over the control group)."""
+    gathered = [None] * _group.size if _group.rank == 0 else None
+    dist.gather_object(obj, gathered, dst=0, group=_group.control)
+    return gathered
+
+
+def scatter(objs: list[Any] | None = None) -> Any:
+    """Rank 0's `objs[r]` on each rank r (pickled over the control group)."""
+    holder = [None]
+    dist.scatter_object_list(holder, objs, src=0, group=_group.control)
+    return holder[0]

@@ -594,13 +594,17 @@ class ModelRunner:
                 frames.append(memoryview(blocks.view(torch.uint8).reshape(-1).numpy()))
         return frames
 
+    def check_kv_frames(self, block_ids: list[int], frames: Sequence[memoryview]) -> None:
+        """ValueError unless each frame holds these blocks of one of this engine's caches."""
+        block_bytes = self.kv_caches[0][0][0].numel() * self.kv_caches[0][0].element_size()
+        if any(memoryview(frame).nbytes != len(block_ids) * block_bytes for frame in frames):
+            raise ValueError(f"KV frames of other sizes than {len(block_ids)} blocks of {block_bytes} bytes")
+
     def write_kv_blocks(self, block_ids: list[int], frames: Sequence[memoryview]) -> None:
         """Put blocks read by another engine's `read_kv_blocks` into these blocks."""
         if len(frames) != 2 * len(self.kv_caches):
             raise ValueError(f"{len(frames)} KV frames for {len(self.kv_caches)} layers")
-        block_bytes = self.kv_caches[0][0][0].numel() * self.kv_caches[0][0].element_size()
-        if any(memoryview(frame).nbytes != len(block_ids) * block_bytes for frame in frames):
-            raise ValueError(f"KV frames of other sizes than {len(block_ids)} blocks of {block_bytes} bytes")
+        self.check_kv_frames(block_ids, frames)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         with warnings.catch_warnings():  # the frames are read-only, and only read
             warnings.simplefilter("ignore", UserWarning)

@@ -185,3 +185,23 @@ def test_preempted_requests_come_back_from_the_tier_with_the_tokens_they_would_h
         _assert_no_leak(tight)
     finally:
         tight.core.shutdown()
+
+
+def test_two_tensor_parallel_ranks_save_and_load_each_ranks_share(tiny_llama_dir, tmp_path):
+    """Rank 0 gathers every rank's share of a block into the tier and sends each its share back: the answer
+    is one process's, its 9 blocks loaded. A disk tier written by one process is another layout, never read."""
+    single = _engine(tiny_llama_dir, kv_offload_dir=str(tmp_path))
+    try:
+        want, _, _ = _evict_then_ask_again(single)
+    finally:
+        single.core.shutdown()
+    engine = _engine(tiny_llama_dir, tensor_parallel_size=2, device="cpu", kv_offload_dir=str(tmp_path))
+    try:
+        assert engine.core.runner.kv_layout.endswith("over 2 ranks")
+        first, got, computed = _evict_then_ask_again(engine)  # the first asking computes all: the disk's is 1 rank's
+        assert first == got == want
+        assert computed == len(PROMPT) - 9 * BLOCK
+        assert engine.stats().kv_offload_loaded == 9
+        _assert_no_leak(engine)
+    finally:
+        engine.core.shutdown()  # and the workers
