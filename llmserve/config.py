@@ -154,8 +154,6 @@ class EngineConfig:
     def _validate_kv_transfer(self) -> None:
         if not self.enable_prefix_caching:
             raise ValueError("kv_transfer needs prefix caching: pulled KV joins the prefix cache.")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("kv_transfer is not built for tensor parallelism (each rank holds a share of the KV).")
         if not 0 <= self.kv_transfer_port <= 65535:
             raise ValueError(f"kv_transfer_port must be a TCP port (0: any free one), got {self.kv_transfer_port}.")
         if self.kv_transfer_ttl <= 0:

@@ -126,7 +126,7 @@ class EngineCore:
         # Disaggregation: the side channel other engines pull held KV from, and pull ours from theirs.
         self.kv_transfer = KVTransfer(
             self.runner.read_kv_blocks, self.runner.kv_layout, config.block_size, config.kv_transfer_host,
-            config.kv_transfer_port, config.kv_transfer_ttl,
+            config.kv_transfer_port, config.kv_transfer_ttl, reads_on_loop=config.tensor_parallel_size > 1,
         ) if config.kv_transfer else None
         self._awaiting_kv: dict[str, tuple[Request, Future[PulledKV]]] = {}  # requests pulling their prompt's KV
         self._exported: dict[str, KVTransferParams] = {}  # held by this step's update, for its outputs
@@ -353,8 +353,12 @@ class EngineCore:
         logger.warning("request %s: its prompt's KV could not be pulled (%s); computing it here", request.request_id, reason)
 
     def release_kv_exports(self) -> bool:
-        """Let go of held KV that was pulled, or that nobody pulled in time; True when some was."""
-        return self.kv_transfer is not None and self.kv_transfer.release_done(self.block_manager)
+        """Read the held KV a pull waits for (under tensor parallelism), and let go of held KV that was pulled,
+        or that nobody pulled in time; True when some was."""
+        if self.kv_transfer is None:
+            return False
+        self.kv_transfer.serve_reads()
+        return self.kv_transfer.release_done(self.block_manager)
 
     def seconds_to_next_kv_expiry(self) -> float | None:
         """How long the step loop may sleep before held KV must be let go; None: as long as it likes."""

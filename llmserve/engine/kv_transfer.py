@@ -7,7 +7,8 @@ Export (the prefill side): a request sent with `do_remote_decode` keeps its prom
 it ends: a holder sequence takes a reference on them, filed under a random transfer id that the request's
 last output carries with this engine's side-channel port. A thread answers pulls on that port: it reads
 a copy of the held blocks (nothing writes them), and the step loop lets them go as it sends them. Blocks
-nobody pulls go after `ttl` seconds.
+nobody pulls go after `ttl` seconds. Under tensor parallelism (`reads_on_loop`) the blocks are read between two
+steps instead, where rank 0 may gather every rank's share: the thread hands the read to the step loop and waits.
 
 Import (the decode side): a request sent with `do_remote_prefill` waits outside the scheduler while a
 thread pulls the blocks of its prompt that this engine's prefix cache lacks. The step loop then writes
@@ -98,6 +99,7 @@ class KVTransfer:
     port: int = 0
     ttl: float = 30.0
     counts: KVTransferCounts = field(default_factory=KVTransferCounts)
+    reads_on_loop: bool = False  # the serving thread has the step loop read the blocks (`serve_reads`)
 
     def __post_init__(self) -> None:
         self.wakeup = Wakeup()
@@ -107,6 +109,7 @@ class KVTransfer:
         self._served: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._importers = ThreadPoolExecutor(IMPORT_THREADS, thread_name_prefix="llmserve-kv-import")
         self._stop = threading.Event()
+        self._reads: queue.SimpleQueue[tuple[list[int], Future[list[memoryview]]]] = queue.SimpleQueue()
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         if self.port:
@@ -151,6 +154,32 @@ class KVTransfer:
             block_manager.release(export.holder)
         self.counts.exports_expired += len(released)
         return released_any or bool(released)
+
+    def serve_reads(self) -> None:
+        """Read the blocks the serving thread asked the step loop for (`reads_on_loop`)."""
+        while True:
+            try:
+                block_ids, future = self._reads.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self.read_blocks(block_ids))
+                except Exception as exc:  # the pull fails; the engine goes on
+                    future.set_exception(exc)
+
+    def _read(self, block_ids: list[int]) -> list[memoryview]:
+        """The blocks' bytes: read here, or between two steps by the step loop (`reads_on_loop`)."""
+        if not self.reads_on_loop:
+            return self.read_blocks(block_ids)
+        future: Future[list[memoryview]] = Future()
+        self._reads.put((block_ids, future))
+        self.wakeup.notify()
+        try:
+            return future.result(timeout=PULL_TIMEOUT_S)
+        except TimeoutError:
+            future.cancel()  # not read yet: the loop skips it
+            raise
 
     def holders(self) -> list[Sequence]:
         with self._lock:
@@ -218,7 +247,7 @@ class KVTransfer:
             self._unclaim(pull.transfer_id)
             return KVPullReply(f"blocks {first}..{first + count} are outside the {len(holder.block_table)} held"), []
         tokens = holder.token_ids[first * self.block_size : (first + count) * self.block_size]
-        return KVPullReply(None, tokens), self.read_blocks(holder.block_table[first : first + count])
+        return KVPullReply(None, tokens), self._read(holder.block_table[first : first + count])
 
     # ---- import ---------------------------------------------------------------------------------
     def pull(self, host: str, port: int, transfer_id: str, first_block: int, num_blocks: int,

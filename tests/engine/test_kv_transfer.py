@@ -218,7 +218,6 @@ def test_requests_the_engine_cannot_transfer_are_refused(engines, tiny_llama_dir
 
 @pytest.mark.parametrize("overrides, message", [
     ({"enable_prefix_caching": False}, "prefix caching"),
-    ({"tensor_parallel_size": 2}, "tensor parallelism"),
     ({"kv_transfer_port": 70000}, "TCP port"),
     ({"kv_transfer_ttl": 0}, "positive"),
 ])

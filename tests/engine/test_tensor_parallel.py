@@ -17,7 +17,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.core_client import EngineCoreStartError
-from llmserve.engine.messages import EngineStats
+from llmserve.engine.messages import EngineStats, KVTransferParams
 from llmserve.errors import EngineDeadError
 from llmserve.model import parallel
 from llmserve.model.builtin import SIZES
@@ -172,6 +172,42 @@ def test_weights_reloaded_on_every_rank(tmp_path: Path, tiny_llama_dir: Path) ->
     assert before == hf_reference.greedy(hf_reference.load_model(old), prompt, MAX_NEW)
     assert after == hf_reference.greedy(hf_reference.load_model(new), prompt, MAX_NEW) != before
     assert forgotten > 0
+
+
+def test_kv_pulled_between_two_tensor_parallel_engines_gives_the_prefill_engines_answer(
+    tmp_path: Path, tiny_llama_dir: Path,
+) -> None:
+    """Disaggregation with both engines over two ranks: the prefill engine's serving thread has its step loop read
+    the held blocks (rank 0 gathering every rank's share), and the decode engine's rank 0 sends each rank its share
+    of the pulled blocks; the answer is the one the prefill engine gives by itself."""
+    model_dir = hf_reference.build_checkpoint("llama", tmp_path / "llama", tiny_llama_dir)
+    prompt = [(7 * i + 3) % 250 + 1 for i in range(150)]  # 9 full blocks of 16 and 6 tokens
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    first_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    async def run() -> None:
+        config = dict(model=str(model_dir), dtype="float32", device="cpu", tensor_parallel_size=2, kv_transfer=True,
+                      kv_transfer_host="127.0.0.1", num_kv_blocks=64, max_model_len=512, block_size=16)
+        prefill, decode = AsyncLLM.from_config(EngineConfig(**config)), AsyncLLM.from_config(EngineConfig(**config))
+        try:
+            (alone,) = await final_outputs([await prefill.add_request("alone", prompt, greedy)])
+            held = KVTransferParams(do_remote_decode=True)
+            (exported,) = await final_outputs([await prefill.add_request("p", prompt, first_token, kv_transfer=held)])
+            where = exported.kv_transfer_params
+            assert where is not None and where["num_tokens"] == 9 * 16
+            remote = KVTransferParams(do_remote_prefill=True, transfer_id=where["transfer_id"],
+                                      remote_host="127.0.0.1", remote_port=where["remote_port"])
+            (answer,) = await final_outputs([await decode.add_request("d", prompt, greedy, kv_transfer=remote)])
+            assert answer.outputs[0].token_ids == alone.outputs[0].token_ids
+            received, sent = await decode.stats(), await prefill.stats()
+            assert (received.kv_blocks_received, received.kv_pulls_failed, sent.kv_blocks_sent) == (9, 0, 9)
+            for engine in (prefill, decode):
+                await engine.check_invariants()
+        finally:
+            prefill.close()
+            decode.close()
+
+    asyncio.run(run())
 
 
 def test_heads_the_ranks_cannot_divide_are_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
