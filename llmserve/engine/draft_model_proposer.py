@@ -44,6 +44,11 @@ class _Work:
     tokens: list[int]  # the sequence's tokens: the draft continues them
     limit: int
     drafts: list[int] = field(default_factory=list)
+    cursor: int = 0  # tokens the draft's cache holds so far while catching up
+
+    @property
+    def behind(self) -> int:
+        return len(self.tokens) - self.cursor
 
 
 class DraftModelProposer:
@@ -108,26 +113,25 @@ class DraftModelProposer:
     def _catch_up(self, work: list[_Work]) -> None:
         """Compute the tokens each sequence's cache lacks, in steps of at most `step_tokens` (shortest
         first: one-token rows lead a step as decodes), and sample each one's first draft after its last."""
-        cursors = {id(item): len(item.state.tokens) for item in work}
-        pending = sorted(work, key=lambda item: len(item.tokens) - cursors[id(item)])
+        for item in work:
+            item.cursor = len(item.state.tokens)
+        pending = sorted(work, key=lambda item: item.behind)
         while pending:
             budget, rows = self.step_tokens, []
             for item in pending:
-                take = min(len(item.tokens) - cursors[id(item)], budget)
+                take = min(item.behind, budget)
                 if take < 1:
                     break
-                rows.append((item, cursors[id(item)], take))
+                rows.append((item, take))
                 budget -= take
-            sampling = [i for i, (item, begin, take) in enumerate(rows) if begin + take == len(item.tokens)]
-            sampled = self._run(
-                [item.tokens[begin : begin + take] for item, begin, take in rows],
-                [begin for _, begin, _ in rows], [item.state.blocks for item, _, _ in rows], sampling,
-            )
+            sampling = [i for i, (item, take) in enumerate(rows) if take == item.behind]
+            sampled = self._run([item.tokens[item.cursor : item.cursor + take] for item, take in rows],
+                                [item.cursor for item, _ in rows], [item.state.blocks for item, _ in rows], sampling)
             for i, token in zip(sampling, sampled, strict=True):
                 rows[i][0].drafts.append(token)
-            for item, begin, take in rows:
-                cursors[id(item)] = begin + take
-            pending = [item for item in pending if cursors[id(item)] < len(item.tokens)]
+            for item, take in rows:
+                item.cursor += take
+            pending = [item for item in pending if item.behind]
 
     def _decode(self, work: list[_Work]) -> None:
         """Feed each sequence its last draft until it has as many as its limit, all of them one batch."""
