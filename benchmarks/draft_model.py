@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,6 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llmserve import LLM, SamplingParams  # noqa: E402
 from llmserve.model.builtin import DEFAULT_SHARD_SIZE, SIZES, make_model, write_weights  # noqa: E402
 from tests.cycling_model import make_cycling_model  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spec_decode import random_prompts, timed_generate  # noqa: E402
 
 DRAFT_SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                "intermediate_size")
@@ -51,25 +52,6 @@ def draft_checkpoint(target_dir: Path, dst: Path, agreement: float) -> Path:
     (random_dir / "config.json").write_text(json.dumps(config))
     write_weights(random_dir, config, seed=1, shard_size=DEFAULT_SHARD_SIZE)
     return make_cycling_model(random_dir, dst, agreement=agreement, seed=2)
-
-
-def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
-
-
-def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, int]:
-    """Output tok/s, and the draft tokens verified and accepted meanwhile."""
-    before = llm.engine.core.stats().spec_decode
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    elapsed = time.perf_counter() - start
-    after = llm.engine.core.stats().spec_decode
-    drafted = accepted = 0
-    if after is not None and before is not None:
-        drafted = after.num_draft_tokens - before.num_draft_tokens
-        accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, drafted, accepted
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,13 +75,13 @@ def main(argv: list[str] | None = None) -> None:
                               max_num_seqs=max(max(args.batch), 8)) for label, config in configs.items()}
         vocab = engines["plain"].engine.facts.model_config.vocab_size
         for llm in engines.values():  # warm-up: the kernels built, the first steps' allocations made
-            _run(llm, _prompts(1, 128, vocab, seed=99), SamplingParams(max_tokens=8, ignore_eos=True))
+            timed_generate(llm, random_prompts(1, 128, vocab, seed=99), SamplingParams(max_tokens=8, ignore_eos=True))
         results: dict[tuple, list[tuple[float, int, int]]] = {}
         for round_ in range(args.rounds):
             for batch in args.batch:
-                prompts = _prompts(batch, 128, vocab, seed=batch)
+                prompts = random_prompts(batch, 128, vocab, seed=batch)
                 for label in labels if round_ % 2 == 0 else labels[::-1]:
-                    results.setdefault((batch, label), []).append(_run(engines[label], prompts, greedy))
+                    results.setdefault((batch, label), []).append(timed_generate(engines[label], prompts, greedy))
             print(f"round {round_ + 1} done", flush=True)
     print(f"\ncycling llama {args.size} ({args.dtype}) drafted by a small-shaped cycling llama (4 layers of 256, the "
           f"same vocabulary) right on a share of its tokens; 128-token prompts, {args.max_tokens} tokens out, greedy, "

@@ -31,12 +31,12 @@ from llmserve.model.builtin import make_model  # noqa: E402
 from tests.cycling_model import make_cycling_model  # noqa: E402
 
 
-def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
 
 
-def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, int]:
+def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, int]:
     """Output tok/s, and the draft tokens verified and accepted meanwhile."""
     before = llm.engine.core.stats().spec_decode
     start = time.perf_counter()
@@ -79,14 +79,14 @@ def main(argv: list[str] | None = None) -> None:
         vocab = engines["random", "plain"].engine.facts.model_config.vocab_size
         results: dict[tuple, list[tuple[float, int, int]]] = {}
         for llm in engines.values():  # warm-up: the kernels built, the first steps' allocations made
-            _run(llm, _prompts(1, 128, vocab, seed=99), SamplingParams(max_tokens=8, ignore_eos=True))
+            timed_generate(llm, random_prompts(1, 128, vocab, seed=99), SamplingParams(max_tokens=8, ignore_eos=True))
         for round_ in range(args.rounds):
             for batch in args.batch:
-                prompts = _prompts(batch, 128, vocab, seed=batch)
+                prompts = random_prompts(batch, 128, vocab, seed=batch)
                 for model, _, sampling, params in workloads:
                     for label in ("plain", "ngram") if round_ % 2 == 0 else ("ngram", "plain"):  # ABBA
                         key = (batch, model, sampling, label)
-                        results.setdefault(key, []).append(_run(engines[model, label], prompts, params))
+                        results.setdefault(key, []).append(timed_generate(engines[model, label], prompts, params))
             print(f"round {round_ + 1} done", flush=True)
     print(f"\nllama {args.size} ({args.dtype}), 128-token prompts, {args.max_tokens} tokens out, ngram k={args.k}, "
           f"n-grams 1..{args.lookup}; {os.cpu_count()} CPUs; medians of {args.rounds} rounds (output tok/s); "
