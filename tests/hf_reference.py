@@ -17,7 +17,7 @@ _COMMON = dict(
 
 # name -> (config class name, overrides). Together they cover every architecture and config feature the
 # loader claims: llama3 / linear rope scaling, tied and untied embeddings, GQA and MQA, qkv bias,
-# q/k norms with an explicit head_dim, Mistral's sliding window field, and a sharded checkpoint.
+# q/k norms with an explicit head_dim, Mistral's sliding window field, mixtures of experts, and a sharded checkpoint.
 ARCH_CASES: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {}),
     "llama-llama3-tied": ("LlamaConfig", dict(
@@ -28,6 +28,10 @@ ARCH_CASES: dict[str, tuple[str, dict]] = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
     "mistral": ("MistralConfig", dict(sliding_window=4096, num_key_value_heads=1)),
+    # mixtures of experts: 4 experts, 2 a token; Qwen3-MoE's second layer dense (`mlp_only_layers`)
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         norm_topk_prob=True, mlp_only_layers=[1])),
 }
 
 

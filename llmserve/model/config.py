@@ -92,7 +92,7 @@ class ModelConfig:
         # Qwen2 always has a bias on q/k/v (its config has no field for it); others say so explicitly.
         attention_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
         sliding = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding = None
         return cls(
             architecture=arch,
@@ -110,7 +110,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=int(sliding) if sliding else None,
             dtype=parse_dtype(dtype_name),
             bos_token_id=cfg.get("bos_token_id"),

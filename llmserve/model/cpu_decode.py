@@ -231,7 +231,8 @@ def _supports(
     cfg = model.config
     params = list(model.parameters())
     return (
-        isinstance(backend, TorchAttentionBackend)
+        not getattr(model, "has_experts", False)  # its layers are dense MLPs
+        and isinstance(backend, TorchAttentionBackend)
         # a bf16 or int8 cache: the kernel's formats under bf16 queries
         and cpu_kernels.supports(torch.bfloat16, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                  backend.kv_cache_dtype)

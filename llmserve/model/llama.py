@@ -66,12 +66,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.self_attn = Attention(cfg, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp  # MLP, or a mixture of experts (moe.py)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -94,6 +94,8 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     ignored_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    # Checkpoint name fragments for modules named otherwise here (Mixtral's `block_sparse_moe` is our `mlp`).
+    renamed_weights: dict[str, str] = {}
     # Split by their input features over tensor-parallel ranks (the rest of the fused ones by their outputs).
     row_parallel: tuple[str, ...] = ("o_proj", "down_proj")
 
@@ -103,9 +105,14 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope)
         self.rotary = rotary
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, self.make_mlp(cfg, i))
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)
+
+    def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s MLP (a mixture-of-experts model's are its experts)."""
+        return MLP(cfg)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -140,6 +147,10 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if any(hf_name.endswith(s) for s in self.ignored_weights):
                 continue
+            for fragment, ours in self.renamed_weights.items():
+                hf_name = hf_name.replace(f".{fragment}.", f".{ours}.")
+            if self.load_special(hf_name, tensor):
+                continue
             name, offset, size = self._locate(hf_name)
             tensor = self.rank_shard(name, tensor, size)
             if name not in params:
@@ -154,6 +165,11 @@ class LlamaForCausalLM(nn.Module):
             target.copy_(tensor)
             loaded.add(name if size is None else f"{name}#{offset}")
         self._check_complete(params, loaded)
+
+    def load_special(self, name: str, tensor: torch.Tensor) -> bool:
+        """Load a checkpoint tensor the generic way below cannot (a mixture of experts' stacked experts);
+        False: none of those."""
+        return False
 
     def rank_shard(self, name: str, tensor: torch.Tensor, piece_rows: int | None) -> torch.Tensor:
         """This tensor-parallel rank's part of a checkpoint tensor: a fused matrix's piece by its rows (heads,

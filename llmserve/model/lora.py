@@ -53,7 +53,8 @@ AdapterWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def supports_lora(model: nn.Module) -> bool:
-    return getattr(model, "fused_weights", None) is not None and hasattr(model, "layers")
+    return (getattr(model, "fused_weights", None) is not None and hasattr(model, "layers")
+            and not getattr(model, "has_experts", False))
 
 
 def read_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: torch.dtype) -> AdapterWeights:

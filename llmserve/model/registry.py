@@ -8,8 +8,10 @@ from llmserve.errors import UnsupportedArchitectureError
 from llmserve.model.bert import BertForSequenceClassification, BertModel
 from llmserve.model.llama import LlamaForCausalLM, LlamaForSequenceClassification
 from llmserve.model.mistral import MistralForCausalLM
+from llmserve.model.mixtral import MixtralForCausalLM
 from llmserve.model.qwen2 import Qwen2ForCausalLM
 from llmserve.model.qwen3 import Qwen3ForCausalLM
+from llmserve.model.qwen3_moe import Qwen3MoeForCausalLM
 from llmserve.model.roberta import RobertaForSequenceClassification, RobertaModel
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -19,10 +21,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "MistralForCausalLM": MistralForCausalLM,
     "MistralForSequenceClassification": LlamaForSequenceClassification,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3ForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "RobertaForSequenceClassification": RobertaForSequenceClassification,
     "RobertaModel": RobertaModel,
     "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,

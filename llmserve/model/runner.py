@@ -324,6 +324,9 @@ class ModelRunner:
 
     def _load_model(self, model_dir, max_model_len: int) -> torch.nn.Module:
         cls = model_class(self.model_config.architecture)
+        if self.quantization is not None and getattr(cls, "has_experts", False):
+            raise ModelLoadError(f"Quantization is not built for mixture-of-experts models ({cls.__name__}); "
+                                 "serve it unquantized.")
         with torch.device(self.device):
             model = cls(self.model_config, max_positions=max_model_len)
         quantized = QuantizedLoader(model, self.quantization) if self.quantization is not None else None
@@ -453,6 +456,9 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager or self.is_encoder:
             return False
         if parallel.size() > 1:  # not captured with the all-reduces inside yet
+            return False
+        if getattr(self.model, "has_experts", False):  # each step counts its experts' tokens on the host
+            logger.info("CUDA graphs are off: a mixture of experts runs each step's chosen experts in turn")
             return False
         if self.attn_backend.name not in GRAPH_SAFE_BACKENDS:
             logger.warning("CUDA graphs are off: the %r attention backend is not graph-safe", self.attn_backend.name)

@@ -59,7 +59,7 @@ def generate(
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("case", ["llama", "llama-linear-mqa", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", ["llama", "llama-linear-mqa", "qwen2", "qwen3", "qwen3-moe"])
 def test_two_ranks_match_transformers(case: str, tmp_path: Path, tiny_llama_dir: Path) -> None:
     model_dir = hf_reference.build_checkpoint(case, tmp_path / case, tiny_llama_dir)
     reference = hf_reference.load_model(model_dir)

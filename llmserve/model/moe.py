@@ -1,0 +1,131 @@
+"""A sparse mixture of experts in place of a decoder layer's MLP (Mixtral's, Qwen3-MoE's).
+
+A router scores every expert for each token; the token goes through its `top_k` experts' SwiGLU MLPs, whose
+outputs are summed weighted by the router's softmax over all experts, cut to those k (and renormalised over
+them where the model does so). The experts' weights are two stacked tensors, as vLLM and transformers 5 keep
+them: `experts_gate_up` [experts, 2 x intermediate, hidden] and `experts_down` [experts, hidden, intermediate].
+Each step runs the experts that some token chose, one after another, over their tokens (one host sync for the
+counts: no CUDA graphs). Under tensor parallelism each rank holds its share of every expert's features and the
+ranks' sums are added, as for the dense MLP; the router is whole on every rank.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.errors import ModelLoadError
+from llmserve.model import parallel
+from llmserve.model.layers import Linear, RMSNorm, linear
+
+# A checkpoint's expert tensor: layer, expert and which matrix (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj).
+EXPERT_TENSOR = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+GATE, UP, DOWN = "gate", "up", "down"
+EXPERT_PIECES = {"w1": GATE, "gate_proj": GATE, "w3": UP, "up_proj": UP, "w2": DOWN, "down_proj": DOWN}
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate = parallel.shard(intermediate_size, "the experts' intermediate size")  # this rank's
+        self.gate = Linear(hidden_size, num_experts, False, dtype)  # the router
+        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size, dtype=dtype),
+                                            requires_grad=False)
+        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate, dtype=dtype),
+                                         requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the experts' sum for norm(x + residual), the residual stream x + residual)."""
+        hidden, residual = norm(x, residual)
+        return parallel.all_reduce(self.experts(hidden)), residual
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's chosen experts [T, k] and their weights [T, k] (in the activations' dtype)."""
+        probs = torch.softmax(self.gate(hidden).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights.to(hidden.dtype)
+
+    def experts(self, hidden: torch.Tensor) -> torch.Tensor:
+        chosen, weights = self.route(hidden)
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs, expert by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        flat_weights = weights.flatten()
+        out = torch.zeros_like(hidden)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            tokens = pairs // self.top_k
+            gate, up = linear(hidden[tokens], self.experts_gate_up[expert]).chunk(2, dim=-1)
+            y = linear(F.silu(gate) * up, self.experts_down[expert]) * flat_weights[pairs, None]
+            out.index_add_(0, tokens, y)
+        return out
+
+    def load_expert(self, expert: int, piece: str, tensor: torch.Tensor) -> None:
+        """One checkpoint matrix of one expert (gate and up: [intermediate, hidden]; down: [hidden,
+        intermediate]), this rank's share of its features. ValueError when its shape is another."""
+        whole = self.intermediate * parallel.size()
+        hidden = self.experts_down.shape[1]
+        expected = (hidden, whole) if piece == DOWN else (whole, hidden)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"shape {tuple(tensor.shape)}, expected {expected}")
+        start = parallel.rank() * self.intermediate
+        if piece == DOWN:
+            self.experts_down.data[expert].copy_(tensor.narrow(1, start, self.intermediate))
+        else:
+            rows = self.experts_gate_up.data[expert].narrow(0, 0 if piece == GATE else self.intermediate,
+                                                           self.intermediate)
+            rows.copy_(tensor.narrow(0, start, self.intermediate))
+
+
+class ExpertWeights:
+    """What a mixture-of-experts decoder adds to the Llama loader (`LlamaForCausalLM.load_weights`): each
+    expert's checkpoint matrices into the stacked tensors, and every one of them required."""
+
+    has_experts = True  # no CPU one-call decoder, LoRA, quantization or CUDA graphs (they assume dense MLPs)
+    layers: nn.ModuleList
+    expert_pieces: set[tuple[int, int, str]]  # (layer, expert, matrix) loaded so far: set by `load_weights`
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing, stacked = self.missing_experts()
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ModelLoadError(f"The checkpoint lacks {len(missing)} expert weight(s): {shown}")
+        super()._check_complete(params, loaded | stacked)  # type: ignore[misc]
+
+    def load_special(self, name: str, tensor: torch.Tensor) -> bool:
+        match = EXPERT_TENSOR.search(name)
+        if match is None:
+            return False
+        layer, expert, matrix = int(match[1]), int(match[2]), match[3]
+        moe = self.layers[layer].mlp if layer < len(self.layers) else None
+        if not isinstance(moe, SparseMoE) or expert >= moe.num_experts:
+            raise ModelLoadError(f"Checkpoint tensor {name!r} matches no expert of this model.")
+        try:
+            moe.load_expert(expert, EXPERT_PIECES[matrix], tensor)
+        except ValueError as exc:
+            raise ModelLoadError(f"Checkpoint tensor {name!r} has {exc}.") from None
+        self.expert_pieces.add((layer, expert, EXPERT_PIECES[matrix]))
+        return True
+
+    def missing_experts(self) -> tuple[list[str], set[str]]:
+        """The expert matrices the checkpoint lacked, and the names of the stacked parameters."""
+        missing, stacked = [], set()
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                stacked |= {f"layers.{index}.mlp.experts_gate_up", f"layers.{index}.mlp.experts_down"}
+                missing += [f"layers.{index}.mlp.experts.{expert}.{piece}" for expert in range(layer.mlp.num_experts)
+                            for piece in (GATE, UP, DOWN) if (index, expert, piece) not in self.expert_pieces]
+        return missing, stacked
