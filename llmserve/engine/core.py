@@ -19,7 +19,12 @@ Disaggregation (`kv_transfer`): a request whose prompt's KV another engine compu
 thread pulls it, then joins the scheduler with those blocks in the prefix cache; one whose KV another
 engine will read has its prompt's blocks held when it ends (kv_transfer.py). The prefix cache's second
 tier (`kv_offload_gib`): before each step the blocks evicted for it are saved there and the blocks taken
-from it loaded (kv_offload.py).
+from it loaded (kv_offload.py). Under tensor parallelism both read every rank's share of a block through
+rank 0 between two steps (a pull's serving thread hands its read to the step loop: `release_kv_exports`).
+
+Speculative decoding (`speculative_config`): the scheduler asks the proposer for drafts as it schedules. A
+draft model (draft_model_proposer.py) is a second runner of the core's, its weights loaded before the served
+model sizes its KV pool, and its own pool of as many blocks allocated after.
 
 Structured output: a request with a grammar waits here until its grammar is compiled (off the step
 loop, `structured_output`), then joins the scheduler; each step fills the token bitmask of every
