@@ -131,9 +131,7 @@ class EngineConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
         parse_lora_modules(self.lora_modules or [])
-        speculative = parse_speculative_config(self.speculative_config)
-        if speculative is not None and speculative.model is not None and self.tensor_parallel_size > 1:
-            raise ValueError("A draft model is not built for tensor parallelism; speculate with ngram there.")
+        parse_speculative_config(self.speculative_config)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -80,6 +80,7 @@ from llmserve.engine.structured_output import StructuredOutputManager
 from llmserve.engine.wakeup import Wakeup
 from llmserve.errors import InvalidRequestError
 from llmserve.heap import freeze_startup_heap
+from llmserve.model import parallel
 from llmserve.model.runner import ModelRunner, PromptLogprobsBatch, StepBatch, StepHandle
 from llmserve.sampling.sampler import SamplingRow
 
@@ -100,13 +101,11 @@ class EngineCore:
         self.config = config
         self.facts = facts
         draft_runner = _draft_runner(config, facts)  # its weights loaded before the served model sizes its KV
-        if config.tensor_parallel_size > 1:
-            self.runner = ParallelRunner(config, facts.model_config, facts.model_dir, facts.max_model_len, facts.pooler)
-        else:
-            self.runner = ModelRunner(
-                config, facts.model_config, facts.model_dir, facts.max_model_len, facts.pooler,
-                shared_bytes_per_block=draft_runner.kv_bytes_per_block() if draft_runner is not None else 0,
-            )
+        runner = ParallelRunner if config.tensor_parallel_size > 1 else ModelRunner
+        self.runner = runner(
+            config, facts.model_config, facts.model_dir, facts.max_model_len, facts.pooler,
+            shared_bytes_per_block=draft_runner.kv_bytes_per_block() if draft_runner is not None else 0,
+        )
         pool_tokens = self.runner.num_blocks * config.block_size
         if not self.runner.is_encoder and pool_tokens < facts.max_model_len:
             raise ValueError(
@@ -171,7 +170,8 @@ class EngineCore:
         if draft_runner is None:
             return NgramProposer(speculative)
         assert facts.draft is not None
-        draft_runner.allocate_kv_cache(self.runner.num_blocks)
+        with parallel.alone():
+            draft_runner.allocate_kv_cache(self.runner.num_blocks)
         return DraftModelProposer(speculative, draft_runner, facts.draft.max_model_len, facts.max_num_batched_tokens)
 
     def _kv_tier(self, config: EngineConfig, facts: ModelFacts) -> KVTier | None:
@@ -761,4 +761,5 @@ def _draft_runner(config: EngineConfig, facts: ModelFacts) -> ModelRunner | None
         enable_lora=False, quantization=None, quantize_lm_head=False, hf_overrides=None, kv_transfer=False,
         kv_offload_gib=0.0, kv_offload_dir=None, task="generate", pooling=None,
     )
-    return ModelRunner(draft_config, draft.model_config, draft.model_dir, draft.max_model_len, defer_kv_cache=True)
+    with parallel.alone():  # whole on rank 0 beside a served model split over tensor-parallel ranks
+        return ModelRunner(draft_config, draft.model_config, draft.model_dir, draft.max_model_len, defer_kv_cache=True)

@@ -10,7 +10,8 @@ tokens the sequence gained since its last drafts (its prompt, the first time), t
 model rejected are dropped from the draft's cache as they are from the served model's, and a sequence
 that ends or is preempted gives its blocks back. Nothing is shared by prefix: the draft recomputes a
 prompt the served model found cached, at the draft's price. A sequence the draft's pool or context has
-no room for gets no drafts that step.
+no room for gets no drafts that step. Under tensor parallelism the draft model is whole, on rank 0 (vLLM's
+`draft_tensor_parallel_size` 1), built and run as if that rank were alone (`parallel.alone`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from llmserve.config import SpeculativeConfig
 from llmserve.engine.proposer import DraftAsk
+from llmserve.model import parallel
 from llmserve.model.runner import ModelRunner, StepBatch
 from llmserve.sampling.params import SamplingParams
 from llmserve.sampling.sampler import SamplingRow
@@ -155,7 +157,8 @@ class DraftModelProposer:
             logits_rows=sampling,
             sampling_rows=[_GREEDY] * len(sampling),
         )
-        output = self.runner.execute(batch).result()
+        with parallel.alone():  # beside a served model split over tensor-parallel ranks, the draft is whole
+            output = self.runner.execute(batch).result()
         return output.token_ids if output is not None else []
 
 

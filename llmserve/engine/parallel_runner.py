@@ -55,8 +55,9 @@ class ParallelRunner:
 
     def __init__(
         self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, max_model_len: int,
-        pooler: PoolerConfig | None,
+        pooler: PoolerConfig | None, shared_bytes_per_block: int = 0,
     ) -> None:
+        """`shared_bytes_per_block`: a draft model's KV per block, on rank 0 (see ModelRunner)."""
         ranks = config.tensor_parallel_size
         meeting = f"tcp://127.0.0.1:{_free_port()}"
         self._workers: list[subprocess.Popen] = []
@@ -67,7 +68,8 @@ class ParallelRunner:
                 self._workers.append(_start_worker(args))
             parallel.init(parallel.ParallelSetup(0, ranks, meeting), resolve_device(config.device),
                           peers_alive=lambda: all(worker.poll() is None for worker in self._workers))
-            self.runner = ModelRunner(config, model_config, model_dir, max_model_len, pooler)
+            self.runner = ModelRunner(config, model_config, model_dir, max_model_len, pooler,
+                                      shared_bytes_per_block=shared_bytes_per_block)
             self.lora = _ParallelLoRA(self.runner.lora) if self.runner.lora is not None else None
         except BaseException:
             self._stop_workers()

@@ -7,7 +7,7 @@ attention backend reads each sequence's earlier context from the paged KV cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -66,12 +66,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, mlp: nn.Module) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+        make_mlp: Callable[[ModelConfig, int], nn.Module],
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.self_attn = Attention(cfg, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.mlp = mlp  # MLP, or a mixture of experts (moe.py)
+        self.mlp = make_mlp(cfg, layer_idx)  # MLP, or a mixture of experts (moe.py)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -105,8 +108,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope)
         self.rotary = rotary
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, self.make_mlp(cfg, i))
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, self.make_mlp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)
 

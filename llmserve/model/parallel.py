@@ -13,7 +13,8 @@ One process group per process, set by `init` before the model is built; without 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -154,3 +155,15 @@ def scatter(objs: list[Any] | None = None) -> Any:
     holder = [None]
     dist.scatter_object_list(holder, objs, src=0, group=_group.control)
     return holder[0]
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """This rank as if it were the only one: a model built or run inside is whole and reduces nothing (a
+    speculative decoding draft model on rank 0, beside the split served model)."""
+    saved = _group.rank, _group.size
+    _group.rank, _group.size = 0, 1
+    try:
+        yield
+    finally:
+        _group.rank, _group.size = saved

@@ -85,9 +85,6 @@ def test_a_model_in_the_speculative_config_is_a_draft_model_and_what_it_cannot_t
     ):
         with pytest.raises(ValueError, match=named):
             EngineConfig(model="x", speculative_config=bad).validate()
-    with pytest.raises(ValueError, match="not built for tensor parallelism"):
-        EngineConfig(model="x", speculative_config={"model": "m", "num_speculative_tokens": 3},
-                     tensor_parallel_size=2).validate()
 
 
 def test_a_draft_the_served_model_cannot_verify_fails_at_start(cycling_llama_dir, tmp_path):

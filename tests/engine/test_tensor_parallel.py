@@ -102,8 +102,8 @@ def test_int8_weights_over_two_ranks_give_one_ranks_tokens(tmp_path: Path, tiny_
 
 def test_speculation_and_an_int8_kv_cache_over_two_ranks(tmp_path: Path, tiny_llama_dir: Path,
                                                          cycling_llama_dir: Path) -> None:
-    """N-gram drafts verified on every rank (a model that repeats cycles of tokens, so drafts hold): one rank's
-    tokens without drafts; an int8 KV cache (each rank's heads quantized on their own): one rank's tokens."""
+    """N-gram drafts and a draft model's verified on every rank (a model that repeats cycles of tokens, so drafts
+    hold): one rank's tokens without drafts; an int8 KV cache (each rank's heads quantized on their own): one rank's tokens."""
     batch = prompts(4, seed=10)
     greedy = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * len(batch)
     plain, _ = generate(cycling_llama_dir, batch, greedy, num_kv_blocks=128, max_model_len=512)
@@ -113,6 +113,12 @@ def test_speculation_and_an_int8_kv_cache_over_two_ranks(tmp_path: Path, tiny_ll
                                       "prompt_lookup_min": 2})
     assert speculating == plain
     assert stats.spec_decode is not None and stats.spec_decode.num_accepted_tokens > 0
+    # A draft model, whole on rank 0 beside the split served model (here the served model drafting for itself).
+    drafted, stats = generate(cycling_llama_dir, batch, greedy, num_kv_blocks=128, max_model_len=512,
+                              tensor_parallel_size=2, speculative_config={
+                                  "model": str(cycling_llama_dir), "num_speculative_tokens": 3})
+    assert drafted == plain
+    assert stats.spec_decode is not None and stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens > 0
     model_dir = hf_reference.build_checkpoint("llama", tmp_path / "llama", tiny_llama_dir)
     int8_kv = dict(num_kv_blocks=128, max_model_len=512, kv_cache_dtype="int8")
     assert generate(model_dir, batch, greedy, tensor_parallel_size=2, **int8_kv)[0] == generate(
