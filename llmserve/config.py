@@ -176,7 +176,7 @@ class SpeculativeConfig:
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 _SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                     "disable_by_batch_size")
+                     "disable_by_batch_size", "draft_tensor_parallel_size")
 _NGRAM_MODEL_NAMES = (None, "ngram", "[ngram]")  # vLLM's older way to ask for n-grams: as the "model"
 _NGRAM_ONLY_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither bound is given
@@ -206,6 +206,8 @@ def parse_speculative_config(spec: dict[str, Any] | None) -> SpeculativeConfig |
         return _draft_model_config(spec, model, count, extra)
     if model not in _NGRAM_MODEL_NAMES:
         raise ValueError(f"speculative_config: the ngram method takes no model, got {model!r}.")
+    if "draft_tensor_parallel_size" in spec:
+        raise ValueError("speculative_config: draft_tensor_parallel_size belongs to the draft_model method, not ngram.")
     lookup_min, lookup_max = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
     if lookup_min is None and lookup_max is None:
         lookup_min = lookup_max = DEFAULT_PROMPT_LOOKUP
@@ -223,6 +225,9 @@ def _draft_model_config(spec: dict[str, Any], model: Any, count: int, extra: dic
     ngram_keys = [key for key in _NGRAM_ONLY_KEYS if key in spec]
     if ngram_keys:
         raise ValueError(f"speculative_config: {', '.join(ngram_keys)} belong to the ngram method, not draft_model.")
+    if spec.get("draft_tensor_parallel_size", 1) != 1:
+        raise ValueError("speculative_config: draft_tensor_parallel_size must be 1: the draft model runs whole, on "
+                         "rank 0 under tensor parallelism.")
     return SpeculativeConfig(count, method="draft_model", model=model, **extra)
 
 

@@ -74,7 +74,7 @@ def test_a_model_in_the_speculative_config_is_a_draft_model_and_what_it_cannot_t
     assert parse_speculative_config({"model": "m", "num_speculative_tokens": 3}) == SpeculativeConfig(
         3, method="draft_model", model="m")
     assert parse_speculative_config({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
-                                     "disable_by_batch_size": 4}) == SpeculativeConfig(
+                                     "disable_by_batch_size": 4, "draft_tensor_parallel_size": 1}) == SpeculativeConfig(
         2, method="draft_model", model="m", disable_by_batch_size=4)
     for bad, named in (
         ({"method": "draft_model", "num_speculative_tokens": 3}, "needs \"model\""),
@@ -82,6 +82,7 @@ def test_a_model_in_the_speculative_config_is_a_draft_model_and_what_it_cannot_t
         ({"method": "ngram", "model": "m", "num_speculative_tokens": 3}, "takes no model"),
         ({"method": "eagle", "model": "m", "num_speculative_tokens": 3}, "'eagle' is not supported"),
         ({"model": "m"}, "num_speculative_tokens must be a positive integer"),
+        ({"model": "m", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}, "must be 1: the draft model runs"),
     ):
         with pytest.raises(ValueError, match=named):
             EngineConfig(model="x", speculative_config=bad).validate()
