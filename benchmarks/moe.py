@@ -3,7 +3,8 @@
 active a token), bf16, alternated round by round.
 
 Workloads: batch-1 decode (--prompt-tokens in, --max-tokens out, greedy: output tok/s over the whole call) and
---batch sequences decoding together (output tok/s). transformers runs `generate` with its dynamic cache.
+--batch sequences decoding together (output tok/s). llmserve runs bf16, and with its weights (experts and
+attention) quantized to int8 at load; transformers runs `generate` with its dynamic cache.
 
     python benchmarks/moe.py [--rounds 3] [--batch 16] [--max-tokens 64]
 """
@@ -77,6 +78,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(Path(tmp) / "qwen3-moe")
         llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=1024)
+        int8 = LLM(str(model_dir), dtype="bfloat16", max_model_len=1024, quantization="int8")
         reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
         workloads = {"batch 1": 1, f"batch {args.batch}": args.batch}
         results: dict[tuple[str, str], list[float]] = {}
@@ -84,6 +86,7 @@ def main() -> None:
             for name, batch in workloads.items():
                 prompts = [[rng.randrange(3, 32000) for _ in range(args.prompt_tokens)] for _ in range(batch)]
                 systems = [("llmserve", lambda p=prompts: llmserve_tok_s(llm, p, args.max_tokens)),
+                           ("llmserve int8", lambda p=prompts: llmserve_tok_s(int8, p, args.max_tokens)),
                            ("transformers", lambda p=prompts: transformers_tok_s(reference, p, args.max_tokens))]
                 for system, run in systems if round_ % 2 else systems[::-1]:
                     tok_s = run()
@@ -94,10 +97,12 @@ def main() -> None:
           f"{os.cpu_count()} CPUs; medians of {args.rounds} rounds (output tok/s); ratio llmserve / transformers "
           "per round: median (lowest-highest)")
     for name in workloads:
-        ours, theirs = results[name, "llmserve"], results[name, "transformers"]
-        ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
-        print(f"{name:>9}: llmserve {statistics.median(ours):7.1f}  transformers {statistics.median(theirs):7.1f}  "
-              f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+        theirs = results[name, "transformers"]
+        for system in ("llmserve", "llmserve int8"):
+            ours = results[name, system]
+            ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+            print(f"{name:>9}: {system:<13} {statistics.median(ours):7.1f}  transformers {statistics.median(theirs):7.1f}"
+                  f"  {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
 
 
 if __name__ == "__main__":

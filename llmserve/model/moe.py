@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.errors import ModelLoadError
-from llmserve.model import parallel
+from llmserve.model import cpu_linear, parallel
 from llmserve.model.layers import Linear, RMSNorm, linear
+from llmserve.model.quantization.int8 import quantize_int8
 
 # A checkpoint's expert tensor: layer, expert and which matrix (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj).
 EXPERT_TENSOR = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
@@ -35,7 +36,11 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate = parallel.shard(intermediate_size, "the experts' intermediate size")  # this rank's
-        self.gate = Linear(hidden_size, num_experts, False, dtype)  # the router
+        self.gate = Linear(hidden_size, num_experts, False, dtype)  # the router, never quantized (it picks)
+        self.gate.quantizable = False
+        # int8 experts (`use_int8`): a float32 scale per output row of each expert's matrices; None: bf16 experts
+        self.gate_up_scale: nn.Parameter | None = None
+        self.down_scale: nn.Parameter | None = None
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size, dtype=dtype),
                                             requires_grad=False)
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate, dtype=dtype),
@@ -68,10 +73,36 @@ class SparseMoE(nn.Module):
             pairs = order[start : start + count]
             start += count
             tokens = pairs // self.top_k
-            gate, up = linear(hidden[tokens], self.experts_gate_up[expert]).chunk(2, dim=-1)
-            y = linear(F.silu(gate) * up, self.experts_down[expert]) * flat_weights[pairs, None]
+            gate, up = self._linear(hidden[tokens], self.experts_gate_up[expert], self.gate_up_scale, expert).chunk(
+                2, dim=-1)
+            y = self._linear(F.silu(gate) * up, self.experts_down[expert], self.down_scale, expert)
+            y = y * flat_weights[pairs, None]
             out.index_add_(0, tokens, y)
         return out
+
+    @staticmethod
+    def _linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, expert: int) -> torch.Tensor:
+        """x @ weight^T; an int8 weight's rows scaled (the CPU's int8 kernel for few bf16 rows)."""
+        if scales is None:
+            return linear(x, weight)
+        if cpu_linear.int8_kernel_fits(x, weight):
+            return cpu_linear.int8_linear(x, weight, scales[expert])
+        return F.linear(x, weight.to(x.dtype)) * scales[expert].to(x.dtype)
+
+    # ---- int8 experts (`--quantization int8`) -------------------------------------------------------
+    def use_int8(self) -> None:
+        """Hold the experts as int8 (empty until loaded: `load_expert` quantizes each matrix as it comes)."""
+        self.experts_gate_up, self.gate_up_scale = _int8_like(self.experts_gate_up)
+        self.experts_down, self.down_scale = _int8_like(self.experts_down)
+
+    @torch.no_grad()
+    def quantize_in_place(self) -> None:
+        """The experts' weights (random ones: `--load-format dummy`) as int8, a scale per output row."""
+        for weights, scales in (("experts_gate_up", "gate_up_scale"), ("experts_down", "down_scale")):
+            stacked = getattr(self, weights)
+            q, scale = quantize_int8(stacked.reshape(-1, stacked.shape[-1]))
+            setattr(self, weights, nn.Parameter(q.view(stacked.shape), requires_grad=False))
+            setattr(self, scales, nn.Parameter(scale.view(stacked.shape[:2]), requires_grad=False))
 
     def load_expert(self, expert: int, piece: str, tensor: torch.Tensor) -> None:
         """One checkpoint matrix of one expert (gate and up: [intermediate, hidden]; down: [hidden,
@@ -82,19 +113,28 @@ class SparseMoE(nn.Module):
         if tuple(tensor.shape) != expected:
             raise ValueError(f"shape {tuple(tensor.shape)}, expected {expected}")
         start = parallel.rank() * self.intermediate
+        scale = None
+        if self.down_scale is not None:  # quantized whole, then split: each rank holds what one rank would
+            tensor, scale = quantize_int8(tensor)
         if piece == DOWN:
             self.experts_down.data[expert].copy_(tensor.narrow(1, start, self.intermediate))
-        else:
-            rows = self.experts_gate_up.data[expert].narrow(0, 0 if piece == GATE else self.intermediate,
-                                                           self.intermediate)
-            rows.copy_(tensor.narrow(0, start, self.intermediate))
+            if scale is not None:
+                self.down_scale.data[expert].copy_(scale)
+            return
+        offset = 0 if piece == GATE else self.intermediate
+        self.experts_gate_up.data[expert].narrow(0, offset, self.intermediate).copy_(
+            tensor.narrow(0, start, self.intermediate))
+        if scale is not None:
+            assert self.gate_up_scale is not None
+            self.gate_up_scale.data[expert].narrow(0, offset, self.intermediate).copy_(
+                scale.narrow(0, start, self.intermediate))
 
 
 class ExpertWeights:
     """What a mixture-of-experts decoder adds to the Llama loader (`LlamaForCausalLM.load_weights`): each
     expert's checkpoint matrices into the stacked tensors, and every one of them required."""
 
-    has_experts = True  # no CPU one-call decoder, LoRA, quantization or CUDA graphs (they assume dense MLPs)
+    has_experts = True  # no CPU one-call decoder, LoRA, fp8 or CUDA graphs (they assume dense MLPs)
     layers: nn.ModuleList
     expert_pieces: set[tuple[int, int, str]]  # (layer, expert, matrix) loaded so far: set by `load_weights`
 
@@ -125,7 +165,15 @@ class ExpertWeights:
         missing, stacked = [], set()
         for index, layer in enumerate(self.layers):
             if isinstance(layer.mlp, SparseMoE):
-                stacked |= {f"layers.{index}.mlp.experts_gate_up", f"layers.{index}.mlp.experts_down"}
+                stacked |= {f"layers.{index}.mlp.{name}" for name, _ in layer.mlp.named_parameters()
+                            if name != "gate.weight"}
                 missing += [f"layers.{index}.mlp.experts.{expert}.{piece}" for expert in range(layer.mlp.num_experts)
                             for piece in (GATE, UP, DOWN) if (index, expert, piece) not in self.expert_pieces]
         return missing, stacked
+
+
+def _int8_like(stacked: torch.Tensor) -> tuple[nn.Parameter, nn.Parameter]:
+    """Empty int8 weights of `stacked`'s shape [experts, rows, columns], and their float32 row scales."""
+    weights = torch.empty(stacked.shape, dtype=torch.int8, device=stacked.device)
+    scales = torch.empty(stacked.shape[:2], dtype=torch.float32, device=stacked.device)
+    return nn.Parameter(weights, requires_grad=False), nn.Parameter(scales, requires_grad=False)

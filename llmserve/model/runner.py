@@ -324,9 +324,10 @@ class ModelRunner:
 
     def _load_model(self, model_dir, max_model_len: int) -> torch.nn.Module:
         cls = model_class(self.model_config.architecture)
-        if self.quantization is not None and getattr(cls, "has_experts", False):
-            raise ModelLoadError(f"Quantization is not built for mixture-of-experts models ({cls.__name__}); "
-                                 "serve it unquantized.")
+        if (self.quantization is not None and getattr(cls, "has_experts", False)
+                and "quantization_config" in self.model_config.raw):
+            raise ModelLoadError(f"Quantized checkpoints of mixture-of-experts models ({cls.__name__}) are not read; "
+                                 "serve the unquantized one, with --quantization int8 to quantize it at load.")
         with torch.device(self.device):
             model = cls(self.model_config, max_positions=max_model_len)
         quantized = QuantizedLoader(model, self.quantization) if self.quantization is not None else None

@@ -98,6 +98,9 @@ def test_int8_weights_over_two_ranks_give_one_ranks_tokens(tmp_path: Path, tiny_
                                    _int8_tensors)
     prequantized, _ = generate(checkpoint, batch, greedy, num_kv_blocks=64, tensor_parallel_size=2, max_model_len=256)
     assert at_load == prequantized == one
+    moe = hf_reference.build_checkpoint("qwen3-moe", tmp_path / "moe", tiny_llama_dir)  # int8 experts, split by features
+    int8 = dict(num_kv_blocks=64, quantization="int8", max_model_len=256)
+    assert generate(moe, batch, greedy, tensor_parallel_size=2, **int8)[0] == generate(moe, batch, greedy, **int8)[0]
 
 
 def test_speculation_and_an_int8_kv_cache_over_two_ranks(tmp_path: Path, tiny_llama_dir: Path,

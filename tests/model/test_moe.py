@@ -1,6 +1,7 @@
 """Mixtures of experts (Mixtral, Qwen3-MoE) beyond the greedy parity with transformers that test_parity.py and
 test_tensor_parallel.py prove: the router's choice and weights as transformers computes them, a checkpoint that
-lacks or misshapes an expert refused naming it, and what is not built for experts refused at start."""
+lacks or misshapes an expert refused naming it, int8 experts (quantized at load, whole), and what is not built
+for experts refused at start."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from llmserve import LLM, SamplingParams
 from llmserve.errors import ModelLoadError
 from llmserve.model.moe import SparseMoE
+from llmserve.model.quantization.int8 import quantize_int8
 from tests import hf_reference
 
 
@@ -62,8 +64,34 @@ def test_a_checkpoint_lacking_or_misshaping_an_expert_is_refused_naming_it(mixtr
         LLM(str(fewer), dtype="float32", num_kv_blocks=8, max_model_len=128)
 
 
+def test_int8_experts_are_each_matrix_quantized_whole_and_compute_as_their_dequantized_weights(mixtral_dir, tmp_path):
+    int8 = LLM(str(mixtral_dir), dtype="float32", num_kv_blocks=8, max_model_len=128, quantization="int8")
+    moe = int8.engine.core.runner.model.layers[1].mlp
+    assert moe.experts_gate_up.dtype == moe.experts_down.dtype == torch.int8 and moe.gate.weight.dtype == torch.float32
+    tensors = load_file(mixtral_dir / "model.safetensors")
+    expert = "model.layers.1.block_sparse_moe.experts.2"
+    q, scale = quantize_int8(tensors[f"{expert}.w2.weight"])
+    assert torch.equal(moe.experts_down[2], q) and torch.equal(moe.down_scale[2], scale)
+    q, scale = quantize_int8(tensors[f"{expert}.w3.weight"])  # up: the second half of gate_up's rows
+    assert torch.equal(moe.experts_gate_up[2, 160:], q) and torch.equal(moe.gate_up_scale[2, 160:], scale)
+
+    def dequantized(weights: dict) -> dict:
+        out = dict(weights)
+        for name, tensor in weights.items():
+            if ".experts." in name:
+                q, scale = quantize_int8(tensor)
+                out[name] = q.float() * scale[:, None]
+        return out
+
+    plain = LLM(str(_rewrite(mixtral_dir, tmp_path / "dequantized", dequantized)), dtype="float32", num_kv_blocks=8,
+                max_model_len=128)
+    reference = plain.engine.core.runner.model.layers[1].mlp
+    hidden = torch.randn(7, 64)
+    torch.testing.assert_close(moe.experts(hidden), reference.experts(hidden), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("options, message", [
-    ({"quantization": "int8"}, "Quantization is not built for mixture-of-experts models"),
+    ({"quantization": "fp8"}, "experts are quantized to int8 only, not fp8"),
     ({"enable_lora": True}, "LoRA adapters are served on generating Llama-family decoders, not on MixtralForCausalLM"),
 ])
 def test_what_is_not_built_for_experts_is_refused_at_start(mixtral_dir, options, message):

@@ -48,8 +48,8 @@ class QuantizedLoader:
         fused: dict[str, tuple[str, int]] = getattr(self.model, "fused_weights", {})
         layers: dict[str, Linear] = {}
         for name, module in self.model.named_modules():
-            if not isinstance(module, Linear):
-                continue
+            if not isinstance(module, Linear) or not getattr(module, "quantizable", True):
+                continue  # (a mixture of experts' router stays in the model dtype)
             prefix, _, leaf = name.rpartition(".")
             fragments = [f for f, (target, _) in fused.items() if target == leaf] or [leaf]
             shards = [f"{prefix}.{f}" if prefix else f for f in fragments]
@@ -72,11 +72,22 @@ class QuantizedLoader:
                 torch.empty(out_features, in_features, dtype=self.method.weight_dtype, device=device), requires_grad=False
             )
             layer.weight_scale = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False)
+        for experts in self._experts():
+            experts.use_int8()  # each expert matrix quantized as the model's loader reads it
         stream = canonical_weights(weights, self.qconfig, set(self.layers), self.method.quantize, self.method.weight_dtype)
         self.model.load_weights(stream)
 
+    def _experts(self) -> list[nn.Module]:
+        """The model's mixtures of experts (moe.py), whose stacked experts are quantized by themselves: int8 only."""
+        experts = [module for module in self.model.modules() if hasattr(module, "use_int8")]
+        if experts and self.method.name != "int8":
+            raise ModelLoadError(f"A mixture of experts' experts are quantized to int8 only, not {self.method.name}.")
+        return experts
+
     @torch.no_grad()
     def quantize_in_place(self) -> None:
+        for experts in self._experts():
+            experts.quantize_in_place()
         for layer in set(self.layers.values()):
             q, scale = self.method.quantize(layer.weight)
             layer.weight = nn.Parameter(q, requires_grad=False)
