@@ -6,7 +6,9 @@ them where the model does so). The experts' weights are two stacked tensors, as 
 them: `experts_gate_up` [experts, 2 x intermediate, hidden] and `experts_down` [experts, hidden, intermediate].
 Each step runs the experts that some token chose, one after another, over their tokens (one host sync for the
 counts: no CUDA graphs). Under tensor parallelism each rank holds its share of every expert's features and the
-ranks' sums are added, as for the dense MLP; the router is whole on every rank.
+ranks' sums are added, as for the dense MLP; the router is whole on every rank. With `--quantization int8`
+the experts are int8 with a float32 scale per output row, each matrix quantized whole as it is read (`use_int8`);
+the router stays in the model dtype.
 """
 
 from __future__ import annotations
