@@ -34,10 +34,22 @@ _GREEDY = SamplingRow(SamplingParams(temperature=0.0), seed=0, sample_index=0, p
 
 @dataclass
 class _DraftState:
-    """A sequence's share of the draft model's KV pool."""
+    """A sequence's share of the draft model's KV pool. The blocks hold the KV of its first `num_tokens` tokens
+    (a sequence's tokens are only ever appended to), then of the drafts in `fed`."""
 
     blocks: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)  # the tokens whose KV the blocks hold, in order
+    num_tokens: int = 0
+    fed: list[int] = field(default_factory=list)
+
+    def keep_valid(self, tokens: list[int]) -> None:
+        """Drop what no longer holds the sequence's tokens: the drafts past the first it did not take, and never
+        its last token (the draft's next step computes it to sample from)."""
+        held = self.num_tokens
+        for draft in self.fed:
+            if held >= len(tokens) or tokens[held] != draft:
+                break
+            held += 1
+        self.num_tokens, self.fed = min(held, len(tokens) - 1), []
 
 
 @dataclass
@@ -64,10 +76,6 @@ class DraftModelProposer:
         self.free_blocks = list(range(runner.num_blocks - 1, -1, -1))
         self.states: dict[Hashable, _DraftState] = {}
 
-    @property
-    def num_held_blocks(self) -> int:
-        return sum(len(state.blocks) for state in self.states.values())
-
     def check_invariants(self, live: Iterable[Hashable]) -> None:
         """Every block is free or held by one sequence, and only live sequences hold any."""
         held = [block for state in self.states.values() for block in state.blocks]
@@ -89,7 +97,7 @@ class DraftModelProposer:
             self._catch_up(active)
             self._decode(active)
             for item in active:
-                item.state.tokens = item.tokens + item.drafts[:-1]
+                item.state.num_tokens, item.state.fed = len(item.tokens), item.drafts[:-1]
         return [item.drafts if item is not None else [] for item in work]
 
     # ---- each sequence's room ---------------------------------------------------------------------
@@ -98,9 +106,9 @@ class DraftModelProposer:
         drafts it may have (its limit cut to what the pool and the draft's context allow)."""
         state = self.states.setdefault(ask.key, _DraftState())
         tokens = ask.token_ids
-        del state.tokens[_common_prefix(state.tokens, tokens, self.num_speculative_tokens):]
+        state.keep_valid(tokens)
         count = len(tokens)
-        limit = min(ask.limit, self.num_speculative_tokens, self.max_model_len - count + 1)
+        limit = min(ask.limit, self.max_model_len - count + 1)
         # KV for every token and every draft but the last
         capacity = (len(state.blocks) + len(self.free_blocks)) * self.block_size
         limit = min(limit, capacity - count + 1)
@@ -116,7 +124,7 @@ class DraftModelProposer:
         """Compute the tokens each sequence's cache lacks, in steps of at most `step_tokens` (shortest
         first: one-token rows lead a step as decodes), and sample each one's first draft after its last."""
         for item in work:
-            item.cursor = len(item.state.tokens)
+            item.cursor = item.state.num_tokens
         pending = sorted(work, key=lambda item: item.behind)
         while pending:
             budget, rows = self.step_tokens, []
@@ -161,15 +169,3 @@ class DraftModelProposer:
             output = self.runner.execute(batch).result()
         return output.token_ids if output is not None else []
 
-
-def _common_prefix(cached: list[int], tokens: list[int], recent: int) -> int:
-    """How many leading tokens `cached` shares with `tokens`, at most all of `tokens` but the last (the
-    draft's step needs one token to compute). They usually differ only in their last `recent` + 1 tokens
-    (drafts the served model rejected), which is checked first."""
-    limit = min(len(cached), len(tokens) - 1)
-    start = max(0, limit - recent - 1)
-    if cached[:start] != tokens[:start]:
-        start = 0
-    while start < limit and cached[start] == tokens[start]:
-        start += 1
-    return start

@@ -5,9 +5,6 @@ and w2 (down)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import torch
 from torch import nn
 
 from llmserve.model.config import ModelConfig
@@ -21,7 +18,3 @@ class MixtralForCausalLM(ExpertWeights, LlamaForCausalLM):
     def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
         return SparseMoE(cfg.hidden_size, cfg.intermediate_size, int(cfg.raw["num_local_experts"]),
                          int(cfg.raw["num_experts_per_tok"]), renormalize=True, dtype=cfg.dtype)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.expert_pieces = set()
-        super().load_weights(weights)

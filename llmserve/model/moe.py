@@ -14,6 +14,7 @@ the router stays in the model dtype.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +139,7 @@ class ExpertWeights:
 
     has_experts = True  # no CPU one-call decoder, LoRA, fp8 or CUDA graphs (they assume dense MLPs)
     layers: nn.ModuleList
-    expert_pieces: set[tuple[int, int, str]]  # (layer, expert, matrix) loaded so far: set by `load_weights`
+    expert_pieces: set[tuple[int, int, str]]  # (layer, expert, matrix) loaded so far by `load_weights`
 
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing, stacked = self.missing_experts()
@@ -146,6 +147,10 @@ class ExpertWeights:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ModelLoadError(f"The checkpoint lacks {len(missing)} expert weight(s): {shown}")
         super()._check_complete(params, loaded | stacked)  # type: ignore[misc]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.expert_pieces = set()
+        super().load_weights(weights)  # type: ignore[misc]
 
     def load_special(self, name: str, tensor: torch.Tensor) -> bool:
         match = EXPERT_TENSOR.search(name)

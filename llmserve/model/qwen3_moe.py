@@ -5,9 +5,6 @@ renormalised over those chosen only with `norm_topk_prob`. No shared expert."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import torch
 from torch import nn
 
 from llmserve.model.config import ModelConfig
@@ -25,7 +22,3 @@ class Qwen3MoeForCausalLM(ExpertWeights, LlamaForCausalLM):
             return MLP(cfg)
         return SparseMoE(cfg.hidden_size, int(raw["moe_intermediate_size"]), experts, int(raw["num_experts_per_tok"]),
                          renormalize=bool(raw.get("norm_topk_prob", False)), dtype=cfg.dtype)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.expert_pieces = set()
-        super().load_weights(weights)
