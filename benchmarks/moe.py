@@ -1,12 +1,13 @@
-"""Mixture-of-experts decoding on CPU: llmserve against transformers on the same random Qwen3-MoE checkpoint
-(a scaled-down Qwen3-30B-A3B: 8 layers of 1024, 32 experts of 512 features, 4 a token; 0.5B parameters, 0.12B
-active a token), bf16, alternated round by round.
+"""Mixture-of-experts decoding on CPU: llmserve against transformers on the same random checkpoint, bf16,
+alternated round by round. `--architecture qwen3-moe`: a scaled-down Qwen3-30B-A3B (8 layers of 1024, 32 experts of
+512 features, 4 a token; 0.5B parameters, 0.12B active a token); `qwen2-moe`: a scaled-down Qwen1.5-MoE-A2.7B (the
+same experts, not renormalised, and a shared expert of 2048 features; 0.55B parameters, 0.17B active a token).
 
 Workloads: batch-1 decode (--prompt-tokens in, --max-tokens out, greedy: output tok/s over the whole call) and
 --batch sequences decoding together (output tok/s). llmserve runs bf16, and with its weights (experts and
 attention) quantized to int8 at load; transformers runs `generate` with its dynamic cache.
 
-    python benchmarks/moe.py [--rounds 3] [--batch 16] [--max-tokens 64]
+    python benchmarks/moe.py [--architecture qwen3-moe|qwen2-moe] [--rounds 3] [--batch 16] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -27,18 +28,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llmserve import LLM, SamplingParams  # noqa: E402
 from llmserve.model.builtin import make_model  # noqa: E402
 
-SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-             intermediate_size=2816, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
-             norm_topk_prob=True, vocab_size=32000, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+_COMMON = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+               intermediate_size=2816, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
+               vocab_size=32000, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+# architecture -> (transformers config class, its shape)
+SHAPES = {
+    "qwen3-moe": ("Qwen3MoeConfig", {**_COMMON, "norm_topk_prob": True}),
+    "qwen2-moe": ("Qwen2MoeConfig", {**_COMMON, "norm_topk_prob": False, "shared_expert_intermediate_size": 2048}),
+}
 
 
-def build_checkpoint(out: Path) -> Path:
-    """The random Qwen3-MoE in bf16, written by transformers, with the built-in medium model's tokenizer."""
+def build_checkpoint(out: Path, architecture: str) -> Path:
+    """The random checkpoint in bf16, written by transformers, with the built-in medium model's tokenizer."""
     import transformers
 
+    config_class, shape = SHAPES[architecture]
     tokenizer_dir = make_model(out.with_name("tokenizer"), "llama", "medium", 0, with_weights=False)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**SHAPE), dtype=torch.bfloat16)
+    config = getattr(transformers, config_class)(**shape)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" not in name:
@@ -67,6 +75,7 @@ def transformers_tok_s(model, prompts: list[list[int]], max_tokens: int) -> floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--architecture", choices=sorted(SHAPES), default="qwen3-moe")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -76,7 +85,7 @@ def main() -> None:
 
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_checkpoint(Path(tmp) / "qwen3-moe")
+        model_dir = build_checkpoint(Path(tmp) / args.architecture, args.architecture)
         llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=1024)
         int8 = LLM(str(model_dir), dtype="bfloat16", max_model_len=1024, quantization="int8")
         reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
@@ -93,7 +102,7 @@ def main() -> None:
                     if round_:
                         results.setdefault((name, system), []).append(tok_s)
             print(f"round {round_} done", flush=True)
-    print(f"\nQwen3-MoE, random weights, bf16: {SHAPE}; {args.prompt_tokens} tokens in, {args.max_tokens} out, greedy; "
+    print(f"\n{args.architecture}, random weights, bf16: {SHAPES[args.architecture][1]}; {args.prompt_tokens} tokens in, {args.max_tokens} out, greedy; "
           f"{os.cpu_count()} CPUs; medians of {args.rounds} rounds (output tok/s); ratio llmserve / transformers "
           "per round: median (lowest-highest)")
     for name in workloads:

@@ -28,10 +28,13 @@ ARCH_CASES: dict[str, tuple[str, dict]] = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
     "mistral": ("MistralConfig", dict(sliding_window=4096, num_key_value_heads=1)),
-    # mixtures of experts: 4 experts, 2 a token; Qwen3-MoE's second layer dense (`mlp_only_layers`)
+    # mixtures of experts: 4 experts, 2 a token; Qwen3-MoE's second layer dense (`mlp_only_layers`), Qwen2-MoE's
+    # first (`decoder_sparse_step`) and a shared expert
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     "qwen3-moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                          norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         shared_expert_intermediate_size=96, decoder_sparse_step=2)),
 }
 
 

@@ -89,10 +89,11 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-        # Qwen2 always has a bias on q/k/v (its config has no field for it); others say so explicitly.
-        attention_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
+        # Qwen2 always has a bias on q/k/v (its config has no field for it), Qwen2-MoE unless `qkv_bias` says
+        # otherwise; others say so explicitly.
+        attention_bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe"))))
         sliding = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding = None
         return cls(
             architecture=arch,

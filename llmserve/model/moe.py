@@ -1,9 +1,10 @@
-"""A sparse mixture of experts in place of a decoder layer's MLP (Mixtral's, Qwen3-MoE's).
+"""A sparse mixture of experts in place of a decoder layer's MLP (Mixtral's, Qwen2-MoE's, Qwen3-MoE's).
 
 A router scores every expert for each token; the token goes through its `top_k` experts' SwiGLU MLPs, whose
 outputs are summed weighted by the router's softmax over all experts, cut to those k (and renormalised over
 them where the model does so). The experts' weights are two stacked tensors, as vLLM and transformers 5 keep
 them: `experts_gate_up` [experts, 2 x intermediate, hidden] and `experts_down` [experts, hidden, intermediate].
+Qwen2-MoE adds a shared expert (`SharedExpert`), a dense SwiGLU MLP every token goes through, scaled by a gate.
 Each step runs the experts that some token chose, one after another, over their tokens (one host sync for the
 counts: no CUDA graphs). Under tensor parallelism each rank holds its share of every expert's features and the
 ranks' sums are added, as for the dense MLP; the router is whole on every rank. With `--quantization int8`
@@ -31,13 +32,31 @@ GATE, UP, DOWN = "gate", "up", "down"
 EXPERT_PIECES = {"w1": GATE, "gate_proj": GATE, "w3": UP, "up_proj": UP, "w2": DOWN, "down_proj": DOWN}
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's expert that every token goes through: a SwiGLU MLP whose output is scaled by
+    sigmoid(shared_expert_gate(x)), one gate value a token. Split over ranks as the dense MLP is; its gate is whole
+    on every rank, so the ranks' scaled shares still sum to the whole."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        intermediate = parallel.shard(intermediate_size, "the shared expert's intermediate size")
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate, False, dtype)
+        self.down_proj = Linear(intermediate, hidden_size, False, dtype)
+        self.gate = Linear(hidden_size, 1, False, dtype)  # one value a token: nothing to gain from quantizing it
+        self.gate.quantizable = False
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(hidden)) * self.down_proj(self.gate_up_proj.swiglu(hidden))
+
+
 class SparseMoE(nn.Module):
     def __init__(
         self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-        dtype: torch.dtype,
+        dtype: torch.dtype, shared_expert: SharedExpert | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.shared_expert = shared_expert
         self.intermediate = parallel.shard(intermediate_size, "the experts' intermediate size")  # this rank's
         self.gate = Linear(hidden_size, num_experts, False, dtype)  # the router, never quantized (it picks)
         self.gate.quantizable = False
@@ -52,7 +71,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(the experts' sum for norm(x + residual), the residual stream x + residual)."""
         hidden, residual = norm(x, residual)
-        return parallel.all_reduce(self.experts(hidden)), residual
+        out = self.experts(hidden)
+        if self.shared_expert is not None:
+            out += self.shared_expert(hidden)
+        return parallel.all_reduce(out), residual
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts [T, k] and their weights [T, k] (in the activations' dtype)."""
@@ -172,8 +194,7 @@ class ExpertWeights:
         missing, stacked = [], set()
         for index, layer in enumerate(self.layers):
             if isinstance(layer.mlp, SparseMoE):
-                stacked |= {f"layers.{index}.mlp.{name}" for name, _ in layer.mlp.named_parameters()
-                            if name != "gate.weight"}
+                stacked |= {f"layers.{index}.mlp.{name}" for name, _ in layer.mlp.named_parameters(recurse=False)}
                 missing += [f"layers.{index}.mlp.experts.{expert}.{piece}" for expert in range(layer.mlp.num_experts)
                             for piece in (GATE, UP, DOWN) if (index, expert, piece) not in self.expert_pieces]
         return missing, stacked

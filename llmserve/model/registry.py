@@ -10,6 +10,7 @@ from llmserve.model.llama import LlamaForCausalLM, LlamaForSequenceClassificatio
 from llmserve.model.mistral import MistralForCausalLM
 from llmserve.model.mixtral import MixtralForCausalLM
 from llmserve.model.qwen2 import Qwen2ForCausalLM
+from llmserve.model.qwen2_moe import Qwen2MoeForCausalLM
 from llmserve.model.qwen3 import Qwen3ForCausalLM
 from llmserve.model.qwen3_moe import Qwen3MoeForCausalLM
 from llmserve.model.roberta import RobertaForSequenceClassification, RobertaModel
@@ -26,6 +27,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3ForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "RobertaForSequenceClassification": RobertaForSequenceClassification,
     "RobertaModel": RobertaModel,

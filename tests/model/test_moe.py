@@ -1,7 +1,7 @@
-"""Mixtures of experts (Mixtral, Qwen3-MoE) beyond the greedy parity with transformers that test_parity.py and
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) beyond the greedy parity with transformers that test_parity.py and
 test_tensor_parallel.py prove: the router's choice and weights as transformers computes them, a checkpoint that
-lacks or misshapes an expert refused naming it, int8 experts (quantized at load, whole), and what is not built
-for experts refused at start."""
+lacks or misshapes an expert refused naming it, Qwen2-MoE's shared expert, int8 experts (quantized at load, whole),
+and what is not built for experts refused at start."""
 
 from __future__ import annotations
 
@@ -47,6 +47,24 @@ def test_the_router_picks_and_weighs_experts_as_transformers_does(mixtral_dir):
     ours_chosen, ours_weights = moe.route(hidden)
     assert torch.equal(ours_chosen, chosen) and torch.allclose(ours_weights, weights)
     torch.testing.assert_close(moe.experts(hidden), block.experts(hidden, chosen, weights), rtol=1e-5, atol=1e-6)
+
+
+def test_the_shared_expert_adds_its_gated_mlp_as_transformers_does_and_is_int8_but_its_gate(tmp_path, tiny_llama_dir):
+    import transformers
+
+    model_dir = hf_reference.build_checkpoint("qwen2-moe", tmp_path / "qwen2-moe", tiny_llama_dir)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    block = reference.model.layers[1].mlp  # `decoder_sparse_step` 2: the first layer is dense
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=8, max_model_len=128)
+    moe = llm.engine.core.runner.model.layers[1].mlp
+    assert isinstance(moe, SparseMoE) and not isinstance(llm.engine.core.runner.model.layers[0].mlp, SparseMoE)
+    hidden = torch.randn(9, 64)
+    ours = moe.experts(hidden) + moe.shared_expert(hidden)
+    torch.testing.assert_close(ours, block(hidden[None])[0], rtol=1e-5, atol=1e-6)
+    int8 = LLM(str(model_dir), dtype="float32", num_kv_blocks=8, max_model_len=128, quantization="int8")
+    shared = int8.engine.core.runner.model.layers[1].mlp.shared_expert
+    assert shared.gate_up_proj.weight.dtype == shared.down_proj.weight.dtype == torch.int8
+    assert shared.gate.weight.dtype == torch.float32
 
 
 def test_a_checkpoint_lacking_or_misshaping_an_expert_is_refused_naming_it(mixtral_dir, tmp_path):
