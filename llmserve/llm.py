@@ -66,9 +66,12 @@ class LLM:
         adapters = list(lora_request) if isinstance(lora_request, Seq) else [lora_request] * len(batch)
         if len(adapters) != len(batch):
             raise InvalidRequestError(f"{len(adapters)} lora_requests for {len(batch)} prompts.", param="lora_request")
+        requests = list(zip(batch, params, priorities, adapters, strict=True))
+        sampled = [i for i, (_, p, _, _) in enumerate(requests) if not p.use_beam_search]
+        searched = [i for i, (_, p, _, _) in enumerate(requests) if p.use_beam_search]
         request_ids = []
         try:
-            for prompt, p, prio, lora in zip(batch, params, priorities, adapters, strict=True):
+            for prompt, p, prio, lora in (requests[i] for i in sampled):
                 request_id = f"offline-{next(self._ids)}"
                 final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)  # nothing reads the rest
                 content, cache_salt = _unpack_prompt(prompt)
@@ -78,7 +81,40 @@ class LLM:
         except Exception:
             self.engine.abort_request(request_ids)
             raise
-        return self._run(request_ids)
+        outputs = dict(zip(sampled, self._run(request_ids), strict=True))
+        outputs.update(zip(searched, self._beam_search([requests[i] for i in searched]), strict=True))
+        return [outputs[i] for i in range(len(requests))]  # type: ignore[misc]
+
+    def _beam_search(
+        self, requests: list[tuple[Prompt, SamplingParams, int, LoRARequest | None]]
+    ) -> list[RequestOutput]:
+        """The beam searches of these requests, stepped together: each step's one-token requests run as one
+        batch (`llmserve.engine.beam_search`)."""
+        searches, options = [], []
+        for prompt, p, prio, lora in requests:
+            content, cache_salt = _unpack_prompt(prompt)
+            searches.append(self.engine.input_processor.beam_search(f"offline-{next(self._ids)}", content, p, prio,
+                                                                    cache_salt, lora))
+            options.append({"priority": prio, "cache_salt": cache_salt, "lora_request": lora})
+        while True:
+            step_ids: list[list[str]] = []
+            try:
+                for search, option in zip(searches, options, strict=True):
+                    step_ids.append([])
+                    for prompt_ids in search.pending():
+                        step_ids[-1].append(request_id := f"offline-{next(self._ids)}")
+                        self.engine.add_request(request_id, prompt_ids, search.step_params, **option)
+            except Exception:
+                self.engine.abort_request([r for ids in step_ids for r in ids])
+                raise
+            if not any(step_ids):
+                break
+            results = iter(self._run([r for ids in step_ids for r in ids]))
+            for search, ids in zip(searches, step_ids, strict=True):
+                if ids:
+                    search.advance([next(results) for _ in ids])  # type: ignore[misc]
+        processor = self.engine.output_processor
+        return [search.output(processor.tokenizer, processor.token_text) for search in searches]
 
     def chat(
         self,

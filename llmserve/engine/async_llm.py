@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from llmserve.config import EngineConfig
+from llmserve.engine.beam_search import BeamSearchStream
 from llmserve.engine.core_client import EngineCoreProcess, EngineCoreStartError
 from llmserve.engine.input_processor import InputProcessor
 from llmserve.engine.messages import (
@@ -262,18 +263,36 @@ class AsyncLLM:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         kv_transfer: KVTransferParams | None = None,
-    ) -> RequestStream:
-        """Validate and queue a request (generated with `lora_request`'s adapter, when given). Raises
+    ) -> RequestStream | BeamSearchStream:
+        """Validate and queue a request (generated with `lora_request`'s adapter, when given; a beam search
+        runs here, over one-token requests, and its stream yields its one output at the end). Raises
         InvalidRequestError (and subclasses) for bad input, EngineClosedError / EngineDeadError when no engine
         takes requests."""
         self._bind_loop()
         self._check_open()
         if request_id in self._streams:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
+        if params.use_beam_search:
+            return self._start_beam_search(request_id, prompt, params, priority, cache_salt, lora_request,
+                                           kv_transfer)
         request = self.input_processor.process(
             request_id, prompt, params, priority, cache_salt, lora_request, kv_transfer
         )
         return self._send_request(request, prompt)
+
+    def _start_beam_search(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, priority: int,
+        cache_salt: str | None, lora_request: LoRARequest | None, kv_transfer: KVTransferParams | None,
+    ) -> BeamSearchStream:
+        """The search runs as a task of this loop; each step's one-token requests are this engine's requests."""
+        search = self.input_processor.beam_search(request_id, prompt, params, priority, cache_salt, lora_request,
+                                                  kv_transfer)
+
+        async def start_step(step_id: str, step_prompt: list[int], step_params: SamplingParams) -> RequestStream:
+            return await self.add_request(step_id, step_prompt, step_params, priority, cache_salt, lora_request)
+
+        processor = self.output_processor
+        return BeamSearchStream(search, start_step, processor.tokenizer, processor.token_text)
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter before requests use it (it reads files: call it off the event loop).

@@ -18,6 +18,7 @@ from array import array
 from collections.abc import Sequence
 
 from llmserve.config import EngineConfig
+from llmserve.engine.beam_search import BeamSearch
 from llmserve.engine.grammar import validate_structured_outputs
 from llmserve.engine.messages import EngineCoreRequest, KVTransferParams
 from llmserve.engine.model_facts import ModelFacts
@@ -38,6 +39,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, facts: ModelFacts, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = facts.model_config.vocab_size
+        self.eos_token_ids = facts.eos_token_ids
         self.max_model_len = facts.max_model_len
         self.model_name = config.served_model_name or config.model
         self.can_generate = facts.can_generate
@@ -140,6 +142,9 @@ class InputProcessor:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string.", param="cache_salt")
         params = params or self.default_sampling_params()
+        if params.use_beam_search:  # a search over one-token requests, run by the front end (`beam_search`)
+            raise InvalidRequestError("The engine core runs no beam search: start it with `beam_search`.",
+                                      param="use_beam_search")
         token_ids = self.truncate(self.tokenize(prompt), params.truncate_prompt_tokens)
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(
@@ -168,6 +173,19 @@ class InputProcessor:
             self.check_kv_transfer(kv_transfer, params)
         return EngineCoreRequest(request_id, token_ids, params, seed, priority, cache_salt, lora=lora,
                                  kv_transfer=kv_transfer)
+
+    def beam_search(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, priority: int = 0,
+        cache_salt: str | None = None, lora: LoRARequest | None = None, kv_transfer: KVTransferParams | None = None,
+    ) -> BeamSearch:
+        """A beam-search request's search, its prompt and limits checked as a request's are."""
+        if kv_transfer is not None:
+            raise InvalidRequestError("use_beam_search does not take kv_transfer_params: its beams are many "
+                                      "requests, not one whose KV could be handed over.", param="kv_transfer_params")
+        checked = self.process(request_id, prompt, dataclasses.replace(params, use_beam_search=False), priority,
+                               cache_salt, lora)
+        return BeamSearch(request_id, prompt if isinstance(prompt, str) else None, checked.prompt_token_ids,
+                          dataclasses.replace(params, max_tokens=checked.params.max_tokens), self.eos_token_ids)
 
     def check_kv_transfer(self, transfer: KVTransferParams, params: SamplingParams) -> None:
         """A request's disaggregation part is one this engine can do."""

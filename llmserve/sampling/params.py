@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from llmserve.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+MAX_BEAM_WIDTH = 10  # each step asks for 2 x width logprobs, and 20 is the most a request may ask for
 
 
 class RequestOutputKind(enum.Enum):
@@ -69,6 +71,10 @@ class SamplingParams:
     # output so far ends with the ones before it.
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's beam search: the n best of n beams (n at most MAX_BEAM_WIDTH), scored by cumulative logprob over
+    # length ** length_penalty (`llmserve.engine.beam_search`). It is greedy: no sampling or logit changes.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # The front end records where each token's text ended (`CompletionOutput.text_ends`): a server that
     # shows only part of the text (a safety screen) shows only those tokens' ids and logprobs.
     track_text_ends: bool = False
@@ -152,3 +158,28 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "allowed_token_ids must be non-negative token ids.")
         if any(not isinstance(word, str) for word in self.bad_words or ()):
             raise bad("bad_words", "bad_words must be strings.")
+        if self.use_beam_search:
+            self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        """What beam search does not take is refused naming it: it scores the model's own logprobs."""
+        if self.n > MAX_BEAM_WIDTH:
+            raise InvalidRequestError(f"n (the beam width) must be at most {MAX_BEAM_WIDTH} with use_beam_search, "
+                                      f"got {self.n}.", param="n")
+        if not math.isfinite(self.length_penalty):
+            raise InvalidRequestError("length_penalty must be a finite number.", param="length_penalty")
+        changed = {
+            "temperature": not self.greedy, "top_p": self.top_p != 1.0, "top_k": self.top_k != 0,
+            "min_p": self.min_p != 0.0, "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0, "repetition_penalty": self.repetition_penalty != 1.0,
+            "min_tokens": self.min_tokens != 0, "stop": bool(self.stop), "logit_bias": self.logit_bias is not None,
+            "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words),
+            "structured_outputs": self.structured_outputs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+        }
+        for name, given in changed.items():
+            if given:
+                raise InvalidRequestError(
+                    f"use_beam_search does not take {name}: beam search ranks the model's own logprobs (greedy, "
+                    "unchanged by sampling settings, penalties or constraints) and ends beams at EOS, "
+                    "stop_token_ids or max_tokens.", param=name)

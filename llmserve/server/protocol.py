@@ -407,6 +407,9 @@ class SamplingFields(RequestBody):
     # first chunk, each chunk's own)
     return_token_ids: StrictBool = False
     kv_transfer_params: KVTransferRequest | None = None  # vLLM's disaggregated prefill (--kv-transfer)
+    # vLLM's beam search: the n best of n beams (llmserve.engine.beam_search), streamed as one chunk at its end
+    use_beam_search: StrictBool = False
+    length_penalty: StrictFloat = 1.0
 
     @field_validator("stop")
     @classmethod

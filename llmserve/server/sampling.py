@@ -39,6 +39,9 @@ def to_sampling_params(
     logprobs: int | None = None,
 ) -> SamplingParams:
     """Build and validate the engine parameters; errors name the request's own field."""
+    if body.use_beam_search:  # greedy: the model's sampling defaults do not apply (a field given is refused)
+        defaults = dataclasses.replace(defaults, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                                       repetition_penalty=1.0)
     fields = {name: getattr(body, name) for name in _DEFAULTED if getattr(body, name) is not None}
     try:
         return dataclasses.replace(
@@ -62,10 +65,14 @@ def to_sampling_params(
             logit_bias=_logit_bias(body.logit_bias),
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words,
+            use_beam_search=body.use_beam_search,
+            length_penalty=body.length_penalty,
         )
     except InvalidRequestError as exc:
         if exc.param == "max_tokens":
             exc.param = max_tokens_param
+        elif exc.param == "structured_outputs":
+            exc.param = constraint_field(body)
         raise
 
 
