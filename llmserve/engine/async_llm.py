@@ -187,6 +187,11 @@ class AsyncLLM:
         self._closed = False
         self._dead: EngineDeadError | None = None
         self._drained: asyncio.Future[None] | None = None  # set by shutdown(): resolved when no stream is left
+        # Beam searches running (their tasks), and their one-token requests: listeners hear of a search once,
+        # when it ends, not of its steps. A running search takes steps until the shutdown's drain is over.
+        self._searches: set[asyncio.Task[RequestOutput]] = set()
+        self._beam_steps: set[str] = set()
+        self._steps_refused: EngineClosedError | None = None
         self.num_aborted = 0
         self.num_finished = 0
         self.num_restarts = 0
@@ -289,10 +294,30 @@ class AsyncLLM:
                                                   kv_transfer)
 
         async def start_step(step_id: str, step_prompt: list[int], step_params: SamplingParams) -> RequestStream:
-            return await self.add_request(step_id, step_prompt, step_params, priority, cache_salt, lora_request)
+            if self._dead is not None:
+                raise EngineDeadError(str(self._dead))
+            if self._steps_refused is not None:
+                raise self._steps_refused
+            if step_id in self._streams:
+                raise InvalidRequestError(f"Request id {step_id!r} is already in use.", param="request_id")
+            request = self.input_processor.process(step_id, step_prompt, step_params, priority, cache_salt,
+                                                   lora_request)
+            stream = self._send_request(request, step_prompt)
+            self._beam_steps.add(step_id)
+            return stream
 
         processor = self.output_processor
-        return BeamSearchStream(search, start_step, processor.tokenizer, processor.token_text)
+        stream = BeamSearchStream(search, start_step, processor.tokenizer, processor.token_text)
+        self._searches.add(stream.task)
+        stream.task.add_done_callback(self._search_ended)
+        return stream
+
+    def _search_ended(self, task: asyncio.Task[RequestOutput]) -> None:
+        """Listeners hear of a search that finished (not of one aborted or failed: no output came of it)."""
+        self._searches.discard(task)
+        if not task.cancelled() and task.exception() is None:
+            self._notify(None, [task.result()])
+        self._check_drained()
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter before requests use it (it reads files: call it off the event loop).
@@ -418,13 +443,15 @@ class AsyncLLM:
         self._bind_loop()
         self._closed = True
         deadline = time.monotonic() + timeout
-        if self._streams and self._dead is None:
+        if (self._streams or self._searches) and self._dead is None:
             self._drained = asyncio.get_running_loop().create_future()
             try:
                 await asyncio.wait_for(asyncio.shield(self._drained), timeout)
             except asyncio.TimeoutError:
                 pass
-        self._fail_streams(EngineClosedError("The request was aborted because the server is shutting down."))
+        error = EngineClosedError("The request was aborted because the server is shutting down.")
+        self._steps_refused = error
+        self._fail_streams(error)
         await asyncio.to_thread(self._core.shutdown, max(0.0, deadline - time.monotonic()) + 5.0)
         self._stop_watching()
 
@@ -433,6 +460,7 @@ class AsyncLLM:
         self._closed = True
         loop = self._loop
         error = EngineClosedError("The request was aborted because the server is shutting down.")
+        self._steps_refused = error
         if loop is not None and not loop.is_closed() and threading.get_ident() != self._loop_thread:
             try:
                 loop.call_soon_threadsafe(self._fail_streams, error)
@@ -532,7 +560,7 @@ class AsyncLLM:
         self._check_drained()
 
     def _check_drained(self) -> None:
-        if self._drained is not None and not self._streams and not self._drained.done():
+        if self._drained is not None and not self._streams and not self._searches and not self._drained.done():
             self._drained.set_result(None)
 
     def _on_result(self, message: UtilityResult) -> None:
@@ -545,6 +573,8 @@ class AsyncLLM:
             future.set_exception(AssertionError(message.error))
 
     def _notify(self, step: StepRecord | None, outputs: list[RequestOutput]) -> None:
+        if self._beam_steps:
+            outputs = self._without_beam_steps(outputs)
         if not self._listeners or (step is None and not outputs):
             return
         events = EngineEvents(step, outputs)
@@ -553,6 +583,15 @@ class AsyncLLM:
                 listener(events)
             except Exception:  # a listener's bug must not stop the engine
                 logger.exception("an engine event listener failed")
+
+    def _without_beam_steps(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        kept = []
+        for output in outputs:
+            if output.request_id not in self._beam_steps:
+                kept.append(output)
+            elif output.finished:
+                self._beam_steps.discard(output.request_id)
+        return kept
 
     def _on_exit(self, core: EngineCoreProcess) -> None:
         """The core's process ended: read what it said last, then fail its requests."""

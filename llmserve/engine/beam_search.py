@@ -170,8 +170,8 @@ class BeamSearchStream:
     def __init__(self, search: BeamSearch, start_step: StartStep, tokenizer: Tokenizer, token_text: TokenText) -> None:
         self.request_id = search.request_id
         self._done = False
-        self._task = asyncio.ensure_future(_run(search, start_step, tokenizer, token_text))
-        weakref.finalize(self, self._task.cancel)
+        self.task = asyncio.ensure_future(_run(search, start_step, tokenizer, token_text))
+        weakref.finalize(self, self.task.cancel)
 
     @property
     def finished(self) -> bool:
@@ -185,7 +185,7 @@ class BeamSearchStream:
             raise StopAsyncIteration
         try:
             # shielded: a reader that is cancelled leaves the search to `abort` (or the stream's drop)
-            output = await asyncio.shield(self._task)
+            output = await asyncio.shield(self.task)
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -197,7 +197,7 @@ class BeamSearchStream:
     def abort(self) -> None:
         """Stop the search unless it already finished; safe to call more than once."""
         self._done = True
-        self._task.cancel()
+        self.task.cancel()
 
 
 async def _run(search: BeamSearch, start_step: StartStep, tokenizer: Tokenizer, token_text: TokenText) -> RequestOutput:

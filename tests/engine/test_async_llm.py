@@ -245,6 +245,27 @@ def test_shutdown_lets_running_requests_finish(allm):
     _assert_gone(pid)
 
 
+def test_shutdown_lets_a_beam_search_finish_and_listeners_hear_of_it_once(allm):
+    """A search's one-token steps go on through the drain; listeners (metrics) hear of the search, not its steps."""
+    heard: list[str] = []
+    allm.add_listener(lambda events: heard.extend(output.request_id for output in events.outputs))
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, use_beam_search=True)
+
+    async def main():
+        stream = await allm.add_request("beams", [5, 6, 7, 8], params)
+        shutdown = asyncio.ensure_future(allm.shutdown(timeout=60))
+        await asyncio.sleep(0)  # let shutdown() close the door
+        with pytest.raises(EngineClosedError):
+            await allm.add_request("too-late", [5, 6], params)
+        outputs = [out async for out in stream]
+        assert len(outputs) == 1 and outputs[0].finished
+        assert [len(choice.token_ids) for choice in outputs[0].outputs] == [24, 24]
+        await shutdown
+
+    asyncio.run(main())
+    assert heard == ["beams"]
+
+
 def test_shutdown_timeout_aborts_what_is_left(allm):
     async def main():
         stream = await allm.add_request("endless", "Hello", SamplingParams(max_tokens=500, ignore_eos=True))

@@ -1,5 +1,5 @@
 """`use_beam_search` through the server (vLLM's extra): completions and chat carry the n best beams as the
-offline search finds them, with usage and logprobs; streamed, each beam comes whole in one chunk; what beam search
+offline search finds them, with usage and logprobs, and /metrics counts the search as one request; streamed, each beam comes whole in one chunk; what beam search
 does not take is a 400 naming the field; a client that hangs up mid-search stops it and leaves no KV held."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.async_llm import AsyncLLM
@@ -30,7 +31,14 @@ def _post(live_server, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{live_server.base_url}{path}", json={"model": MODEL_NAME, **body}, timeout=60)
 
 
+def _finished_requests(live_server) -> float:
+    text = httpx.get(f"{live_server.base_url}/metrics").text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "vllm:request_success_total")
+
+
 def test_a_completion_has_the_best_beams_with_usage_and_logprobs(live_server, offline_beams):
+    finished = _finished_requests(live_server)
     response = _post(live_server, "/v1/completions", {"prompt": PROMPT, "logprobs": 2, **BEAMS})
     assert response.status_code == 200, response.text
     body = response.json()
@@ -45,6 +53,7 @@ def test_a_completion_has_the_best_beams_with_usage_and_logprobs(live_server, of
                              **{k: v for k, v in body["usage"].items() if k not in
                                 ("prompt_tokens", "completion_tokens", "total_tokens")}}
     assert live_server.idle_stats().num_used_blocks == 0
+    assert _finished_requests(live_server) == finished + 1  # the search, not its 8 x 3 one-token steps
 
 
 def test_streamed_each_beam_comes_whole_in_one_chunk(live_server, offline_beams):
