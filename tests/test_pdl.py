@@ -4,10 +4,6 @@ test_gpu_runner's `test_programmatic_dependent_launch_changes_no_token`."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -20,13 +16,16 @@ def test_cpu_tensors_never_launch_with_it(monkeypatch):
     assert pdl.launch_options(torch.empty(1)) == {"PDL": False}
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, "True"), ("", "True"), ("0", "False"), ("off", "False"),
-                                                 ("1", "True"), ("sometimes", None)])
-def test_the_environment_variable_turns_it_off(value, expected):
-    env = {name: v for name, v in os.environ.items() if name != pdl.ENV} | ({} if value is None else {pdl.ENV: value})
-    done = subprocess.run([sys.executable, "-c", "from llmserve import pdl; print(pdl.enabled)"], env=env,
-                          capture_output=True, text=True, timeout=120)
-    if expected is None:
-        assert done.returncode != 0 and "LLMSERVE_PDL must be 1 or 0 (got 'sometimes')" in done.stderr
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("", True), ("0", False), ("off", False),
+                                                 ("1", True), ("sometimes", None)])
+def test_the_environment_variable_turns_it_off(monkeypatch, value, expected):
+    """What the module reads once, at import, into `pdl.enabled`."""
+    if value is None:
+        monkeypatch.delenv(pdl.ENV, raising=False)
     else:
-        assert done.returncode == 0 and done.stdout.split() == [expected], done.stderr[-2000:]
+        monkeypatch.setenv(pdl.ENV, value)
+    if expected is None:
+        with pytest.raises(ValueError, match="LLMSERVE_PDL must be 1 or 0 \\(got 'sometimes'\\)"):
+            pdl._setting_from_env()
+    else:
+        assert pdl._setting_from_env() is expected

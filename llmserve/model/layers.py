@@ -88,9 +88,16 @@ def _import_fused_kernels() -> ModuleType | None:
 # quantized weights their library paths). Read once at import; benchmarks set it directly.
 CUDA_LINEAR_ENV = "LLMSERVE_CUDA_LINEAR"
 CUDA_LINEAR_CHOICES = ("auto", "triton", "torch")
-cuda_linear_path: str = os.environ.get(CUDA_LINEAR_ENV, "auto").strip().lower() or "auto"
-if cuda_linear_path not in CUDA_LINEAR_CHOICES:
-    raise ValueError(f"{CUDA_LINEAR_ENV} must be one of {', '.join(CUDA_LINEAR_CHOICES)} (got {cuda_linear_path!r})")
+
+
+def _cuda_linear_path_from_env() -> str:
+    path = os.environ.get(CUDA_LINEAR_ENV, "auto").strip().lower() or "auto"
+    if path not in CUDA_LINEAR_CHOICES:
+        raise ValueError(f"{CUDA_LINEAR_ENV} must be one of {', '.join(CUDA_LINEAR_CHOICES)} (got {path!r})")
+    return path
+
+
+cuda_linear_path: str = _cuda_linear_path_from_env()  # read once, at import
 _triton_linear: ModuleType | None = None
 _triton_linear_failed = False
 
