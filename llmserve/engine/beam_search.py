@@ -19,18 +19,15 @@ import asyncio
 import dataclasses
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from llmserve.engine.messages import EngineCoreOutput
 from llmserve.engine.output_processor import ChoiceState, TokenText
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmserve.sampling.params import RequestOutputKind, SamplingParams
 from llmserve.tokenizer.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from llmserve.engine.async_llm import RequestStream
 
 
 @dataclass(frozen=True)
@@ -159,8 +156,16 @@ class BeamSearch:
         return dataclasses.replace(choice.snapshot(), cumulative_logprob=beam.cumulative_logprob)
 
 
+class StepStream(Protocol):
+    """A one-token step request's outputs (`AsyncLLM`'s `RequestStream`)."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self) -> None: ...
+
+
 # Starts one step request (its id, prompt and params) and returns its stream.
-StartStep = Callable[[str, list[int], SamplingParams], Awaitable["RequestStream"]]
+StartStep = Callable[[str, list[int], SamplingParams], Awaitable[StepStream]]
 
 
 class BeamSearchStream:
@@ -214,7 +219,7 @@ async def _run(search: BeamSearch, start_step: StartStep, tokenizer: Tokenizer, 
     return search.output(tokenizer, token_text)
 
 
-async def _final(stream: RequestStream) -> RequestOutput:
+async def _final(stream: StepStream) -> RequestOutput:
     last = None
     async for output in stream:
         last = output
