@@ -10,6 +10,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from llmserve.config import EngineConfig
+from llmserve.engine.beam_search import BeamSearch
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import InvalidRequestError
 from llmserve.model.lora_request import LoRARequest
@@ -69,6 +70,7 @@ class LLM:
         requests = list(zip(batch, params, priorities, adapters, strict=True))
         sampled = [i for i, (_, p, _, _) in enumerate(requests) if not p.use_beam_search]
         searched = [i for i, (_, p, _, _) in enumerate(requests) if p.use_beam_search]
+        searches = [self._new_search(*requests[i]) for i in searched]  # checked before anything runs
         request_ids = []
         try:
             for prompt, p, prio, lora in (requests[i] for i in sampled):
@@ -82,24 +84,25 @@ class LLM:
             self.engine.abort_request(request_ids)
             raise
         outputs = dict(zip(sampled, self._run(request_ids), strict=True))
-        outputs.update(zip(searched, self._beam_search([requests[i] for i in searched]), strict=True))
+        outputs.update(zip(searched, self._run_searches(searches), strict=True))
         return [outputs[i] for i in range(len(requests))]  # type: ignore[misc]
 
-    def _beam_search(
-        self, requests: list[tuple[Prompt, SamplingParams, int, LoRARequest | None]]
-    ) -> list[RequestOutput]:
-        """The beam searches of these requests, stepped together: each step's one-token requests run as one
-        batch (`llmserve.engine.beam_search`)."""
-        searches, options = [], []
-        for prompt, p, prio, lora in requests:
-            content, cache_salt = _unpack_prompt(prompt)
-            searches.append(self.engine.input_processor.beam_search(f"offline-{next(self._ids)}", content, p, prio,
-                                                                    cache_salt, lora))
-            options.append({"priority": prio, "cache_salt": cache_salt, "lora_request": lora})
+    def _new_search(
+        self, prompt: Prompt, params: SamplingParams, priority: int, lora: LoRARequest | None
+    ) -> tuple[BeamSearch, dict[str, object]]:
+        """A request's beam search, and the options its step requests are added with."""
+        content, cache_salt = _unpack_prompt(prompt)
+        search = self.engine.input_processor.beam_search(f"offline-{next(self._ids)}", content, params, priority,
+                                                         cache_salt, lora)
+        return search, {"priority": priority, "cache_salt": cache_salt, "lora_request": lora}
+
+    def _run_searches(self, searches: list[tuple[BeamSearch, dict[str, object]]]) -> list[RequestOutput]:
+        """The beam searches stepped together: each step's one-token requests run as one batch
+        (`llmserve.engine.beam_search`)."""
         while True:
             step_ids: list[list[str]] = []
             try:
-                for search, option in zip(searches, options, strict=True):
+                for search, option in searches:
                     step_ids.append([])
                     for prompt_ids in search.pending():
                         step_ids[-1].append(request_id := f"offline-{next(self._ids)}")
@@ -110,11 +113,11 @@ class LLM:
             if not any(step_ids):
                 break
             results = iter(self._run([r for ids in step_ids for r in ids]))
-            for search, ids in zip(searches, step_ids, strict=True):
+            for (search, _), ids in zip(searches, step_ids, strict=True):
                 if ids:
                     search.advance([next(results) for _ in ids])  # type: ignore[misc]
         processor = self.engine.output_processor
-        return [search.output(processor.tokenizer, processor.token_text) for search in searches]
+        return [search.output(processor.tokenizer, processor.token_text) for search, _ in searches]
 
     def chat(
         self,
