@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 
 from llmserve.model.builtin import make_model
+from tests.model import triton_aot
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    triton_aot.start_ahead(session.items)
 
 
 @pytest.fixture(scope="session")
