@@ -28,7 +28,7 @@ from tests.gateway.test_gateway import STARTUP_TIMEOUT_S, _events, _metric, _sta
 
 MODEL = "tiny"
 NAME = "replicas.llmserve.test"
-FIRST = 3  # replicas the pool starts with; as many spares replace them in the rolling restart
+FIRST = 2  # replicas the pool starts with; as many spares replace them in the rolling restart
 
 
 def _free_port() -> int:
@@ -312,7 +312,7 @@ def test_rolling_restart_of_every_replica_under_load_fails_no_request(replicas: 
             thread.join(timeout=60)
         failures = [why for ok, why in load.results if not ok]
         assert not failures, failures
-        assert len(load.results) >= 30
+        assert len(load.results) >= 30, len(load.results)
         assert seen_draining == {f"127.0.0.{n}" for n in range(1, FIRST + 1)}  # each old replica drained
         text = gateway.metrics()
         assert _metric(text, "llmserve:gateway_replica_ejections_total") == 0  # draining is not failing
