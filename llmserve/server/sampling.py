@@ -73,6 +73,8 @@ def to_sampling_params(
             exc.param = max_tokens_param
         elif exc.param == "structured_outputs":
             exc.param = constraint_field(body)
+        elif exc.param == "prompt_logprobs" and body.prompt_logprobs is None:
+            exc.param = "echo"  # completions' echo with logprobs scores the prompt
         raise
 
 

@@ -91,6 +91,7 @@ def test_a_chat_completion_has_n_beams(live_server):
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"n": 11}, "n"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"echo": True, "logprobs": 1}, "echo"),  # the prompt's logprobs, which beam search does not report
 ])
 def test_what_beam_search_does_not_take_is_a_400_naming_it(live_server, extra, param):
     response = _post(live_server, "/v1/completions", {"prompt": PROMPT, **BEAMS, **extra})
