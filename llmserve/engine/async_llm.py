@@ -275,11 +275,19 @@ class AsyncLLM:
         takes requests."""
         self._bind_loop()
         self._check_open()
-        if request_id in self._streams:
-            raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
         if params.use_beam_search:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
             return self._start_beam_search(request_id, prompt, params, priority, cache_salt, lora_request,
                                            kv_transfer)
+        return self._add_generation(request_id, prompt, params, priority, cache_salt, lora_request, kv_transfer)
+
+    def _add_generation(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, priority: int,
+        cache_salt: str | None, lora_request: LoRARequest | None, kv_transfer: KVTransferParams | None = None,
+    ) -> RequestStream:
+        if request_id in self._streams:
+            raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
         request = self.input_processor.process(
             request_id, prompt, params, priority, cache_salt, lora_request, kv_transfer
         )
@@ -298,11 +306,7 @@ class AsyncLLM:
                 raise EngineDeadError(str(self._dead))
             if self._steps_refused is not None:
                 raise self._steps_refused
-            if step_id in self._streams:
-                raise InvalidRequestError(f"Request id {step_id!r} is already in use.", param="request_id")
-            request = self.input_processor.process(step_id, step_prompt, step_params, priority, cache_salt,
-                                                   lora_request)
-            stream = self._send_request(request, step_prompt)
+            stream = self._add_generation(step_id, step_prompt, step_params, priority, cache_salt, lora_request)
             self._beam_steps.add(step_id)
             return stream
 

@@ -32,6 +32,15 @@ GATE, UP, DOWN = "gate", "up", "down"
 EXPERT_PIECES = {"w1": GATE, "gate_proj": GATE, "w3": UP, "up_proj": UP, "w2": DOWN, "down_proj": DOWN}
 
 
+def sparse_layer_experts(raw: dict, layer_idx: int) -> int:
+    """Qwen-MoE configs' rule: how many experts layer `layer_idx` has, 0 for a dense MLP of `intermediate_size`
+    (no experts at all, the layer in `mlp_only_layers`, or not a `decoder_sparse_step`-th one)."""
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    sparse = layer_idx not in (raw.get("mlp_only_layers") or []) and (
+        (layer_idx + 1) % int(raw.get("decoder_sparse_step", 1)) == 0)
+    return experts if sparse else 0
+
+
 class SharedExpert(nn.Module):
     """Qwen2-MoE's expert that every token goes through: a SwiGLU MLP whose output is scaled by
     sigmoid(shared_expert_gate(x)), one gate value a token. Split over ranks as the dense MLP is; its gate is whole

@@ -11,7 +11,7 @@ from torch import nn
 from llmserve.model import parallel
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import MLP, LlamaForCausalLM
-from llmserve.model.moe import ExpertWeights, SharedExpert, SparseMoE
+from llmserve.model.moe import ExpertWeights, SharedExpert, SparseMoE, sparse_layer_experts
 
 SHARED_GATE_UP = "shared_expert.gate_up_proj"
 
@@ -28,10 +28,8 @@ class Qwen2MoeForCausalLM(ExpertWeights, LlamaForCausalLM):
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
         raw = cfg.raw
-        experts = int(raw.get("num_experts") or 0)
-        sparse = (experts > 0 and layer_idx not in (raw.get("mlp_only_layers") or [])
-                  and (layer_idx + 1) % int(raw.get("decoder_sparse_step", 1)) == 0)
-        if not sparse:
+        experts = sparse_layer_experts(raw, layer_idx)
+        if not experts:
             return MLP(cfg)
         shared = None
         if int(raw.get("shared_expert_intermediate_size") or 0):

@@ -9,16 +9,14 @@ from torch import nn
 
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import MLP, LlamaForCausalLM
-from llmserve.model.moe import ExpertWeights, SparseMoE
+from llmserve.model.moe import ExpertWeights, SparseMoE, sparse_layer_experts
 
 
 class Qwen3MoeForCausalLM(ExpertWeights, LlamaForCausalLM):
     def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
         raw = cfg.raw
-        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
-        sparse = (experts > 0 and layer_idx not in (raw.get("mlp_only_layers") or [])
-                  and (layer_idx + 1) % int(raw.get("decoder_sparse_step", 1)) == 0)
-        if not sparse:
+        experts = sparse_layer_experts(raw, layer_idx)
+        if not experts:
             return MLP(cfg)
         return SparseMoE(cfg.hidden_size, int(raw["moe_intermediate_size"]), experts, int(raw["num_experts_per_tok"]),
                          renormalize=bool(raw.get("norm_topk_prob", False)), dtype=cfg.dtype)
