@@ -7,14 +7,14 @@ core (after a crash) never sees a message meant for the one before it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
+import pickle
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator
 from multiprocessing.connection import wait as wait_for_handles
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from llmserve.config import EngineConfig
+from llmserve.engine.core_bootstrap import run_in_environment
 from llmserve.engine.core_proc import run_engine_core
 from llmserve.engine.messages import (
     EngineCoreDead,
@@ -54,14 +55,14 @@ class EngineCoreProcess:
         self._send_lock = threading.Lock()  # aborts may come from garbage-collection finalizers
         self._encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(config, facts, input_address, output_address, logging.getLogger().getEffectiveLevel()),
+        call = (run_engine_core, (config, facts, input_address, output_address, logging.getLogger().getEffectiveLevel()))
+        self.process = _forkserver().Process(
+            target=run_in_environment,
+            args=(_core_environment(), pickle.dumps(call)),
             name="llmserve-engine-core",
             daemon=True,
         )
-        with _openmp_waits_passively():
-            self.process.start()
+        self.process.start()
         self.ready: EngineCoreReady | None = None
         self._closed = False
 
@@ -129,24 +130,36 @@ class EngineCoreProcess:
         os.rmdir(self._dir)
 
 
-_CORE_START = threading.Lock()
+_FORKSERVER_START = threading.Lock()
 
 
-@contextlib.contextmanager
-def _openmp_waits_passively() -> Iterator[None]:
-    """Start the core with OpenMP threads that sleep, not spin, between parallel regions (unless
-    OMP_WAIT_POLICY says otherwise). On a CPU the core and this process share the cores: spinning
-    intra-op threads took the front end's core (a host-bound model served at half speed), while a
-    single thread left a compute-bound one 35% slower; passive threads keep both (measured in
-    BENCHMARKS.md). OpenMP reads the variable once, when the core's process loads it. One core starts at a
-    time: `serve` loads its models on threads at once, and two of them setting and removing the variable
-    together would start a core without it, or fail removing it twice."""
-    with _CORE_START:
+def _forkserver() -> multiprocessing.context.ForkServerContext:
+    """Cores fork from multiprocessing's forkserver, started with the first and loaded with torch (core_preload):
+    a core then starts 1.5 s sooner than one spawned afresh on a CPU, and ends without tearing an interpreter
+    down (measured in BENCHMARKS.md), which a restart after a crash and every test's engine wait for.
+
+    It starts with OMP_WAIT_POLICY=PASSIVE (unless the user chose a policy), which its OpenMP reads once, when it
+    loads torch, and so its cores' too; the variable is set only meanwhile, and one thread at a time sets it:
+    `serve` loads its models on threads at once."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["llmserve.engine.core_preload"])
+    with _FORKSERVER_START:
         if "OMP_WAIT_POLICY" in os.environ:
-            yield
-            return
+            multiprocessing.forkserver.ensure_running()
+            return context
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         try:
-            yield
+            multiprocessing.forkserver.ensure_running()
         finally:
             del os.environ["OMP_WAIT_POLICY"]
+    return context
+
+
+def _core_environment() -> dict[str, str]:
+    """The front end's environment, for the core to take on (core_bootstrap), with OpenMP's threads waiting
+    passively unless the user chose otherwise: on a CPU the core and this process share the cores, and spinning
+    intra-op threads took the front end's core (a host-bound model served at half speed), while a single thread
+    left a compute-bound one 35% slower; passive threads keep both (measured in BENCHMARKS.md). The core's own
+    OpenMP was loaded so by the forkserver; the variable is for the processes the core starts (its
+    tensor-parallel workers)."""
+    return {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}

@@ -33,10 +33,15 @@ class Server:
     base_url: str
     model: str
 
+    def forkserver_pid(self) -> int:
+        """The server's child that engine cores fork from (the other is multiprocessing's resource tracker)."""
+        pids = [pid for pid in _children(self.proc.pid) if "forkserver" in _cmdline(pid)]
+        assert len(pids) == 1, f"expected one forkserver, found {pids}"
+        return pids[0]
+
     def core_pid(self) -> int:
-        """The engine core: the server's child that runs spawn_main (not multiprocessing's resource tracker)."""
-        pids = [pid for pid in _children(self.proc.pid) if "spawn_main" in _cmdline(pid)
-                and "resource_tracker" not in _cmdline(pid)]
+        """The engine core: the forkserver's one live child."""
+        pids = _children(self.forkserver_pid())
         assert len(pids) == 1, f"expected one engine core process, found {pids}"
         return pids[0]
 
@@ -193,7 +198,8 @@ def test_a_step_that_raises_fails_streams_fast_and_a_new_core_serves(start_serve
 
 def test_the_engine_core_exits_when_the_api_server_dies(start_server, tiny_llama_dir):
     server = start_server(tiny_llama_dir)
-    core = server.core_pid()
+    forkserver, core = server.forkserver_pid(), server.core_pid()
     server.proc.kill()
     server.proc.wait()
     _wait_until(lambda: not _alive(core), 10, "the orphaned engine core to exit")
+    _wait_until(lambda: not _alive(forkserver), 10, "the forkserver to exit")
