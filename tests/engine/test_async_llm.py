@@ -212,8 +212,10 @@ async def _until_healthy(allm: AsyncLLM) -> None:
 
 
 @pytest.fixture
-def faulty_engine(tiny_llama_dir, tmp_path, monkeypatch):
-    """An engine whose core process fails any step that computes FAULT_TOKEN."""
+def faulty_engine(allm, tiny_llama_dir, tmp_path, monkeypatch):
+    """An engine whose core process fails any step that computes FAULT_TOKEN. The plugin that makes it so is named
+    in the environment after the forkserver cores fork from has started (`allm`'s core started it): each core takes
+    on this process's environment of the moment it starts."""
     monkeypatch.setenv("LLMSERVE_PLUGINS", "tests.faulty_model")
     engine = AsyncLLM.from_config(_config(faulty_model.faulty_copy(tiny_llama_dir, tmp_path / "faulty")))
     yield engine
