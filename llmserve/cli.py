@@ -150,6 +150,14 @@ def add_platform_args(parser: argparse.ArgumentParser, config_help: str) -> argp
         help="stored Responses API responses are purged this many days after they were made (OpenAI keeps 30)",
     )
     platform.add_argument(
+        "--max-file-bytes", type=int, default=100 * 1024 * 1024,
+        help="the largest file POST /v1/files takes (a batch's input), in bytes",
+    )
+    platform.add_argument(
+        "--batch-concurrency", type=int, default=8,
+        help="how many of a batch's requests (the Batch API's) run at once; the rest wait their turn",
+    )
+    platform.add_argument(
         "--usage-journal", default=None, metavar="DIR",
         help="directory of the local usage journal that keeps usage through a crash "
         "(default: next to the SQLite file, else in the data directory)",

@@ -46,11 +46,12 @@ from llmserve.gateway.proxy import (
 from llmserve.gateway.routing import policy_by_name
 from llmserve.platform.content_routing import ContentRouter, ContentRouterConfig
 from llmserve.platform.routing import ModelRouter
-from llmserve.server import conversations, responses_api, stored_responses, streams, usage
+from llmserve.server import batches, conversations, responses_api, stored_responses, streams, usage
+from llmserve.server.batch_runner import start_batch_runner, stop_batch_runner
 from llmserve.server.cors import install_cors
 from llmserve.server.errors import install_error_handlers
 from llmserve.server.gateway import AuthMiddleware, Platform, public_paths, request_key
-from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
+from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware, upload_limits
 from llmserve.server.metrics import PlatformMetrics
 from llmserve.server.protocol import (
     ChatCompletionRequest,
@@ -179,9 +180,11 @@ def build_gateway_app(
         if platform is not None:
             await platform.check_limiter()
             background.append(asyncio.create_task(platform.purge_expired()))
+        batch_runner = start_batch_runner(app, platform)
         try:
             yield
         finally:
+            await stop_batch_runner(batch_runner)
             for task in background:
                 task.cancel()
             await front.streams.close()
@@ -194,7 +197,9 @@ def build_gateway_app(
     app.state.gateway = state
     app.state.platform = platform
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    max_file_bytes = platform.batches.files.max_bytes if platform is not None and platform.batches else None
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes,
+                       path_limits=upload_limits(max_file_bytes))
     keys = platform.keys if platform is not None else None
     if keys is not None or api_key:
         public = public_paths(app, public_metrics, public_openapi) | page_paths()
@@ -320,7 +325,7 @@ def build_gateway_app(
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    for module in (usage, conversations, streams, *((stored_responses,) if platform is not None else ())):
+    for module in (usage, conversations, streams, *((stored_responses, batches) if platform is not None else ())):
         app.include_router(module.router)
     install_page(app)
     return app

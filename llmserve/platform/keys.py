@@ -257,6 +257,12 @@ class KeyStore:
                 row.revoked_at = utcnow()
             return _to_api_key(row)
 
+    def get_active(self, key_id: str) -> ApiKey | None:
+        """The key with this id if it is active (a batch runs as the key that made it, while it is)."""
+        with self._db.session() as session:
+            row = session.get(ApiKeyRow, key_id)
+            return _to_api_key(row) if row is not None and row.revoked_at is None else None
+
     def has_active_keys(self) -> bool:
         query = select(func.count()).select_from(ApiKeyRow).where(ApiKeyRow.revoked_at.is_(None))
         with self._db.session() as session:
@@ -325,6 +331,10 @@ class KeyCache:
     async def has_active_keys(self) -> bool:
         """Whether any key is active (no keys: the server runs open, in local mode)."""
         return await self._cached(self._HAS_KEYS, self._store.has_active_keys)
+
+    async def get_active(self, key_id: str) -> ApiKey | None:
+        """The active key with this id, or None (revoked or unknown); cached as a secret's lookup is."""
+        return await self._cached(f"id:{key_id}", lambda: self._store.get_active(key_id))
 
     def invalidate(self) -> None:
         """Forget everything cached (e.g. after revoking a key in this process)."""

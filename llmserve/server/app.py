@@ -19,6 +19,7 @@ from llmserve.platform.content_routing import ContentRouter, ContentRouterConfig
 from llmserve.platform.routing import ModelRouter
 from llmserve.server import (
     admin,
+    batches,
     chat,
     classify,
     completions,
@@ -35,11 +36,12 @@ from llmserve.server import (
     usage,
 )
 from llmserve.server import models as models_api
+from llmserve.server.batch_runner import start_batch_runner, stop_batch_runner
 from llmserve.server.cors import install_cors
 from llmserve.server.embeddings import embed_texts
 from llmserve.server.errors import install_error_handlers, shutting_down
 from llmserve.server.gateway import AuthMiddleware, Platform, public_paths
-from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
+from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware, upload_limits
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.openapi import install_openapi
 from llmserve.server.slo import SLO
@@ -84,14 +86,16 @@ class ModelSpec:
 
 def _lifespan(state: ServerState, specs: Sequence[ModelSpec], slo: SLO, owns_engine: bool, shutdown_timeout: float):
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         drainer = asyncio.create_task(_drain_telemetry(state))
         loaders = [asyncio.create_task(_load(state, spec, slo)) for spec in specs if spec.engine is None]
         platform = state.platform
         if platform is not None:
             await platform.check_limiter()
             loaders.append(asyncio.create_task(platform.purge_expired()))
+        batch_runner = start_batch_runner(app, platform)
         yield
+        await stop_batch_runner(batch_runner)
         drainer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await drainer
@@ -240,7 +244,9 @@ def build_app(
     app.state.platform = platform
     install_error_handlers(app)
     install_openapi(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    max_file_bytes = platform.batches.files.max_bytes if platform is not None and platform.batches else None
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes,
+                       path_limits=upload_limits(max_file_bytes))
     keys = platform.keys if platform is not None else None
     if keys is not None or api_key:
         public = public_paths(app, public_metrics, public_openapi) | page_paths()
@@ -250,7 +256,7 @@ def build_app(
     install_cors(app, allowed_origins)
     for module in (
         chat, completions, responses, stored_responses, embeddings, scores, classify, streams, models_api, tokens, health,
-        metrics, usage, conversations, admin, lora,
+        metrics, usage, conversations, batches, admin, lora,
     ):
         app.include_router(module.router)
     install_page(app)

@@ -33,9 +33,11 @@ from llmserve.server.errors import APIError
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from llmserve.platform.batches import BatchStore
     from llmserve.platform.conversations import ConversationStore
     from llmserve.platform.responses import ResponseStore
     from llmserve.platform.safety import SafetyFilter, Verdict
+    from llmserve.server.batch_runner import BatchRunner
     from llmserve.server.metrics import PlatformMetrics
     from llmserve.store.db import Database
 
@@ -47,6 +49,9 @@ MAX_PRIORITY = 2**63 - 1  # a request's priority is an int64 (protocol.Int64)
 
 # Answered without a key even once keys exist: liveness probes learn nothing about models or load.
 ALWAYS_PUBLIC_PATHS = frozenset({"/health"})
+# The ASGI scope entry that makes a request made inside this process (a batch's, server/batch_runner.py) the
+# request of the key it holds. Only code in the process can put it there: a server builds scopes from HTTP.
+IN_PROCESS_KEY = "llmserve.in_process_key"
 
 
 @dataclass
@@ -59,6 +64,9 @@ class Platform:
     usage: UsageRecorder | None = None
     conversations: ConversationStore | None = None
     responses: ResponseStore | None = None  # the Responses API's stored responses
+    batches: BatchStore | None = None  # the Batch API's files and batches
+    batch_concurrency: int = 8  # how many of a batch's requests run at once
+    batch_runner: BatchRunner | None = None  # set while the server runs (server/batch_runner.py)
     safety: SafetyFilter | None = None
     holdback_chars: int = 32
     prices: PriceTable = field(default_factory=PriceTable)
@@ -448,6 +456,10 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.public_paths:
+            await self.app(scope, receive, send)
+            return
+        if IN_PROCESS_KEY in scope:
+            scope.setdefault("state", {})["api_key"] = scope[IN_PROCESS_KEY]
             await self.app(scope, receive, send)
             return
         try:

@@ -4,6 +4,8 @@ tokenized)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve.errors import ContextLengthExceededError
@@ -11,6 +13,12 @@ from llmserve.server.errors import BodyTooLarge, body_too_large
 from llmserve.tokenizer.tokenizer import Tokenizer
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+MULTIPART_OVERHEAD_BYTES = 64 * 1024  # an upload's body: the file and the form's other parts and boundaries
+
+
+def upload_limits(max_file_bytes: int | None) -> dict[str, int]:
+    """The body bound of the upload path (/v1/files), when the server takes files."""
+    return {"/v1/files": max_file_bytes + MULTIPART_OVERHEAD_BYTES} if max_file_bytes is not None else {}
 
 # A normalizer may shrink text a little before it is split (stripping, NFKC): the character bound
 # below allows for halving it, so it only refuses prompts that are too long whatever the normalizer does.
@@ -18,20 +26,22 @@ _NORMALIZER_SLACK = 2
 
 
 class BodySizeLimitMiddleware:
-    """413 for a body over `max_bytes`: at once from its Content-Length, without reading it, or, for a
-    chunked body, as soon as the bytes received pass the limit."""
+    """413 for a body over `max_bytes` (over `path_limits[path]` for those paths: uploads): at once from its
+    Content-Length, without reading it, or, for a chunked body, as soon as the bytes received pass the limit."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = dict(path_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope["path"], self.max_bytes)
         declared = content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            await body_too_large(self.max_bytes).response()(scope, receive, send)
+        if declared is not None and declared > limit:
+            await body_too_large(limit).response()(scope, receive, send)
             return
         received = 0
 
@@ -40,8 +50,8 @@ class BodySizeLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
+                if received > limit:
+                    raise BodyTooLarge(limit)
             return message
 
         await self.app(scope, counting_receive, send)

@@ -38,10 +38,11 @@ def make_rate_limiter(redis_url: str | None, redis_timeout_ms: float = 100.0) ->
 
 
 def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Platform | None:
-    """Keys, usage, conversations and stored responses in the database, rate limits in process or in Redis,
+    """Keys, usage, conversations, stored responses and the Batch API's files and batches in the database, rate limits in process or in Redis,
     safety rules."""
     if args.no_platform:
         return None
+    from llmserve.platform.batches import BatchStore, FileStore
     from llmserve.platform.conversations import ConversationStore
     from llmserve.platform.keys import KeyCache, KeyStore
     from llmserve.platform.quota import QuotaLedger
@@ -70,6 +71,8 @@ def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Pla
         usage=usage,
         conversations=ConversationStore(database, conversation_limits(args)),
         responses=ResponseStore(database),
+        batches=BatchStore(database, FileStore(database, args.max_file_bytes)),
+        batch_concurrency=args.batch_concurrency,
         safety=load_filter(spec, rules),
         holdback_chars=safety_config.holdback_chars if safety_config is not None else 32,
         prices=prices,

@@ -1,6 +1,7 @@
-"""The tables: API keys, usage records, conversations and their messages, stored Responses API responses.
+"""The tables: API keys, usage records, conversations and their messages, stored Responses API responses, and the
+Batch API's files, batches and each batch request's result.
 
-Migrations 0001 and 0002 create exactly this schema; tests/store/test_migrations.py checks that they agree.
+The migrations create exactly this schema; tests/store/test_migrations.py checks that they agree.
 Timestamps are timezone-aware UTC in Python on every backend (`UTCDateTime`).
 """
 
@@ -17,6 +18,7 @@ from sqlalchemy import (
     Float,
     ForeignKey,
     Index,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -174,6 +176,73 @@ class ResponseRow(Base):
     input_items: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
 
     __table_args__ = (Index("ix_responses_created_at", "created_at"),)
+
+
+class FileRow(Base):
+    """A file of the Files API: a batch's input, uploaded (`purpose` "batch"), or its output or errors, written
+    when it ends ("batch_output")."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    key_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))  # NULL: local mode (no API keys)
+    filename: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    __table_args__ = (Index("ix_files_key_id_created_at", "key_id", "created_at"),)
+
+
+class BatchRow(Base):
+    """A batch of the Batch API: its input file's requests, run by one server at a time (the one whose lease on it
+    is current), each request's result kept as it comes (`BatchResultRow`), the output files written at the end."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    key_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))  # NULL: local mode (no API keys)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(ID_LENGTH))  # not a foreign key: the file may be deleted
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    output_file_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    error_file_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    total: Mapped[int] = mapped_column(default=0)
+    completed: Mapped[int] = mapped_column(default=0)
+    failed: Mapped[int] = mapped_column(default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]
+    in_progress_at: Mapped[datetime | None]
+    finalizing_at: Mapped[datetime | None]
+    completed_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    expired_at: Mapped[datetime | None]
+    cancelling_at: Mapped[datetime | None]
+    cancelled_at: Mapped[datetime | None]
+    runner: Mapped[str | None] = mapped_column(String(ID_LENGTH))  # the server running it
+    lease_until: Mapped[datetime | None]  # when another server may take it over
+
+    __table_args__ = (
+        Index("ix_batches_key_id_created_at", "key_id", "created_at"),
+        Index("ix_batches_status", "status"),
+    )
+
+
+class BatchResultRow(Base):
+    """One request of a batch, once it has an answer: the line of the output (or error) file it becomes."""
+
+    __tablename__ = "batch_results"
+
+    batch_id: Mapped[str] = mapped_column(
+        String(ID_LENGTH), ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
+    )
+    line: Mapped[int] = mapped_column(primary_key=True)  # the request's line in the input file, from 0
+    succeeded: Mapped[bool]
+    record: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
 def row_values(row: Base) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.messages import EngineStats
 from llmserve.gateway.app import build_gateway_app
+from llmserve.platform.batches import BatchStore, FileStore
 from llmserve.platform.conversations import ConversationStore
 from llmserve.platform.keys import ApiKey, KeyCache, KeyStore
 from llmserve.platform.quota import QuotaLedger
@@ -131,6 +132,8 @@ def serve_platform(
     prices: PriceTable | None = None,
     mode: str = "direct",
     tier_priorities: dict[str, int] | None = None,
+    batch_concurrency: int = 8,
+    max_file_bytes: int = 1 << 20,
     **app_options: object,
 ) -> Iterator[PlatformServer]:
     """The platform over a fresh SQLite database, in `mode` ("direct": `llmserve serve`'s app;
@@ -146,6 +149,8 @@ def serve_platform(
         usage=usage,
         conversations=ConversationStore(database),
         responses=ResponseStore(database),
+        batches=BatchStore(database, FileStore(database, max_file_bytes)),
+        batch_concurrency=batch_concurrency,
         prices=prices or PriceTable(),
         database=database,
         tier_priorities=tier_priorities or {},

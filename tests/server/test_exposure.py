@@ -62,6 +62,12 @@ ROUTE_ACCESS = {
     "/v1/unload_lora_adapter": KEY,  # an admin key, in fact
     "/v1/conversations/{conversation_id}/tree": KEY,
     "/v1/streams/{stream_id}": KEY,
+    "/v1/files": KEY,
+    "/v1/files/{file_id}": KEY,
+    "/v1/files/{file_id}/content": KEY,
+    "/v1/batches": KEY,
+    "/v1/batches/{batch_id}": KEY,
+    "/v1/batches/{batch_id}/cancel": KEY,
     "/": PUBLIC,  # the chat page: it asks for a key itself
     "/web": PUBLIC,  # the page's assets (a mount: one of its files is requested)
 }

@@ -1,0 +1,287 @@
+"""Runs the Batch API's batches (platform/batches.py) in a server that serves the API: `llmserve serve`, or
+`llmserve gateway` in front of its replicas.
+
+Each request of a batch goes through the server's own app, in process, as an HTTP request of the key that made the
+batch: the same validation, routing, limits, safety screening and usage metering as any request. At most
+`concurrency` of them run at once, so interactive traffic keeps its share of the engine. A request refused for
+the moment (429 or 503 with a Retry-After: a rate limit, an overloaded engine, a model loading) waits and is sent
+again; any other answer is its result, saved at once, so a batch taken over after a crash or restart runs only the
+requests that have none.
+
+One runner per process takes one batch at a time, under a lease it renews every couple of seconds. A cancel is seen
+at once when it was made through this server, else at the next renewal: the requests running are stopped (their
+generation aborted), and what has results is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+from starlette.types import ASGIApp, Message
+
+from llmserve.platform.batches import (
+    BatchRequest,
+    BatchStore,
+    ClaimedBatch,
+    parse_requests,
+    result_record,
+    unanswered_record,
+)
+from llmserve.platform.keys import STATIC_KEY_ID, ApiKey, KeyCache, static_api_key
+from llmserve.server.gateway import IN_PROCESS_KEY, Platform
+from llmserve.store.schema import utcnow
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE = (429, 503)
+MAX_RETRY_WAIT_SECONDS = 30.0
+Outcome = Literal["completed", "cancelled", "expired", "failed"]
+
+
+class _KeyRevoked(Exception):
+    pass
+
+
+@dataclass
+class _Run:
+    """One batch being run: why it stopped, once it has."""
+
+    batch: ClaimedBatch
+    key: ApiKey | None
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: Outcome | None = "completed"  # None: the lease was lost (another server runs it now)
+
+    def stop(self, outcome: Outcome | None) -> None:
+        if not self.stopped.is_set():
+            self.outcome = outcome
+            self.stopped.set()
+
+
+class BatchRunner:
+    def __init__(self, app: ASGIApp, store: BatchStore, keys: KeyCache | None, concurrency: int,
+                 lease: timedelta = timedelta(seconds=30), poll_seconds: float = 2.0) -> None:
+        self.app = app
+        self.store = store
+        self.keys = keys
+        self.concurrency = concurrency
+        self.lease = lease
+        # How soon a batch made, or cancelled, through another server sharing the database is seen.
+        self.poll_seconds = poll_seconds
+        self.id = f"runner_{secrets.token_hex(8)}"
+        self._wake = asyncio.Event()
+        self._running: _Run | None = None
+
+    def wake(self) -> None:
+        """A batch was made here: look for it now rather than at the next poll."""
+        self._wake.set()
+
+    def cancelled(self, batch_id: str) -> None:
+        """A batch was cancelled here: if it is the one running, stop it now rather than at the next renewal."""
+        if self._running is not None and self._running.batch.id == batch_id:
+            self._running.stop("cancelled")
+
+    async def run(self) -> None:
+        """Until cancelled (the server stops): take a batch, run it, take the next."""
+        while True:
+            self._wake.clear()
+            try:
+                batch = await asyncio.to_thread(self.store.claim, self.id, self.lease)
+            except Exception:
+                logger.exception("could not look for a batch to run")
+                batch = None
+            if batch is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.poll_seconds)
+                continue
+            try:
+                await self._run(batch)
+            except asyncio.CancelledError:
+                await asyncio.shield(asyncio.to_thread(self.store.release, batch.id, self.id))
+                raise
+            except Exception:
+                logger.exception("batch %s stopped on an error; it is taken up again once its lease runs out", batch.id)
+
+    async def _run(self, batch: ClaimedBatch) -> None:
+        content = await asyncio.to_thread(self.store.input_of, batch)
+        requests, errors = await asyncio.to_thread(parse_requests, content or b"", batch.endpoint)
+        if batch.status == "validating":
+            if errors:
+                await asyncio.to_thread(self.store.fail, batch.id, self.id, errors)
+                logger.info("batch %s failed validation: %s", batch.id, errors[0]["message"])
+                return
+            await asyncio.to_thread(self.store.start, batch.id, self.id, len(requests))
+        run = _Run(batch, None)
+        try:
+            run.key = await self._key(batch)
+        except _KeyRevoked:
+            run.stop("failed")
+        if batch.status == "cancelling":
+            run.stop("cancelled")
+        elif utcnow() >= batch.expires_at:
+            run.stop("expired")
+        if not run.stopped.is_set():
+            answered = await asyncio.to_thread(self.store.answered_lines, batch.id)
+            self._running = run
+            try:
+                await self._run_requests(run, [request for request in requests if request.line not in answered])
+            finally:
+                self._running = None
+        if run.outcome is not None:
+            await self._finish(run, requests)
+
+    async def _key(self, batch: ClaimedBatch) -> ApiKey | None:
+        """The key the batch runs as: the one that made it, while it is active."""
+        if batch.key_id is None:
+            return None
+        if batch.key_id == STATIC_KEY_ID:
+            return static_api_key(utcnow())
+        key = await self.keys.get_active(batch.key_id) if self.keys is not None else None
+        if key is None:
+            raise _KeyRevoked
+        return key
+
+    async def _run_requests(self, run: _Run, pending: list[BatchRequest]) -> None:
+        queue = iter(pending)
+        workers = [asyncio.create_task(self._work(run, queue)) for _ in range(min(self.concurrency, len(pending)))]
+        watcher = asyncio.create_task(self._watch(run))
+        stopped = asyncio.create_task(run.stopped.wait())
+        all_done = asyncio.gather(*workers)
+        try:
+            await asyncio.wait([all_done, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (*workers, watcher, stopped):
+                task.cancel()
+            await asyncio.gather(*workers, watcher, stopped, return_exceptions=True)
+        error = all_done.exception() if all_done.done() and not all_done.cancelled() else None  # read even if unused
+        if error is not None and not run.stopped.is_set():
+            raise error  # a result that could not be saved: the batch is taken up again once its lease runs out
+
+    async def _work(self, run: _Run, queue: Iterator[BatchRequest]) -> None:
+        for request in queue:
+            status, body = await self._answer(run, request)
+            record = result_record(request.custom_id, status, _request_id(body), body)
+            await asyncio.to_thread(self.store.save_result, run.batch.id, request.line, 200 <= status < 300, record)
+
+    async def _watch(self, run: _Run) -> None:
+        """Renew the lease while the batch runs; stop it when it is cancelled, expires, its key is revoked, or the
+        lease is lost."""
+        while True:
+            await asyncio.sleep(min(self.lease.total_seconds() / 3, self.poll_seconds))
+            status = await asyncio.to_thread(self.store.renew, run.batch.id, self.id, self.lease)
+            if status is None:
+                run.stop(None)
+            elif status == "cancelling":
+                run.stop("cancelled")
+            elif utcnow() >= run.batch.expires_at:
+                run.stop("expired")
+            else:
+                try:
+                    await self._key(run.batch)
+                except _KeyRevoked:
+                    run.stop("failed")
+
+    async def _answer(self, run: _Run, request: BatchRequest) -> tuple[int, Any]:
+        """The request's answer, sent again (after the wait asked for) while it is refused for the moment."""
+        payload = json.dumps(request.body).encode()
+        while True:
+            status, headers, body = await _post(self.app, run.batch.endpoint, payload, run.key)
+            wait = _retry_after(status, headers)
+            if wait is None:
+                return status, _decoded(body)
+            await asyncio.sleep(wait)
+
+    async def _finish(self, run: _Run, requests: list[BatchRequest]) -> None:
+        unanswered: list[dict[str, Any]] = []
+        if run.outcome != "completed":
+            answered = await asyncio.to_thread(self.store.answered_lines, run.batch.id)
+            code, message = _UNANSWERED[run.outcome]
+            unanswered = [unanswered_record(r.custom_id, code, message) for r in requests if r.line not in answered]
+        await asyncio.to_thread(self.store.finish, run.batch.id, self.id, run.outcome, unanswered)
+        logger.info("batch %s %s", run.batch.id, run.outcome)
+
+
+_UNANSWERED = {
+    "cancelled": ("batch_cancelled", "The batch was cancelled before this request ran."),
+    "expired": ("batch_expired", "This request could not be executed before the completion window expired."),
+    "failed": ("key_revoked", "The API key that made the batch was revoked before this request ran."),
+}
+
+
+def _retry_after(status: int, headers: dict[str, str]) -> float | None:
+    """How long to wait before sending a refused request again; None for an answer to keep."""
+    value = headers.get("retry-after")
+    if status not in RETRYABLE or value is None:
+        return None
+    try:
+        return min(max(float(value), 0.05), MAX_RETRY_WAIT_SECONDS)
+    except ValueError:
+        return None
+
+
+def _decoded(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace")
+
+
+def _request_id(body: Any) -> str:
+    found = body.get("id") if isinstance(body, dict) else None
+    return found if isinstance(found, str) else f"req_{secrets.token_hex(12)}"
+
+
+async def _post(app: ASGIApp, path: str, payload: bytes, key: ApiKey | None) -> tuple[int, dict[str, str], bytes]:
+    """POST `payload` to `app` at `path`, in process, as `key`: the status, headers (names lowercase) and body."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+        "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0), "state": {}, IN_PROCESS_KEY: key,
+    }
+    sent = False
+    never = asyncio.Event()  # the caller never hangs up: a cancelled batch cancels the call itself
+    status, headers, chunks = 500, {}, []
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        nonlocal status, headers
+        if message["type"] == "http.response.start":
+            status = message["status"]
+            headers = {name.decode().lower(): value.decode() for name, value in message.get("headers", ())}
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, headers, b"".join(chunks)
+
+
+def start_batch_runner(app: ASGIApp, platform: Platform | None) -> asyncio.Task[None] | None:
+    """At a server's start: run its platform's batches (none without a platform or its Batch API)."""
+    if platform is None or platform.batches is None:
+        return None
+    platform.batch_runner = BatchRunner(app, platform.batches, platform.keys, platform.batch_concurrency)
+    return asyncio.create_task(platform.batch_runner.run())
+
+
+async def stop_batch_runner(task: asyncio.Task[None] | None) -> None:
+    """At its stop, before it drains: the requests running are stopped, and resumed by the next start."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
