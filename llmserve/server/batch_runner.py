@@ -150,7 +150,9 @@ class BatchRunner:
 
     async def _run_requests(self, run: _Run, pending: list[BatchRequest]) -> None:
         queue = iter(pending)
-        workers = [asyncio.create_task(self._work(run, queue)) for _ in range(min(self.concurrency, len(pending)))]
+        saves: set[asyncio.Task[None]] = set()
+        workers = [asyncio.create_task(self._work(run, queue, saves))
+                   for _ in range(min(self.concurrency, len(pending)))]
         watcher = asyncio.create_task(self._watch(run))
         stopped = asyncio.create_task(run.stopped.wait())
         all_done = asyncio.gather(*workers)
@@ -160,15 +162,21 @@ class BatchRunner:
             for task in (*workers, watcher, stopped):
                 task.cancel()
             await asyncio.gather(*workers, watcher, stopped, return_exceptions=True)
+            saved = await asyncio.gather(*saves, return_exceptions=True)
         error = all_done.exception() if all_done.done() and not all_done.cancelled() else None  # read even if unused
-        if error is not None and not run.stopped.is_set():
+        error = error if error is not None and not run.stopped.is_set() else None
+        error = error or next((failure for failure in saved if isinstance(failure, BaseException)), None)
+        if error is not None:
             raise error  # a result that could not be saved: the batch is taken up again once its lease runs out
 
-    async def _work(self, run: _Run, queue: Iterator[BatchRequest]) -> None:
+    async def _work(self, run: _Run, queue: Iterator[BatchRequest], saves: set[asyncio.Task[None]]) -> None:
         for request in queue:
             status, body = await self._answer(run, request)
             record = result_record(request.custom_id, status, _request_id(body), body)
-            await asyncio.to_thread(self.store.save_result, run.batch.id, request.line, 200 <= status < 300, record)
+            # Saved while the next request runs; a stop does not cancel it (it is an answer), the end waits for it.
+            save = asyncio.create_task(asyncio.to_thread(
+                self.store.save_result, run.batch.id, request.line, 200 <= status < 300, record))
+            saves.add(save)
 
     async def _watch(self, run: _Run) -> None:
         """Renew the lease while the batch runs; stop it when it is cancelled, expires, its key is revoked, or the
