@@ -3,7 +3,8 @@
 
 Each request of a batch goes through the server's own app, in process, as an HTTP request of the key that made the
 batch: the same validation, routing, limits, safety screening and usage metering as any request. At most
-`concurrency` of them run at once, so interactive traffic keeps its share of the engine. A request refused for
+`concurrency` of them run at once, so interactive traffic keeps its share of the engine, and they go later than
+interactive requests under the priority scheduling policy (BATCH_PRIORITY). A request refused for
 the moment (429 or 503 with a Retry-After: a rate limit, an overloaded engine, a model loading) waits and is sent
 again; any other answer is its result, saved at once, so a batch taken over after a crash or restart runs only the
 requests that have none.
@@ -36,12 +37,16 @@ from llmserve.platform.batches import (
     unanswered_record,
 )
 from llmserve.platform.keys import STATIC_KEY_ID, ApiKey, KeyCache, static_api_key
-from llmserve.server.gateway import IN_PROCESS_KEY, Platform
+from llmserve.server.gateway import IN_PROCESS_KEY, MAX_PRIORITY, Platform
 from llmserve.store.schema import utcnow
 
 logger = logging.getLogger(__name__)
 
 RETRYABLE = (429, 503)
+# Added to a batch request's own `priority` (where its endpoint takes one): under `--scheduling-policy priority` the
+# engine runs interactive requests first (lower runs first), and takes KV blocks back from batch requests first.
+BATCH_PRIORITY = 1 << 20
+_PRIORITIZED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_RETRY_WAIT_SECONDS = 30.0
 Outcome = Literal["completed", "cancelled", "expired", "failed"]
 
@@ -198,7 +203,7 @@ class BatchRunner:
 
     async def _answer(self, run: _Run, request: BatchRequest) -> tuple[int, Any]:
         """The request's answer, sent again (after the wait asked for) while it is refused for the moment."""
-        payload = json.dumps(request.body).encode()
+        payload = json.dumps(_deferred(run.batch.endpoint, request.body)).encode()
         while True:
             status, headers, body = await _post(self.app, run.batch.endpoint, payload, run.key)
             wait = _retry_after(status, headers)
@@ -221,6 +226,14 @@ _UNANSWERED = {
     "expired": ("batch_expired", "This request could not be executed before the completion window expired."),
     "failed": ("key_revoked", "The API key that made the batch was revoked before this request ran."),
 }
+
+
+def _deferred(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The body with BATCH_PRIORITY added to its priority (one that is no integer is left to fail as sent)."""
+    own = body.get("priority", 0)
+    if endpoint not in _PRIORITIZED or type(own) is not int:
+        return body
+    return {**body, "priority": min(own + BATCH_PRIORITY, MAX_PRIORITY)}
 
 
 def _retry_after(status: int, headers: dict[str, str]) -> float | None:

@@ -5,6 +5,7 @@ over after its runner died runs only the requests that had no result; every refu
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Iterator
@@ -15,10 +16,12 @@ import httpx
 import openai
 import pytest
 
+from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.batches import BatchStore
 from llmserve.server.batch_runner import _retry_after
 from llmserve.store.schema import BatchRow, utcnow
+from tests.server.conftest import one_thread_engine_cores
 from tests.server.platform_fixtures import (
     MODEL,
     MODES,
@@ -270,3 +273,29 @@ def test_revoking_the_key_fails_what_the_batch_had_not_run(tiny_engine: AsyncLLM
         assert batch["request_counts"]["failed"] >= 1
         stats = server.idle_stats()
         assert stats.num_used_blocks == 0
+
+
+def test_under_the_priority_policy_an_interactive_request_goes_before_waiting_batch_requests(tiny_llama_dir,
+                                                                                             tmp_path: Path):
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, max_model_len=512,
+                          max_num_seqs=1, scheduling_policy="priority")
+    with one_thread_engine_cores():
+        engine = AsyncLLM.from_config(config)
+    try:
+        with serving(engine, tmp_path, batch_concurrency=3) as server:
+            _, secret = server.new_key("batcher")
+            client = _openai(server, secret)
+            lines = [_chat_line(f"r{i}", **chat_body(max_tokens=300, ignore_eos=True)) for i in range(3)]
+            uploaded = client.files.create(file=("long.jsonl", _jsonl(lines)), purpose="batch")
+            made = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")
+            # One batch request runs (one sequence at a time), the other two wait.
+            assert server.wait_until(lambda: asyncio.run_coroutine_threadsafe(
+                engine.stats(), server.loop).result().num_waiting == 2)
+            with server.client(secret) as http:
+                assert http.post("/v1/chat/completions", json=chat_body(max_tokens=5)).status_code == 200
+            # It ran as soon as the running batch request ended, before the two that were waiting.
+            assert client.batches.retrieve(made.id).request_counts.completed <= 1
+            assert _ended(client, server, made.id).request_counts.completed == 3
+    finally:
+        engine.close()
