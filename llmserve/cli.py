@@ -58,6 +58,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from llmserve.server.run_batch import run_batch
+
+    return run_batch(args)
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
     from llmserve.gateway.serve import run_gateway
 
@@ -264,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+    batch = sub.add_parser("run-batch", help="answer a file of OpenAI batch requests offline (vLLM's run-batch)")
+    add_engine_args(batch)
+    batch.add_argument("-i", "--input", required=True, help="JSON Lines of batch requests ('-': standard input)")
+    batch.add_argument("-o", "--output", required=True, help="where the answers go ('-': standard output)")
+    batch.add_argument("--served-model-name", default=None, help="the model name the requests use (default: from --model)")
+    batch.add_argument("--max-concurrency", type=int, default=256, help="requests given to the engine at once")
+    batch.set_defaults(func=cmd_run_batch)
     _add_serve_parser(sub)
     _add_gateway_parser(sub)
 

@@ -66,6 +66,7 @@ class BatchRequest:
 
     line: int  # from 0
     custom_id: str
+    url: str
     body: dict[str, Any]
 
 
@@ -204,9 +205,10 @@ def _line_error(line: int, message: str, param: str | None = None, code: str = "
     return {"code": code, "message": message, "param": param, "line": line + 1}
 
 
-def parse_requests(content: bytes, endpoint: str) -> tuple[list[BatchRequest], list[dict[str, Any]]]:
+def parse_requests(content: bytes, endpoint: str | None) -> tuple[list[BatchRequest], list[dict[str, Any]]]:
     """The requests of a batch's input file (JSON Lines, one request a line), or the errors that make it invalid,
-    each naming its line (from 1), as OpenAI's batch `errors` do."""
+    each naming its line (from 1), as OpenAI's batch `errors` do. Every line's `url` is `endpoint`, or with None
+    (`llmserve run-batch`) any of ENDPOINTS."""
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError:
@@ -228,7 +230,8 @@ def parse_requests(content: bytes, endpoint: str) -> tuple[list[BatchRequest], l
     return requests, errors[:100]
 
 
-def _parse_line(line: int, raw: str, endpoint: str, seen: set[str], errors: list[dict[str, Any]]) -> BatchRequest | None:
+def _parse_line(line: int, raw: str, endpoint: str | None, seen: set[str],
+                errors: list[dict[str, Any]]) -> BatchRequest | None:
     try:
         item = json.loads(raw)
     except (ValueError, RecursionError):
@@ -245,7 +248,8 @@ def _parse_line(line: int, raw: str, endpoint: str, seen: set[str], errors: list
         if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID_CHARS else
         (f"custom_id {custom_id!r} is not unique in the file.", "custom_id") if custom_id in seen else
         ("method must be 'POST'.", "method") if method != "POST" else
-        (f"url must be the batch's endpoint, {endpoint!r}.", "url") if url != endpoint else
+        (f"url must be the batch's endpoint, {endpoint!r}.", "url") if endpoint is not None and url != endpoint else
+        (f"url must be one of {', '.join(ENDPOINTS)}.", "url") if url not in ENDPOINTS else
         ("body must be a JSON object.", "body") if not isinstance(body, dict) else
         ("Streaming is not supported in a batch.", "body.stream") if body.get("stream") else
         None
@@ -254,7 +258,7 @@ def _parse_line(line: int, raw: str, endpoint: str, seen: set[str], errors: list
         errors.append(_line_error(line, problem[0], problem[1]))
         return None
     seen.add(custom_id)
-    return BatchRequest(line, custom_id, body)
+    return BatchRequest(line, custom_id, url, body)
 
 
 def result_record(custom_id: str, status_code: int, request_id: str, body: Any) -> dict[str, Any]:

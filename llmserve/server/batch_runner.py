@@ -177,7 +177,7 @@ class BatchRunner:
     async def _work(self, run: _Run, queue: Iterator[BatchRequest], saves: set[asyncio.Task[None]]) -> None:
         for request in queue:
             status, body = await self._answer(run, request)
-            record = result_record(request.custom_id, status, _request_id(body), body)
+            record = result_record(request.custom_id, status, request_id_of(body), body)
             # Saved while the next request runs; a stop does not cancel it (it is an answer), the end waits for it.
             save = asyncio.create_task(asyncio.to_thread(
                 self.store.save_result, run.batch.id, request.line, 200 <= status < 300, record))
@@ -203,12 +203,12 @@ class BatchRunner:
 
     async def _answer(self, run: _Run, request: BatchRequest) -> tuple[int, Any]:
         """The request's answer, sent again (after the wait asked for) while it is refused for the moment."""
-        payload = json.dumps(_deferred(run.batch.endpoint, request.body)).encode()
+        payload = json.dumps(_deferred(request.url, request.body)).encode()
         while True:
-            status, headers, body = await _post(self.app, run.batch.endpoint, payload, run.key)
+            status, headers, body = await post_in_process(self.app, request.url, payload, run.key)
             wait = _retry_after(status, headers)
             if wait is None:
-                return status, _decoded(body)
+                return status, decoded(body)
             await asyncio.sleep(wait)
 
     async def _finish(self, run: _Run, requests: list[BatchRequest]) -> None:
@@ -247,19 +247,20 @@ def _retry_after(status: int, headers: dict[str, str]) -> float | None:
         return None
 
 
-def _decoded(body: bytes) -> Any:
+def decoded(body: bytes) -> Any:
     try:
         return json.loads(body)
     except ValueError:
         return body.decode("utf-8", "replace")
 
 
-def _request_id(body: Any) -> str:
+def request_id_of(body: Any) -> str:
     found = body.get("id") if isinstance(body, dict) else None
     return found if isinstance(found, str) else f"req_{secrets.token_hex(12)}"
 
 
-async def _post(app: ASGIApp, path: str, payload: bytes, key: ApiKey | None) -> tuple[int, dict[str, str], bytes]:
+async def post_in_process(app: ASGIApp, path: str, payload: bytes,
+                          key: ApiKey | None = None) -> tuple[int, dict[str, str], bytes]:
     """POST `payload` to `app` at `path`, in process, as `key`: the status, headers (names lowercase) and body."""
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
