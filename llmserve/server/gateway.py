@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from llmserve.platform.conversations import ConversationStore
     from llmserve.platform.responses import ResponseStore
     from llmserve.platform.safety import SafetyFilter, Verdict
-    from llmserve.server.batch_runner import BatchRunner
     from llmserve.server.metrics import PlatformMetrics
     from llmserve.store.db import Database
 
@@ -54,6 +53,14 @@ ALWAYS_PUBLIC_PATHS = frozenset({"/health"})
 IN_PROCESS_KEY = "llmserve.in_process_key"
 
 
+class BatchSignals(Protocol):
+    """What the Batch API's routes tell the server's batch runner (server/batch_runner.py)."""
+
+    def wake(self) -> None: ...
+
+    def cancelled(self, batch_id: str) -> None: ...
+
+
 @dataclass
 class Platform:
     """The platform services a server runs with; any left None is off."""
@@ -66,7 +73,7 @@ class Platform:
     responses: ResponseStore | None = None  # the Responses API's stored responses
     batches: BatchStore | None = None  # the Batch API's files and batches
     batch_concurrency: int = 8  # how many of a batch's requests run at once
-    batch_runner: BatchRunner | None = None  # set while the server runs (server/batch_runner.py)
+    batch_runner: BatchSignals | None = None  # set while the server runs (server/batch_runner.py)
     safety: SafetyFilter | None = None
     holdback_chars: int = 32
     prices: PriceTable = field(default_factory=PriceTable)

@@ -59,6 +59,15 @@ def _ended(client: openai.OpenAI, server: PlatformServer, batch_id: str, timeout
     return batches[-1]
 
 
+def _long_batch(server: PlatformServer, client: openai.OpenAI, count: int):
+    """A batch of `count` requests of 300 tokens each, once its runner has started it: (its input file, it)."""
+    lines = [_chat_line(f"r{i}", **chat_body(max_tokens=300, ignore_eos=True)) for i in range(count)]
+    uploaded = client.files.create(file=("long.jsonl", _jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert server.wait_until(lambda: client.batches.retrieve(batch.id).status == "in_progress")
+    return uploaded, batch
+
+
 def _records(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()] if file_id else []
 
@@ -147,11 +156,7 @@ def test_cancel_stops_the_running_requests_and_frees_their_kv(tiny_engine: Async
     with serving(tiny_engine, tmp_path, batch_concurrency=2) as server:
         _, secret = server.new_key("batcher")
         client = _openai(server, secret)
-        lines = [_chat_line(f"r{i}", **chat_body(max_tokens=400, ignore_eos=True)) for i in range(8)]
-        uploaded = client.files.create(file=("long.jsonl", _jsonl(lines)), purpose="batch")
-        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")
-        assert server.wait_until(lambda: client.batches.retrieve(batch.id).status == "in_progress")
+        uploaded, batch = _long_batch(server, client, 8)
         with pytest.raises(openai.ConflictError):  # the input of a batch still running
             client.files.delete(uploaded.id)
         assert client.batches.cancel(batch.id).status == "cancelling"
@@ -257,12 +262,7 @@ def test_a_batch_past_its_window_expires_with_what_had_not_run(tiny_engine: Asyn
 def test_revoking_the_key_fails_what_the_batch_had_not_run(tiny_engine: AsyncLLM, tmp_path: Path):  # noqa: F811
     with serving(tiny_engine, tmp_path, batch_concurrency=1) as server:
         key, secret = server.new_key("batcher")
-        client = _openai(server, secret)
-        lines = [_chat_line(f"r{i}", **chat_body(max_tokens=400, ignore_eos=True)) for i in range(8)]
-        uploaded = client.files.create(file=("long.jsonl", _jsonl(lines)), purpose="batch")
-        made = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                     completion_window="24h")
-        assert server.wait_until(lambda: client.batches.retrieve(made.id).status == "in_progress")
+        _, made = _long_batch(server, _openai(server, secret), 8)
         server.keys.revoke(key.id)
         server.clock.advance(3)  # past the key cache
         store: BatchStore = server.platform.batches
@@ -285,10 +285,7 @@ def test_under_the_priority_policy_an_interactive_request_goes_before_waiting_ba
         with serving(engine, tmp_path, batch_concurrency=3) as server:
             _, secret = server.new_key("batcher")
             client = _openai(server, secret)
-            lines = [_chat_line(f"r{i}", **chat_body(max_tokens=300, ignore_eos=True)) for i in range(3)]
-            uploaded = client.files.create(file=("long.jsonl", _jsonl(lines)), purpose="batch")
-            made = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                         completion_window="24h")
+            _, made = _long_batch(server, client, 3)
             # One batch request runs (one sequence at a time), the other two wait.
             assert server.wait_until(lambda: asyncio.run_coroutine_threadsafe(
                 engine.stats(), server.loop).result().num_waiting == 2)
