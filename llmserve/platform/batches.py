@@ -109,6 +109,7 @@ def batch_object(row: BatchRow) -> dict[str, Any]:
         "expired_at": _unix(row.expired_at), "cancelling_at": _unix(row.cancelling_at),
         "cancelled_at": _unix(row.cancelled_at),
         "request_counts": {"total": row.total, "completed": row.completed, "failed": row.failed},
+        "usage": row.usage,
         "metadata": row.metadata_,
     }
 
@@ -273,6 +274,23 @@ def unanswered_record(custom_id: str, code: str, message: str) -> dict[str, Any]
             "error": {"code": code, "message": message}}
 
 
+def _usage(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The tokens of a batch's answers, in the shape of OpenAI's batch `usage` (the answers' usage is chat's and
+    completions' `prompt_tokens`, or the Responses API's `input_tokens`)."""
+    spent = {"input": 0, "cached": 0, "output": 0, "reasoning": 0}
+    for record in records:
+        usage = (record["response"]["body"] or {}).get("usage") or {}
+        inputs = usage.get("input_tokens_details") or usage.get("prompt_tokens_details") or {}
+        outputs = usage.get("output_tokens_details") or usage.get("completion_tokens_details") or {}
+        spent["input"] += usage.get("input_tokens", usage.get("prompt_tokens", 0)) or 0
+        spent["output"] += usage.get("output_tokens", usage.get("completion_tokens", 0)) or 0
+        spent["cached"] += inputs.get("cached_tokens") or 0
+        spent["reasoning"] += outputs.get("reasoning_tokens") or 0
+    return {"input_tokens": spent["input"], "input_tokens_details": {"cached_tokens": spent["cached"]},
+            "output_tokens": spent["output"], "output_tokens_details": {"reasoning_tokens": spent["reasoning"]},
+            "total_tokens": spent["input"] + spent["output"]}
+
+
 def _jsonl(records: Iterable[dict[str, Any]]) -> bytes:
     return b"".join(json.dumps(record, ensure_ascii=False).encode() + b"\n" for record in records)
 
@@ -422,6 +440,7 @@ class BatchStore:
                                       .order_by(BatchResultRow.line)).all()
             succeeded = [result.record for result in results if result.succeeded]
             failed = [result.record for result in results if not result.succeeded] + unanswered
+            row.usage = _usage(succeeded)
             if succeeded:
                 row.output_file_id = self._add_output(session, row, "output", succeeded)
             if failed:

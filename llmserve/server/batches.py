@@ -87,6 +87,7 @@ class BatchObject(BaseModel):
     cancelling_at: int | None
     cancelled_at: int | None
     request_counts: RequestCounts
+    usage: dict[str, Any] | None
     metadata: dict[str, str] | None
 
 

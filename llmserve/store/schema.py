@@ -214,6 +214,7 @@ class BatchRow(Base):
     total: Mapped[int] = mapped_column(default=0)
     completed: Mapped[int] = mapped_column(default=0)
     failed: Mapped[int] = mapped_column(default=0)
+    usage: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # its answers' tokens, once it has ended
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime]
     in_progress_at: Mapped[datetime | None]

@@ -105,6 +105,10 @@ def test_a_batch_answers_each_request_as_if_sent_alone_and_meters_it_to_its_key(
     assert error["custom_id"] == "bad" and error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["param"] == "frobnicate"
 
+    answered = [record["response"]["body"]["usage"] for record in outputs]
+    assert (batch.usage.input_tokens, batch.usage.output_tokens, batch.usage.total_tokens) == (
+        sum(u["prompt_tokens"] for u in answered), sum(u["completion_tokens"] for u in answered),
+        sum(u["total_tokens"] for u in answered))
     rows = server.wait_for_usage_rows(4)  # the two batch requests, then the same two sent alone
     assert [row.key_id for row in rows] == [key.id] * 4
     assert sorted(row.completion_tokens for row in rows[:2]) == sorted(

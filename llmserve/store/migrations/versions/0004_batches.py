@@ -44,6 +44,7 @@ def upgrade() -> None:
         sa.Column("total", sa.Integer(), nullable=False),
         sa.Column("completed", sa.Integer(), nullable=False),
         sa.Column("failed", sa.Integer(), nullable=False),
+        sa.Column("usage", sa.JSON(), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("in_progress_at", sa.DateTime(timezone=True), nullable=True),
