@@ -408,6 +408,10 @@ class BatchStore:
             if row is not None and row.status == "validating":
                 row.status, row.total, row.in_progress_at = "in_progress", total, utcnow()
 
+    def status_of(self, batch_id: str) -> BatchStatus | None:
+        with self._db.session() as session:
+            return session.scalar(select(BatchRow.status).where(BatchRow.id == batch_id))
+
     def answered_lines(self, batch_id: str) -> set[int]:
         """The lines of the requests that have a result already (from an earlier run of the batch)."""
         with self._db.session() as session:

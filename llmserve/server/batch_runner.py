@@ -38,6 +38,7 @@ from llmserve.platform.batches import (
 )
 from llmserve.platform.keys import STATIC_KEY_ID, ApiKey, KeyCache, static_api_key
 from llmserve.server.gateway import IN_PROCESS_KEY, MAX_PRIORITY, Platform
+from llmserve.server.metrics import PlatformMetrics
 from llmserve.store.schema import utcnow
 
 logger = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ class _Run:
 
 class BatchRunner:
     def __init__(self, app: ASGIApp, store: BatchStore, keys: KeyCache | None, concurrency: int,
-                 lease: timedelta = timedelta(seconds=30), poll_seconds: float = 2.0) -> None:
+                 metrics: PlatformMetrics | None = None, lease: timedelta = timedelta(seconds=30),
+                 poll_seconds: float = 2.0) -> None:
         self.app = app
         self.store = store
         self.keys = keys
+        self.metrics = metrics
         self.concurrency = concurrency
         self.lease = lease
         # How soon a batch made, or cancelled, through another server sharing the database is seen.
@@ -120,6 +123,8 @@ class BatchRunner:
         if batch.status == "validating":
             if errors:
                 await asyncio.to_thread(self.store.fail, batch.id, self.id, errors)
+                if self.metrics is not None:
+                    self.metrics.batches_ended.labels("failed").inc()
                 logger.info("batch %s failed validation: %s", batch.id, errors[0]["message"])
                 return
             await asyncio.to_thread(self.store.start, batch.id, self.id, len(requests))
@@ -178,6 +183,8 @@ class BatchRunner:
         for request in queue:
             status, body = await self._answer(run, request)
             record = result_record(request.custom_id, status, request_id_of(body), body)
+            if self.metrics is not None:
+                self.metrics.batch_requests.labels("succeeded" if 200 <= status < 300 else "failed").inc()
             # Saved while the next request runs; a stop does not cancel it (it is an answer), the end waits for it.
             save = asyncio.create_task(asyncio.to_thread(
                 self.store.save_result, run.batch.id, request.line, 200 <= status < 300, record))
@@ -218,7 +225,10 @@ class BatchRunner:
             code, message = _UNANSWERED[run.outcome]
             unanswered = [unanswered_record(r.custom_id, code, message) for r in requests if r.line not in answered]
         await asyncio.to_thread(self.store.finish, run.batch.id, self.id, run.outcome, unanswered)
-        logger.info("batch %s %s", run.batch.id, run.outcome)
+        ended = await asyncio.to_thread(self.store.status_of, run.batch.id)  # a late cancel makes it "cancelled"
+        if self.metrics is not None and ended is not None:
+            self.metrics.batches_ended.labels(ended).inc()
+        logger.info("batch %s %s", run.batch.id, ended)
 
 
 _UNANSWERED = {
@@ -296,7 +306,8 @@ def start_batch_runner(app: ASGIApp, platform: Platform | None) -> asyncio.Task[
     """At a server's start: run its platform's batches (none without a platform or its Batch API)."""
     if platform is None or platform.batches is None:
         return None
-    platform.batch_runner = BatchRunner(app, platform.batches, platform.keys, platform.batch_concurrency)
+    platform.batch_runner = BatchRunner(app, platform.batches, platform.keys, platform.batch_concurrency,
+                                        platform.metrics)
     return asyncio.create_task(platform.batch_runner.run())
 
 

@@ -200,6 +200,14 @@ class PlatformMetrics:
             "llmserve:routed_requests", "Requests a content router sent on, by the model it chose and why "
             "(matched, below_threshold, no_text, unavailable).", ["router", "model_name", "reason"],
         )
+        self.batch_requests = counter(
+            "llmserve:batch_requests", "Requests of the Batch API's batches answered by this server, by outcome "
+            "(succeeded: a 2xx answer; failed: any other).", ["outcome"],
+        )
+        self.batches_ended = counter(
+            "llmserve:batches_ended", "Batches this server ended, by final status (completed, failed, expired, "
+            "cancelled).", ["status"],
+        )
 
 
 class ServerMetrics:

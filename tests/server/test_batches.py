@@ -113,6 +113,11 @@ def test_a_batch_answers_each_request_as_if_sent_alone_and_meters_it_to_its_key(
     assert [row.key_id for row in rows] == [key.id] * 4
     assert sorted(row.completion_tokens for row in rows[:2]) == sorted(
         record["response"]["body"]["usage"]["completion_tokens"] for record in outputs)
+    with server.client(secret) as http:
+        metrics = http.get("/metrics").text
+    assert 'llmserve:batch_requests_total{outcome="succeeded"} 2.0' in metrics
+    assert 'llmserve:batch_requests_total{outcome="failed"} 1.0' in metrics
+    assert 'llmserve:batches_ended_total{status="completed"} 1.0' in metrics
     listed = client.files.list()
     assert {f.purpose for f in listed.data} == {"batch", "batch_output"} and len(listed.data) == 3
     assert [b.id for b in client.batches.list().data] == [batch.id]
