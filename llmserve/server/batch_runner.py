@@ -9,9 +9,10 @@ the moment (429 or 503 with a Retry-After: a rate limit, an overloaded engine, a
 again; any other answer is its result, saved at once, so a batch taken over after a crash or restart runs only the
 requests that have none.
 
-One runner per process takes one batch at a time, under a lease it renews every couple of seconds. A cancel is seen
-at once when it was made through this server, else at the next renewal: the requests running are stopped (their
-generation aborted), and what has results is written.
+One runner per process takes batches, each under a lease it renews every couple of seconds, and runs them side by
+side: their requests take turns at the `concurrency` slots, so a small batch is not held up until a large one ends.
+A cancel is seen at once when it was made through this server, else at the next renewal: the requests running are
+stopped (their generation aborted), and what has results is written.
 """
 
 from __future__ import annotations
@@ -85,37 +86,54 @@ class BatchRunner:
         self.poll_seconds = poll_seconds
         self.id = f"runner_{secrets.token_hex(8)}"
         self._wake = asyncio.Event()
-        self._running: _Run | None = None
+        self._slots = asyncio.Semaphore(concurrency)  # the requests in flight, all batches together
+        self._running: dict[str, _Run] = {}
 
     def wake(self) -> None:
         """A batch was made here: look for it now rather than at the next poll."""
         self._wake.set()
 
     def cancelled(self, batch_id: str) -> None:
-        """A batch was cancelled here: if it is the one running, stop it now rather than at the next renewal."""
-        if self._running is not None and self._running.batch.id == batch_id:
-            self._running.stop("cancelled")
+        """A batch was cancelled here: if it runs here, stop it now rather than at the next renewal."""
+        run = self._running.get(batch_id)
+        if run is not None:
+            run.stop("cancelled")
 
     async def run(self) -> None:
-        """Until cancelled (the server stops): take a batch, run it, take the next."""
-        while True:
-            self._wake.clear()
-            try:
-                batch = await asyncio.to_thread(self.store.claim, self.id, self.lease)
-            except Exception:
-                logger.exception("could not look for a batch to run")
-                batch = None
-            if batch is None:
+        """Until cancelled (the server stops): take batches and run them, up to `concurrency` at once, their
+        requests sharing the `concurrency` slots in turn (a small batch is not stuck behind a large one)."""
+        batches: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                self._wake.clear()
+                batch = await self._claim() if len(batches) < self.concurrency else None
+                if batch is not None:
+                    task = asyncio.create_task(self._run_taken(batch))
+                    batches.add(task)
+                    task.add_done_callback(lambda done: (batches.discard(done), self._wake.set()))
+                    continue
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.poll_seconds)
-                continue
-            try:
-                await self._run(batch)
-            except asyncio.CancelledError:
-                await asyncio.shield(asyncio.to_thread(self.store.release, batch.id, self.id))
-                raise
-            except Exception:
-                logger.exception("batch %s stopped on an error; it is taken up again once its lease runs out", batch.id)
+        finally:
+            for task in batches:
+                task.cancel()
+            await asyncio.gather(*batches, return_exceptions=True)
+
+    async def _claim(self) -> ClaimedBatch | None:
+        try:
+            return await asyncio.to_thread(self.store.claim, self.id, self.lease)
+        except Exception:
+            logger.exception("could not look for a batch to run")
+            return None
+
+    async def _run_taken(self, batch: ClaimedBatch) -> None:
+        try:
+            await self._run(batch)
+        except asyncio.CancelledError:
+            await asyncio.shield(asyncio.to_thread(self.store.release, batch.id, self.id))
+            raise
+        except Exception:
+            logger.exception("batch %s stopped on an error; it is taken up again once its lease runs out", batch.id)
 
     async def _run(self, batch: ClaimedBatch) -> None:
         content = await asyncio.to_thread(self.store.input_of, batch)
@@ -139,11 +157,11 @@ class BatchRunner:
             run.stop("expired")
         if not run.stopped.is_set():
             answered = await asyncio.to_thread(self.store.answered_lines, batch.id)
-            self._running = run
+            self._running[batch.id] = run
             try:
                 await self._run_requests(run, [request for request in requests if request.line not in answered])
             finally:
-                self._running = None
+                del self._running[batch.id]
         if run.outcome is not None:
             await self._finish(run, requests)
 
@@ -212,7 +230,8 @@ class BatchRunner:
         """The request's answer, sent again (after the wait asked for) while it is refused for the moment."""
         payload = json.dumps(_deferred(request.url, request.body)).encode()
         while True:
-            status, headers, body = await post_in_process(self.app, request.url, payload, run.key)
+            async with self._slots:
+                status, headers, body = await post_in_process(self.app, request.url, payload, run.key)
             wait = _retry_after(status, headers)
             if wait is None:
                 return status, decoded(body)

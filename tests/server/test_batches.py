@@ -268,20 +268,22 @@ def test_a_batch_past_its_window_expires_with_what_had_not_run(tiny_engine: Asyn
         assert server.count_usage_rows() == 0
 
 
-def test_revoking_the_key_fails_what_the_batch_had_not_run(tiny_engine: AsyncLLM, tmp_path: Path):  # noqa: F811
-    with serving(tiny_engine, tmp_path, batch_concurrency=1) as server:
-        key, secret = server.new_key("batcher")
-        _, made = _long_batch(server, _openai(server, secret), 8)
-        server.keys.revoke(key.id)
-        server.clock.advance(3)  # past the key cache
+def test_a_batch_whose_key_was_revoked_fails_what_it_had_not_run(tiny_engine: AsyncLLM, tmp_path: Path):  # noqa: F811
+    with serving(tiny_engine, tmp_path) as server:
+        key, _ = server.new_key("batcher")
         store: BatchStore = server.platform.batches
-        assert server.wait_until(lambda: store.get(key.id, made.id)["status"] in FINAL)
-        batch = store.get(key.id, made.id)
+        lines = [_chat_line(f"r{i}", **chat_body(max_tokens=3)) for i in range(3)]
+        uploaded = store.files.create(key.id, "in.jsonl", "batch", _jsonl(lines))
+        server.keys.revoke(key.id)  # after the batch was made (through another server), before it ran
+        made = store.create(key.id, uploaded["id"], "/v1/chat/completions", "24h", None)
+        server.platform.batch_runner.wake()
+        assert server.wait_until(lambda: store.get(key.id, made["id"])["status"] in FINAL)
+        batch = store.get(key.id, made["id"])
         assert batch["status"] == "failed" and batch["errors"]["data"][0]["code"] == "key_revoked"
-        assert batch["request_counts"]["completed"] + batch["request_counts"]["failed"] == 8
-        assert batch["request_counts"]["failed"] >= 1
-        stats = server.idle_stats()
-        assert stats.num_used_blocks == 0
+        assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+        errors = [json.loads(line) for line in store.files.content(key.id, batch["error_file_id"]).splitlines()]
+        assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(f"r{i}", "key_revoked") for i in range(3)]
+        assert server.count_usage_rows() == 0
 
 
 def test_under_the_priority_policy_an_interactive_request_goes_before_waiting_batch_requests(tiny_llama_dir,
@@ -305,3 +307,16 @@ def test_under_the_priority_policy_an_interactive_request_goes_before_waiting_ba
             assert _ended(client, server, made.id).request_counts.completed == 3
     finally:
         engine.close()
+
+
+def test_a_small_batch_is_not_held_up_until_a_large_one_ends(tiny_engine: AsyncLLM, tmp_path: Path):  # noqa: F811
+    with serving(tiny_engine, tmp_path, batch_concurrency=2) as server:
+        _, secret = server.new_key("batcher")
+        client = _openai(server, secret)
+        _, large = _long_batch(server, client, 10)
+        uploaded = client.files.create(file=("small.jsonl", _jsonl([_chat_line("s", **chat_body())])), purpose="batch")
+        small = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        assert _ended(client, server, small.id).status == "completed"
+        assert client.batches.retrieve(large.id).status == "in_progress"  # it takes turns with the large one
+        assert _ended(client, server, large.id).request_counts.completed == 10
