@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import ColumnElement, and_, or_, select, update
 from sqlalchemy.orm import Session
@@ -34,6 +34,7 @@ MAX_REQUESTS = 50_000  # per batch, as OpenAI's
 MAX_PAGE_SIZE = 10_000  # OpenAI's bound on a page of files
 MAX_METADATA_PAIRS = 16
 MAX_CUSTOM_ID_CHARS = 512
+R = TypeVar("R", FileRow, BatchRow)
 # Running, a batch is in one of these; the others are final.
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 BatchStatus = Literal["validating", "in_progress", "finalizing", "cancelling", "completed", "failed", "expired",
@@ -112,6 +113,15 @@ def batch_object(row: BatchRow) -> dict[str, Any]:
         "usage": row.usage,
         "metadata": row.metadata_,
     }
+
+
+def _owned_row(session: Session, table: type[R], key_id: str | None, row_id: str,
+               not_found: Callable[[str], Exception]) -> R:
+    """The row with this id if the key owns it; `not_found(row_id)` raised otherwise, as for an unknown id."""
+    row = session.get(table, row_id)
+    if row is None or row.key_id != key_id:
+        raise not_found(row_id)
+    return row
 
 
 def _beyond(table: Any, anchor: Any, ascending: bool) -> ColumnElement[bool]:
@@ -196,10 +206,7 @@ class FileStore:
 
     @staticmethod
     def _row(session: Session, key_id: str | None, file_id: str) -> FileRow:
-        row = session.get(FileRow, file_id)
-        if row is None or row.key_id != key_id:
-            raise FileNotFound(file_id)
-        return row
+        return _owned_row(session, FileRow, key_id, file_id, FileNotFound)
 
 
 def _line_error(line: int, message: str, param: str | None = None, code: str = "invalid_request") -> dict[str, Any]:
@@ -470,10 +477,7 @@ class BatchStore:
 
     @staticmethod
     def _row(session: Session, key_id: str | None, batch_id: str) -> BatchRow:
-        row = session.get(BatchRow, batch_id)
-        if row is None or row.key_id != key_id:
-            raise BatchNotFound(batch_id)
-        return row
+        return _owned_row(session, BatchRow, key_id, batch_id, BatchNotFound)
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:

@@ -191,11 +191,13 @@ class BatchRunner:
                 task.cancel()
             await asyncio.gather(*workers, watcher, stopped, return_exceptions=True)
             saved = await asyncio.gather(*saves, return_exceptions=True)
-        error = all_done.exception() if all_done.done() and not all_done.cancelled() else None  # read even if unused
-        error = error if error is not None and not run.stopped.is_set() else None
-        error = error or next((failure for failure in saved if isinstance(failure, BaseException)), None)
-        if error is not None:
-            raise error  # a result that could not be saved: the batch is taken up again once its lease runs out
+        # A worker's error counts unless the batch was stopped (its workers were cancelled); a save's always does.
+        # Either way the batch is taken up again once its lease runs out. Read even if unused: it was set.
+        worker_error = all_done.exception() if all_done.done() and not all_done.cancelled() else None
+        errors = [*([worker_error] if worker_error and not run.stopped.is_set() else []),
+                  *(failure for failure in saved if isinstance(failure, BaseException))]
+        if errors:
+            raise errors[0]
 
     async def _work(self, run: _Run, queue: Iterator[BatchRequest], saves: set[asyncio.Task[None]]) -> None:
         for request in queue:

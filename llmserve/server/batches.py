@@ -22,7 +22,7 @@ from llmserve.platform.batches import (
     FileNotFound,
 )
 from llmserve.server.errors import APIError
-from llmserve.server.gateway import platform_of, request_key
+from llmserve.server.gateway import BatchSignals, platform_of, request_key
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import list_page
 
@@ -115,6 +115,12 @@ def _store(request: Request) -> tuple[BatchStore, str | None]:
     return platform.batches, key.id if key is not None else None
 
 
+def _runner(request: Request) -> BatchSignals | None:
+    """The batch runner of this server (None before its start, or after its stop)."""
+    platform = platform_of(request)
+    return platform.batch_runner if platform is not None else None
+
+
 async def _call(method: Callable[..., T], *args: Any) -> T:
     """A store call on a worker thread, its refusals as OpenAI answers them."""
     try:
@@ -189,9 +195,9 @@ async def create_batch(body: CreateBatch, request: Request) -> JSONResponse:
     store, key_id = _store(request)
     batch = await _call(store.create, key_id, body.input_file_id, body.endpoint, body.completion_window,
                         body.metadata)
-    platform = platform_of(request)
-    if platform is not None and platform.batch_runner is not None:
-        platform.batch_runner.wake()
+    runner = _runner(request)
+    if runner is not None:
+        runner.wake()
     return JSONResponse(batch)
 
 
@@ -214,7 +220,7 @@ async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
     (within seconds), then "cancelled"; 409 once it has ended."""
     store, key_id = _store(request)
     batch = await _call(store.cancel, key_id, batch_id)
-    platform = platform_of(request)
-    if platform is not None and platform.batch_runner is not None:
-        platform.batch_runner.cancelled(batch_id)
+    runner = _runner(request)
+    if runner is not None:
+        runner.cancelled(batch_id)
     return JSONResponse(batch)
