@@ -14,7 +14,7 @@ from llmserve.engine.beam_search import BeamSearch
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import InvalidRequestError
 from llmserve.model.lora_request import LoRARequest
-from llmserve.model.pooling import PoolingParams, cosine_scores, label_probabilities, relevance_scores
+from llmserve.model.pooling import PoolingParams, cosine_scores, relevance_scores
 from llmserve.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -161,11 +161,12 @@ class LLM:
 
     def classify(self, prompts: Prompt | Seq[Prompt], truncate_prompt_tokens: int | None = None
                  ) -> list[ClassificationRequestOutput]:
-        """Each prompt's label probabilities by a sequence-classification model (softmax over its labels)."""
-        self.engine.input_processor.check_can_classify()
+        """Each prompt's label probabilities by a sequence-classification model (softmax over its labels; each
+        label's sigmoid for a multi-label classifier)."""
+        classifier = self.engine.input_processor.check_can_classify()
         outputs = self._pool([(_unpack_prompt(p)[0], None) for p in _as_prompt_list(prompts)], truncate_prompt_tokens)
         return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
-                                            ClassificationOutput(label_probabilities(o.outputs.data).tolist()))
+                                            ClassificationOutput(classifier.probabilities(o.outputs.data).tolist()))
                 for o in outputs]
 
     def score(self, text_1: str | Seq[str], text_2: str | Seq[str], truncate_prompt_tokens: int | None = None

@@ -94,20 +94,21 @@ CROSS_ENCODER_SIZES = {  # "minilm": ms-marco-MiniLM-L-6-v2's shape; "base": bge
 
 def build_cross_encoder(
     kind: str, out_dir: Path, wordpiece_dir: Path, labels: tuple[str, ...] | None = ("LABEL_0",), size: str = "tiny",
-    seed: int = 0,
+    seed: int = 0, problem_type: str | None = None,
 ) -> Path:
     """A random sequence classifier in transformers' layout, on a BERT WordPiece vocabulary (`wordpiece_dir`,
     e.g. all-MiniLM-L6-v2's): `kind` "bert" is ms-marco-MiniLM's layout (BertForSequenceClassification, token
     type 1 for a pair's second text), "xlm-roberta" bge-reranker's (positions after the padding id, one token
     type, the pair joined as `[CLS] a [SEP][SEP] b [SEP]`). One label: a cross-encoder reranker. `labels` None:
-    the encoder alone (BertModel, XLMRobertaModel: bge-m3's layout)."""
+    the encoder alone (BertModel, XLMRobertaModel: bge-m3's layout). `problem_type` "multi_label_classification":
+    labels that are not exclusive (a toxicity classifier's)."""
     import tokenizers
     import transformers
 
     common: dict = dict(vocab_size=30522, **CROSS_ENCODER_SIZES[size])
     if labels is not None:
         common.update(num_labels=len(labels), id2label=dict(enumerate(labels)),
-                      label2id={label: i for i, label in enumerate(labels)})
+                      label2id={label: i for i, label in enumerate(labels)}, problem_type=problem_type)
     torch.manual_seed(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     if kind == "bert":

@@ -25,7 +25,7 @@ from llmserve.engine.model_facts import ModelFacts
 from llmserve.errors import ContextLengthExceededError, InvalidRequestError
 from llmserve.model.lora import AdapterChecker
 from llmserve.model.lora_request import LoRARequest
-from llmserve.model.pooling import PoolingParams
+from llmserve.model.pooling import ClassifierConfig, PoolingParams
 from llmserve.sampling.params import SamplingParams
 from llmserve.tokenizer.tokenizer import Tokenizer
 
@@ -216,12 +216,14 @@ class InputProcessor:
                 "pool its hidden states.", param="model",
             )
 
-    def check_can_classify(self) -> None:
+    def check_can_classify(self) -> ClassifierConfig:
+        """The model's labels; a 400 naming `model` when it has none."""
         if self.classifier is None:
             raise InvalidRequestError(
                 f"The model {self.model_name!r} is not a sequence-classification model: it has no labels.",
                 param="model",
             )
+        return self.classifier
 
     def embedding_tokens(self, prompt: str | Sequence[int], truncate_prompt_tokens: int | None = None) -> list[int]:
         """An embedding input's tokens: cut from the right to `truncate_prompt_tokens` (-1: to what the

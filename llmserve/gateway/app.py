@@ -60,6 +60,7 @@ from llmserve.server.protocol import (
     EmbeddingRequest,
     ModelCard,
     ModelList,
+    ModerationRequest,
     RerankRequest,
     ScoreRequest,
 )
@@ -71,7 +72,7 @@ from llmserve.web import install_page, page_paths
 # Passed on as they are by a gateway without its platform (with it, each has a route; a Responses API request
 # runs there as a chat completion, metered and screened as one).
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/score",
-                 "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/classify")
+                 "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/classify", "/v1/moderations")
 
 
 @dataclass(frozen=True)
@@ -289,6 +290,10 @@ def build_gateway_app(
         @app.post("/classify", response_model=None)
         async def classify_with_platform(body: ClassificationRequest, request: Request) -> Response:
             return await front.classify(request, body)
+
+        @app.post("/v1/moderations", response_model=None)
+        async def moderations_with_platform(body: ModerationRequest, request: Request) -> Response:
+            return await front.moderation(request, body)
 
         @app.post("/v1/responses", response_model=None)
         async def responses_with_platform(body: ResponsesRequest, request: Request) -> Response:

@@ -53,6 +53,7 @@ from llmserve.gateway.shutdown import GuardedStream, StreamCutoff
 from llmserve.gateway.whole import WholeForwarding, WholeReply
 from llmserve.platform.content_routing import ContentRouter, chat_texts, prompt_texts
 from llmserve.platform.keys import ApiKey
+from llmserve.platform.moderation import CONTENT_FILTER_MODEL
 from llmserve.platform.routing import ModelRouter
 from llmserve.platform.safety import OutputGuard
 from llmserve.platform.usage import UsageStatus
@@ -61,11 +62,13 @@ from llmserve.server.conversations import ConversationTurn, fit_history, open_tu
 from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Admission, Platform, request_key
 from llmserve.server.messages import template_messages, uses_tools
+from llmserve.server.moderators import choose_moderator, moderate_by_filter
 from llmserve.server.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
     CompletionRequest,
     EmbeddingRequest,
+    ModerationRequest,
     RerankRequest,
     ScoreRequest,
     random_id,
@@ -213,6 +216,15 @@ class GatewayPlatform:
         inputs = body.inputs()
         return await self._pooled(request, _Pooled("/classify", "classify", body.model, body.user, inputs,
                                                    body.truncate_prompt_tokens, [(inputs, "input")]))
+
+    async def moderation(self, request: Request, body: ModerationRequest) -> Response:
+        """Answered by the content filter here, or by a replica of the classifier's pool (the texts it judges
+        unscreened), as platform/moderation.py chooses."""
+        texts = body.texts()
+        model = choose_moderator(body.model, self.router.names(), self.platform)
+        if model == CONTENT_FILTER_MODEL:
+            return await moderate_by_filter(self.platform, self.workers, request_key(request.state), texts)
+        return await self._pooled(request, _Pooled("/v1/moderations", "modr", model, None, texts, None, []))
 
     async def score(self, request: Request, body: ScoreRequest) -> Response:
         return await self._pooled(request, _scored("/v1/score", "score", body))

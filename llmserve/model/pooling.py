@@ -64,6 +64,12 @@ class ClassifierConfig:
     labels: tuple[str, ...]  # by logit index
     # how a one-label logit becomes a score (sentence-transformers' CrossEncoder's activation): sigmoid or identity
     score_activation: str = "sigmoid"
+    # config.json's problem_type "multi_label_classification" (a toxicity classifier's labels are not exclusive):
+    # each label's probability is its own sigmoid, as transformers' text-classification pipeline gives it
+    multi_label: bool = False
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        return label_probabilities(logits, self.multi_label)
 
 
 _ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity"}
@@ -77,14 +83,15 @@ def classifier_config(raw: dict) -> ClassifierConfig:
         labels = tuple(str(id2label[str(i)]) for i in range(len(id2label)))
     except KeyError as exc:
         raise ModelLoadError(f"config.json's id2label does not number its labels 0 to {len(id2label) - 1}.") from exc
+    multi_label = raw.get("problem_type") == "multi_label_classification"
     saved = (raw.get("sentence_transformers") or {}).get("activation_fn") or raw.get(
         "sbert_ce_default_activation_function")
     if saved is None:
-        return ClassifierConfig(labels)
+        return ClassifierConfig(labels, multi_label=multi_label)
     name = str(saved).rsplit(".", 1)[-1]
     if name not in _ACTIVATIONS:
         raise ModelLoadError(f"The cross-encoder's activation {saved!r} is not supported (Sigmoid or Identity).")
-    return ClassifierConfig(labels, _ACTIVATIONS[name])
+    return ClassifierConfig(labels, _ACTIVATIONS[name], multi_label)
 
 
 def pooler_config(
@@ -178,10 +185,11 @@ def truncate_embedding(row: np.ndarray, dimensions: int | None) -> np.ndarray:
     return head / max(float(np.linalg.norm(head)), 1e-12)
 
 
-def label_probabilities(logits: np.ndarray) -> np.ndarray:
-    """A classifier's probabilities of its labels: softmax over them; the sigmoid of a lone one."""
+def label_probabilities(logits: np.ndarray, multi_label: bool = False) -> np.ndarray:
+    """A classifier's probabilities of its labels: softmax over them; the sigmoid of a lone one, or of each one
+    when its labels are not exclusive (`multi_label`)."""
     values = logits.astype(np.float64)
-    if len(values) == 1:
+    if len(values) == 1 or multi_label:
         return 1.0 / (1.0 + np.exp(-values))
     exp = np.exp(values - values.max())
     return exp / exp.sum()

@@ -26,7 +26,7 @@ from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.store.db import Database
 from llmserve.store.schema import BatchResultRow, BatchRow, FileRow, utcnow
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/moderations")
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 UPLOAD_PURPOSES = ("batch",)
 OUTPUT_PURPOSE = "batch_output"

@@ -69,6 +69,15 @@ class SafetyFilter(ABC):
     holdback)."""
 
     max_match_chars: int | None = None
+    # The categories the filter may report (/v1/moderations lists each, matched or not); a plugin's may be empty:
+    # then a moderation result lists only what matched.
+    categories: tuple[str, ...] = ()
+
+    def matched_categories(self, text: str) -> list[str]:
+        """Every category `text` falls in, for /v1/moderations. A plugin's: its prompt check's block, by the
+        block's category (else its rule, else "flagged")."""
+        verdict = self.check_prompt(text)
+        return [verdict.category or verdict.rule or "flagged"] if verdict.blocked else []
 
     @abstractmethod
     def check_prompt(self, text: str) -> Verdict:
@@ -179,12 +188,18 @@ class RuleSetFilter(SafetyFilter):
         self._rules = ([_WordsRule(words, flags)] if words else []) + _compile_regexes(regexes, flags)
         self.check_prompts = check_prompts
         self.check_outputs = check_outputs
+        self.categories = tuple(dict.fromkeys(rule.category for rule in self._rules))
         longest_word = max((len(word) for word in words), default=0)
         longest = max(longest_word, max_regex_chars if regexes else 0)
         self.max_match_chars = longest if check_outputs else 0
 
     def check_prompt(self, text: str) -> Verdict:
         return self._search(text, 0, final=True) if self.check_prompts else ALLOW
+
+    def matched_categories(self, text: str) -> list[str]:
+        """Every category with a rule that matches anywhere in `text` (prompts or outputs, whichever it checks)."""
+        hit = {rule.category for rule in self._rules if rule.pattern.search(text) is not None}
+        return [category for category in self.categories if category in hit]
 
     def check_output(self, text: str) -> Verdict:
         return self._search(text, 0, final=True) if self.check_outputs else ALLOW
@@ -254,6 +269,10 @@ class FilterChain(SafetyFilter):
         self.filters = list(filters)
         bounds = [f.max_match_chars for f in self.filters]
         self.max_match_chars = None if None in bounds else max(bounds, default=0)  # type: ignore[type-var]
+        self.categories = tuple(dict.fromkeys(category for f in self.filters for category in f.categories))
+
+    def matched_categories(self, text: str) -> list[str]:
+        return list(dict.fromkeys(category for f in self.filters for category in f.matched_categories(text)))
 
     def check_prompt(self, text: str) -> Verdict:
         return _earliest(f.check_prompt(text) for f in self.filters)

@@ -28,6 +28,7 @@ from llmserve.server import (
     health,
     lora,
     metrics,
+    moderations,
     responses,
     scores,
     stored_responses,
@@ -255,8 +256,8 @@ def build_app(
     app.add_middleware(DrainMiddleware, state=state)
     install_cors(app, allowed_origins)
     for module in (
-        chat, completions, responses, stored_responses, embeddings, scores, classify, streams, models_api, tokens, health,
-        metrics, usage, conversations, batches, admin, lora,
+        chat, completions, responses, stored_responses, embeddings, scores, classify, moderations, streams, models_api,
+        tokens, health, metrics, usage, conversations, batches, admin, lora,
     ):
         app.include_router(module.router)
     install_page(app)

@@ -48,7 +48,7 @@ RETRYABLE = (429, 503)
 # Added to a batch request's own `priority` (where its endpoint takes one): under `--scheduling-policy priority` the
 # engine runs interactive requests first (lower runs first), and takes KV blocks back from batch requests first.
 BATCH_PRIORITY = 1 << 20
-_PRIORITIZED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+_PRIORITIZED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/moderations")
 MAX_RETRY_WAIT_SECONDS = 30.0
 Outcome = Literal["completed", "cancelled", "expired", "failed"]
 

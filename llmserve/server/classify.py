@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from llmserve.model.pooling import PoolingParams, label_probabilities
+from llmserve.model.pooling import ClassifierConfig, PoolingParams
 from llmserve.outputs import EmbeddingRequestOutput
 from llmserve.server.embeddings import Inputs, embed, usage
 from llmserve.server.gateway import request_key
@@ -55,16 +55,14 @@ async def create_classification(body: ClassificationRequest, request: Request) -
     key = request_key(request.state)
     endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
     endpoint.check_generates("classification")
-    processor = endpoint.engine.input_processor
-    processor.check_can_classify()
-    labels = processor.classifier.labels  # type: ignore[union-attr]
+    classifier = endpoint.engine.input_processor.check_can_classify()
     items = body.inputs()
     params = [f"input[{i}]" for i in range(len(items))] if len(items) > 1 else ["input"]
 
     def answer(response_id: str, outputs: Sequence[EmbeddingRequestOutput]) -> bytes:
         return _JSON.encode({
             "id": response_id, "object": "list", "created": now(), "model": endpoint.name,
-            "data": [_labelled(i, output.outputs.data, labels) for i, output in enumerate(outputs)],
+            "data": [_labelled(i, output.outputs.data, classifier) for i, output in enumerate(outputs)],
             "usage": {**usage(outputs), "completion_tokens": 0},
         })
 
@@ -72,7 +70,8 @@ async def create_classification(body: ClassificationRequest, request: Request) -
                        PoolingParams(), body.priority, answer, "classify")
 
 
-def _labelled(index: int, logits: np.ndarray, labels: Sequence[str]) -> dict:
+def _labelled(index: int, logits: np.ndarray, classifier: ClassifierConfig) -> dict:
     """An input's label probabilities and its likeliest label."""
-    probs = label_probabilities(logits)
+    probs = classifier.probabilities(logits)
+    labels = classifier.labels
     return {"index": index, "label": labels[int(np.argmax(probs))], "probs": probs.tolist(), "num_classes": len(labels)}

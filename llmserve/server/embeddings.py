@@ -66,18 +66,19 @@ class Inputs:
 async def embed(
     request: Request, state: ServerState, endpoint: ModelEndpoint, key: ApiKey | None, inputs: Inputs,
     pooling: PoolingParams, priority: int, answer: Callable[[str, Sequence[EmbeddingRequestOutput]], bytes],
-    id_prefix: str = "embd",
+    id_prefix: str = "embd", screen: bool = True,
 ) -> Response:
-    """Embed every input (or pair), one engine request each (tokenized on the worker pool, screened,
-    rate-limited, admitted and metered as a prompt), then answer with the body `answer` writes from the response
-    id and the embeddings, on the worker pool too. Shared by /v1/embeddings, the scoring endpoints and /classify;
-    the caller checks that the model serves what it asks."""
+    """Embed every input (or pair), one engine request each (tokenized on the worker pool, screened unless
+    `screen` is off, rate-limited, admitted and metered as a prompt), then answer with the body `answer` writes
+    from the response id and the embeddings, on the worker pool too. Shared by /v1/embeddings, the scoring
+    endpoints, /classify and /v1/moderations (whose texts are what it judges: not screened); the caller checks
+    that the model serves what it asks."""
     for item, param in zip(inputs.items, inputs.params, strict=True):
         if isinstance(item, str) and inputs.truncate is None:
             endpoint.prompt_bound.check(len(item), param=param)
     tokenized = await state.workers.run(_tokenize, endpoint, inputs)
-    for field, texts in texts_by_field(inputs.items, inputs.params).items():  # a blocked text's error names its field
-        await screen_prompts(state, endpoint, lambda texts=texts: texts, field)
+    for field, texts in texts_by_field(inputs.items, inputs.params).items() if screen else ():
+        await screen_prompts(state, endpoint, lambda texts=texts: texts, field)  # a blocked text's error names its field
     started = await _start(state, endpoint, key, tokenized, pooling, priority, id_prefix)
     status = "error"
     try:

@@ -992,6 +992,48 @@ class ClassificationRequest(PooledInputRequest):
     """vLLM's /classify: each input's label probabilities by a sequence-classification model."""
 
 
+class ModerationRequest(RequestBody):
+    """OpenAI's /v1/moderations: whether each text is harmful, and in which categories (platform/moderation.py).
+    `input` is a text, a list of texts (a result each), or a list of content parts read as one text (one
+    result); an image part is a 400: only text is moderated here."""
+
+    model: str | None = None
+    input: str | list[Any]
+    priority: Int64 = 0  # vLLM's extra, as the pooling endpoints': a classifier's requests run by it
+
+    @field_validator("input")
+    @classmethod
+    def _validate_input(cls, value: str | list[Any]) -> str | list[Any]:
+        if isinstance(value, str):
+            return _check_unicode(value)
+        if not value:
+            raise ValueError("input must not be empty")
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"input may hold at most {MAX_PROMPTS} texts")
+        if all(isinstance(item, str) for item in value):
+            return [_check_unicode(item) for item in value]
+        if all(isinstance(item, dict) for item in value):
+            return [_moderated_part(i, part) for i, part in enumerate(value)]
+        raise ValueError("input must be a string, a list of strings, or a list of content parts")
+
+    def texts(self) -> list[str]:
+        """The texts moderated, a result each: content parts are one text, joined by new lines."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if all(isinstance(item, str) for item in self.input):
+            return list(self.input)
+        return ["\n".join(part["text"] for part in self.input)]
+
+
+def _moderated_part(index: int, part: dict[str, Any]) -> dict[str, Any]:
+    kind = part.get("type")
+    if kind == "image_url":
+        raise ValueError(f"input[{index}] is an image: only text is moderated here")
+    if kind != "text" or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+        raise ValueError(f'input[{index}] must be a text part, {{"type": "text", "text": "..."}}')
+    return {"type": "text", "text": _check_unicode(part["text"])}
+
+
 def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     """OpenAI's shape of one page of a list (its items carry an `id`)."""
     return {

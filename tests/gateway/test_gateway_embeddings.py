@@ -202,13 +202,15 @@ def test_without_a_platform_scores_and_reranks_pass_through(minilm_engine: Async
             score = httpx.post(f"{base_url}/v1/score", json={"model": MODEL, "text_1": QUERY, "text_2": DOCUMENTS},
                                timeout=60)
             classified = httpx.post(f"{base_url}/classify", json={"model": MODEL, "input": QUERY}, timeout=60)
+            moderated = httpx.post(f"{base_url}/v1/moderations", json={"model": MODEL, "input": QUERY}, timeout=60)
         finally:
             gateway.should_exit = True
             thread.join(timeout=30)
     assert [r["index"] for r in answers["/v1/rerank"]["results"]] == [r["index"] for r in answers["/rerank"]["results"]]
     assert score.status_code == 200 and len(score.json()["data"]) == len(DOCUMENTS)
-    # the replica's answer: an embedding model has no labels
-    assert classified.status_code == 400 and error_of(classified)["param"] == "model"
+    # the replica's answers: an embedding model has no labels
+    assert classified.status_code == moderated.status_code == 400
+    assert error_of(classified)["param"] == error_of(moderated)["param"] == "model"
 
 
 def test_scores_and_reranks_are_keyed_screened_and_metered_with_the_texts_tokens(server: PlatformServer) -> None:

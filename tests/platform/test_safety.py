@@ -104,6 +104,17 @@ def test_the_earliest_match_wins_across_rules() -> None:
     assert (verdict.rule, verdict.start) == ("regexes[0]", 0)
 
 
+def test_moderation_reads_every_category_a_text_falls_in() -> None:
+    rules = rule_set()
+    assert rules.categories == ("word", "regex")
+    assert rules.matched_categories("secret-1 then badword") == ["word", "regex"]
+    assert rules.matched_categories("a clean text") == []
+    plugin = CallableFilter(lambda text: Verdict(blocked="spam" in text, rule="spam-rule", category="spam"))
+    chain = FilterChain([plugin, rules])
+    assert chain.categories == ("word", "regex")  # the plugin names none ahead of a block
+    assert chain.matched_categories("spam and badword") == ["spam", "word"]
+
+
 def test_stages_can_be_switched_off() -> None:
     prompts_only = rule_set(check_outputs=False)
     assert prompts_only.check_prompt("ass").blocked

@@ -50,6 +50,7 @@ ROUTE_ACCESS = {
     "/rerank": KEY,
     "/v2/rerank": KEY,
     "/classify": KEY,
+    "/v1/moderations": KEY,
     "/v1/embeddings": KEY,
     "/v1/usage": KEY,
     "/v1/conversations": KEY,

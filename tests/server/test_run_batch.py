@@ -29,6 +29,10 @@ def _line(custom_id: str, url: str, body: dict) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
+def _without_cache(usage: dict) -> dict:
+    return {key: value for key, value in usage.items() if key != "prompt_tokens_details"}
+
+
 def test_each_request_is_answered_as_the_server_answers_it(live_server: LiveServer, tiny_llama_dir, tmp_path):
     requests = {
         "chat": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}],
@@ -50,7 +54,9 @@ def test_each_request_is_answered_as_the_server_answers_it(live_server: LiveServ
             if served.status_code == 200:
                 assert answer["choices"][0].get("message", answer["choices"][0].get("text")) == \
                     served.json()["choices"][0].get("message", served.json()["choices"][0].get("text"))
-                assert answer["usage"] == served.json()["usage"]
+                # Cached tokens depend on what the prefix cache holds: the batch's own earlier requests share
+                # its BOS block, and the live server's cache holds whatever earlier tests left.
+                assert _without_cache(answer["usage"]) == _without_cache(served.json()["usage"])
             else:
                 assert answer["error"]["code"] == served.json()["error"]["code"]
     assert "3 requests, 1 failed" in ran.stderr
@@ -59,6 +65,6 @@ def test_each_request_is_answered_as_the_server_answers_it(live_server: LiveServ
 def test_a_file_that_is_no_batch_is_refused_naming_its_lines(tiny_llama_dir, tmp_path):
     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
     ran = _run_batch(tiny_llama_dir, [_line("a", "/v1/completions", body), "{oops", _line("a", "/v1/completions", body),
-                                      _line("b", "/v1/moderations", body)], tmp_path)
+                                      _line("b", "/v1/audio/speech", body)], tmp_path)
     assert ran.returncode == 2 and not (tmp_path / "out.jsonl").exists()
     assert [line.split(":")[1] for line in ran.stderr.splitlines()] == ["2", "3", "4"]
