@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
 
-from sqlalchemy import ColumnElement, and_, or_, select, update
+from sqlalchemy import ColumnElement, and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from llmserve.errors import InvalidRequestError, LLMServeError
@@ -33,6 +33,10 @@ OUTPUT_PURPOSE = "batch_output"
 MAX_REQUESTS = 50_000  # per batch, as OpenAI's
 MAX_PAGE_SIZE = 10_000  # OpenAI's bound on a page of files
 MAX_METADATA_PAIRS = 16
+# A file's `expires_after` (and a batch's `output_expires_after`) in seconds, within OpenAI's bounds; a batch's input
+# and output files are kept this long unless asked otherwise, as OpenAI keeps them.
+MIN_EXPIRES_AFTER, MAX_EXPIRES_AFTER = 3600, 30 * 24 * 3600
+DEFAULT_EXPIRES_AFTER = MAX_EXPIRES_AFTER
 MAX_CUSTOM_ID_CHARS = 512
 R = TypeVar("R", FileRow, BatchRow)
 # Running, a batch is in one of these; the others are final.
@@ -94,8 +98,23 @@ def _owned_by(column: Any, key_id: str | None) -> ColumnElement[bool]:
 
 def file_object(row: FileRow) -> dict[str, Any]:
     return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": _unix(row.created_at),
-            "expires_at": None, "filename": row.filename, "purpose": row.purpose, "status": "processed",
-            "status_details": None}
+            "expires_at": _unix(row.expires_at), "filename": row.filename, "purpose": row.purpose,
+            "status": "processed", "status_details": None}
+
+
+def check_expires_after(seconds: int, param: str) -> int:
+    if not MIN_EXPIRES_AFTER <= seconds <= MAX_EXPIRES_AFTER:
+        raise InvalidRequestError(f"{param} must be between {MIN_EXPIRES_AFTER} and {MAX_EXPIRES_AFTER} seconds "
+                                  f"(an hour and 30 days), got {seconds}.", param=param)
+    return seconds
+
+
+def _unexpired(now: datetime) -> ColumnElement[bool]:
+    return or_(FileRow.expires_at.is_(None), FileRow.expires_at > now)
+
+
+def _expiry(created_at: datetime, seconds: int | None) -> datetime | None:
+    return created_at + timedelta(seconds=seconds) if seconds is not None else None
 
 
 def batch_object(row: BatchRow) -> dict[str, Any]:
@@ -145,9 +164,11 @@ class FileStore:
         self._db = db
         self.max_bytes = max_bytes
 
-    def create(self, key_id: str | None, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
-        """Keep an uploaded file. Raises InvalidRequestError for a purpose other than "batch", an empty file or
-        one over `max_bytes`."""
+    def create(self, key_id: str | None, filename: str, purpose: str, content: bytes,
+               expires_after: int = DEFAULT_EXPIRES_AFTER) -> dict[str, Any]:
+        """Keep an uploaded file for `expires_after` seconds. Raises InvalidRequestError for a purpose other than
+        "batch", an empty file, one over `max_bytes`, or a time to keep it outside OpenAI's bounds."""
+        check_expires_after(expires_after, "expires_after.seconds")
         if purpose not in UPLOAD_PURPOSES:
             raise InvalidRequestError(
                 f"Invalid purpose {purpose!r}: this server keeps files for batches only (purpose 'batch').",
@@ -157,11 +178,10 @@ class FileStore:
         if len(content) > self.max_bytes:
             raise InvalidRequestError(f"The file is {len(content)} bytes, over this server's limit of "
                                       f"{self.max_bytes}.", param="file")
-        return self.add(key_id, filename, purpose, content)
-
-    def add(self, key_id: str | None, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
+        now = utcnow()
         row = FileRow(id=f"file-{secrets.token_hex(12)}", key_id=key_id, filename=filename[:200] or "upload",
-                      purpose=purpose, bytes=len(content), content=content, created_at=utcnow())
+                      purpose=purpose, bytes=len(content), content=content, created_at=now,
+                      expires_at=_expiry(now, expires_after))
         with self._db.session(write=True) as session:
             session.add(row)
             return file_object(row)
@@ -178,8 +198,9 @@ class FileStore:
              after: str | None = None, order: Literal["asc", "desc"] = "desc") -> tuple[list[dict[str, Any]], bool]:
         """A page of the key's files, newest first unless `order=asc`; `after` is the last id of the page before."""
         _check_limit(limit, MAX_PAGE_SIZE)
-        columns = (FileRow.id, FileRow.key_id, FileRow.filename, FileRow.purpose, FileRow.bytes, FileRow.created_at)
-        query = select(*columns).where(_owned_by(FileRow.key_id, key_id))
+        columns = (FileRow.id, FileRow.key_id, FileRow.filename, FileRow.purpose, FileRow.bytes, FileRow.created_at,
+                   FileRow.expires_at)
+        query = select(*columns).where(_owned_by(FileRow.key_id, key_id), _unexpired(utcnow()))
         if purpose is not None:
             query = query.where(FileRow.purpose == purpose)
         ascending = order == "asc"
@@ -204,9 +225,21 @@ class FileStore:
                                 "wait for it to end.")
             session.delete(row)
 
+    def purge_expired(self) -> int:
+        """Delete the files past their expiry, but for the input of a batch that has not ended (its runner may
+        have to read it again); how many."""
+        read = select(BatchRow.input_file_id).where(BatchRow.status.in_(UNFINISHED))
+        with self._db.session(write=True) as session:
+            return session.execute(delete(FileRow).where(
+                FileRow.expires_at <= utcnow(), FileRow.id.not_in(read))).rowcount
+
     @staticmethod
     def _row(session: Session, key_id: str | None, file_id: str) -> FileRow:
-        return _owned_row(session, FileRow, key_id, file_id, FileNotFound)
+        """The key's file; FileNotFound for an unknown id, another key's file or an expired one."""
+        row = _owned_row(session, FileRow, key_id, file_id, FileNotFound)
+        if row.expires_at is not None and row.expires_at <= utcnow():
+            raise FileNotFound(file_id)
+        return row
 
 
 def _line_error(line: int, message: str, param: str | None = None, code: str = "invalid_request") -> dict[str, Any]:
@@ -309,10 +342,12 @@ class BatchStore:
 
     # ---- the API's side -------------------------------------------------------------------------------
     def create(self, key_id: str | None, input_file_id: str, endpoint: str, completion_window: str,
-               metadata: dict[str, str] | None) -> dict[str, Any]:
-        """A new batch, "validating" until a runner reads its file. Raises InvalidRequestError for an endpoint,
-        window or metadata this server does not take, FileNotFound for a file the key does not have, and
+               metadata: dict[str, str] | None, output_expires_after: int = DEFAULT_EXPIRES_AFTER) -> dict[str, Any]:
+        """A new batch, "validating" until a runner reads its file; its output and error files are kept for
+        `output_expires_after` seconds. Raises InvalidRequestError for an endpoint, window, metadata or time to keep
+        files this server does not take, FileNotFound for a file the key does not have (or no longer has), and
         InvalidRequestError for a file that is not a batch input."""
+        check_expires_after(output_expires_after, "output_expires_after.seconds")
         if endpoint not in ENDPOINTS:
             raise InvalidRequestError(f"Invalid endpoint {endpoint!r}: one of {', '.join(ENDPOINTS)}.",
                                       param="endpoint")
@@ -330,7 +365,7 @@ class BatchStore:
             row = BatchRow(id=f"batch_{secrets.token_hex(12)}", key_id=key_id, endpoint=endpoint,
                            input_file_id=input_file_id, completion_window=completion_window, status="validating",
                            metadata_=metadata, total=0, completed=0, failed=0, created_at=now,
-                           expires_at=now + window)
+                           expires_at=now + window, output_expires_after=output_expires_after)
             session.add(row)
             return batch_object(row)
 
@@ -464,9 +499,10 @@ class BatchStore:
             row.runner = row.lease_until = None
 
     def _add_output(self, session: Session, batch: BatchRow, kind: str, records: list[dict[str, Any]]) -> str:
-        content = _jsonl(records)
+        content, now = _jsonl(records), utcnow()
         file = FileRow(id=f"file-{secrets.token_hex(12)}", key_id=batch.key_id, filename=f"{batch.id}_{kind}.jsonl",
-                       purpose=OUTPUT_PURPOSE, bytes=len(content), content=content, created_at=utcnow())
+                       purpose=OUTPUT_PURPOSE, bytes=len(content), content=content, created_at=now,
+                       expires_at=_expiry(now, batch.output_expires_after))
         session.add(file)
         return file.id
 

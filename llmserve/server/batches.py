@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmserve.platform.batches import (
+    DEFAULT_EXPIRES_AFTER,
     MAX_PAGE_SIZE,
     BatchNotCancellable,
     BatchNotFound,
@@ -99,12 +100,21 @@ class BatchPage(BaseModel):
     has_more: bool
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's expiration policy of a file: kept `seconds` after it was made (its only anchor)."""
+
+    model_config = ConfigDict(extra="forbid")
+    anchor: Literal["created_at"]
+    seconds: int
+
+
 class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
     input_file_id: str = Field(max_length=64)
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None  # its output and error files' (30 days without)
 
 
 def _store(request: Request) -> tuple[BatchStore, str | None]:
@@ -139,12 +149,23 @@ async def _call(method: Callable[..., T], *args: Any) -> T:
 
 
 @router.post("/v1/files", responses=documented(FileObject))
-async def upload_file(request: Request, file: Annotated[UploadFile, File()],
-                      purpose: Annotated[str, Form()]) -> JSONResponse:
-    """Upload a batch's input (`purpose` "batch"): JSON Lines, one request a line, as OpenAI's."""
+async def upload_file(
+    request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()],
+    expires_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
+    expires_seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None,
+) -> JSONResponse:
+    """Upload a batch's input (`purpose` "batch"): JSON Lines, one request a line, as OpenAI's. It is kept for 30
+    days, or `expires_after[seconds]` (an hour to 30 days) after it was made (`expires_after[anchor]`
+    "created_at"); then it is gone, as if deleted, but for the batches already made from it."""
     store, key_id = _store(request)
+    if (expires_anchor is None) != (expires_seconds is None):
+        raise APIError(400, "expires_after needs both its anchor and its seconds.", param="expires_after")
+    if expires_anchor not in (None, "created_at"):
+        raise APIError(400, f"expires_after[anchor] must be 'created_at', got {expires_anchor!r}.",
+                       param="expires_after.anchor")
     content = await file.read()
-    return JSONResponse(await _call(store.files.create, key_id, file.filename or "upload", purpose, content))
+    return JSONResponse(await _call(store.files.create, key_id, file.filename or "upload", purpose, content,
+                                    DEFAULT_EXPIRES_AFTER if expires_seconds is None else expires_seconds))
 
 
 @router.get("/v1/files", responses=documented(FilePage))
@@ -190,11 +211,13 @@ async def delete_file(file_id: str, request: Request) -> JSONResponse:
 @router.post("/v1/batches", responses=documented(BatchObject))
 async def create_batch(body: CreateBatch, request: Request) -> JSONResponse:
     """A batch of the requests in `input_file_id`, all to `endpoint` (one of /v1/chat/completions,
-    /v1/completions, /v1/embeddings, /v1/responses), to end within `completion_window` ("24h"). It is
-    "validating" until this server's batch runner reads the file."""
+    /v1/completions, /v1/embeddings, /v1/responses, /v1/moderations), to end within `completion_window` ("24h").
+    It is "validating" until this server's batch runner reads the file. Its output and error files are kept for
+    30 days, or `output_expires_after`."""
     store, key_id = _store(request)
+    keep = body.output_expires_after
     batch = await _call(store.create, key_id, body.input_file_id, body.endpoint, body.completion_window,
-                        body.metadata)
+                        body.metadata, DEFAULT_EXPIRES_AFTER if keep is None else keep.seconds)
     runner = _runner(request)
     if runner is not None:
         runner.wake()

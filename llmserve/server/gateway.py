@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from starlette.requests import Request
@@ -99,18 +100,21 @@ class Platform:
             logger.warning("the rate limiter's store is unreachable (limits are not enforced until it is): %s", exc)
 
     async def purge_expired(self) -> None:
-        """Now and every hour: hard-delete conversations deleted longer ago than their retention period, and
-        stored responses older than theirs."""
-        stores = [(store, retention, what) for store, retention, what in (
-            (self.conversations, self.conversation_retention, "deleted conversations"),
-            (self.responses, self.response_retention, "stored responses"),
-        ) if store is not None and retention is not None]
-        if not stores:
+        """Now and every hour: hard-delete conversations deleted longer ago than their retention period, stored
+        responses older than theirs, and the Batch API's files past their expiry."""
+        jobs: list[tuple[Callable[[], int], str]] = [
+            (partial(store.purge, retention), what) for store, retention, what in (
+                (self.conversations, self.conversation_retention, "deleted conversations"),
+                (self.responses, self.response_retention, "stored responses"),
+            ) if store is not None and retention is not None]
+        if self.batches is not None:
+            jobs.append((self.batches.files.purge_expired, "expired files"))
+        if not jobs:
             return
         while True:
-            for store, retention, what in stores:
+            for purge, what in jobs:
                 try:
-                    purged = await asyncio.to_thread(store.purge, retention)
+                    purged = await asyncio.to_thread(purge)
                     if purged:
                         logger.info("purged %d %s", purged, what)
                 except Exception:

@@ -191,6 +191,7 @@ class FileRow(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     content: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(index=True)  # NULL: kept until deleted
 
     __table_args__ = (Index("ix_files_key_id_created_at", "key_id", "created_at"),)
 
@@ -215,6 +216,7 @@ class BatchRow(Base):
     completed: Mapped[int] = mapped_column(default=0)
     failed: Mapped[int] = mapped_column(default=0)
     usage: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # its answers' tokens, once it has ended
+    output_expires_after: Mapped[int | None]  # seconds its output and error files are kept; NULL: until deleted
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime]
     in_progress_at: Mapped[datetime | None]

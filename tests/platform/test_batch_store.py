@@ -10,10 +10,12 @@ import threading
 from datetime import timedelta
 
 import pytest
+from sqlalchemy import update
 
 from llmserve.errors import InvalidRequestError
-from llmserve.platform.batches import BatchStore, FileStore, result_record, unanswered_record
+from llmserve.platform.batches import BatchStore, FileNotFound, FileStore, result_record, unanswered_record
 from llmserve.store.db import Database
+from llmserve.store.schema import FileRow, utcnow
 from tests.store.fixtures import db_fixture, shared_db_fixture  # noqa: F401
 
 KEY = "key_alice"
@@ -104,3 +106,50 @@ def test_files_are_paged_by_key_newest_first(store: BatchStore):
     with pytest.raises(InvalidRequestError):
         store.files.list(KEY, after="file-unknown")
     assert store.files.list(None)[0] == []  # local mode owns only what was made without a key
+
+
+def _expire(db: Database, *file_ids: str) -> None:
+    """The files' expiry passes (as it would an hour or 30 days on)."""
+    with db.session(write=True) as session:
+        session.execute(update(FileRow).where(FileRow.id.in_(file_ids)).values(expires_at=utcnow() - timedelta(1)))
+
+
+def test_an_expired_file_is_gone_but_for_the_unfinished_batch_that_reads_it(store: BatchStore, db: Database):
+    batch_id = _batch(store)
+    input_id = store.get(KEY, batch_id)["input_file_id"]
+    other = store.files.create(KEY, "other.jsonl", "batch", b"{}\n", expires_after=3600)
+    assert other["expires_at"] - other["created_at"] == 3600
+    assert store.files.get(KEY, input_id)["expires_at"] - store.files.get(KEY, input_id)["created_at"] == 30 * 86400
+    _expire(db, input_id, other["id"])
+    for file_id in (input_id, other["id"]):
+        with pytest.raises(FileNotFound):
+            store.files.get(KEY, file_id)
+        with pytest.raises(FileNotFound):
+            store.files.content(KEY, file_id)
+    assert store.files.list(KEY) == ([], False)
+    with pytest.raises(FileNotFound):
+        store.create(KEY, input_id, "/v1/completions", "24h", None)
+    claimed = store.claim("runner_a", LEASE)
+    assert claimed is not None and store.input_of(claimed) is not None  # the batch made from it still runs
+    assert store.files.purge_expired() == 1  # the other file; the input waits for its batch
+    store.start(batch_id, "runner_a", 3)
+    store.finish(batch_id, "runner_a", "completed", [])
+    assert store.files.purge_expired() == 1 and store.files.purge_expired() == 0
+
+
+def test_a_batchs_output_is_kept_as_long_as_it_asked(store: BatchStore):
+    uploaded = store.files.create(KEY, "in.jsonl", "batch", b"{}\n")
+    batch_id = store.create(KEY, uploaded["id"], "/v1/completions", "24h", None, output_expires_after=7200)["id"]
+    store.claim("runner_a", LEASE)
+    store.start(batch_id, "runner_a", 1)
+    store.save_result(batch_id, 0, True, result_record("r0", 200, "a", {}))
+    store.finish(batch_id, "runner_a", "completed", [])
+    output = store.files.get(KEY, store.get(KEY, batch_id)["output_file_id"])
+    assert output["expires_at"] - output["created_at"] == 7200
+    for seconds in (3599, 30 * 86400 + 1):
+        with pytest.raises(InvalidRequestError, match="between 3600 and 2592000") as refused:
+            store.files.create(KEY, "in.jsonl", "batch", b"{}\n", expires_after=seconds)
+        assert refused.value.param == "expires_after.seconds"
+        with pytest.raises(InvalidRequestError) as refused:
+            store.create(KEY, uploaded["id"], "/v1/completions", "24h", None, output_expires_after=seconds)
+        assert refused.value.param == "output_expires_after.seconds"

@@ -15,12 +15,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from sqlalchemy import update
 
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.batches import BatchStore
 from llmserve.server.batch_runner import _retry_after
-from llmserve.store.schema import BatchRow, utcnow
+from llmserve.store.schema import BatchRow, FileRow, utcnow
 from tests.server.conftest import one_thread_engine_cores
 from tests.server.platform_fixtures import (
     MODEL,
@@ -213,8 +214,8 @@ def test_refusals_are_openai_errors(server: PlatformServer):
     with pytest.raises(openai.NotFoundError):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
     uploaded = client.files.create(file=("a.jsonl", _jsonl([_chat_line("x", **chat_body())])), purpose="batch")
-    for endpoint, window, param in (("/v1/moderations", "24h", "endpoint"), ("/v1/chat/completions", "1h",
-                                                                            "completion_window")):
+    for endpoint, window, param in (("/v1/images/generations", "24h", "endpoint"), ("/v1/chat/completions", "1h",
+                                                                                   "completion_window")):
         with pytest.raises(openai.BadRequestError) as refused:
             client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window=window)
         assert refused.value.body["param"] == param
@@ -225,6 +226,36 @@ def test_refusals_are_openai_errors(server: PlatformServer):
                                                "completion_window": "24h", "priority": 1})
         assert extra.status_code == 400 and extra.json()["error"]["param"] == "priority"
         assert http.get("/v1/files/file-nope/content").status_code == 404
+        for fields, param in (({"expires_after[anchor]": "last_used", "expires_after[seconds]": "3600"},
+                               "expires_after.anchor"),
+                              ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "60"},
+                               "expires_after.seconds"),
+                              ({"expires_after[seconds]": "3600"}, "expires_after")):
+            refused = http.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "batch", **fields})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              output_expires_after={"anchor": "created_at", "seconds": 10})
+    assert refused.value.body["param"] == "output_expires_after.seconds"
+
+
+def test_files_are_kept_as_long_as_asked_and_are_gone_after(server: PlatformServer):
+    _, secret = server.new_key("batcher")
+    client = _openai(server, secret)
+    lines = _jsonl([_chat_line("x", **chat_body(max_tokens=2))])
+    kept = client.files.create(file=("a.jsonl", lines), purpose="batch")
+    brief = client.files.create(file=("b.jsonl", lines), purpose="batch",
+                                expires_after={"anchor": "created_at", "seconds": 3600})
+    assert (kept.expires_at - kept.created_at, brief.expires_at - brief.created_at) == (30 * 86400, 3600)
+    batch = client.batches.create(input_file_id=kept.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  output_expires_after={"anchor": "created_at", "seconds": 7200})
+    output = client.files.retrieve(_ended(client, server, batch.id).output_file_id)
+    assert output.expires_at - output.created_at == 7200
+    with server.database.session(write=True) as session:  # an hour on
+        session.execute(update(FileRow).where(FileRow.id == brief.id).values(expires_at=utcnow()))
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(brief.id)
+    assert brief.id not in [file.id for file in client.files.list()]
 
 
 def test_a_refusal_for_the_moment_is_sent_again_after_the_wait_asked_for():
