@@ -37,6 +37,9 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # With SamplingParams.track_text_ends: per token whose text is out, the length of `text` then
     text_ends: list[int] | None = None
+    # With SamplingParams.prediction: its tokens the model was given to verify and took, and those it did not
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -24,7 +24,9 @@ rank 0 between two steps (a pull's serving thread hands its read to the step loo
 
 Speculative decoding (`speculative_config`): the scheduler asks the proposer for drafts as it schedules. A
 draft model (draft_model_proposer.py) is a second runner of the core's, its weights loaded before the served
-model sizes its KV pool, and its own pool of as many blocks allocated after.
+model sizes its KV pool, and its own pool of as many blocks allocated after. A request with a predicted output
+(prediction.py) has drafts from it whatever the configuration; while one runs, steps are serial even under
+`async_scheduling` (a draft is verified before the next step is scheduled).
 
 Structured output: a request with a grammar waits here until its grammar is compiled (off the step
 loop, `structured_output`), then joins the scheduler; each step fills the token bitmask of every
@@ -266,6 +268,7 @@ class EngineCore:
             cache_root=hash_root(*self._cache_identity, request.cache_salt, request.lora),
             pooling=request.pooling,
             lora=request.lora,
+            prediction=_prediction(request.params.prediction_token_ids),
         )
         self.num_requests_added += 1
         if request.lora is not None and not self._read_adapter(core_request):
@@ -461,8 +464,10 @@ class EngineCore:
         if self._awaiting_kv:
             self._admit_pulled()
         self._admit_compiled()
-        if self.overlapped:
+        if self.overlapped and not self.scheduler.num_predicting:
             outputs = self._step_overlapped()
+        elif self._in_flight is not None:  # drafts (a prediction's) are verified in serial steps: end overlap first
+            outputs, self._in_flight = self._complete(self._in_flight), None
         else:
             launched = self._launch()
             outputs = None if launched is None else self._complete(launched)
@@ -639,7 +644,7 @@ class EngineCore:
             num_pending_prefill_tokens=scheduler.num_pending_prefill_tokens(),
             num_requests_added=self.num_requests_added,
             waiting_by_priority=scheduler.waiting_by_priority(),
-            spec_decode=scheduler.spec_stats() if scheduler.proposer is not None else None,
+            spec_decode=scheduler.spec_stats() if scheduler.proposer is not None or scheduler.spec.num_drafts else None,
             **(self._adapters_in_use() if self.runner.lora is not None else {}),
             **(self._kv_transfer_stats() if self.kv_transfer is not None else {}),
             **(self._kv_offload_stats() if self.tier is not None else {}),
@@ -694,6 +699,10 @@ class EngineCore:
         self.structured_output.shutdown()
         if isinstance(self.runner, ParallelRunner):
             self.runner.close()
+
+
+def _prediction(token_ids: list[int] | None) -> np.ndarray | None:
+    return np.asarray(token_ids, dtype=np.int64) if token_ids else None
 
 
 def _is_constrained(seq: Sequence) -> bool:

@@ -162,6 +162,10 @@ class InputProcessor:
             )
         if params.bad_words:
             params = dataclasses.replace(params, bad_words_token_ids=self.bad_word_token_ids(params.bad_words))
+        if params.prediction_token_ids is not None:
+            self.check_prediction(params.prediction_token_ids)
+        elif params.prediction:
+            params = dataclasses.replace(params, prediction_token_ids=self.prediction_token_ids(params.prediction))
         params = validate_structured_outputs(params)
         max_tokens = self.max_tokens(len(token_ids), params)
         if max_tokens != params.max_tokens:
@@ -184,8 +188,11 @@ class InputProcessor:
                                       "requests, not one whose KV could be handed over.", param="kv_transfer_params")
         checked = self.process(request_id, prompt, dataclasses.replace(params, use_beam_search=False), priority,
                                cache_salt, lora)
-        return BeamSearch(request_id, prompt if isinstance(prompt, str) else None, checked.prompt_token_ids,
-                          dataclasses.replace(params, max_tokens=checked.params.max_tokens), self.eos_token_ids)
+        # A beam's requests are one token each: nothing to draft, so a prediction is left out of them.
+        beams = dataclasses.replace(params, max_tokens=checked.params.max_tokens, prediction=None,
+                                    prediction_token_ids=None)
+        return BeamSearch(request_id, prompt if isinstance(prompt, str) else None, checked.prompt_token_ids, beams,
+                          self.eos_token_ids)
 
     def check_kv_transfer(self, transfer: KVTransferParams, params: SamplingParams) -> None:
         """A request's disaggregation part is one this engine can do."""
@@ -215,6 +222,25 @@ class InputProcessor:
                 f"The model {self.model_name!r} does not serve embeddings; start it with --task embed to "
                 "pool its hidden states.", param="model",
             )
+
+    def prediction_token_ids(self, prediction: str) -> list[int]:
+        """A predicted output's tokens, as the output would hold them (no special tokens added); a server calls
+        this on a worker thread and gives the engine the ids."""
+        ids = self.tokenizer.encode(prediction, add_special_tokens=False)
+        self.check_prediction(ids)
+        return ids
+
+    def check_prediction(self, token_ids: Sequence[int]) -> None:
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(f"The prediction is {len(token_ids)} tokens, more than the context window of "
+                                      f"{self.max_model_len} could ever generate.", param="prediction")
+        try:  # one C-level pass, as a prompt's ids are checked
+            ids = array("q", token_ids)
+        except (TypeError, OverflowError):
+            ids = None
+        if ids is None or (len(ids) and (min(ids) < 0 or max(ids) >= self.vocab_size)):
+            raise InvalidRequestError(f"Prediction token ids must be integers in [0, {self.vocab_size}).",
+                                      param="prediction")
 
     def check_can_classify(self) -> ClassifierConfig:
         """The model's labels; a 400 naming `model` when it has none."""

@@ -155,6 +155,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_preemptions: int = 0  # on the last output
     embedding: bytes | None = None  # an embedding request's one output (token_id -1): float32 values
     kv_transfer: KVTransferParams | None = None  # on the last output of a request exporting its KV: where it is
+    # on each output of a request with a predicted output: the drafts its choice had verified so far, and those taken
+    num_draft_tokens: int = 0
+    num_accepted_drafts: int = 0
 
 
 class PromptLogprobsChunk(msgspec.Struct, array_like=True, gc=False):

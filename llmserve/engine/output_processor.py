@@ -62,6 +62,8 @@ class ChoiceState:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.accepted_prediction_tokens = 0  # with a predicted output: its drafts the model took, and did not
+        self.rejected_prediction_tokens = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -71,6 +73,9 @@ class ChoiceState:
         """Take one new token; True when a stop string ended the choice with it (and with the flushed
         text of a choice the core finished, False: the core knows it ended)."""
         token = output.token_id
+        if output.num_draft_tokens:
+            self.accepted_prediction_tokens = output.num_accepted_drafts
+            self.rejected_prediction_tokens = output.num_draft_tokens - output.num_accepted_drafts
         if token < 0:  # the core ended the choice without a token (its grammar failed to compile)
             self.finish_reason = output.finish_reason
             return False
@@ -136,6 +141,8 @@ class ChoiceState:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             text_ends=list(self.text_ends) if self.text_ends is not None else None,
+            accepted_prediction_tokens=self.accepted_prediction_tokens,
+            rejected_prediction_tokens=self.rejected_prediction_tokens,
         )
 
 

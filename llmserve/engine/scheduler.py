@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.messages import EngineCoreOutput, PromptLogprobsChunk, SpecDecodeStats
+from llmserve.engine.prediction import MAX_MATCH_TOKENS, PREDICTION_DRAFT_TOKENS, draft_from_prediction
 from llmserve.engine.proposer import DraftAsk, Proposer
 from llmserve.engine.sequence import Request, Sequence, SequenceStatus
 from llmserve.model.runner import ModelOutput
@@ -158,6 +159,10 @@ class Scheduler:
         self.strict_fast_step = strict_fast_step  # past it every token costs in full: drafts never go there
         self.draft_rounds = 0  # steps that could take drafts (speculating, nothing preempted)
         self.spec = SpecDecodeStats()
+        self.num_predicting = 0  # unfinished requests with a predicted output: they draft from it
+        # A prediction's drafts keep a lone sequence's step within the fast step (its token and the drafts).
+        self.prediction_draft_tokens = (PREDICTION_DRAFT_TOKENS if fast_step_tokens is None
+                                        else max(1, min(PREDICTION_DRAFT_TOKENS, fast_step_tokens - 1)))
         self.export_kv = export_kv  # disaggregation: holds an ending `export_kv` request's prompt blocks
 
     @property
@@ -176,6 +181,8 @@ class Scheduler:
         seq = Sequence(request, 0, list(request.prompt_token_ids), len(request.prompt_token_ids), request.seed)
         request.seqs.append(seq)
         self.requests[request.request_id] = request
+        if request.prediction is not None:
+            self.num_predicting += 1
         self._enqueue(seq)
 
     def finish_requests(self, request_ids: Iterable[str], reason: str = "abort") -> list[Request]:
@@ -183,7 +190,7 @@ class Scheduler:
         (finished already) are skipped."""
         finished = []
         for request_id in request_ids:
-            request = self.requests.pop(request_id, None)
+            request = self._forget(request_id)
             if request is None:
                 continue
             for seq in request.seqs:
@@ -204,7 +211,13 @@ class Scheduler:
                     seq.finish_reason = reason
                     self._remove(seq)
             if request.is_finished:
-                del self.requests[request_id]
+                self._forget(request_id)
+
+    def _forget(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and request.prediction is not None:
+            self.num_predicting -= 1
+        return request
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -250,8 +263,9 @@ class Scheduler:
             scheduled[seq] = num_new
             budget -= num_new
         if not out.preempted:
-            if self.proposer is not None and self._speculating():
-                budget = self._add_drafts(scheduled, drafts, budget)
+            speculating = self.proposer is not None and self._speculating()
+            if speculating or self.num_predicting:
+                budget = self._add_drafts(scheduled, drafts, budget, speculating)
             self._admit(scheduled, out, budget)
         self._after_schedule(scheduled, drafts, out)
         return out
@@ -263,11 +277,14 @@ class Scheduler:
         limit = self.proposer.disable_by_batch_size
         return limit is None or len(self.running) < limit
 
-    def _add_drafts(self, scheduled: dict[Sequence, int], drafts: dict[Sequence, tuple[int, ...]], budget: int) -> int:
-        """Speculative tokens for the decoding sequences, once every running one has its token (they come
-        before admissions, as in vLLM); returns the budget left. Each sequence's room (budget, step size,
-        free blocks) is set aside before the proposer drafts for all of them at once (a draft model decodes
-        them as one batch), and what a draft leaves unused goes back."""
+    def _add_drafts(
+        self, scheduled: dict[Sequence, int], drafts: dict[Sequence, tuple[int, ...]], budget: int, speculating: bool
+    ) -> int:
+        """Speculative tokens for the decoding sequences (those with a predicted output, and the others when
+        `speculating`), once every running one has its token (they come before admissions, as in vLLM); returns
+        the budget left. Each sequence's room (budget, step size, free blocks) is set aside before the proposer
+        drafts for all of them at once (a draft model decodes them as one batch), and what a draft leaves unused
+        goes back."""
         rows = sum(scheduled.values())
         self.draft_rounds += 1
         probing = self.draft_rounds % MAX_DRAFT_PAUSE == 0
@@ -276,16 +293,14 @@ class Scheduler:
         for seq, num_new in scheduled.items():
             if budget < 1:
                 break
-            if num_new == 1:
+            if num_new == 1 and (speculating or seq.request.prediction is not None):
                 limit, blocks = self._draft_limit(seq, self._draft_room(seq, budget, rows, probing), free_blocks)
                 if limit:
                     asks.append((seq, limit))
                     budget, rows, free_blocks = budget - limit, rows + limit, free_blocks - blocks
         if not asks:
             return budget
-        assert self.proposer is not None
-        proposals = self.proposer.propose_batch([DraftAsk(seq, seq.token_ids, limit) for seq, limit in asks])
-        for (seq, limit), proposed in zip(asks, proposals, strict=True):
+        for (seq, limit), proposed in zip(asks, self._propose(asks), strict=True):
             proposed = tuple(proposed[:limit])
             budget += limit - len(proposed)
             if proposed:
@@ -293,6 +308,26 @@ class Scheduler:
                 drafts[seq] = proposed
                 scheduled[seq] = 1 + len(proposed)
         return budget
+
+    def _propose(self, asks: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Each ask's draft: from its request's prediction if it has one, else from the proposer (in one call)."""
+        proposals: list[list[int]] = [[] for _ in asks]
+        others: list[int] = []
+        for i, (seq, limit) in enumerate(asks):
+            prediction = seq.request.prediction
+            if prediction is None:
+                others.append(i)
+                continue
+            recent = seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - MAX_MATCH_TOKENS):]
+            proposals[i], seq.prediction_cursor = draft_from_prediction(prediction, recent, seq.prediction_cursor,
+                                                                        limit)
+        if others:
+            assert self.proposer is not None
+            proposed = self.proposer.propose_batch([DraftAsk(asks[i][0], asks[i][0].token_ids, asks[i][1])
+                                                    for i in others])
+            for i, draft in zip(others, proposed, strict=True):
+                proposals[i] = draft
+        return proposals
 
     def _draft_room(self, seq: Sequence, budget: int, rows: int, probing: bool) -> int:
         """The most drafts `seq` may add to a step of `rows` tokens. Past `fast_step_tokens` a step costs more
@@ -321,8 +356,11 @@ class Scheduler:
             limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - seq.num_tokens - 1)
-        assert self.proposer is not None
-        limit = min(limit, self.proposer.num_speculative_tokens)
+        if seq.request.prediction is not None:
+            limit = min(limit, self.prediction_draft_tokens)
+        else:
+            assert self.proposer is not None
+            limit = min(limit, self.proposer.num_speculative_tokens)
         bm = self.block_manager
         limit = min(limit, (len(seq.block_table) + free_blocks) * bm.block_size - seq.num_computed_tokens - 1)
         if limit < 1:
@@ -574,7 +612,7 @@ class Scheduler:
         for seq in finished:
             self._remove(seq)
             if seq.request.is_finished:
-                self.requests.pop(seq.request.request_id, None)
+                self._forget(seq.request.request_id)
         return outputs
 
     def _apply_verified(
@@ -587,7 +625,10 @@ class Scheduler:
         if seq is None:
             return end
         assert result is not None
-        for sampled in range(row, row + 1 + self._accepted(seq, drafts, result.token_ids[row:end])):
+        accepted = self._accepted(seq, drafts, result.token_ids[row:end])
+        seq.num_draft_tokens += len(drafts)
+        for sampled in range(row, row + 1 + accepted):
+            seq.num_accepted_drafts += sampled < row + accepted  # the last is the model's token after the drafts
             output = self._append(seq, result, sampled)
             outputs.append(output)
             if output.finish_reason is not None:
@@ -637,6 +678,8 @@ class Scheduler:
             output.rank = result.ranks[row]  # type: ignore[index]
             output.top_ids = result.top_logprob_ids[row][:k]  # type: ignore[index]
             output.top_logprobs = result.top_logprobs[row][:k]  # type: ignore[index]
+        if request.prediction is not None:
+            output.num_draft_tokens, output.num_accepted_drafts = seq.num_draft_tokens, seq.num_accepted_drafts
         if seq.index == 0 and seq.num_output_tokens == 1:  # facts the front end reads once
             output.scheduled_time = request.first_scheduled_time
             output.num_cached_tokens = request.num_cached_tokens or 0

@@ -58,6 +58,9 @@ class Sequence:
         self.draft_limit = 0
         self.draft_pause = 0
         self.draft_misses = 0
+        self.prediction_cursor = 0  # where in its request's prediction its output ends, as last found
+        self.num_draft_tokens = 0  # drafts it had verified, and how many of them it took
+        self.num_accepted_drafts = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         # Structured output: where this sequence is in its grammar (advanced by the scheduler as
@@ -132,6 +135,7 @@ class Request:
     lora: LoRARequest | None = None  # the LoRA adapter it generates with
     export_kv: bool = False  # disaggregation's prefill side: its prompt's KV is kept for another engine when it ends
     num_imported_tokens: int = 0  # disaggregation's decode side: prompt tokens whose KV another engine computed
+    prediction: np.ndarray | None = None  # the predicted output's tokens (Predicted Outputs): drafts to verify
 
     @property
     def lora_id(self) -> int:

@@ -75,6 +75,11 @@ class SamplingParams:
     # length ** length_penalty (`llmserve.engine.beam_search`). It is greedy: no sampling or logit changes.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # OpenAI's Predicted Outputs: text the output is expected to repeat much of (a file being edited). Its tokens
+    # (the input processor fills them in) are speculative drafts, verified as any are: the output is the same with
+    # or without it, only sooner where they agree (`llmserve.engine.prediction`).
+    prediction: str | None = None
+    prediction_token_ids: list[int] | None = None
     # The front end records where each token's text ended (`CompletionOutput.text_ends`): a server that
     # shows only part of the text (a safety screen) shows only those tokens' ids and logprobs.
     track_text_ends: bool = False
@@ -158,6 +163,8 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "allowed_token_ids must be non-negative token ids.")
         if any(not isinstance(word, str) for word in self.bad_words or ()):
             raise bad("bad_words", "bad_words must be strings.")
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            raise bad("prediction", "prediction must be a string.")
         if self.use_beam_search:
             self._validate_beam_search()
 

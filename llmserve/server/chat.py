@@ -41,7 +41,7 @@ from llmserve.server.protocol import (
     Usage,
 )
 from llmserve.server.sampling import constraint_field, engine_kv_transfer, to_sampling_params
-from llmserve.server.state import ModelEndpoint, get_state
+from llmserve.server.state import ModelEndpoint, ServerState, get_state
 from llmserve.server.streaming import Delta, StreamCursor, content_choice_json
 from llmserve.server.workers import WorkerPool
 
@@ -73,6 +73,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body, endpoint.engine.default_sampling_params(), max_tokens, max_tokens_param, logprobs=top_logprobs
     )
     params, constraint_param = _with_reply_plan(params, plan, body, prompt_text, endpoint.reasoning_end_ids)
+    if body.prediction is not None:
+        params = await _with_prediction(state, endpoint, params, body.prediction.text())
     renames = {"prompt": "messages", "max_tokens": max_tokens_param}
     if constraint_param is not None:
         renames["structured_outputs"] = constraint_param
@@ -161,6 +163,13 @@ def _template_variables(body: ChatCompletionRequest, endpoint: ModelEndpoint) ->
         raise errors.unsupported("reasoning_effort", "reasoning_effort and chat_template_kwargs.reasoning_effort "
                                  "differ: give it once.")
     return variables
+
+
+async def _with_prediction(state: ServerState, endpoint: ModelEndpoint, params: SamplingParams,
+                           prediction: str) -> SamplingParams:
+    """The params with the predicted output and its tokens (tokenized on a worker thread)."""
+    ids = await state.workers.run(endpoint.engine.input_processor.prediction_token_ids, prediction)
+    return dataclasses.replace(params, prediction=prediction, prediction_token_ids=ids)
 
 
 async def _chat_prompt(

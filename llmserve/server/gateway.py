@@ -325,6 +325,7 @@ class Meter:
         self._journaled_tokens = 0
         self._durable: Future[None] | None = None
         self.finished = False
+        self.predicted = False  # the request gave a predicted output: its usage tells how much of it was taken
         if self._usage is not None:
             self._usage.started(request_id, self._key_id, model, prompt_tokens, self._created_at)
 
@@ -362,6 +363,12 @@ class Meter:
     @property
     def cached_tokens(self) -> int:
         return sum(o.num_cached_tokens for o in self._latest.values())
+
+    @property
+    def prediction_tokens(self) -> tuple[int, int]:
+        """Its predicted output's tokens the model took, and those it did not, over every choice."""
+        choices = [c for o in self._latest.values() for c in o.outputs]
+        return (sum(c.accepted_prediction_tokens for c in choices), sum(c.rejected_prediction_tokens for c in choices))
 
     def finish(self, status: str) -> None:
         """Record the usage (journaled at once) and settle the reservation; later calls do nothing."""

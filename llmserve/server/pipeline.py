@@ -29,7 +29,7 @@ from llmserve.platform.keys import ApiKey
 from llmserve.sampling.params import SamplingParams
 from llmserve.server import errors
 from llmserve.server.gateway import PROGRESS_EVERY_TOKENS, Meter
-from llmserve.server.protocol import Usage, now
+from llmserve.server.protocol import CompletionTokensDetails, Usage, now
 from llmserve.server.state import ModelEndpoint, ServerState
 from llmserve.server.streaming import (
     PROGRESS_HEADER,
@@ -181,7 +181,12 @@ def check_kv_transfer(transfer: KVTransferParams, num_prompts: int, stream: bool
 
 def usage_of(meter: Meter) -> Usage:
     """A request's usage: the meter has seen every output, so it has the counts."""
-    return Usage.of(meter.prompt_tokens, meter.completion_tokens, meter.cached_tokens)
+    usage = Usage.of(meter.prompt_tokens, meter.completion_tokens, meter.cached_tokens)
+    if meter.predicted:
+        accepted, rejected = meter.prediction_tokens
+        usage.completion_tokens_details = CompletionTokensDetails(
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected)
+    return usage
 
 
 class _Run:

@@ -151,11 +151,27 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    """Given with a predicted output: its tokens the model was given to verify and took, and those it did not
+    (these cost compute, not completion tokens: `completion_tokens` counts the output alone)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None  # a request with a prediction's
+
+    @model_serializer(mode="wrap")
+    def _without_unset_details(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = serialize(self)
+        if data.get("completion_tokens_details", ...) is None:
+            del data["completion_tokens_details"]
+        return data
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
@@ -540,6 +556,31 @@ def continuation_conflicts(continue_final_message: bool, add_generation_prompt: 
     return []
 
 
+class PredictedText(_Request):
+    type: Literal["text"]
+    text: str
+
+    @field_validator("text")
+    @classmethod
+    def _valid_text(cls, value: str) -> str:
+        return _check_unicode(value)
+
+
+class PredictedOutput(_Request):
+    """OpenAI's `prediction`: text the reply is expected to repeat much of (a file being edited)."""
+
+    type: Literal["content"]
+    content: str | list[PredictedText]
+
+    @field_validator("content")
+    @classmethod
+    def _valid_content(cls, value: str | list[PredictedText]) -> str | list[PredictedText]:
+        return _check_unicode(value) if isinstance(value, str) else value
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: Int64 | None = Field(None, ge=1)
@@ -564,12 +605,12 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # "auto" when tools are given, else "none"
     parallel_tool_calls: StrictBool | None = None
+    prediction: PredictedOutput | None = None  # OpenAI's Predicted Outputs: drafts, the reply unchanged by them
     # OpenAI parameters this server does not implement
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
     audio: Any = None
-    prediction: Any = None
     web_search_options: Any = None
     verbosity: Any = None
     moderation: Any = None
@@ -587,7 +628,7 @@ class ChatCompletionRequest(SamplingFields):
             found.append(("function_call", "function_call is not supported."))
         if self.modalities is not None and set(self.modalities) - {"text"}:
             found.append(("modalities", "only the 'text' modality is supported."))
-        for name in ("audio", "prediction", "web_search_options", "verbosity"):
+        for name in ("audio", "web_search_options", "verbosity"):
             if getattr(self, name) is not None:
                 found.append((name, f"{name} is not supported."))
         if self.moderation is not None:

@@ -162,4 +162,5 @@ async def start_requests(
             _rename(exc, rename)
         raise
     meter = Meter(state.platform, response_id, key, endpoint.name, admission, sum(len(p) for p in prompts))
+    meter.predicted = params.prediction_token_ids is not None
     return Started(response_id, streams, meter, admission.headers if admission is not None else {})
