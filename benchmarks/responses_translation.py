@@ -1,6 +1,6 @@
-"""What `/v1/responses` adds per streamed token on the API server's event loop: chat's chunks are parsed
-and re-emitted as the Responses API's events (`responses_api`), against the chat chunks passed on as they
-are. Both read the same pre-built chat chunks from a source that yields to the loop between chunks (as
+"""What `/v1/responses` and `/v1/messages` add per streamed token on the API server's event loop: chat's chunks
+are parsed and re-emitted as the Responses API's events (`responses_api`) or Anthropic's (`anthropic_api`, here
+with two stop sequences, whose text is held back), against the chat chunks passed on as they are. Both read the same pre-built chat chunks from a source that yields to the loop between chunks (as
 the engine's outputs arrive one step at a time); alternated A/B, repeated.
 
     PYTHONPATH=. python benchmarks/responses_translation.py [--tokens 100000] [--repeats 5]
@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator
 
+from llmserve.server.anthropic_api import MessageEvents
 from llmserve.server.responses_api import ResponseEvents, ResponsesRequest
 from llmserve.server.streaming import EventIds
 
@@ -44,6 +45,11 @@ async def responses(tokens: int) -> int:
     return sum([len(event) async for event in ResponseEvents(body, "resp_bench").events(source(tokens))])
 
 
+async def messages(tokens: int) -> int:
+    events = MessageEvents("msg_bench", ["\n\nHuman:", "</answer>"]).events(source(tokens))
+    return sum([len(event) async for event in events])
+
+
 def timed(run, tokens: int) -> float:
     start = time.perf_counter()
     asyncio.run(run(tokens))
@@ -55,14 +61,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    results: dict[str, list[float]] = {"chat chunks passed on": [], "Responses events": []}
+    runs = {"chat chunks passed on": chat, "Responses events": responses, "Anthropic events": messages}
+    results: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):
-        results["chat chunks passed on"].append(timed(chat, args.tokens))
-        results["Responses events"].append(timed(responses, args.tokens))
+        for name, run in runs.items():
+            results[name].append(timed(run, args.tokens))
     for name, values in results.items():
         print(f"{name:24s} {statistics.median(values):6.2f} us a token (min {min(values):.2f}, max {max(values):.2f})")
     base = statistics.median(results["chat chunks passed on"])
-    print(f"added by the translation: {statistics.median(results['Responses events']) - base:.2f} us a token")
+    for name in ("Responses events", "Anthropic events"):
+        print(f"added by the translation to {name}: {statistics.median(results[name]) - base:.2f} us a token")
 
 
 if __name__ == "__main__":

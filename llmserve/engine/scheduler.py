@@ -51,7 +51,9 @@ follows its acceptance: the accepted count plus one after a miss, twice as long 
 1, 2, 4, ... up to 32 of its steps. Where a step's cost per token jumps past some size (`fast_step_tokens`:
 the CPU's one-call decoder), a sequence whose last drafts failed outright only drafts within that size, but
 for one probing step in 32 where they all may; where a larger step is compute-bound (a CPU without bf16
-GEMM instructions), no draft takes a step past that size.
+GEMM instructions), no draft takes a step past that size. A request with a predicted output (OpenAI's Predicted
+Outputs, prediction.py) drafts from it, speculative decoding configured or not (up to 16 tokens, and within the
+fast step's size), and the proposer drafts for the others.
 
 An embedding request (`Request.pooling`) is prefill-only work under the same token budget: its whole
 prompt is admitted in one step or waits (it is never chunked: an encoder attends both ways, and mean

@@ -1,6 +1,6 @@
 """The gateway's HTTP app: the OpenAI endpoints (/v1/chat/completions, /v1/completions, /v1/embeddings,
-/v1/responses, scores, rerank and /classify) forwarded to the pool named by the body's `model` (or an alias of
-it), `/v1/models` (the pools and aliases), /tokenize and /detokenize (answered by a replica), `/health` and
+/v1/responses, scores, rerank, /classify and /v1/moderations) forwarded to the pool named by the body's `model` (or
+an alias of it; with a platform, a moderation its content filter judges is answered here), `/v1/models` (the pools and aliases), /tokenize and /detokenize (answered by a replica), `/health` and
 `/metrics`. With a platform (platform.py), the keys, rate limits, usage, conversations and safety of
 `llmserve serve` around it all, and `/v1/usage`, `/v1/conversations` and stored responses served from the
 platform's store; without one, requests are passed through as they are, and a stored response is read from
@@ -46,7 +46,16 @@ from llmserve.gateway.proxy import (
 from llmserve.gateway.routing import policy_by_name
 from llmserve.platform.content_routing import ContentRouter, ContentRouterConfig
 from llmserve.platform.routing import ModelRouter
-from llmserve.server import batches, conversations, responses_api, stored_responses, streams, usage
+from llmserve.server import (
+    anthropic_api,
+    batches,
+    conversations,
+    responses_api,
+    stored_responses,
+    streams,
+    usage,
+)
+from llmserve.server.anthropic_api import CountTokensRequest, MessagesRequest
 from llmserve.server.batch_runner import start_batch_runner, stop_batch_runner
 from llmserve.server.cors import install_cors
 from llmserve.server.errors import install_error_handlers
@@ -72,7 +81,8 @@ from llmserve.web import install_page, page_paths
 # Passed on as they are by a gateway without its platform (with it, each has a route; a Responses API request
 # runs there as a chat completion, metered and screened as one).
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/score",
-                 "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/classify", "/v1/moderations")
+                 "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/classify", "/v1/moderations", "/v1/messages",
+                 "/v1/messages/count_tokens")
 
 
 @dataclass(frozen=True)
@@ -290,6 +300,14 @@ def build_gateway_app(
         @app.post("/classify", response_model=None)
         async def classify_with_platform(body: ClassificationRequest, request: Request) -> Response:
             return await front.classify(request, body)
+
+        @app.post("/v1/messages", response_model=None)
+        async def messages_with_platform(body: MessagesRequest, request: Request) -> Response:
+            return await anthropic_api.answer(body, lambda chat, payload: front.chat(request, chat, payload))
+
+        @app.post("/v1/messages/count_tokens", response_model=None)
+        async def count_message_tokens_with_platform(body: CountTokensRequest, request: Request) -> Response:
+            return await front.count_tokens(request, anthropic_api.count_request(body))
 
         @app.post("/v1/moderations", response_model=None)
         async def moderations_with_platform(body: ModerationRequest, request: Request) -> Response:

@@ -265,6 +265,13 @@ class GatewayPlatform:
         payload["model"] = model
         return await self.proxy.forward(pool, path, json.dumps(payload).encode(), "", _replica_headers(request))
 
+    async def count_tokens(self, request: Request, prompt: dict[str, Any]) -> Response:
+        """A chat prompt's tokens (Anthropic's count_tokens), counted by a replica of the model's pool."""
+        key = request_key(request.state)
+        model, pool = self.resolve(prompt["model"], key, key.id if key is not None else None)
+        count, _ = await self._count(pool, {**prompt, "model": model})
+        return JSONResponse({"input_tokens": count})
+
     def resolve(self, model: str | None, key: ApiKey | None, routing_key: str | None) -> tuple[str, Pool]:
         """The pool a request for `model` goes to: by name or alias (a canary alias picks one, the same
         for the same `routing_key`); unset means the first. 404 for an unknown one or one the key may not use."""

@@ -19,6 +19,7 @@ from llmserve.platform.content_routing import ContentRouter, ContentRouterConfig
 from llmserve.platform.routing import ModelRouter
 from llmserve.server import (
     admin,
+    anthropic,
     batches,
     chat,
     classify,
@@ -257,7 +258,7 @@ def build_app(
     install_cors(app, allowed_origins)
     for module in (
         chat, completions, responses, stored_responses, embeddings, scores, classify, moderations, streams, models_api,
-        tokens, health, metrics, usage, conversations, batches, admin, lora,
+        tokens, health, metrics, usage, conversations, batches, admin, lora, anthropic,
     ):
         app.include_router(module.router)
     install_page(app)

@@ -436,12 +436,17 @@ def _auth_unavailable(exc: Exception) -> APIError:
                     headers={"Retry-After": "1"})
 
 
-def _bearer(scope: Scope) -> str | None:
+def _secret(scope: Scope) -> str | None:
+    """The key a request gives: `Authorization: Bearer KEY` (OpenAI's clients), else `x-api-key: KEY` (Anthropic's);
+    "" for a malformed one, None for none."""
+    given = None
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
             return token.strip() if scheme.lower() == "bearer" and token.strip() else ""
-    return None
+        if name == b"x-api-key":
+            given = value.decode("latin-1").strip()
+    return given
 
 
 def _masked(secret: str) -> str:
@@ -492,7 +497,7 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
     async def _authenticate(self, scope: Scope) -> ApiKey | None:
-        secret = _bearer(scope)
+        secret = _secret(scope)
         if self.api_key is not None and secret and hmac.compare_digest(secret.encode(), self.api_key):
             return self.static_key
         if self.api_key is None and self.keys is not None and not await self.keys.has_active_keys():
@@ -500,7 +505,7 @@ class AuthMiddleware:
         if not secret:
             raise _auth_error(
                 "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
-                "(Authorization: Bearer YOUR_KEY).",
+                "(Authorization: Bearer YOUR_KEY), or in an x-api-key header.",
                 "missing_api_key",
             )
         if not looks_like_key(secret) and self.api_key is None:

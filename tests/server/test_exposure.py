@@ -51,6 +51,8 @@ ROUTE_ACCESS = {
     "/v2/rerank": KEY,
     "/classify": KEY,
     "/v1/moderations": KEY,
+    "/v1/messages": KEY,
+    "/v1/messages/count_tokens": KEY,
     "/v1/embeddings": KEY,
     "/v1/usage": KEY,
     "/v1/conversations": KEY,
