@@ -18,25 +18,33 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, Literal
 
 import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field, StrictBool, ValidationError
+from pydantic import BaseModel, Field, StrictBool
 
 from llmserve.errors import InvalidRequestError
 from llmserve.server import errors
+from llmserve.server.chat_translation import (
+    RunChat,
+    chat_chunks,
+    chat_request,
+    error_reply,
+    renamed,
+    renamer,
+    whole_completion,
+)
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import ChatCompletionRequest, Int64, RequestBody
-
-# The caller's chat endpoint: the chat request, validated and as JSON, in; its response out.
-RunChat = Callable[[ChatCompletionRequest, dict[str, Any]], Awaitable[Response]]
 
 # Chat's parameter names in errors -> the Messages request's own.
 _PARAMS = {"stop": "stop_sequences", "user": "metadata.user_id", "max_completion_tokens": "max_tokens",
            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use", "response_format": "output_config.format",
            "reasoning_effort": "output_config.effort"}
+_rename = renamer(_PARAMS, "messages")
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 _IGNORED_BLOCK_FIELDS = frozenset({"cache_control", "citations"})  # prompt-caching hints: every prompt is cached
 
@@ -103,10 +111,10 @@ DOCUMENTED = documented(MessageObject, stream=True)
 async def answer(body: MessagesRequest, run_chat: RunChat) -> Response:
     """The message answering `body`, by way of a chat completion that `run_chat` runs."""
     chat, payload = _chat_request(body)
-    reply = await _renamed(run_chat(chat, payload))
+    reply = await renamed(run_chat(chat, payload), _rename)
     headers = {k: v for k, v in reply.headers.items() if k.startswith("x-")}
     if reply.status_code != 200:  # an error answered rather than raised (a gateway's replica's)
-        return _error_reply(reply)
+        return error_reply(reply, _rename)
     message_id = f"msg_{uuid.uuid4().hex}"
     stops = body.stop_sequences or []
     if body.stream:
@@ -114,7 +122,7 @@ async def answer(body: MessagesRequest, run_chat: RunChat) -> Response:
         events = MessageEvents(message_id, stops).events(reply.body_iterator)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-    completion = await _whole(reply)
+    completion = await whole_completion(reply)
     choice = completion["choices"][0]
     message = choice["message"]
     text, stop_sequence = _without_stop(message.get("content") or "", stops, choice["finish_reason"])
@@ -160,12 +168,7 @@ def _chat_request(body: MessagesRequest) -> tuple[ChatCompletionRequest, dict[st
     if body.stream:
         fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     payload = {k: v for k, v in fields.items() if v is not None}
-    try:
-        return ChatCompletionRequest.model_validate(payload), payload
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = _rename(errors.param_path(first.get("loc", ())))
-        raise _invalid(f"Invalid value for '{param}': {first.get('msg', 'invalid value')}", param or "messages") from None
+    return chat_request(payload, _rename, "messages"), payload
 
 
 def _check_thinking(thinking: dict[str, Any] | None) -> None:
@@ -377,54 +380,8 @@ def _message(message_id: str, model: str, content: list[dict[str, Any]], finish_
             "usage": _usage(usage)}
 
 
-async def _renamed(call: Awaitable[Response]) -> Response:
-    """`call`'s result; its errors' `param` named as the Messages request names it."""
-    try:
-        return await call
-    except (errors.APIError, InvalidRequestError) as exc:
-        exc.param = _rename(exc.param)
-        raise
-
-
-def _rename(param: str | None) -> str | None:
-    if param is None:
-        return None
-    head, dot, rest = param.partition(".")
-    head, bracket, index = head.partition("[")
-    if head == "messages":
-        return "messages"  # chat's messages do not line up with the request's one to one
-    return _PARAMS.get(head, head) + (bracket + index if bracket else "") + dot + rest
-
-
 def _invalid(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
-
-
-def _error_reply(reply: Response) -> Response:
-    """Chat's error answer, with its `param` named as the Messages request names it."""
-    try:
-        body = json.loads(bytes(reply.body))
-        body["error"]["param"] = _rename(body["error"].get("param"))
-    except (AttributeError, ValueError, TypeError, KeyError):  # not OpenAI's error shape: passed on as it is
-        return reply
-    kept = {k: v for k, v in reply.headers.items() if k not in ("content-length", "content-type")}  # Retry-After
-    return JSONResponse(body, status_code=reply.status_code, headers=kept)
-
-
-async def _whole(reply: Response) -> dict[str, Any]:
-    """A non-streamed chat completion's JSON. Asked for progress events (the header a gateway sends), chat
-    answers with them instead, the completion last: read to it."""
-    if not isinstance(reply, StreamingResponse):
-        return json.loads(bytes(reply.body))
-    last = ""
-    async for raw in reply.body_iterator:
-        for line in (raw if isinstance(raw, str) else raw.decode()).splitlines():
-            last = line[6:] if line.startswith("data: {") else last
-    completion = json.loads(last)
-    if "choices" not in completion:  # the engine failed on the way: its error event
-        error = completion.get("error") or {}
-        raise errors.APIError(500, error.get("message") or "The request failed.", code=error.get("code"))
-    return completion
 
 
 # ---- streamed ------------------------------------------------------------------------------------------------
@@ -454,32 +411,21 @@ class MessageEvents:
         return f"event: {kind}\ndata: {_JSON.encode({'type': kind, **fields}).decode()}\n\n"
 
     async def events(self, chunks: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
-        pending = ""
         started = False
-        try:
-            async for raw in chunks:
-                pending += raw if isinstance(raw, str) else raw.decode()
-                *lines, pending = pending.split("\n")
-                for line in lines:
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    data = msgspec.json.decode(line[6:])
-                    if "error" in data:
-                        error = data["error"]
-                        yield self._event("error", error={"type": "api_error", "message": error.get("message")})
-                        return
-                    self.usage = data.get("usage") or self.usage
-                    if not started:
-                        started = True
-                        self.model = data.get("model") or ""
-                        message = _message(self.message_id, self.model, [], None, None, self.usage)
-                        yield self._event("message_start", message=message)
-                    for event in self._chunk(data):
-                        yield event
-        finally:
-            close = getattr(chunks, "aclose", None)
-            if close is not None:
-                await close()  # a client gone: the chat run aborts
+        async with aclosing(chat_chunks(chunks)) as datas:  # a client gone: the chat run aborts
+            async for data in datas:
+                if "error" in data:
+                    error = data["error"]
+                    yield self._event("error", error={"type": "api_error", "message": error.get("message")})
+                    return
+                self.usage = data.get("usage") or self.usage
+                if not started:
+                    started = True
+                    self.model = data.get("model") or ""
+                    message = _message(self.message_id, self.model, [], None, None, self.usage)
+                    yield self._event("message_start", message=message)
+                for event in self._chunk(data):
+                    yield event
         text, stop_sequence = _without_stop(self.held, self.stops, self.finish_reason)
         for event in [*(self._text(text) if text else []), *self._close()]:
             yield event

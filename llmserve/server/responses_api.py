@@ -26,21 +26,30 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat
 
 from llmserve.errors import InvalidRequestError
 from llmserve.platform.conversations import ConversationStore
 from llmserve.platform.responses import ResponseChainBroken, ResponseNotFound, ResponseStore, with_ids
 from llmserve.server import errors
+from llmserve.server.chat_translation import (
+    RunChat,
+    chat_chunks,
+    chat_request,
+    error_reply,
+    renamed,
+    renamer,
+    whole_completion,
+)
 from llmserve.server.conversations import ConversationTurn, start_turn
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import ChatCompletionRequest, Int64, RequestBody, now
@@ -50,6 +59,7 @@ logger = logging.getLogger(__name__)
 # Chat's parameter names in errors -> the Responses request's own.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
            "conversation_id": "conversation"}
+_rename = renamer(_PARAMS, "input")
 # Known Responses fields this server does not implement (each would change the output).
 _UNSUPPORTED = ("prompt", "background", "max_tool_calls")
 # `include` values: what they add to items this server makes (logprobs, reasoning), or to items of tools and
@@ -146,8 +156,6 @@ DOCUMENTED[200]["content"]["text/event-stream"]["schema"] = {
     "type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}}, "required": ["data"],
 }
 
-# The caller's chat endpoint: the chat request, validated and as JSON, in; its response out.
-RunChat = Callable[[ChatCompletionRequest, dict[str, Any]], Awaitable[Response]]
 
 
 @dataclass(frozen=True)
@@ -171,14 +179,14 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
     turn = None
     if conversation_id is not None:
         assert storage is not None and storage.conversations is not None
-        turn = await _renamed(_open_turn(storage.conversations, storage.key_id, conversation_id, body, messages))
+        turn = await renamed(_open_turn(storage.conversations, storage.key_id, conversation_id, body, messages), _rename)
     history = turn.history if turn is not None else []
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat, payload = _chat_request(body, [*instructions, *history, *messages])
-    reply = await _renamed(run_chat(chat, payload))
+    reply = await renamed(run_chat(chat, payload), _rename)
     headers = {k: v for k, v in reply.headers.items() if k.startswith("x-")}
     if reply.status_code != 200:  # an error answered rather than raised (a gateway's replica's)
-        return _error_reply(reply)
+        return error_reply(reply, _rename)
     response_id = f"resp_{uuid.uuid4().hex}"
     keep = _Keeper(storage if body.store is not False else None, input_items, body.previous_response_id, turn,
                    messages)
@@ -187,7 +195,7 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
         events = ResponseEvents(body, response_id, keep).events(reply.body_iterator)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-    completion = await _whole(reply)
+    completion = await whole_completion(reply)
     choice = completion["choices"][0]
     message = choice["message"]
     output = []
@@ -201,18 +209,6 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
     answer_json = _response(body, response_id, completion["model"], output, choice["finish_reason"], completion["usage"],
                             stored=keep.stores)
     return JSONResponse(await keep(answer_json), headers=headers)
-
-
-_T = TypeVar("_T")
-
-
-async def _renamed(call: Awaitable[_T]) -> _T:
-    """`call`'s result; its errors' `param` named as the Responses request names it."""
-    try:
-        return await call
-    except (errors.APIError, InvalidRequestError) as exc:
-        exc.param = _rename(exc.param)
-        raise
 
 
 def _conversation(body: ResponsesRequest) -> ConversationRef | None:
@@ -299,44 +295,6 @@ def _output_text(output: list[dict[str, Any]]) -> str:
     return "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
 
 
-def _error_reply(reply: Response) -> Response:
-    """Chat's error answer, with its `param` named as the Responses request names it."""
-    try:
-        body = json.loads(bytes(reply.body))
-        error = body["error"]
-        error["param"] = _rename(error.get("param"))
-    except (AttributeError, ValueError, TypeError, KeyError):  # not OpenAI's error shape: passed on as it is
-        return reply
-    kept = {k: v for k, v in reply.headers.items() if k not in ("content-length", "content-type")}  # Retry-After
-    return JSONResponse(body, status_code=reply.status_code, headers=kept)
-
-
-async def _whole(reply: Response) -> dict[str, Any]:
-    """A non-streamed chat completion's JSON. Asked for progress events (the header a gateway sends), chat
-    answers with them instead, the completion last: read to it."""
-    if not isinstance(reply, StreamingResponse):
-        return json.loads(bytes(reply.body))
-    last = ""
-    async for raw in reply.body_iterator:
-        for line in (raw if isinstance(raw, str) else raw.decode()).splitlines():
-            last = line[6:] if line.startswith("data: {") else last
-    completion = json.loads(last)
-    if "choices" not in completion:  # the engine failed on the way: its error event
-        error = completion.get("error") or {}
-        raise errors.APIError(500, error.get("message") or "The request failed.", code=error.get("code"))
-    return completion
-
-
-def _rename(param: str | None) -> str | None:
-    if param is None:
-        return None
-    head, dot, rest = param.partition(".")
-    head, bracket, index = head.partition("[")
-    if head == "messages":
-        return "input"  # the messages do not line up with the input items one to one
-    return _PARAMS.get(head, head) + (bracket + index if bracket else "") + dot + rest
-
-
 def _invalid(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
@@ -373,12 +331,7 @@ def _chat_request(
     if body.stream:
         fields["stream_options"] = {"include_usage": True}
     payload = {k: v for k, v in fields.items() if v is not None}
-    try:
-        return ChatCompletionRequest.model_validate(payload), payload
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = _rename(errors.param_path(first.get("loc", ())))
-        raise _invalid(f"Invalid value for '{param}': {first.get('msg', 'invalid value')}", param or "input") from None
+    return chat_request(payload, _rename, "input"), payload
 
 
 def _text(content: Any, param: str, kinds: tuple[str, ...]) -> str:
@@ -592,35 +545,24 @@ class ResponseEvents:
         return f"event: {kind}\ndata: {data}\n\n"
 
     async def events(self, chunks: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
-        pending = ""
-        try:
-            async for raw in chunks:
-                pending += raw if isinstance(raw, str) else raw.decode()
-                *lines, pending = pending.split("\n")
-                for line in lines:
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    data = msgspec.json.decode(line[6:])
-                    if self.model is None:  # chat's first chunk names the model served
-                        self.model = data.get("model") or ""
-                        snapshot = self._snapshot("in_progress")
-                        yield self._event("response.created", response=snapshot)
-                        yield self._event("response.in_progress", response=snapshot)
-                    if "error" in data:
-                        for event in self._close():
-                            yield event
-                        error = data["error"]
-                        yield self._event("error", code=error.get("code"), message=error.get("message"),
-                                          param=error.get("param"))
-                        failed = {"code": error.get("code") or "server_error", "message": error.get("message")}
-                        yield self._event("response.failed", response=self._snapshot("failed", failed))
-                        return
-                    for event in self._chunk(data):
+        async with aclosing(chat_chunks(chunks)) as datas:  # a client gone: the chat run aborts
+            async for data in datas:
+                if self.model is None:  # chat's first chunk names the model served
+                    self.model = data.get("model") or ""
+                    snapshot = self._snapshot("in_progress")
+                    yield self._event("response.created", response=snapshot)
+                    yield self._event("response.in_progress", response=snapshot)
+                if "error" in data:
+                    for event in self._close():
                         yield event
-        finally:
-            close = getattr(chunks, "aclose", None)
-            if close is not None:
-                await close()  # a client gone: the chat run aborts
+                    error = data["error"]
+                    yield self._event("error", code=error.get("code"), message=error.get("message"),
+                                      param=error.get("param"))
+                    failed = {"code": error.get("code") or "server_error", "message": error.get("message")}
+                    yield self._event("response.failed", response=self._snapshot("failed", failed))
+                    return
+                for event in self._chunk(data):
+                    yield event
         for event in self._close():
             yield event
         final = self._snapshot(None)
