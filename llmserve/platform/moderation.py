@@ -5,7 +5,8 @@ A request names a served sequence-classification model (a moderation classifier)
 models, which is the model served (or aliased) under that name when there is one, else the content filter. A
 classifier's labels are the categories, less the ones that mean "nothing wrong" (`SAFE_LABELS`); a category is
 flagged at a probability of `FLAG_THRESHOLD` or more. The content filter's categories are its rules' (a rule set's
-"word" and "regex"), each scored 1 when one of its rules matches the text, else 0."""
+"word" and "regex", and the config's named `categories`), each scored 1 when one of its rules matches the text,
+else 0."""
 
 from __future__ import annotations
 

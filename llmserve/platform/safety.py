@@ -135,11 +135,11 @@ class _WordsRule(_Rule):
     """Every word in one non-capturing alternation, matched whole. (A named group per word would
     say which word matched, but makes each search about 100 times slower.)"""
 
-    def __init__(self, words: Sequence[str], flags: int) -> None:
+    def __init__(self, words: Sequence[str], flags: int, prefix: str = "", category: str = "word") -> None:
         alternation = "|".join(re.escape(word) for word in words)
         # Lookarounds rather than \b, so words that start or end with punctuation ("c++") match too.
-        super().__init__("words", "word", re.compile(rf"(?<!\w)(?:{alternation})(?!\w)", flags))
-        self._words = list(words)
+        super().__init__(f"{prefix}words", category, re.compile(rf"(?<!\w)(?:{alternation})(?!\w)", flags))
+        self.words = list(words)
         self._fold = str.casefold if flags & re.IGNORECASE else str
         self._index: dict[str, int] = {}
         for index, word in enumerate(words):
@@ -149,10 +149,10 @@ class _WordsRule(_Rule):
         index = self._index.get(self._fold(matched))
         if index is None:  # a case variant that re's IGNORECASE matches but casefold() keeps apart
             index = next(
-                i for i, word in enumerate(self._words)
+                i for i, word in enumerate(self.words)
                 if re.fullmatch(re.escape(word), matched, self.pattern.flags)
             )
-        return f"words[{index}]"
+        return f"{self.name}[{index}]"
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,8 @@ class RuleSetFilter(SafetyFilter):
     rules it out, so a match that grows as text arrives (`secret-\\d+`) is safe at any length; but a
     match that only appears once more than `max_regex_chars` of its characters are visible
     (`secret-\\d{40}-end`) may be partly sent, or missed by a streamed check. Prompts and complete
-    outputs are always checked whole."""
+    outputs are always checked whole. The top-level words and regexes are in the categories "word" and "regex";
+    `categories` names more, each with its own words and regexes (what /v1/moderations reports)."""
 
     def __init__(
         self,
@@ -180,12 +181,20 @@ class RuleSetFilter(SafetyFilter):
         check_prompts: bool = True,
         check_outputs: bool = True,
         max_regex_chars: int = DEFAULT_MAX_REGEX_CHARS,
+        categories: Mapping[str, Mapping[str, Iterable[str]]] | None = None,
     ) -> None:
-        words, regexes = _clean_words(words), list(regexes)
         if max_regex_chars < 1:
             raise ValueError(f"max_regex_chars must be at least 1, got {max_regex_chars}.")
         flags = 0 if case_sensitive else re.IGNORECASE
-        self._rules = ([_WordsRule(words, flags)] if words else []) + _compile_regexes(regexes, flags)
+        self._rules = _rules(words, regexes, flags)
+        for name, rules in (categories or {}).items():
+            unknown = set(rules) - {"words", "regexes"}
+            if unknown:
+                raise ValueError(f"Safety category {name!r} has {sorted(unknown)[0]!r}: a category holds words and "
+                                 "regexes.")
+            self._rules += _rules(rules.get("words", ()), rules.get("regexes", ()), flags, f"categories.{name}.", name)
+        words = [word for rule in self._rules if isinstance(rule, _WordsRule) for word in rule.words]
+        regexes = [rule for rule in self._rules if not isinstance(rule, _WordsRule)]
         self.check_prompts = check_prompts
         self.check_outputs = check_outputs
         self.categories = tuple(dict.fromkeys(rule.category for rule in self._rules))
@@ -240,25 +249,35 @@ def _first_match(rule: _Rule, text: str, pos: int, final: bool) -> tuple[_Hit | 
     return None, pending_start
 
 
-def _clean_words(words: Iterable[str]) -> list[str]:
+def _rules(words: Iterable[str], regexes: Iterable[str], flags: int, prefix: str = "",
+           category: str | None = None) -> list[_Rule]:
+    """One rule for the words, one per regex; named after `prefix` ("" or "categories.NAME."), in `category` (else
+    "word" and "regex")."""
+    words = _clean_words(words, prefix)
+    rules: list[_Rule] = [_WordsRule(words, flags, prefix, category or "word")] if words else []
+    return rules + _compile_regexes(list(regexes), flags, prefix, category)
+
+
+def _clean_words(words: Iterable[str], prefix: str = "") -> list[str]:
     cleaned = []
     for index, word in enumerate(words):
         if not isinstance(word, str) or not word.strip():
-            raise ValueError(f"Safety rule words[{index}] must be a non-empty string.")
+            raise ValueError(f"Safety rule {prefix}words[{index}] must be a non-empty string.")
         cleaned.append(word.strip())
     return cleaned
 
 
-def _compile_regexes(regexes: Sequence[str], flags: int) -> list[_Rule]:
+def _compile_regexes(regexes: Sequence[str], flags: int, prefix: str = "", category: str | None = None) -> list[_Rule]:
     rules = []
     for index, source in enumerate(regexes):
+        name = f"{prefix}regexes[{index}]"
         try:
             pattern = re.compile(source, flags)
         except (re.error, TypeError) as exc:
-            raise ValueError(f"Safety rule regexes[{index}] {source!r} is not a valid regex: {exc}") from exc
+            raise ValueError(f"Safety rule {name} {source!r} is not a valid regex: {exc}") from exc
         if pattern.fullmatch("") is not None:
-            raise ValueError(f"Safety rule regexes[{index}] {source!r} matches the empty string.")
-        rules.append(_Rule(f"regexes[{index}]", "regex", pattern))
+            raise ValueError(f"Safety rule {name} {source!r} matches the empty string.")
+        rules.append(_Rule(name, category or "regex", pattern))
     return rules
 
 
@@ -309,7 +328,7 @@ def load_filter(
     elif options:
         raise ValueError("Safety filter options were given without a filter plugin.")
     rule_args = dict(rules or {})
-    if rule_args.get("words") or rule_args.get("regexes"):
+    if rule_args.get("words") or rule_args.get("regexes") or rule_args.get("categories"):
         try:
             filters.append(RuleSetFilter(**rule_args))
         except TypeError as exc:
@@ -479,6 +498,21 @@ class SafetyStats:
             return sum(n for (s, _), n in self._blocks.items() if stage is None or s == stage)
 
 
+class SafetyCategory(BaseModel):
+    """A named category of rules (`safety: {categories: {pii: {regexes: [...]}}}`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    words: list[str] = Field(default_factory=list)
+    regexes: list[str] = Field(default_factory=list)
+
+    @field_validator("regexes")
+    @classmethod
+    def _regexes_compile(cls, regexes: list[str]) -> list[str]:
+        _compile_regexes(regexes, 0)
+        return regexes
+
+
 class SafetyConfig(BaseModel):
     """The `safety:` section of the models config."""
 
@@ -491,6 +525,7 @@ class SafetyConfig(BaseModel):
     case_sensitive: bool = False
     max_regex_chars: int = Field(DEFAULT_MAX_REGEX_CHARS, ge=1)
     holdback_chars: int = Field(DEFAULT_HOLDBACK_CHARS, ge=0)
+    categories: dict[str, SafetyCategory] = Field(default_factory=dict)
 
     @field_validator("regexes")
     @classmethod
@@ -504,6 +539,7 @@ class SafetyConfig(BaseModel):
             "regexes": self.regexes,
             "case_sensitive": self.case_sensitive,
             "max_regex_chars": self.max_regex_chars,
+            "categories": {name: category.model_dump() for name, category in self.categories.items()},
         }
 
 

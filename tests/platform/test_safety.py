@@ -115,6 +115,22 @@ def test_moderation_reads_every_category_a_text_falls_in() -> None:
     assert chain.matched_categories("spam and badword") == ["spam", "word"]
 
 
+def test_named_categories_hold_their_own_rules() -> None:
+    rules = RuleSetFilter(words=["badword"], categories={"pii": {"regexes": [r"\b\d{3}-\d{4}\b"]},
+                                                          "insult": {"words": ["idiot", "fool"]}})
+    assert rules.categories == ("word", "pii", "insult")
+    assert rules.matched_categories("call 555-1234, you fool") == ["pii", "insult"]
+    verdict = rules.check_prompt("you fool")
+    assert (verdict.rule, verdict.category) == ("categories.insult.words[1]", "insult")
+    assert rules.check_prompt("555-1234").rule == "categories.pii.regexes[0]"
+    with pytest.raises(ValueError, match="a category holds words and regexes"):
+        RuleSetFilter(categories={"pii": {"patterns": ["x"]}})
+    with pytest.raises(ValueError, match=r"categories\.pii\.regexes\[0\]"):
+        RuleSetFilter(categories={"pii": {"regexes": ["("]}})
+    configured = load_filter(None, SafetyConfig(categories={"pii": {"regexes": [r"\d{3}-\d{4}"]}}).rules())
+    assert configured is not None and configured.matched_categories("555-1234") == ["pii"]
+
+
 def test_stages_can_be_switched_off() -> None:
     prompts_only = rule_set(check_outputs=False)
     assert prompts_only.check_prompt("ass").blocked

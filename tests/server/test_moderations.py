@@ -128,16 +128,16 @@ def test_without_a_served_default_the_content_filter_judges_the_texts(specs: lis
         key, secret = server.new_key("filtered", rpm=1)
         nothing = _moderate(server, secret, input="I will hurt you.")
         assert "no content filter" in _error(nothing, 404)["message"]
-        server.platform.safety = RuleSetFilter(words=["hurt"], regexes=[r"\d{3}-\d{4}"])
+        server.platform.safety = RuleSetFilter(words=["hurt"], categories={"pii": {"regexes": [r"\d{3}-\d{4}"]}})
         answer = _moderate(server, secret, model="text-moderation-latest",
                            input=["I will hurt you.", "Call 555-1234.", "Have a lovely day."])
         assert answer.status_code == 200, answer.text  # the texts are judged, not refused by the screen
         body = answer.json()
         assert body["model"] == CONTENT_FILTER_MODEL and body["usage"] == {"prompt_tokens": 0, "total_tokens": 0}
         assert [result["categories"] for result in body["results"]] == [
-            {"word": True, "regex": False}, {"word": False, "regex": True}, {"word": False, "regex": False}]
+            {"word": True, "pii": False}, {"word": False, "pii": True}, {"word": False, "pii": False}]
         assert [result["flagged"] for result in body["results"]] == [True, True, False]
-        assert body["results"][0]["category_scores"] == {"word": 1.0, "regex": 0.0}
+        assert body["results"][0]["category_scores"] == {"word": 1.0, "pii": 0.0}
         limited = _moderate(server, secret, input="again")
         assert _error(limited, 429)["code"] == "rate_limit_exceeded"
         rows = server.wait_for_usage_rows(1)
