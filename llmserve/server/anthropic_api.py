@@ -462,8 +462,12 @@ class MessageEvents:
         return self._delta("text", {"type": "text_delta", "text": text})
 
     def _delta(self, kind: str, delta: dict[str, Any]) -> list[str]:
-        events = [] if self.open == kind else self._start(kind, {"type": kind, kind: ""} if kind != "thinking" else
-                                                          {"type": "thinking", "thinking": "", "signature": ""})
+        events = []
+        if self.open != kind:
+            block = {"type": kind, kind: ""}
+            if kind == "thinking":
+                block["signature"] = ""
+            events = self._start(kind, block)
         events.append(self._event("content_block_delta", index=self.index, delta=delta))
         return events
 

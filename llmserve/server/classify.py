@@ -56,8 +56,6 @@ async def create_classification(body: ClassificationRequest, request: Request) -
     endpoint = state.endpoint(body.model, key, routing_key=key.id if key is not None else body.user)
     endpoint.check_generates("classification")
     classifier = endpoint.engine.input_processor.check_can_classify()
-    items = body.inputs()
-    params = [f"input[{i}]" for i in range(len(items))] if len(items) > 1 else ["input"]
 
     def answer(response_id: str, outputs: Sequence[EmbeddingRequestOutput]) -> bytes:
         return _JSON.encode({
@@ -66,7 +64,7 @@ async def create_classification(body: ClassificationRequest, request: Request) -
             "usage": {**usage(outputs), "completion_tokens": 0},
         })
 
-    return await embed(request, state, endpoint, key, Inputs(items, params, body.truncate_prompt_tokens),
+    return await embed(request, state, endpoint, key, Inputs.of_input(body.inputs(), body.truncate_prompt_tokens),
                        PoolingParams(), body.priority, answer, "classify")
 
 

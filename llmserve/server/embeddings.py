@@ -45,9 +45,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     endpoint.engine.input_processor.check_can_embed()
     pooling = PoolingParams(body.dimensions)
     pooling.validate(endpoint.engine.input_processor.hidden_size)
-    inputs = body.inputs()
-    params = [f"input[{i}]" for i in range(len(inputs))] if len(inputs) > 1 else ["input"]
-    return await embed(request, state, endpoint, key, Inputs(inputs, params, body.truncate_prompt_tokens), pooling,
+    inputs = Inputs.of_input(body.inputs(), body.truncate_prompt_tokens)
+    return await embed(request, state, endpoint, key, inputs, pooling,
                        body.priority, lambda _, outputs: _response_json(endpoint.name, outputs, body.encoding_format))
 
 
@@ -61,6 +60,12 @@ class Inputs:
     params: Sequence[str]
     truncate: int | None
     pairs: Sequence[tuple[int, int]] | None = None
+
+    @classmethod
+    def of_input(cls, items: Sequence[str | list[int]], truncate: int | None) -> Inputs:
+        """A request's `input` items, named "input" when alone, else "input[i]"."""
+        params = [f"input[{i}]" for i in range(len(items))] if len(items) > 1 else ["input"]
+        return cls(items, params, truncate)
 
 
 async def embed(

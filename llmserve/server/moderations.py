@@ -61,12 +61,11 @@ async def create_moderation(body: ModerationRequest, request: Request) -> Respon
     endpoint = state.endpoint(model, key, routing_key=key.id if key is not None else None)
     endpoint.check_generates("moderations")
     classifier = endpoint.engine.input_processor.check_can_classify()
-    params = [f"input[{i}]" for i in range(len(texts))] if len(texts) > 1 else ["input"]
 
     def answer(response_id: str, outputs: Sequence[EmbeddingRequestOutput]) -> bytes:
         results = [classifier_result(classifier.labels, classifier.probabilities(output.outputs.data).tolist())
                    for output in outputs]
         return _JSON.encode(moderation_body(response_id, endpoint.name, results, usage(outputs)))
 
-    return await embed(request, state, endpoint, key, Inputs(texts, params, None), PoolingParams(), body.priority, answer,
+    return await embed(request, state, endpoint, key, Inputs.of_input(texts, None), PoolingParams(), body.priority, answer,
                        "modr", screen=False)
