@@ -31,7 +31,7 @@ from llmserve.tokenizer.tokenizer import read_chat_template
 Prompt = str | Seq[int] | Mapping[str, object]
 Message = dict[str, object]
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
-_OPTIONAL_PROMPT_KEYS = {"cache_salt"}
+_OPTIONAL_PROMPT_KEYS = {"cache_salt", "multi_modal_data"}
 
 
 class LLM:
@@ -76,7 +76,7 @@ class LLM:
             for prompt, p, prio, lora in (requests[i] for i in sampled):
                 request_id = f"offline-{next(self._ids)}"
                 final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)  # nothing reads the rest
-                content, cache_salt = _unpack_prompt(prompt)
+                content, cache_salt = self._prompt_content(prompt)
                 self.engine.add_request(request_id, content, final_only, priority=prio, cache_salt=cache_salt,
                                         lora_request=lora)
                 request_ids.append(request_id)
@@ -87,11 +87,17 @@ class LLM:
         outputs.update(zip(searched, self._run_searches(searches), strict=True))
         return [outputs[i] for i in range(len(requests))]  # type: ignore[misc]
 
+    def _prompt_content(self, prompt: Prompt) -> tuple[str | Seq[int], str | None]:
+        """A prompt's text or token ids (with its images, when it has `multi_modal_data`), and its cache salt."""
+        content, cache_salt = _unpack_prompt(prompt)
+        images = _images(prompt)
+        return (self.engine.input_processor.with_images(content, images) if images else content), cache_salt
+
     def _new_search(
         self, prompt: Prompt, params: SamplingParams, priority: int, lora: LoRARequest | None
     ) -> tuple[BeamSearch, dict[str, object]]:
         """A request's beam search, and the options its step requests are added with."""
-        content, cache_salt = _unpack_prompt(prompt)
+        content, cache_salt = self._prompt_content(prompt)
         search = self.engine.input_processor.beam_search(f"offline-{next(self._ids)}", content, params, priority,
                                                          cache_salt, lora)
         return search, {"priority": priority, "cache_salt": cache_salt, "lora_request": lora}
@@ -237,6 +243,19 @@ def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if items and all(isinstance(t, int) for t in items):
         return [items]  # a single prompt given as token ids
     return items
+
+
+def _images(prompt: Prompt) -> list:
+    """A prompt dict's `multi_modal_data` images (vLLM's: {"image": an image or a list of them}, PIL images or
+    their encoded bytes)."""
+    data = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
+    if data is None:
+        return []
+    if not isinstance(data, Mapping) or set(data) != {"image"}:
+        raise InvalidRequestError('multi_modal_data takes {"image": an image or a list of images}.',
+                                  param="multi_modal_data")
+    images = data["image"]
+    return list(images) if isinstance(images, list | tuple) else [images]
 
 
 def _unpack_prompt(prompt: Prompt) -> tuple[str | Seq[int], str | None]:

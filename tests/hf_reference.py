@@ -164,3 +164,73 @@ def load_with_adapter(base_dir: Path, adapter_dir: Path):
     import peft
 
     return peft.PeftModel.from_pretrained(load_model(base_dir), adapter_dir).eval()
+
+
+IMAGE_TOKEN = "<image>"
+# ChatML whose user turns may hold images: each image part becomes one `<image>` placeholder (the server expands it
+# to the image's tokens), as llava-hf's templates place theirs.
+LLAVA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>\\n' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def build_llava(
+    out_dir: Path, tokenizer_dir: Path, seed: int = 0, image_size: int = 56, patch_size: int = 14,
+    feature_layer: int | list[int] = -2, strategy: str = "default", text_case: str = "llama",
+) -> Path:
+    """A random LLaVA-1.5-shaped checkpoint in transformers' layout: a CLIP vision tower of (image_size /
+    patch_size)² patches, the projector, and the `text_case` decoder; the tokenizer of `tokenizer_dir` with
+    `<image>` added as token 1024 and a chat template that places it; CLIP's image processor config."""
+    import tokenizers
+    import transformers
+
+    cls_name, overrides = ARCH_CASES[text_case]
+    text = getattr(transformers, cls_name)(**{**_COMMON, **overrides, "vocab_size": 1032})
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=image_size, patch_size=patch_size)
+    num_tokens = (image_size // patch_size) ** 2 + (strategy == "full")
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_id=1024,
+                                      vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,
+                                      image_seq_length=num_tokens)
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # larger weights than the default init: clear logit margins, images that matter
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08 if "embed_tokens" not in name else 1.0)
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(out_dir)
+    tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([tokenizers.AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    assert tokenizer.token_to_id(IMAGE_TOKEN) == 1024
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = LLAVA_CHAT_TEMPLATE
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    shutil.copy(tokenizer_dir / "special_tokens_map.json", out_dir / "special_tokens_map.json")
+    transformers.CLIPImageProcessor(size={"shortest_edge": image_size},
+                                    crop_size={"height": image_size, "width": image_size}).save_pretrained(out_dir)
+    return out_dir
+
+
+def load_llava(model_dir: Path):
+    import transformers
+
+    return transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def greedy_with_images(model, prompt_ids: list[int], pixel_values: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """Greedy decode of a LLaVA prompt (its `<image>` placeholders already expanded) with the images' pixels."""
+    out = model(input_ids=torch.tensor([prompt_ids]), pixel_values=pixel_values, use_cache=True)
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        generated.append(token)
+        out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return generated

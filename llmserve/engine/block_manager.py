@@ -167,8 +167,16 @@ class BlockManager:
         hashes = seq.block_hashes
         while len(hashes) <= index:
             parent = hashes[-1] if hashes else seq.cache_root
-            hashes.append(prefix_cache.hash_block(parent, self._tokens(seq, len(hashes))))
+            hashes.append(prefix_cache.hash_block(parent, self._tokens(seq, len(hashes)), self._images(seq, len(hashes))))
         return hashes[index]
+
+    def _images(self, seq: Sequence, index: int) -> bytes:
+        """The names of the images with placeholder tokens in `seq`'s block `index`."""
+        images = seq.request.images
+        if not images:
+            return b""
+        begin, end = index * self.block_size, (index + 1) * self.block_size
+        return b"".join(image.digest for image in images if image.offset < end and image.offset + image.length > begin)
 
     def _parent_hash(self, seq: Sequence, index: int) -> BlockHash:
         return self._block_hash(seq, index - 1) if index else seq.cache_root

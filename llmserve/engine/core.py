@@ -83,7 +83,7 @@ from llmserve.engine.wakeup import Wakeup
 from llmserve.errors import InvalidRequestError
 from llmserve.heap import freeze_startup_heap
 from llmserve.model import parallel
-from llmserve.model.runner import ModelRunner, PromptLogprobsBatch, StepBatch, StepHandle
+from llmserve.model.runner import ImageSlice, ModelRunner, PromptLogprobsBatch, StepBatch, StepHandle
 from llmserve.sampling.sampler import SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -269,6 +269,7 @@ class EngineCore:
             pooling=request.pooling,
             lora=request.lora,
             prediction=_prediction(request.params.prediction_token_ids),
+            images=request.images,
         )
         self.num_requests_added += 1
         if request.lora is not None and not self._read_adapter(core_request):
@@ -570,6 +571,8 @@ class EngineCore:
             pool_dimensions=[target.seq.request.pooling.dimensions for target in scheduled.pools],  # type: ignore[union-attr]
             pool_second_texts=[target.seq.request.pooling.second_text_start for target in scheduled.pools],  # type: ignore[union-attr]
             lora_ids=[row.seq.request.lora_id for row in rows] if self.runner.lora is not None else [],
+            images=[piece for row, start in zip(rows, starts.tolist(), strict=True) if row.seq.request.images
+                    for piece in _image_slices(row, start)],
         )
 
     def _token_bitmask(self, sampled: list[Sequence]) -> tuple[dict[int, int], np.ndarray | None]:
@@ -749,6 +752,18 @@ def _prompt_logprobs_batch(scheduled: SchedulerOutput, starts: np.ndarray) -> Pr
         targets += target.request.prompt_token_ids[target.begin + 1 : target.begin + 1 + target.count]
     num_top = max(target.request.params.prompt_logprobs or 0 for target in scheduled.prompt_scores)
     return PromptLogprobsBatch(np.concatenate(index), np.array(targets, dtype=np.int64), num_top)
+
+
+def _image_slices(row: ScheduledRow, batch_start: int) -> list[ImageSlice]:
+    """The parts of its request's images whose placeholders a row computes, where they are in the step."""
+    if row.draft >= 0:
+        return []
+    begin, end = row.begin, row.begin + row.num_new
+    return [
+        ImageSlice(image.digest, image.pixel_array(), batch_start + lo - begin, lo - image.offset, hi - lo, image.length)
+        for image in row.seq.request.images
+        if (lo := max(begin, image.offset)) < (hi := min(end, image.offset + image.length))
+    ]
 
 
 def _row_tokens(row: ScheduledRow) -> list[int]:

@@ -17,6 +17,8 @@ import random
 from array import array
 from collections.abc import Sequence
 
+from PIL import Image
+
 from llmserve.config import EngineConfig
 from llmserve.engine.beam_search import BeamSearch
 from llmserve.engine.grammar import validate_structured_outputs
@@ -26,6 +28,8 @@ from llmserve.errors import ContextLengthExceededError, InvalidRequestError
 from llmserve.model.lora import AdapterChecker
 from llmserve.model.lora_request import LoRARequest
 from llmserve.model.pooling import ClassifierConfig, PoolingParams
+from llmserve.multimodal.images import prepare
+from llmserve.multimodal.inputs import ImageInput, ImagePrompt, PreparedImage, expand_placeholders, image_prompt
 from llmserve.sampling.params import SamplingParams
 from llmserve.tokenizer.tokenizer import Tokenizer
 
@@ -33,6 +37,9 @@ _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 # A bad word's earlier tokens are compared with the output's last ones every step.
 MAX_BAD_WORD_TOKENS = 128
 _EMBEDDING_SAMPLING = SamplingParams(max_tokens=1)  # what an embedding request carries: it samples nothing
+
+
+MAX_IMAGES_PER_PROMPT = 16  # vLLM's --limit-mm-per-prompt; each image takes a vision-language model's hundreds of tokens
 
 
 class InputProcessor:
@@ -52,6 +59,7 @@ class InputProcessor:
         self._rng = random.Random(config.seed)
         self.kv_transfer = config.kv_transfer  # disaggregation: it takes kv_transfer_params
         self.adapters = AdapterChecker(facts.model_config, config.max_lora_rank) if config.lora_enabled else None
+        self.vision = facts.vision  # a vision-language model's image facts
 
     def check_lora(self, lora: LoRARequest) -> None:
         """Raises InvalidRequestError when the adapter cannot be served (read once, then known by its id)."""
@@ -100,7 +108,12 @@ class InputProcessor:
         if keep is None:
             return token_ids
         keep = self.max_model_len if keep == -1 else keep
-        return token_ids[-keep:] if len(token_ids) > keep else token_ids
+        if len(token_ids) <= keep:
+            return token_ids
+        if getattr(token_ids, "images", None):
+            raise InvalidRequestError("truncate_prompt_tokens would cut a prompt with images.",
+                                      param="truncate_prompt_tokens")
+        return token_ids[-keep:]
 
     def max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The completion budget: `max_tokens`, or what the context window leaves when it is unset."""
@@ -146,6 +159,7 @@ class InputProcessor:
             raise InvalidRequestError("The engine core runs no beam search: start it with `beam_search`.",
                                       param="use_beam_search")
         token_ids = self.truncate(self.tokenize(prompt), params.truncate_prompt_tokens)
+        images = self.check_images(prompt, token_ids)
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(
                 f"stop_token_ids must be below the vocabulary size {self.vocab_size}.", param="stop_token_ids"
@@ -176,13 +190,72 @@ class InputProcessor:
         if kv_transfer is not None:
             self.check_kv_transfer(kv_transfer, params)
         return EngineCoreRequest(request_id, token_ids, params, seed, priority, cache_salt, lora=lora,
-                                 kv_transfer=kv_transfer)
+                                 kv_transfer=kv_transfer, images=images)
+
+    def with_images(self, prompt: str | Sequence[int], images: Sequence[bytes | Image.Image],
+                    param: str = "multi_modal_data") -> ImagePrompt:
+        """A prompt whose image placeholders (one per image, as a chat template writes them) stand for `images`
+        (encoded bytes, or PIL images). Runs on a worker thread: decoding and resizing grow with the images."""
+        prepared = self.prepare_images(images, [f"{param}[{i}]" for i in range(len(images))])
+        return self.place_images(self.expand_placeholders(self.tokenize(prompt)), prepared)
+
+    def prepare_images(self, images: Sequence[bytes | Image.Image], params: Sequence[str]) -> list[PreparedImage]:
+        """Images decoded and prepared as the model reads them; a 400 naming the parameter of one that is not an
+        image, and for a model that reads none."""
+        if self.vision is None:
+            raise InvalidRequestError(f"The model {self.model_name!r} reads text only, not images.", param=params[0])
+        if len(images) > MAX_IMAGES_PER_PROMPT:
+            raise InvalidRequestError(f"A prompt holds at most {MAX_IMAGES_PER_PROMPT} images, not {len(images)}.",
+                                      param=params[MAX_IMAGES_PER_PROMPT])
+        return [prepare(self.vision.processor, image, param) for image, param in zip(images, params, strict=True)]
+
+    def expand_placeholders(self, token_ids: list[int]) -> list[int]:
+        """Each image placeholder a template wrote as the tokens its image takes (nothing to do without vision)."""
+        if self.vision is None:
+            return token_ids
+        return expand_placeholders(token_ids, self.vision.image_token_id, self.vision.tokens_per_image)
+
+    def num_image_places(self, token_ids: Sequence[int]) -> int:
+        """How many images expanded token ids have places for."""
+        if self.vision is None:
+            return 0
+        return list(token_ids).count(self.vision.image_token_id) // self.vision.tokens_per_image
+
+    def place_images(self, token_ids: list[int], images: Sequence[PreparedImage]) -> ImagePrompt:
+        """Expanded token ids with `images` at their placeholder runs, in order."""
+        assert self.vision is not None
+        return image_prompt(token_ids, images, self.vision.image_token_id, self.vision.tokens_per_image)
+
+    def check_images(self, prompt: str | Sequence[int], token_ids: list[int]) -> list[ImageInput]:
+        """The prompt's images (an `ImagePrompt`'s), each over a whole run of the model's placeholder tokens; a
+        placeholder no image stands behind is a 400, as are images for a model that reads none."""
+        images: list[ImageInput] = getattr(prompt, "images", [])
+        if self.vision is None:
+            if images:
+                raise InvalidRequestError(f"The model {self.model_name!r} reads text only, not images.",
+                                          param="messages")
+            return []
+        placeholder = self.vision.image_token_id
+        count = token_ids.count(placeholder)
+        if images and len(token_ids) != len(prompt):
+            raise InvalidRequestError("truncate_prompt_tokens would cut a prompt with images.",
+                                      param="truncate_prompt_tokens")
+        if count != sum(image.length for image in images) or any(
+                token_ids[image.offset] != placeholder or token_ids[image.offset + image.length - 1] != placeholder
+                for image in images):
+            raise InvalidRequestError(
+                f"The prompt has {count} image placeholder tokens (id {placeholder}) for {len(images)} images of "
+                f"{self.vision.tokens_per_image} tokens each: images go in content parts, not in text or token ids.",
+                param="prompt")
+        return images
 
     def beam_search(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, priority: int = 0,
         cache_salt: str | None = None, lora: LoRARequest | None = None, kv_transfer: KVTransferParams | None = None,
     ) -> BeamSearch:
         """A beam-search request's search, its prompt and limits checked as a request's are."""
+        if getattr(prompt, "images", None):
+            raise InvalidRequestError("use_beam_search does not take images.", param="use_beam_search")
         if kv_transfer is not None:
             raise InvalidRequestError("use_beam_search does not take kv_transfer_params: its beams are many "
                                       "requests, not one whose KV could be handed over.", param="kv_transfer_params")

@@ -14,6 +14,7 @@ import msgspec
 
 from llmserve.model.lora_request import LoRARequest
 from llmserve.model.pooling import PoolingParams
+from llmserve.multimodal.inputs import ImageInput
 from llmserve.sampling.params import SamplingParams
 
 
@@ -104,6 +105,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
     pooling: PoolingParams | None = None  # an embedding request: its prompt's pooled hidden states, no tokens
     lora: LoRARequest | None = None  # the LoRA adapter it generates with
     kv_transfer: KVTransferParams | None = None  # disaggregation: export its prompt's KV, or import it
+    images: list[ImageInput] = []  # a vision-language model's: the images its placeholder tokens stand for
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -15,10 +15,12 @@ from pathlib import Path
 
 from llmserve.config import DEFAULT_STEP_TOKENS, ENCODER_STEP_TOKENS, EngineConfig
 from llmserve.errors import ModelLoadError
+from llmserve.model.clip import VisionConfig
 from llmserve.model.config import ModelConfig
 from llmserve.model.loader import resolve_model_path
 from llmserve.model.pooling import ClassifierConfig, PoolerConfig, classifier_config, pooler_config
 from llmserve.model.registry import model_class
+from llmserve.multimodal.images import ImageProcessor
 from llmserve.plugins import load_plugins
 from llmserve.tokenizer.tokenizer import Tokenizer, read_chat_template
 
@@ -35,6 +37,16 @@ class DraftFacts:
 
 
 @dataclass
+class VisionFacts:
+    """A vision-language model's images: the token its chat template writes for each, how many tokens each
+    takes in the prompt, and how its pixels are prepared."""
+
+    image_token_id: int
+    tokens_per_image: int
+    processor: ImageProcessor
+
+
+@dataclass
 class ModelFacts:
     model_dir: Path
     model_config: ModelConfig
@@ -46,6 +58,7 @@ class ModelFacts:
     classifier: ClassifierConfig | None = None  # a sequence-classification model's labels; its "embeddings" are logits
     max_num_batched_tokens: int = 1024  # the engine's step budget (`step_token_budget`)
     draft: DraftFacts | None = None
+    vision: VisionFacts | None = None  # None: it reads text only
 
     def settled(self, config: EngineConfig) -> EngineConfig:
         """`config` with the defaults the model decides filled in (the step budget), as both processes use it."""
@@ -78,7 +91,25 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
     )
     facts.max_num_batched_tokens = step_token_budget(config, is_encoder, facts.max_model_len)
     facts.draft = _draft_facts(config, facts)
+    facts.vision = _vision_facts(model_dir, model_config) if hasattr(cls, "embed_images") else None
     return facts, tokenizer
+
+
+def _vision_facts(model_dir: Path, model_config: ModelConfig) -> VisionFacts:
+    """LLaVA's: one `image_token_index` per image in the template, each as many tokens as the vision tower has
+    patches (and its class token, with the "full" feature strategy); the image processor must give the tower's
+    image size."""
+    raw = model_config.raw
+    vision = VisionConfig.from_dict(raw.get("vision_config") or {})
+    token = raw.get("image_token_id", raw.get("image_token_index"))
+    if not isinstance(token, int) or not 0 <= token < model_config.vocab_size:
+        raise ModelLoadError(f"config.json's image_token_index ({token!r}) is not a token of the model.")
+    processor = ImageProcessor.from_dir(model_dir)
+    if processor.output_size() != (vision.image_size, vision.image_size):
+        raise ModelLoadError(f"preprocessor_config.json makes images of {processor.output_size()} pixels; the vision "
+                             f"tower reads {vision.image_size}x{vision.image_size}.")
+    tokens = vision.num_patches + (raw.get("vision_feature_select_strategy", "default") == "full")
+    return VisionFacts(token, tokens, processor)
 
 
 def _draft_facts(config: EngineConfig, facts: ModelFacts) -> DraftFacts | None:

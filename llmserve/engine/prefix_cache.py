@@ -1,6 +1,7 @@
 """Content addressing for full KV blocks (automatic prefix caching).
 
-A full block is named by a chained hash: hash(parent block's hash, the block's token ids). The chain's
+A full block is named by a chained hash: hash(parent block's hash, the block's token ids). A block holding an image's placeholder
+tokens also hashes the image's name. The chain's
 root is a hash of whatever else changes the KV for the same tokens (the model, later a LoRA adapter)
 and of the request's `cache_salt`, so requests with different salts never share a block. The hash is
 a 128-bit BLAKE2b digest; on top of that every cached block keeps its parent hash and its token tuple,
@@ -27,10 +28,12 @@ def hash_root(*identity: object) -> BlockHash:
     return hashlib.blake2b(repr(identity).encode(), digest_size=_DIGEST_SIZE).digest()
 
 
-def hash_block(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
-    """The name of a full block holding `tokens` after the prefix named `parent`."""
+def hash_block(parent: BlockHash, tokens: Sequence[int], images: bytes = b"") -> BlockHash:
+    """The name of a full block holding `tokens` after the prefix named `parent`; `images`: the names of the
+    images whose placeholder tokens it holds (the same tokens, other images: another block)."""
     digest = hashlib.blake2b(parent, digest_size=_DIGEST_SIZE)
     digest.update(array("q", tokens).tobytes())
+    digest.update(images)
     return digest.digest()
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from llmserve.model.lora_request import LoRARequest
 from llmserve.model.pooling import PoolingParams
+from llmserve.multimodal.inputs import ImageInput
 from llmserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -136,6 +137,7 @@ class Request:
     export_kv: bool = False  # disaggregation's prefill side: its prompt's KV is kept for another engine when it ends
     num_imported_tokens: int = 0  # disaggregation's decode side: prompt tokens whose KV another engine computed
     prediction: np.ndarray | None = None  # the predicted output's tokens (Predicted Outputs): drafts to verify
+    images: list[ImageInput] = field(default_factory=list)  # what its prompt's image placeholders stand for
 
     @property
     def lora_id(self) -> int:

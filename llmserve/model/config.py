@@ -78,6 +78,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        if "text_config" in cfg and "vision_config" in cfg:  # a vision-language model: its decoder's config
+            config = cls.from_dict(_decoder_config(cfg))
+            config.raw = cfg
+            return config
         architectures = cfg.get("architectures") or []
         if not architectures:
             raise ModelLoadError("config.json names no architecture (the 'architectures' field is empty).")
@@ -150,6 +154,25 @@ class ModelConfig:
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
         lm_head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_hidden_layers * per_layer + h + lm_head
+
+
+# transformers' defaults for a Llama decoder's config fields: published LLaVA configs give only what differs.
+_LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6)
+
+
+def _decoder_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language model's `text_config` as a decoder's config.json: its architecture the model's, and
+    the dtype and token ids the model gives at its top level where the decoder's part does not."""
+    text = dict(cfg["text_config"])
+    if text.get("model_type", "llama") == "llama":
+        text = {**_LLAMA_DEFAULTS, **text}
+    text.setdefault("model_type", "llama")
+    text["architectures"] = cfg.get("architectures") or []
+    for key in ("dtype", "torch_dtype", "eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if key in cfg and text.get(key) is None:
+            text[key] = cfg[key]
+    return text
 
 
 def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:

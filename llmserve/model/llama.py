@@ -119,8 +119,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend, meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        """`inputs_embeds`: the tokens' input embeddings when they are not all the embedding table's (a
+        vision-language model's image features in place of its placeholders)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, backend, meta)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -59,6 +60,8 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 _PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.95, logprobs=20)
 # Prompt logprobs take the logits of this many positions at a time, which bounds their memory.
 PROMPT_LOGITS_SLICE = 512
+# Image features kept between the chunks of a prefill (a request that ends mid-image leaves its own behind).
+MAX_KEPT_IMAGES = 16
 MAX_PROMPT_LOGPROBS = 20
 
 
@@ -113,6 +116,24 @@ class PromptLogprobsBatch:
 
 
 @dataclass
+class ImageSlice:
+    """The part of an image whose placeholder tokens a step computes: its features `image_start` to
+    `image_start + count` go to the step's tokens from `batch_start`."""
+
+    digest: bytes
+    pixels: np.ndarray  # [3, height, width] float32, the whole image's
+    batch_start: int
+    image_start: int
+    count: int
+    length: int  # the image's placeholder tokens in all
+
+    @property
+    def is_last(self) -> bool:
+        """The step computes the image's last placeholders: its features are needed no more."""
+        return self.image_start + self.count == self.length
+
+
+@dataclass
 class StepBatch:
     """One step's work in plain data, built by the engine core. Rows are sequences, decodes (one new
     token) first; tokens are flattened row after row."""
@@ -140,6 +161,7 @@ class StepBatch:
     pool_dimensions: list[int | None] = field(default_factory=list)
     pool_second_texts: list[int | None] = field(default_factory=list)
     lora_ids: list[int] = field(default_factory=list)  # with LoRA served: each row's adapter id (0: none)
+    images: list[ImageSlice] = field(default_factory=list)  # a vision-language model's image placeholders
 
     @property
     def num_rows(self) -> int:
@@ -242,6 +264,7 @@ class StepInputs:
     pool_rows: list[int] = field(default_factory=list)  # rows whose hidden states become embeddings
     pool_dimensions: list[int | None] = field(default_factory=list)
     token_type_ids: torch.Tensor | None = None  # [T] an encoder's, when a text pair is in the step
+    images: list[ImageSlice] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -282,6 +305,7 @@ class ModelRunner:
             self.attn_backend.separate_kv_writes()
         self.sampler = Sampler()
         self.memory_profile: MemoryProfile | None = None
+        self.image_features: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # by image digest (`_input_embeds`)
         self.cpu_decoder: CpuDecoder | None = None  # built once the KV cache exists; the profiling step runs without
         self.graphs: DecodeGraphs | None = None
         self._last_sampled: torch.Tensor | None = None  # the previous step's sampled ids, on the device
@@ -537,8 +561,13 @@ class ModelRunner:
         return self.model(input_ids, positions, kv_caches, self.attn_backend, meta)
 
     def _run(self, inputs: StepInputs, kv_caches: KVCaches, use_graph: bool) -> StepTensors:
-        hidden = self._hidden_states(inputs.input_ids, inputs.positions, inputs.meta, kv_caches, use_graph,
-                                     inputs.token_type_ids)
+        if inputs.images and hasattr(self.model, "embed_images"):  # (a text-only draft model reads placeholders)
+            self.attn_backend.prepare(inputs.meta)
+            embeds = self._input_embeds(inputs.input_ids, inputs.images)
+            hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, self.attn_backend, inputs.meta, embeds)
+        else:
+            hidden = self._hidden_states(inputs.input_ids, inputs.positions, inputs.meta, kv_caches, use_graph,
+                                         inputs.token_type_ids)
         prompt = self._prompt_logprobs(hidden, inputs) if inputs.prompt_index is not None else None
         pooled = self._pool(hidden, inputs) if inputs.pool_rows else None
         if inputs.logits_index is None or inputs.sampling is None:
@@ -546,6 +575,34 @@ class ModelRunner:
             return StepTensors(None, prompt, pooled, inputs.pool_dimensions)
         logits = self.model.compute_logits(hidden[inputs.logits_index])
         return StepTensors(self.sampler(logits, inputs.sampling), prompt, pooled, inputs.pool_dimensions)
+
+    def _input_embeds(self, input_ids: torch.Tensor, images: list[ImageSlice]) -> torch.Tensor:
+        """The step's input embeddings: the image features in place of the placeholders it computes. An image's
+        features are kept from the step that computes its first placeholders to the one that computes its last
+        (a chunked prefill's), and computed again if they were dropped meanwhile."""
+        features = self._image_features(images)
+        embeds = self.model.embed_tokens(input_ids)
+        for piece in images:
+            rows = features[piece.digest][piece.image_start : piece.image_start + piece.count]
+            embeds[piece.batch_start : piece.batch_start + piece.count] = rows.to(embeds.dtype)
+        for piece in images:
+            if piece.is_last:
+                self.image_features.pop(piece.digest, None)
+        return embeds
+
+    def _image_features(self, images: list[ImageSlice]) -> dict[bytes, torch.Tensor]:
+        needed = {piece.digest: piece for piece in images}
+        missing = [piece for digest, piece in needed.items() if digest not in self.image_features]
+        if missing:
+            pixels = torch.from_numpy(np.stack([piece.pixels for piece in missing])).to(self.device)
+            for piece, rows in zip(missing, self.model.embed_images(pixels), strict=True):
+                self.image_features[piece.digest] = rows
+        for digest in needed:
+            self.image_features.move_to_end(digest)
+        features = {digest: self.image_features[digest] for digest in needed}
+        while len(self.image_features) > MAX_KEPT_IMAGES:
+            self.image_features.popitem(last=False)
+        return features
 
     def _pool(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """The embeddings of the pooled rows (whole sequences), normalised when the model is; a
@@ -641,6 +698,7 @@ class ModelRunner:
             inputs.prompt_targets = self._to_device(scored.target_ids.reshape(-1, 1))
             inputs.prompt_num_top = scored.num_top
         inputs.pool_rows, inputs.pool_dimensions = batch.pool_rows, batch.pool_dimensions
+        inputs.images = batch.images
         if self.uses_token_types and any(start is not None for start in batch.pool_second_texts):
             inputs.token_type_ids = self._token_types(batch, meta.query_start_loc_host)
         if not batch.logits_rows:

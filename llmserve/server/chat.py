@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from llmserve.errors import InvalidRequestError
+from llmserve.multimodal.inputs import ImagePrompt, PreparedImage
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.content_routing import chat_texts
 from llmserve.sampling.params import SamplingParams
@@ -26,7 +27,8 @@ from llmserve.server.conversations import (
 )
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, chat_logprobs, logprob_texts, vllm_prompt_logprobs
-from llmserve.server.messages import template_messages, uses_tools
+from llmserve.server.media import load_images
+from llmserve.server.messages import image_urls, template_messages, uses_tools, with_image_parts
 from llmserve.server.openapi import documented
 from llmserve.server.pipeline import Choice, ChoiceRenderer, PreparedRequest, ResponseShape, respond
 from llmserve.server.postprocess import MessagePieces, TextPostProcessor
@@ -66,7 +68,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     plan = plan_reply(body, endpoint.tool_parser, endpoint.reasoning)
     endpoint.prompt_bound.check(sum(len(m["content"]) for m in new_messages), "messages")
     max_tokens, max_tokens_param = body.requested_max_tokens()
+    urls = image_urls(body.messages)
+    images = await load_images(state, endpoint, urls) if urls else []
     prompt_text, prompt_ids = await _chat_prompt(state.workers, endpoint, body, new_messages, turn, max_tokens)
+    if images:
+        prompt_ids = await state.workers.run(_with_images, endpoint, prompt_ids, images)
     prompt_ids = endpoint.engine.input_processor.truncate(prompt_ids, body.truncate_prompt_tokens)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = to_sampling_params(
@@ -172,6 +178,13 @@ async def _with_prediction(state: ServerState, endpoint: ModelEndpoint, params: 
     return dataclasses.replace(params, prediction=prediction, prediction_token_ids=ids)
 
 
+def _with_images(endpoint: ModelEndpoint, prompt_ids: list[int], images: list[PreparedImage]) -> ImagePrompt:
+    """The prompt with its images in place: the last of them when fitting the history dropped earlier turns."""
+    processor = endpoint.engine.input_processor
+    places = processor.num_image_places(prompt_ids)
+    return processor.place_images(prompt_ids, images[len(images) - places :] if places else [])
+
+
 async def _chat_prompt(
     workers: WorkerPool,
     endpoint: ModelEndpoint,
@@ -187,13 +200,18 @@ async def _chat_prompt(
 
     template_variables = _template_variables(body, endpoint)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    tokenizer, processor = endpoint.engine.tokenizer, endpoint.engine.input_processor
+    vision = processor.vision
+    placeholder = tokenizer.convert_ids_to_tokens([vision.image_token_id])[0] if vision is not None else ""
 
     def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        text = endpoint.engine.tokenizer.apply_chat_template(
+        if vision is not None:
+            messages = with_image_parts(messages, tokenizer.template_places_images(), placeholder)
+        text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
             continue_final_message=body.continue_final_message, **template_variables,
         )
-        return text, endpoint.continuations.encode(text, body.cache_salt)
+        return text, processor.expand_placeholders(endpoint.continuations.encode(text, body.cache_salt))
 
     if turn is not None:
         history = turn.history

@@ -8,6 +8,8 @@ from typing import Any
 from llmserve.errors import InvalidRequestError
 from llmserve.server.protocol import ChatCompletionRequest, ChatMessage
 
+IMAGE_PARTS = "image_parts"  # a message entry's content parts where it holds images (for the template alone)
+
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: text content ("developer" read as "system"), an
@@ -33,8 +35,41 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
+        if message.image_urls():
+            if message.role != "user":
+                raise InvalidRequestError("Only user messages hold images.", param=f"messages[{i}].content")
+            entry[IMAGE_PARTS] = [{"type": "image"} if part["type"] == "image_url" else part for part in message.content]
         converted.append(entry)
     return converted
+
+
+def image_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """Every image of the messages, in order: (its URL, the parameter that names it)."""
+    return [
+        (part["image_url"]["url"], f"messages[{i}].content[{j}].image_url")
+        for i, message in enumerate(messages) if isinstance(message.content, list)
+        for j, part in enumerate(message.content) if part["type"] == "image_url"
+    ]
+
+
+def with_image_parts(messages: list[dict[str, Any]], takes_parts: bool, placeholder: str) -> list[dict[str, Any]]:
+    """Messages as a vision-language model's template takes them: a message with images as its content parts
+    (`{"type": "image"}` where each image goes), for a template that reads parts; for one that reads text only,
+    as its text after a placeholder line per image (vLLM's way)."""
+    out = []
+    for message in messages:
+        parts = message.get(IMAGE_PARTS)
+        if parts is None:
+            out.append(message)
+            continue
+        message = {key: value for key, value in message.items() if key != IMAGE_PARTS}
+        if takes_parts:
+            message["content"] = parts
+        else:
+            images = sum(part["type"] == "image" for part in parts)
+            message["content"] = f"{placeholder}\n" * images + message["content"]
+        out.append(message)
+    return out
 
 
 def uses_tools(body: ChatCompletionRequest) -> bool:

@@ -534,19 +534,42 @@ class ChatMessage(_Request):
         for part in value:
             if not isinstance(part, dict) or "type" not in part:
                 raise ValueError("each content part must be an object with a type")
+            if part["type"] == "image_url":
+                _check_image_part(part)
+                continue
             if part["type"] != "text":
-                raise ValueError(f"content part type {part['type']!r} is not supported: only 'text' is")
+                raise ValueError(f"content part type {part['type']!r} is not supported: only 'text' and 'image_url' are")
             if not isinstance(part.get("text"), str):
                 raise ValueError("a text content part needs a string 'text'")
             _check_unicode(part["text"])
         return value
 
     def text(self) -> str:
+        """The text parts, joined (images are not text)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part["text"] for part in self.content)
+        return "".join(part["text"] for part in self.content if part["type"] == "text")
+
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [part["image_url"]["url"] for part in self.content if part["type"] == "image_url"]
+
+
+def _check_image_part(part: dict) -> None:
+    """OpenAI's image part: {"type": "image_url", "image_url": {"url": a data: or http(s) URL, "detail": ...}}.
+    `detail` is taken whatever it says: a vision tower reads images at its one resolution."""
+    image = part.get("image_url")
+    if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+        raise ValueError("an image_url content part needs an object 'image_url' with a string 'url'")
+    if set(image) - {"url", "detail"}:
+        raise ValueError(f"image_url takes 'url' and 'detail', not {sorted(set(image) - {'url', 'detail'})}")
+    if image.get("detail", "auto") not in ("auto", "low", "high"):
+        raise ValueError("image_url.detail must be 'auto', 'low' or 'high'")
+    if not image["url"].startswith(("data:", "http://", "https://")):
+        raise ValueError("image_url.url must be a data: URL (base64) or an http(s) URL")
 
 
 def continuation_conflicts(continue_final_message: bool, add_generation_prompt: bool) -> list[tuple[str, str]]:

@@ -174,6 +174,11 @@ def chat_template_variables(template: str) -> frozenset[str]:
     return frozenset(jinja2.meta.find_undeclared_variables(_template_environment().parse(template)))
 
 
+def _has_image_parts(content: list[Any]) -> bool:
+    """Content parts with `{"type": "image"}` places: a vision-language model's template writes them itself."""
+    return any(isinstance(part, Mapping) and part.get("type") == "image" for part in content)
+
+
 def _content_text(content: list[Any]) -> str:
     """Join the text parts of an OpenAI-style content list."""
     texts: list[str] = []
@@ -208,14 +213,14 @@ def _template_tool_call(call: Any, where: str) -> Any:
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Drop None-valued keys (as transformers does), flatten list content into a string, and parse the
-    JSON arguments of assistant tool calls (as vLLM does)."""
+    """Drop None-valued keys (as transformers does), flatten list content into a string (unless it places
+    images: the template takes those parts), and parse the JSON arguments of assistant tool calls (as vLLM does)."""
     normalized: list[dict[str, Any]] = []
     for position, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise InvalidRequestError("each message must be an object", param="messages")
         entry = {key: value for key, value in message.items() if value is not None}
-        if isinstance(entry.get("content"), list):
+        if isinstance(entry.get("content"), list) and not _has_image_parts(entry["content"]):
             entry["content"] = _content_text(entry["content"])
         if isinstance(entry.get("tool_calls"), list):
             entry["tool_calls"] = [
@@ -526,6 +531,12 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._chat_template
+
+    def template_places_images(self) -> bool:
+        """Whether the chat template writes image content parts itself (a vision-language model's, as llava-hf's
+        do); else a message's images are put before its text."""
+        template = self._chat_template
+        return template is not None and ("'image'" in template or '"image"' in template)
 
     def template_reads(self, variable: str) -> bool:
         """Whether the chat template reads `variable` (so that a request setting it changes the prompt)."""

@@ -1,0 +1,155 @@
+"""Images as a vision-language model reads them: decoded from the bytes a request carries, then resized,
+cropped and normalised as the checkpoint's `preprocessor_config.json` says (transformers' CLIP image processor).
+Torch-free: it runs in the API process, on a worker thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from llmserve.errors import InvalidRequestError, ModelLoadError
+from llmserve.multimodal.inputs import PreparedImage
+
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+MAX_IMAGE_PIXELS = 50_000_000  # past this PIL would decode a "decompression bomb": refused before decoding
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    """transformers' `CLIPImageProcessor`: the shortest edge resized to `shortest_edge` (or the image to
+    `resize_to`), a centre crop, pixel values scaled to [0, 1] and normalised per channel."""
+
+    shortest_edge: int | None
+    resize_to: tuple[int, int] | None  # (height, width)
+    resample: int
+    crop: tuple[int, int] | None  # (height, width)
+    rescale_factor: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ImageProcessor:
+        path = Path(model_dir) / "preprocessor_config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{model_dir} has no preprocessor_config.json: its images cannot be prepared.")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ImageProcessor:
+        size = cfg.get("size") or {"shortest_edge": 224}
+        if isinstance(size, int):
+            size = {"shortest_edge": size}
+        crop = cfg.get("crop_size") or {"height": 224, "width": 224}
+        if isinstance(crop, int):
+            crop = {"height": crop, "width": crop}
+        resize = cfg.get("do_resize", True)
+        return cls(
+            shortest_edge=int(size["shortest_edge"]) if resize and "shortest_edge" in size else None,
+            resize_to=(int(size["height"]), int(size["width"])) if resize and "height" in size else None,
+            resample=int(cfg.get("resample", Image.Resampling.BICUBIC)),
+            crop=(int(crop["height"]), int(crop["width"])) if cfg.get("do_center_crop", True) else None,
+            rescale_factor=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
+            mean=tuple(cfg.get("image_mean", CLIP_MEAN)) if cfg.get("do_normalize", True) else None,
+            std=tuple(cfg.get("image_std", CLIP_STD)) if cfg.get("do_normalize", True) else None,
+        )
+
+    def output_size(self) -> tuple[int, int] | None:
+        """(height, width) of every prepared image, when it does not depend on the image."""
+        return self.crop or self.resize_to
+
+    def __call__(self, image: Image.Image) -> np.ndarray:
+        """[3, height, width] float32 pixel values."""
+        image = image.convert("RGB")
+        if self.shortest_edge is not None:
+            image = image.resize(_shortest_edge_size(image.size, self.shortest_edge), self.resample)
+        elif self.resize_to is not None:
+            image = image.resize(self.resize_to[::-1], self.resample)
+        pixels = np.asarray(image).transpose(2, 0, 1)  # channels first, as transformers crops
+        if self.crop is not None:
+            pixels = _center_crop(pixels, self.crop)
+        values = pixels.astype(np.float32)
+        if self.rescale_factor is not None:
+            values = values * np.float32(self.rescale_factor)
+        if self.mean is not None and self.std is not None:
+            mean = np.asarray(self.mean, dtype=np.float32).reshape(3, 1, 1)
+            std = np.asarray(self.std, dtype=np.float32).reshape(3, 1, 1)
+            values = (values - mean) / std
+        return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def _shortest_edge_size(size: tuple[int, int], shortest: int) -> tuple[int, int]:
+    """(width, height) with the shorter side `shortest` and the ratio kept (the longer side rounded down)."""
+    width, height = size
+    if width <= height:
+        return shortest, int(shortest * height / width)
+    return int(shortest * width / height), shortest
+
+
+def _center_crop(pixels: np.ndarray, crop: tuple[int, int]) -> np.ndarray:
+    """The centre `crop` of [channels, height, width] pixels, padded with zeros where the image is smaller."""
+    crop_height, crop_width = crop
+    _, height, width = pixels.shape
+    if height < crop_height or width < crop_width:
+        padded = np.zeros((pixels.shape[0], max(height, crop_height), max(width, crop_width)), dtype=pixels.dtype)
+        top, left = (padded.shape[1] - height) // 2, (padded.shape[2] - width) // 2
+        padded[:, top : top + height, left : left + width] = pixels
+        pixels, height, width = padded, padded.shape[1], padded.shape[2]
+    top, left = (height - crop_height) // 2, (width - crop_width) // 2
+    return pixels[:, top : top + crop_height, left : left + crop_width]
+
+
+def decode_image(data: bytes, param: str) -> Image.Image:
+    """The image in `data` (PNG, JPEG, WebP, GIF, ...), fully decoded; a 400 naming `param` when it is none."""
+    if len(data) > MAX_IMAGE_BYTES:
+        raise InvalidRequestError(f"The image is {len(data)} bytes, more than the {MAX_IMAGE_BYTES} allowed.",
+                                  param=param)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            if image.width * image.height > MAX_IMAGE_PIXELS:
+                raise InvalidRequestError(f"The image is {image.width}x{image.height} pixels, more than the "
+                                          f"{MAX_IMAGE_PIXELS} allowed.", param=param)
+            image.load()
+    except InvalidRequestError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning) as exc:
+        raise InvalidRequestError(f"The image could not be decoded: {exc}", param=param) from None
+    return image
+
+
+def data_url_bytes(url: str, param: str) -> bytes:
+    """The bytes of a `data:image/...;base64,...` URL."""
+    header, comma, payload = url.partition(",")
+    if not comma or not header.startswith("data:") or not header.endswith(";base64"):
+        raise InvalidRequestError("An image data URL must read data:<media type>;base64,<data>.", param=param)
+    media_type = header.removeprefix("data:").removesuffix(";base64")
+    if media_type and not media_type.startswith("image/"):
+        raise InvalidRequestError(f"The data URL holds {media_type!r}, not an image.", param=param)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError("The image data URL is not valid base64.", param=param) from None
+
+
+def prepare(processor: ImageProcessor, image: bytes | Image.Image, param: str) -> PreparedImage:
+    """An image (its bytes, or decoded) prepared, named by its pixels: the same image, however encoded, has the
+    same name (and the same KV to share)."""
+    pixels = processor(decode_image(image, param) if isinstance(image, bytes) else image)
+    digest = hashlib.blake2b(str(pixels.shape).encode(), digest_size=16)
+    digest.update(pixels.tobytes())
+    return PreparedImage(pixels, digest.digest())

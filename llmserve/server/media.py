@@ -1,0 +1,56 @@
+"""The images of a request's content parts, fetched and prepared for a vision-language model: a data: URL's
+bytes, or an http(s) URL's body (fetched at once, each within `IMAGE_FETCH_TIMEOUT` seconds and
+`MAX_IMAGE_BYTES`); decoding and resizing run on worker threads."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import aiohttp
+
+from llmserve.errors import InvalidRequestError
+from llmserve.multimodal.images import MAX_IMAGE_BYTES, data_url_bytes
+from llmserve.multimodal.inputs import PreparedImage
+from llmserve.server.state import ModelEndpoint, ServerState
+
+IMAGE_FETCH_TIMEOUT = 10.0
+
+
+async def load_images(state: ServerState, endpoint: ModelEndpoint, urls: Sequence[tuple[str, str]]
+                      ) -> list[PreparedImage]:
+    """(URL, parameter) pairs as prepared images, in order; a 400 naming the parameter of one that cannot be
+    had or is not an image, or when the model reads no images."""
+    processor = endpoint.engine.input_processor
+    if processor.vision is None:
+        raise InvalidRequestError(f"The model {endpoint.name!r} reads text only, not images.", param=urls[0][1])
+    fetched = await _fetch_all([(url, param) for url, param in urls if not url.startswith("data:")])
+
+    def prepare() -> list[PreparedImage]:
+        images = [fetched[param] if param in fetched else data_url_bytes(url, param) for url, param in urls]
+        return processor.prepare_images(images, [param for _, param in urls])
+
+    return await state.workers.run(prepare)
+
+
+async def _fetch_all(urls: Sequence[tuple[str, str]]) -> dict[str, bytes]:
+    if not urls:
+        return {}
+    timeout = aiohttp.ClientTimeout(total=IMAGE_FETCH_TIMEOUT)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        bodies = await asyncio.gather(*(_fetch(session, url, param) for url, param in urls))
+    return {param: body for (_, param), body in zip(urls, bodies, strict=True)}
+
+
+async def _fetch(session: aiohttp.ClientSession, url: str, param: str) -> bytes:
+    try:
+        async with session.get(url) as response:
+            if response.status != 200:
+                raise InvalidRequestError(f"Fetching the image at {url} answered {response.status}.", param=param)
+            body = await response.content.read(MAX_IMAGE_BYTES + 1)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        raise InvalidRequestError(f"The image at {url} could not be fetched: {exc or type(exc).__name__}.",
+                                  param=param) from None
+    if len(body) > MAX_IMAGE_BYTES:
+        raise InvalidRequestError(f"The image at {url} is more than {MAX_IMAGE_BYTES} bytes.", param=param)
+    return body

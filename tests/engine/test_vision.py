@@ -1,0 +1,154 @@
+"""A vision-language model (LLaVA: CLIP vision tower, projector, Llama-family decoder) reads images: its greedy
+tokens equal transformers' on the same weights and pixels, whole or in prefill chunks that cut an image; its
+images are prepared as transformers' CLIP image processor prepares them; the prefix cache tells images apart; and
+prompts whose placeholders and images disagree are refused."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from llmserve import LLM
+from llmserve.errors import InvalidRequestError, ModelLoadError
+from llmserve.multimodal.images import ImageProcessor
+from llmserve.sampling.params import SamplingParams
+from tests.hf_reference import build_llava, greedy_with_images, load_llava
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = "<|begin_of_text|><|im_start|>user\n<image>\nwhat is in it<|im_end|>\n<|im_start|>assistant\n"
+TWO_IMAGES = "<|begin_of_text|><|im_start|>user\n<image>\nthis one <image>\nand that<|im_end|>\n<|im_start|>assistant\n"
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def random_image(seed: int, size: tuple[int, int] = (80, 60)) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory, tiny_llama_dir) -> Path:
+    return build_llava(tmp_path_factory.mktemp("llava") / "model", tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def llm(llava_dir) -> LLM:
+    return LLM(str(llava_dir), dtype="float32", num_kv_blocks=64)
+
+
+def reference_tokens(model_dir: Path, llm: LLM, prompt_ids: list[int], images: list[Image.Image]) -> list[int]:
+    processor = ImageProcessor.from_dir(model_dir)
+    pixels = torch.from_numpy(np.stack([processor(image) for image in images]))
+    return greedy_with_images(load_llava(model_dir), prompt_ids, pixels, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("size", [(80, 60), (56, 56), (40, 90), (337, 500), (20, 30)])
+def test_images_are_prepared_as_transformers_clip_image_processor_prepares_them(llava_dir, size):
+    image = random_image(1, size)
+    ours = ImageProcessor.from_dir(llava_dir)(image)
+    theirs = transformers.CLIPImageProcessor.from_pretrained(llava_dir)(image, return_tensors="np")["pixel_values"][0]
+    assert ours.shape == theirs.shape == (3, 56, 56)
+    np.testing.assert_allclose(ours, theirs, atol=1e-6)
+
+
+@pytest.mark.parametrize(("prompt", "num_images"), [(PROMPT, 1), (TWO_IMAGES, 2)])
+def test_greedy_tokens_equal_transformers_with_the_same_images(llava_dir, llm, prompt, num_images):
+    images = [random_image(seed) for seed in range(num_images)]
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, GREEDY)[0]
+    assert out.prompt_token_ids.count(1024) == 16 * num_images  # each <image> as its 16 patches
+    assert list(out.outputs[0].token_ids) == reference_tokens(llava_dir, llm, list(out.prompt_token_ids), images)
+
+
+def test_prefill_chunks_that_cut_images_give_the_same_tokens(llava_dir):
+    """A 7-token step budget cuts both images (16 placeholders each) across three steps or more."""
+    images = [random_image(3), random_image(4)]
+    chunked = LLM(str(llava_dir), dtype="float32", max_num_batched_tokens=7, num_kv_blocks=64)
+    out = chunked.generate({"prompt": TWO_IMAGES, "multi_modal_data": {"image": images}}, GREEDY)[0]
+    assert list(out.outputs[0].token_ids) == reference_tokens(llava_dir, chunked, list(out.prompt_token_ids), images)
+    assert not chunked.engine.core.runner.image_features  # each image's features dropped after its last chunk
+
+
+def test_the_prefix_cache_reuses_an_image_only_for_the_same_image(llm):
+    block_manager = llm.engine.core.block_manager
+    llm.engine.core.reset_prefix_cache()
+    first, again, other = random_image(5), random_image(5), random_image(6)
+    png_again = png_bytes(again)  # the same pixels, encoded: the same image
+    outs = [llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": [image]}}, GREEDY)[0]
+            for image in (first, png_again, other)]
+    num_prompt = len(outs[0].prompt_token_ids)
+    assert outs[0].num_cached_tokens == 0
+    assert outs[1].num_cached_tokens == (num_prompt - 1) // 16 * 16  # every whole block, the image's included
+    assert outs[1].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert outs[2].num_cached_tokens == 0  # the first block holds image placeholders: another image, another block
+    assert outs[2].outputs[0].token_ids != outs[0].outputs[0].token_ids
+    assert block_manager.num_used_blocks == 0
+
+
+def test_bfloat16_reads_images_through_the_steps_the_one_call_decoder_does_not_take(llava_dir):
+    bf16 = LLM(str(llava_dir), dtype="bfloat16", num_kv_blocks=64)
+    outs = [bf16.generate({"prompt": PROMPT, "multi_modal_data": {"image": [random_image(seed)]}}, GREEDY)[0]
+            for seed in (7, 7, 8)]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids != outs[2].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(("variant", "options"), [
+    ("full-two-layers-qwen2", dict(feature_layer=[-3, -1], strategy="full", text_case="qwen2")),
+])
+def test_other_feature_layers_strategies_and_decoders_equal_transformers(tmp_path, tiny_llama_dir, variant, options):
+    model_dir = build_llava(tmp_path / variant, tiny_llama_dir, seed=1, **options)
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
+    images = [random_image(9)]
+    out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": images}}, GREEDY)[0]
+    assert out.prompt_token_ids.count(1024) == 17  # the class token kept
+    assert list(out.outputs[0].token_ids) == reference_tokens(model_dir, llm, list(out.prompt_token_ids), images)
+
+
+@pytest.mark.parametrize(("prompt", "data", "message"), [
+    (PROMPT, {"image": []}, "1 image placeholder tokens .* for 0 images"),
+    (TWO_IMAGES, {"image": [b"png?"]}, "could not be decoded"),
+    (PROMPT, {"image": [random_image(0), random_image(1)]}, "places for 1 images but 2 were sent"),
+    (PROMPT, {"video": [random_image(0)]}, 'multi_modal_data takes {"image"'),
+    (PROMPT, {"image": [random_image(0)] * 17}, "at most 16 images"),
+])
+def test_images_and_placeholders_that_disagree_are_refused(llm, prompt, data, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.generate({"prompt": prompt, "multi_modal_data": data}, GREEDY)
+    assert llm.engine.core.block_manager.num_used_blocks == 0
+
+
+def test_placeholders_without_images_and_images_for_a_text_model_are_refused(llm, tiny_llama_dir):
+    with pytest.raises(InvalidRequestError, match="image placeholder tokens .* for 0 images"):
+        llm.generate(PROMPT, GREEDY)  # text spelling the placeholder
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens would cut"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(0)}},
+                     SamplingParams(max_tokens=4, truncate_prompt_tokens=8))
+    with pytest.raises(InvalidRequestError, match="use_beam_search does not take images"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(0)}},
+                     SamplingParams(max_tokens=4, use_beam_search=True, n=2, temperature=0))
+    text_only = LLM(str(tiny_llama_dir), num_kv_blocks=16, max_model_len=256)
+    with pytest.raises(InvalidRequestError, match="reads text only"):
+        text_only.generate({"prompt": "hi", "multi_modal_data": {"image": random_image(0)}}, GREEDY)
+
+
+def test_a_processor_that_makes_images_the_tower_does_not_read_is_refused_at_start(llava_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in llava_dir.iterdir():
+        (broken / path.name).symlink_to(path)
+    (broken / "preprocessor_config.json").unlink()
+    (broken / "preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 64},
+                                                                 "crop_size": {"height": 64, "width": 64}}))
+    with pytest.raises(ModelLoadError, match="the vision tower reads 56x56"):
+        LLM(str(broken), dtype="float32", num_kv_blocks=64)

@@ -1,0 +1,161 @@
+"""Images in chat (OpenAI's `image_url` content parts) on a vision-language model: a data: URL or an http(s) URL
+gives the tokens the offline API gives for the same image, streamed or not, with the image's tokens in the
+prompt's usage; images that cannot be had, and images for a model that reads none, are 400s naming the part."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI, Response
+
+from llmserve import LLM
+from llmserve.sampling.params import SamplingParams
+from tests.engine.test_vision import png_bytes, random_image
+from tests.hf_reference import build_llava
+from tests.server.conftest import MODEL_NAME, LiveServer, app_serving, serving
+
+pytest.importorskip("transformers")
+
+QUESTION = "what is in it"
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory, tiny_llama_dir) -> Path:
+    return build_llava(tmp_path_factory.mktemp("llava-http") / "model", tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def server(llava_dir) -> Iterator[LiveServer]:
+    with serving(llava_dir) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    """An http server of one image (/image.png) and one page that is not an image (/page.html)."""
+    app = FastAPI()
+    png = png_bytes(random_image(11))
+
+    @app.get("/image.png")
+    def image() -> Response:
+        return Response(png, media_type="image/png")
+
+    @app.get("/page.html")
+    def page() -> Response:
+        return Response("<html>no image</html>", media_type="text/html")
+
+    with app_serving(app) as base_url:
+        yield base_url
+
+
+def user_message(*urls: str, text: str = QUESTION) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
+
+
+def offline_tokens(llava_dir: Path, images: list, text: str = QUESTION) -> list[int]:
+    llm = LLM(str(llava_dir), dtype="float32", num_kv_blocks=64)
+    prompt = "<|begin_of_text|><|im_start|>user\n" + "<image>\n" * len(images) + text + "<|im_end|>\n<|im_start|>assistant\n"
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
+                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    return list(out[0].outputs[0].token_ids)
+
+
+def test_an_image_by_data_url_or_http_url_gives_the_offline_tokens(server, llava_dir, image_host):
+    image = random_image(11)
+    expected = offline_tokens(llava_dir, [image])
+    client = server.client()
+    for url in (data_url(png_bytes(image)), f"{image_host}/image.png"):
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=[user_message(url)], max_tokens=12,
+                                               temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert reply.choices[0].to_dict()["token_ids"] == expected
+        assert reply.usage.prompt_tokens == 16 + len(_text_prompt_ids(server))  # the image's 16 tokens, the text's
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=[user_message(f"{image_host}/image.png")],
+                                            max_tokens=12, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [t for chunk in stream if chunk.choices for t in (chunk.choices[0].to_dict().get("token_ids") or [])] == expected
+    assert server.idle_stats().num_used_blocks == 0
+
+
+def _text_prompt_ids(server: LiveServer) -> list[int]:
+    text = f"<|begin_of_text|><|im_start|>user\n<image>\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    ids = server.engine.tokenizer.encode(text, add_special_tokens=False)
+    return [t for t in ids if t != 1024]
+
+
+def test_two_images_in_two_turns_and_their_order_matter(server, llava_dir):
+    first, second = random_image(12), random_image(13)
+    messages = [user_message(data_url(png_bytes(first)), text="a"), {"role": "assistant", "content": "b"},
+                user_message(data_url(png_bytes(second)), text="c")]
+    swapped = [user_message(data_url(png_bytes(second)), text="a"), messages[1],
+               user_message(data_url(png_bytes(first)), text="c")]
+    client = server.client()
+    replies = [client.chat.completions.create(model=MODEL_NAME, messages=m, max_tokens=12, temperature=0,
+                                              extra_body={"ignore_eos": True, "return_token_ids": True})
+               for m in (messages, swapped)]
+    assert replies[0].usage.prompt_tokens == replies[1].usage.prompt_tokens
+    assert replies[0].choices[0].to_dict()["token_ids"] != replies[1].choices[0].to_dict()["token_ids"]
+
+
+@pytest.mark.parametrize(("content", "param", "message"), [
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,not base64!"}}], "messages[0].content[0].image_url",
+     "not valid base64"),
+    ([{"type": "image_url", "image_url": {"url": data_url(b"GIF89a? no")}}], "messages[0].content[0].image_url",
+     "could not be decoded"),
+    ([{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}],
+     "messages[0].content[1].image_url", "not an image"),
+    ([{"type": "image_url", "image_url": {"url": "{host}/page.html"}}], "messages[0].content[0].image_url",
+     "could not be decoded"),
+    ([{"type": "image_url", "image_url": {"url": "{host}/missing.png"}}], "messages[0].content[0].image_url",
+     "answered 404"),
+    ([{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}], "messages[0].content[0].image_url",
+     "could not be fetched"),
+    ([{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}], "messages", "data: URL"),
+    ([{"type": "image_url", "image_url": {"url": "{png}", "detail": "ultra"}}], "messages", "detail"),
+    ([{"type": "image_url", "image_url": "{png}"}], "messages", "image_url"),
+    ([{"type": "input_audio", "input_audio": {}}], "messages", "not supported"),
+    ([{"type": "text", "text": "<image>\nhi"}], "messages", "image placeholder tokens"),
+    ([{"type": "image_url", "image_url": {"url": "{png}"}}] * 17, "messages[0].content[16].image_url", "at most 16"),
+])
+def test_images_that_cannot_be_read_are_400s_naming_the_part(server, image_host, content, param, message):
+    png = data_url(png_bytes(random_image(1)))
+
+    def filled(part: dict) -> dict:
+        if part["type"] != "image_url":
+            return part
+        inner = part["image_url"]
+        if isinstance(inner, str):
+            return {**part, "image_url": inner.replace("{png}", png)}
+        return {**part, "image_url": {**inner, "url": inner["url"].replace("{host}", image_host).replace("{png}", png)}}
+
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": [filled(p) for p in content]}], "max_tokens": 4}
+    answer = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"].startswith(param) and message in error["message"], error
+
+
+def test_an_image_in_an_assistant_message_is_a_400(server):
+    png = data_url(png_bytes(random_image(1)))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "image_url", "image_url": {"url": png}}]}]
+    answer = httpx.post(f"{server.base_url}/v1/chat/completions",
+                        json={"model": MODEL_NAME, "messages": messages, "max_tokens": 4}, timeout=60)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages[1].content"
+
+
+def test_an_image_for_a_text_model_is_a_400_naming_the_part(live_server):
+    messages = [user_message(data_url(png_bytes(random_image(1))))]
+    answer = httpx.post(f"{live_server.base_url}/v1/chat/completions",
+                        json={"model": MODEL_NAME, "messages": messages, "max_tokens": 4}, timeout=60)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == "messages[0].content[0].image_url" and "reads text only" in error["message"]
