@@ -237,14 +237,17 @@ def _text(content: Any, param: str) -> str:
 
 
 def _user_turn(content: Any, param: str) -> list[dict[str, Any]]:
-    """A user message: its tool results as tool messages, then its text as a user message."""
+    """A user message: its tool results as tool messages, then its text and images as a user message."""
     turn: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(_blocks(content, param)):
         kind = block.get("type")
         if kind == "text" and isinstance(block.get("text"), str):
             _check_block_fields(block, {"type", "text"}, f"{param}[{j}]")
-            texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            _check_block_fields(block, {"type", "source"}, f"{param}[{j}]")
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), f"{param}[{j}]")}})
         elif kind == "tool_result":
             _check_block_fields(block, {"type", "tool_use_id", "content", "is_error"}, f"{param}[{j}]")
             call_id = block.get("tool_use_id")
@@ -255,10 +258,23 @@ def _user_turn(content: Any, param: str) -> list[dict[str, Any]]:
                          "content": _text(result, f"{param}[{j}].content") if result else ""})
         else:
             raise errors.unsupported(f"{param}[{j}]", f"Content blocks of type {kind!r} are not supported in a "
-                                                      "user message here (text and tool_result).")
-    if texts:
-        turn.append({"role": "user", "content": "".join(texts)})
+                                                      "user message here (text, image and tool_result).")
+    if any(part["type"] == "image_url" for part in parts):
+        turn.append({"role": "user", "content": parts})
+    elif parts:
+        turn.append({"role": "user", "content": "".join(part["text"] for part in parts)})
     return turn
+
+
+def _image_url(source: Any, param: str) -> str:
+    """An image block's source as chat's image URL: base64 data as a data: URL, or the URL."""
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str) \
+            and isinstance(source.get("media_type"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise _invalid("An image's source must be {'type': 'base64', 'media_type': ..., 'data': ...} or "
+                   "{'type': 'url', 'url': ...}.", f"{param}.source")
 
 
 def _assistant_turn(content: Any, param: str) -> dict[str, Any]:

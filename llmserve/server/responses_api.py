@@ -350,6 +350,32 @@ def _text(content: Any, param: str, kinds: tuple[str, ...]) -> str:
     return "".join(texts)
 
 
+def _has_images(content: Any) -> bool:
+    return isinstance(content, list) and any(isinstance(part, dict) and part.get("type") == "input_image"
+                                             for part in content)
+
+
+def _parts_with_images(content: list[Any], param: str) -> list[dict[str, Any]]:
+    """A user message's `input_text` and `input_image` parts as chat's text and image_url parts."""
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise errors.unsupported(f"{param}[{j}]", "An input_image is read from its image_url (a data: or "
+                                                          "http(s) URL) here, not a file_id.")
+            image = {"url": part["image_url"]}
+            if part.get("detail") is not None:
+                image["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image})
+        else:
+            raise errors.unsupported(f"{param}[{j}]", f"Content parts of type {kind!r} are not supported here "
+                                                      "(input_text and input_image).")
+    return parts
+
+
 def _string(item: dict[str, Any], name: str, param: str) -> str:
     value = item.get(name)
     if not isinstance(value, str):
@@ -374,8 +400,12 @@ def _messages(context: list[dict[str, Any]], items: list[dict[str, Any]]) -> lis
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _invalid(f"{param}.role must be one of user, system, developer, assistant.", f"{param}.role")
-            parts = ("output_text", "refusal") if role == "assistant" else ("input_text",)
-            messages.append({"role": role, "content": _text(item.get("content"), f"{param}.content", parts)})
+            content = item.get("content")
+            if role == "user" and _has_images(content):
+                messages.append({"role": role, "content": _parts_with_images(content, f"{param}.content")})
+            else:
+                parts = ("output_text", "refusal") if role == "assistant" else ("input_text",)
+                messages.append({"role": role, "content": _text(content, f"{param}.content", parts)})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", param), "type": "function",
                     "function": {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param)}}

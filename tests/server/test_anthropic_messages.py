@@ -114,7 +114,11 @@ def test_output_config_format_makes_the_reply_follow_the_schema(live_server: Liv
 
 
 @pytest.mark.parametrize(("body", "param"), [
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
+     "messages[0].content[0].source"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}]},
+     "messages"),  # not a data: or http(s) URL
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "d"}}]}]},
      "messages[0].content[0]"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
     ({"messages": MESSAGES, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),

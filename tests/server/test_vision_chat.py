@@ -5,6 +5,7 @@ prompt's usage; images that cannot be had, and images for a model that reads non
 from __future__ import annotations
 
 import base64
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,15 @@ from llmserve import LLM
 from llmserve.sampling.params import SamplingParams
 from tests.engine.test_vision import png_bytes, random_image
 from tests.hf_reference import build_llava
-from tests.server.conftest import MODEL_NAME, LiveServer, app_serving, serving
+from tests.server.conftest import (
+    MODEL_NAME,
+    NUM_KV_BLOCKS,
+    LiveServer,
+    app_serving,
+    serving,
+    tiny_engine_running,
+)
+from tests.server.platform_fixtures import MODES, serve_platform
 
 pytest.importorskip("transformers")
 
@@ -159,3 +168,44 @@ def test_an_image_for_a_text_model_is_a_400_naming_the_part(live_server):
     assert answer.status_code == 400
     error = answer.json()["error"]
     assert error["param"] == "messages[0].content[0].image_url" and "reads text only" in error["message"]
+
+
+def test_the_responses_and_messages_apis_read_images_as_chat_does(server):
+    import anthropic
+
+    png = png_bytes(random_image(14))
+    encoded = base64.b64encode(png).decode()
+    chat = server.client().chat.completions.create(model=MODEL_NAME, messages=[user_message(data_url(png))],
+                                                   max_tokens=12, temperature=0)
+    text = chat.choices[0].message.content
+    response = server.client().responses.create(model=MODEL_NAME, max_output_tokens=12, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(png)},
+                                     {"type": "input_text", "text": QUESTION}]}])
+    assert response.output_text == text
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    message = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0).messages.create(
+        model=MODEL_NAME, max_tokens=12, extra_body={"temperature": 0}, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded}},
+            {"type": "text", "text": QUESTION}]}])
+    assert message.content[0].text == text
+    assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == chat.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_keys_metering_and_the_gateway_take_images_as_the_replica_does(llava_dir, tmp_path, mode):
+    """Through `llmserve serve`'s platform and through the gateway in front of a replica: the same reply, and the
+    image's tokens metered as prompt tokens."""
+    url = data_url(png_bytes(random_image(15)))
+    body = {"model": MODEL_NAME, "messages": [user_message(url)], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    with tiny_engine_running(llava_dir, NUM_KV_BLOCKS, 1024) as engine, \
+            contextlib.contextmanager(serve_platform)(engine, tmp_path, mode=mode) as served:
+        _, secret = served.new_key("vision")
+        with served.client(secret) as http:
+            answer = http.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        reply = answer.json()
+        assert reply["choices"][0]["token_ids"] == offline_tokens(llava_dir, [random_image(15)])
+        rows = served.usage_rows()
+        assert [row.prompt_tokens for row in rows] == [reply["usage"]["prompt_tokens"]]
+        assert reply["usage"]["prompt_tokens"] > 16
