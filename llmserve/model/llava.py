@@ -49,10 +49,13 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         counts = [feature_layer_count(layer, vision.num_hidden_layers) for layer in self.feature_layers]
         self.feature_layers = counts  # as indexes of the hidden states, from 0 (the embeddings)
         self.vision_tower = VisionTransformer(vision, max(counts), cfg.dtype)
+        self.vision_tower.requires_grad_(False)
+        self.image_size = vision.image_size
+        self.tokens_per_image = vision.num_patches + self.keep_class_token
         self.multi_modal_projector = Projector(
             vision.hidden_size * len(counts), cfg.hidden_size, raw.get("projector_hidden_act", "gelu"),
             bool(raw.get("multimodal_projector_bias", True)), cfg.dtype,
-        )
+        ).requires_grad_(False)
 
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """[images, tokens per image, hidden]: what stands in for each image's placeholder tokens."""

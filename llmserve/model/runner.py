@@ -359,8 +359,9 @@ class ModelRunner:
             init_dummy_weights_(model, self.config.seed)
             if quantized is not None:
                 quantized.quantize_in_place()
-        elif quantized is not None:
-            quantized.load(iterate_weights(model_dir))
+        elif quantized is not None:  # by the names the quantizer knows the layers by (a LLaVA's are nested)
+            rename = getattr(model, "rename_weights", None)
+            quantized.load(rename(iterate_weights(model_dir)) if rename else iterate_weights(model_dir))
         else:
             model.load_weights(iterate_weights(model_dir))
         if quantized is not None:
@@ -466,6 +467,7 @@ class ModelRunner:
                 for i in range(num_rows)
             ],
         )
+        batch.images = self._profile_images(sum(lengths))
         width = min(PROMPT_LOGITS_SLICE, sum(lengths))  # the largest slice of prompt logprobs, too
         batch.prompt_logprobs = PromptLogprobsBatch(
             np.arange(width, dtype=np.int64), np.zeros(width, dtype=np.int64), MAX_PROMPT_LOGPROBS
@@ -474,7 +476,19 @@ class ModelRunner:
         assert output is not None
         output.token_ids.cpu()  # wait for the step, so its memory is all accounted
         del scratch
+        self.image_features.clear()
         return scratch_bytes
+
+    def _profile_images(self, num_tokens: int) -> list[ImageSlice]:
+        """A vision-language model's profiling step reads as many images as its tokens hold (its vision tower's
+        activations are part of the peak)."""
+        if not hasattr(self.model, "embed_images"):
+            return []
+        per_image, size = self.model.tokens_per_image, self.model.image_size
+        pixels = np.zeros((3, size, size), dtype=np.float32)
+        counts = [per_image] * (num_tokens // per_image) or [num_tokens]
+        return [ImageSlice(bytes([i % 256, i // 256]) * 8, pixels, i * per_image, 0, count, per_image)
+                for i, count in enumerate(counts)]
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def _use_cuda_graphs(self) -> bool:

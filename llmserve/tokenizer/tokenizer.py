@@ -26,6 +26,7 @@ from llmserve.errors import InvalidRequestError
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+PROCESSOR_TEMPLATE_FILE = "chat_template.json"  # where a multimodal model's processor keeps its template
 NAMED_SPECIAL_TOKENS: tuple[str, ...] = ("bos_token", "eos_token", "unk_token", "pad_token")
 EXTRA_SPECIAL_TOKEN_KEYS: tuple[str, ...] = ("additional_special_tokens", "extra_special_tokens")
 # transformers writes a huge sentinel (int(1e30)) when a tokenizer has no length limit.
@@ -310,9 +311,11 @@ class Tokenizer:
         backend = BackendTokenizer.from_file(str(tokenizer_file))
         config_file = directory / TOKENIZER_CONFIG_FILE
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        template_file = directory / CHAT_TEMPLATE_FILE
+        template_file, processor_file = directory / CHAT_TEMPLATE_FILE, directory / PROCESSOR_TEMPLATE_FILE
         if chat_template is None and template_file.is_file():
             chat_template = template_file.read_text(encoding="utf-8")
+        elif chat_template is None and processor_file.is_file() and not config.get("chat_template"):
+            chat_template = json.loads(processor_file.read_text(encoding="utf-8")).get("chat_template")
         return cls(backend, config, chat_template)
 
     def _read_named_tokens(self) -> dict[str, str]:

@@ -152,3 +152,60 @@ def test_a_processor_that_makes_images_the_tower_does_not_read_is_refused_at_sta
                                                                  "crop_size": {"height": 64, "width": 64}}))
     with pytest.raises(ModelLoadError, match="the vision tower reads 56x56"):
         LLM(str(broken), dtype="float32", num_kv_blocks=64)
+
+
+def test_the_memory_profiling_step_runs_the_vision_tower_on_as_many_images_as_its_tokens_hold(llm, monkeypatch):
+    runner = llm.engine.core.runner
+    seen: list[tuple[int, ...]] = []
+    embed = runner.model.embed_images
+    monkeypatch.setattr(runner.model, "embed_images", lambda pixels: seen.append(tuple(pixels.shape)) or embed(pixels))
+    runner.run_profile_step()
+    budget = llm.engine.core.config.max_num_batched_tokens
+    assert seen == [(budget // 16, 3, 56, 56)] and not runner.image_features
+
+
+def test_published_llava_configs_give_their_decoders_fields_by_transformers_defaults():
+    """llava-1.5-7b-hf's config.json names only what differs from a Llama's defaults in its text_config."""
+    from llmserve.model.config import ModelConfig
+
+    config = ModelConfig.from_dict({
+        "architectures": ["LlavaForConditionalGeneration"], "image_token_index": 32000, "model_type": "llava",
+        "projector_hidden_act": "gelu", "torch_dtype": "float16", "vocab_size": 32064,
+        "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "model_type": "llama",
+                        "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064},
+        "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                          "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                          "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default"})
+    assert (config.architecture, config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.intermediate_size, config.vocab_size, config.max_position_embeddings, config.dtype) == (
+        "LlavaForConditionalGeneration", 4096, 32, 32, 11008, 32064, 4096, torch.float16)
+
+
+@pytest.mark.parametrize("layout", ["published", "transformers-4.52"])
+def test_checkpoints_in_either_published_weight_layout_load_the_same(llava_dir, tmp_path, layout):
+    """llava-hf's checkpoints (`language_model.model.`, `vision_tower.vision_model.`) and those of transformers
+    4.52 on (`model.language_model.`, `model.vision_tower.`, `lm_head.`) give the same tokens."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(llava_dir / "model.safetensors"))
+
+    def renamed(name: str) -> str:
+        if layout == "published":
+            return name.replace("vision_tower.", "vision_tower.vision_model.")
+        if name.startswith("language_model.lm_head."):
+            return name.removeprefix("language_model.")
+        return "model." + name.replace("language_model.model.", "language_model.")
+
+    moved = tmp_path / layout
+    moved.mkdir()
+    for path in llava_dir.iterdir():
+        if path.name != "model.safetensors":
+            (moved / path.name).symlink_to(path)
+    save_file({renamed(name): tensor for name, tensor in weights.items()}, str(moved / "model.safetensors"))
+    images = {"image": [random_image(2)]}
+    base = LLM(str(llava_dir), dtype="float32", num_kv_blocks=64).generate(
+        {"prompt": PROMPT, "multi_modal_data": images}, GREEDY)[0]
+    other = LLM(str(moved), dtype="float32", num_kv_blocks=64).generate(
+        {"prompt": PROMPT, "multi_modal_data": images}, GREEDY)[0]
+    assert other.outputs[0].token_ids == base.outputs[0].token_ids
