@@ -184,7 +184,7 @@ SIZES_WITHOUT_DEFAULT_WEIGHTS: frozenset[str] = frozenset({"8b"})  # 16 GB: pair
 
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-_DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -363,7 +363,7 @@ def _check_vocab(tokenizer: HFTokenizer, vocab_size: int) -> None:
             )
 
 
-def _added_tokens(tokenizer_json: str) -> dict[int, str]:
+def added_tokens(tokenizer_json: str) -> dict[int, str]:
     data = json.loads(tokenizer_json)
     return {entry["id"]: entry["content"] for entry in data["added_tokens"]}
 
@@ -438,7 +438,7 @@ def plan_shards(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, shard_si
 
 def checkpoint_bytes(config: dict[str, Any]) -> int:
     """Size of the weights `make_model` would write for `config`."""
-    itemsize = torch.empty((), dtype=_DTYPES[config["torch_dtype"]]).element_size()
+    itemsize = torch.empty((), dtype=DTYPES[config["torch_dtype"]]).element_size()
     return itemsize * sum(_numel(shape) for shape in weight_shapes(config).values())
 
 
@@ -461,11 +461,11 @@ def _shard_file_names(count: int) -> list[str]:
     return [f"model-{index:05d}-of-{count:05d}.safetensors" for index in range(1, count + 1)]
 
 
-def _iter_shards(
+def iter_shards(
     config: dict[str, Any], seed: int, shard_size: int
 ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     shapes = weight_shapes(config)
-    dtype = _DTYPES[config["torch_dtype"]]
+    dtype = DTYPES[config["torch_dtype"]]
     shards = plan_shards(shapes, dtype, shard_size)
     generator = torch.Generator().manual_seed(seed)
     for file_name, names in zip(_shard_file_names(len(shards)), shards, strict=True):
@@ -476,7 +476,7 @@ def write_weights(out_dir: Path, config: dict[str, Any], seed: int, shard_size: 
     """Write model.safetensors, or shards plus model.safetensors.index.json."""
     weight_map: dict[str, str] = {}
     total_size = 0
-    for file_name, tensors in _iter_shards(config, seed, shard_size):
+    for file_name, tensors in iter_shards(config, seed, shard_size):
         save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
         for name, tensor in tensors.items():
             weight_map[name] = file_name
@@ -520,7 +520,7 @@ def make_model(
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", build_generation_config(size))
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", build_tokenizer_config(size, _added_tokens(tokenizer_json), arch))
+    _write_json(out / "tokenizer_config.json", build_tokenizer_config(size, added_tokens(tokenizer_json), arch))
     _write_json(out / "special_tokens_map.json", build_special_tokens_map())
     if with_weights:
         write_weights(out, config, seed, shard_size)
@@ -568,7 +568,7 @@ def refresh_tokenizer_metadata(model_dir: Path, arch: str, size: str) -> list[st
     they are. Each file is replaced atomically; returns the names of the files rewritten."""
     tokenizer_json = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
     expected = {
-        "tokenizer_config.json": build_tokenizer_config(size, _added_tokens(tokenizer_json), arch),
+        "tokenizer_config.json": build_tokenizer_config(size, added_tokens(tokenizer_json), arch),
         "special_tokens_map.json": build_special_tokens_map(),
     }
     rewritten: list[str] = []

@@ -209,3 +209,20 @@ def test_checkpoints_in_either_published_weight_layout_load_the_same(llava_dir, 
     other = LLM(str(moved), dtype="float32", num_kv_blocks=64).generate(
         {"prompt": PROMPT, "multi_modal_data": images}, GREEDY)[0]
     assert other.outputs[0].token_ids == base.outputs[0].token_ids
+
+
+def test_the_built_in_llava_is_a_checkpoint_transformers_reads_the_same(tmp_path):
+    from llmserve.model.builtin_llava import make_llava
+
+    model_dir = make_llava(tmp_path / "llava", "tiny", seed=0)
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=128)
+    prompt = llm.engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this"}]}],
+        add_generation_prompt=True)
+    tokens = []
+    for seed in (1, 2):
+        image = random_image(seed)
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}}, GREEDY)[0]
+        assert list(out.outputs[0].token_ids) == reference_tokens(model_dir, llm, list(out.prompt_token_ids), [image])
+        tokens.append(out.outputs[0].token_ids)
+    assert tokens[0] != tokens[1]

@@ -1,0 +1,103 @@
+"""What an image costs a vision-language model's request, on the built-in LLaVA (`make-model --arch llava`; at
+`medium`, LLaVA-1.5's own vision tower, CLIP ViT-L/14 at 336 pixels, 576 tokens an image, before the 348.7M
+built-in medium Llama), in bfloat16, at batch 1:
+
+  - `prepare`: a 1024x768 JPEG decoded, resized, cropped and normalised (the API process's work, on a worker);
+  - `encode`: the vision tower and projector on one image (the engine's, in the image's first prefill step);
+  - `ttft image` against `ttft text`: the time to a first token of a prompt of one image and a question (the
+    image prepared, encoded and its tokens prefilled), and of a text prompt of as many tokens;
+  - `ttft cached`: the same image's prompt again, its blocks in the prefix cache (the image is prepared to be
+    named, but not encoded, and its tokens are not computed again).
+
+Rounds alternate the cases; each image is new to the cache except in `cached`.
+
+    python benchmarks/vision.py --size medium --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from llmserve import LLM, SamplingParams  # noqa: E402
+from llmserve.model.builtin_llava import make_llava  # noqa: E402
+from llmserve.multimodal.images import prepare  # noqa: E402
+
+QUESTION = [{"type": "image"}, {"type": "text", "text": "What is in this picture, and what is it for?"}]
+FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1)
+
+
+def photo(seed: int) -> bytes:
+    """A 1024x768 JPEG of smooth random colour (photo-like to the codec)."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)
+    image = Image.fromarray(small).resize((1024, 768), Image.Resampling.BICUBIC)
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="medium", choices=["tiny", "small", "medium"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    model_dir = make_llava(Path(tempfile.mkdtemp()) / "llava", args.size)
+    llm = LLM(model=str(model_dir), dtype=args.dtype)
+    processor, core = llm.engine.input_processor, llm.engine.core
+    prompt = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                                      add_generation_prompt=True)
+    image_ids = processor.with_images(prompt, [photo(0)])
+    text_ids = [5 + (7 * i) % 900 for i in range(len(image_ids))]  # as many tokens, none an image's
+    runs: dict[str, list[float]] = {name: [] for name in ("prepare", "encode", "ttft image", "ttft cached", "ttft text")}
+    model = core.runner.model
+    for round_ in range(args.rounds + 1):  # round 0 warms up (under inference mode, as the engine runs)
+        jpeg = photo(round_ + 1)
+        pixels = torch.from_numpy(prepare(processor.vision.processor, jpeg, "image").pixels[None])
+        times = {
+            "prepare": seconds(lambda: prepare(processor.vision.processor, jpeg, "image")),
+            "encode": seconds(lambda: model.embed_images(pixels)),
+            "ttft image": seconds(lambda: llm.generate({"prompt": prompt, "multi_modal_data": {"image": [jpeg]}},
+                                                       FIRST_TOKEN)),
+            "ttft cached": seconds(lambda: llm.generate({"prompt": prompt, "multi_modal_data": {"image": [jpeg]}},
+                                                        FIRST_TOKEN)),
+        }
+        core.reset_prefix_cache()
+        times["ttft text"] = seconds(lambda: llm.generate([{"prompt_token_ids": text_ids}], FIRST_TOKEN))
+        core.reset_prefix_cache()
+        if round_:
+            for name, value in times.items():
+                runs[name].append(value)
+    print(f"built-in llava-{args.size}, {args.dtype}, {len(image_ids)} prompt tokens "
+          f"({processor.vision.tokens_per_image} of them the image's), {args.rounds} rounds, torch threads "
+          f"{torch.get_num_threads()}")
+    for name, values in runs.items():
+        print(f"  {name:12s} median {statistics.median(values) * 1e3:8.1f} ms  (min {min(values) * 1e3:.1f}, "
+              f"max {max(values) * 1e3:.1f})")
+    text, image = statistics.median(runs["ttft text"]), statistics.median(runs["ttft image"])
+    print(f"  ttft image / ttft text = {image / text:.2f}; ttft cached / ttft image = "
+          f"{statistics.median(runs['ttft cached']) / image:.2f}")
+
+
+if __name__ == "__main__":
+    main()
