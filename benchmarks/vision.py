@@ -56,6 +56,23 @@ def seconds(fn) -> float:
 
 
 @torch.inference_mode()
+def one_round(llm: LLM, prompt: str, text_ids: list[int], jpeg: bytes) -> dict[str, float]:
+    """Seconds of each case, the image new to the prefix cache but in `cached`."""
+    processor, core = llm.engine.input_processor.vision.processor, llm.engine.core
+    pixels = torch.from_numpy(prepare(processor, jpeg, "image").pixels[None])
+    image_prompt = {"prompt": prompt, "multi_modal_data": {"image": [jpeg]}}
+    times = {
+        "prepare": seconds(lambda: prepare(processor, jpeg, "image")),
+        "encode": seconds(lambda: core.runner.model.embed_images(pixels)),
+        "ttft image": seconds(lambda: llm.generate(image_prompt, FIRST_TOKEN)),
+        "ttft cached": seconds(lambda: llm.generate(image_prompt, FIRST_TOKEN)),
+    }
+    core.reset_prefix_cache()
+    times["ttft text"] = seconds(lambda: llm.generate([{"prompt_token_ids": text_ids}], FIRST_TOKEN))
+    core.reset_prefix_cache()
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="medium", choices=["tiny", "small", "medium"])
@@ -64,27 +81,14 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = make_llava(Path(tempfile.mkdtemp()) / "llava", args.size)
     llm = LLM(model=str(model_dir), dtype=args.dtype)
-    processor, core = llm.engine.input_processor, llm.engine.core
+    processor = llm.engine.input_processor
     prompt = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
                                                       add_generation_prompt=True)
     image_ids = processor.with_images(prompt, [photo(0)])
     text_ids = [5 + (7 * i) % 900 for i in range(len(image_ids))]  # as many tokens, none an image's
     runs: dict[str, list[float]] = {name: [] for name in ("prepare", "encode", "ttft image", "ttft cached", "ttft text")}
-    model = core.runner.model
-    for round_ in range(args.rounds + 1):  # round 0 warms up (under inference mode, as the engine runs)
-        jpeg = photo(round_ + 1)
-        pixels = torch.from_numpy(prepare(processor.vision.processor, jpeg, "image").pixels[None])
-        times = {
-            "prepare": seconds(lambda: prepare(processor.vision.processor, jpeg, "image")),
-            "encode": seconds(lambda: model.embed_images(pixels)),
-            "ttft image": seconds(lambda: llm.generate({"prompt": prompt, "multi_modal_data": {"image": [jpeg]}},
-                                                       FIRST_TOKEN)),
-            "ttft cached": seconds(lambda: llm.generate({"prompt": prompt, "multi_modal_data": {"image": [jpeg]}},
-                                                        FIRST_TOKEN)),
-        }
-        core.reset_prefix_cache()
-        times["ttft text"] = seconds(lambda: llm.generate([{"prompt_token_ids": text_ids}], FIRST_TOKEN))
-        core.reset_prefix_cache()
+    for round_ in range(args.rounds + 1):  # round 0 warms up
+        times = one_round(llm, prompt, text_ids, photo(round_ + 1))
         if round_:
             for name, value in times.items():
                 runs[name].append(value)

@@ -29,7 +29,13 @@ from llmserve.model.lora import AdapterChecker
 from llmserve.model.lora_request import LoRARequest
 from llmserve.model.pooling import ClassifierConfig, PoolingParams
 from llmserve.multimodal.images import prepare
-from llmserve.multimodal.inputs import ImageInput, ImagePrompt, PreparedImage, expand_placeholders, image_prompt
+from llmserve.multimodal.inputs import (
+    ImageInput,
+    ImagePrompt,
+    PreparedImage,
+    expand_placeholders,
+    image_prompt,
+)
 from llmserve.sampling.params import SamplingParams
 from llmserve.tokenizer.tokenizer import Tokenizer
 
