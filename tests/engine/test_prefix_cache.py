@@ -162,7 +162,7 @@ def test_tails_are_evicted_before_named_full_blocks():
 
 
 def test_a_hash_collision_is_a_miss_not_a_wrong_hit(monkeypatch):
-    monkeypatch.setattr(prefix_cache, "hash_block", lambda parent, tokens: b"same-for-everything")
+    monkeypatch.setattr(prefix_cache, "hash_block", lambda parent, tokens, images=b"": b"same-for-everything")
     bm = BlockManager(8, BS, enable_prefix_caching=True)
     first, other = _seq(PROMPT), _seq([7] * 10)
     _admit(bm, first)

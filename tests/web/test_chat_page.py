@@ -388,3 +388,67 @@ def test_an_answer_a_router_sent_on_names_the_model_that_ran(browser, routed_ser
         assert "answered by" not in page.locator(".msg.assistant .meta").last.inner_text()  # the model it asked for
     finally:
         context.close()
+
+
+@pytest.fixture(scope="module")
+def llava_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncLLM]:
+    from llmserve.model.builtin_llava import make_llava
+
+    model_dir = make_llava(tmp_path_factory.mktemp("llava-web") / "model", "tiny")
+    with tiny_engine_running(model_dir, num_kv_blocks=1024, max_num_batched_tokens=256,
+                             max_model_len=MAX_MODEL_LEN) as engine:
+        yield engine
+
+
+def png_files(directory: Path, count: int) -> list[str]:
+    from tests.engine.test_vision import random_image
+
+    paths = []
+    for seed in range(count):
+        path = directory / f"image-{seed}.png"
+        random_image(seed).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def test_images_attached_to_a_message_are_sent_shown_and_sent_again_on_regenerate(browser, llava_engine, tmp_path):
+    with contextlib.contextmanager(serve_platform)(llava_engine, tmp_path) as server:
+        context = browser.new_context(base_url=server.base_url)
+        context.set_default_timeout(TIMEOUT_MS)
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        bodies: list[dict] = []
+
+        def record(route) -> None:
+            bodies.append(json.loads(route.request.post_data))
+            route.continue_()
+
+        open_page(page, {"max-tokens": "8"})
+        page.route("**/v1/chat/completions", record)
+        page.set_input_files("#image-file", png_files(tmp_path, 2))
+        page.wait_for_function("() => document.querySelectorAll('#attachments .thumb').length === 2")
+        page.click("#attachments .attachment:first-child .remove-image")  # one of them taken off again
+        assert page.locator("#attachments .thumb").count() == 1
+        send(page, "What is in it?")
+        parts = bodies[-1]["messages"][-1]["content"]
+        assert [part["type"] for part in parts] == ["image_url", "text"] and parts[1]["text"] == "What is in it?"
+        assert parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
+        assert page.locator(".msg.user .images .thumb").count() == 1 and page.locator("#attachments").is_hidden()
+        assert answers(page)[-1] and page.locator(".msg .notice").count() == 0
+        with answer_ends(page):
+            page.click(".msg.assistant:last-child button.regenerate")
+        assert bodies[-1]["messages"][-1]["content"] == parts  # the image goes again with the regenerated turn
+        assert page.inner_text(".msg.assistant:last-child .branch-label") == "2/2"
+        assert page.locator(".msg.user .images .thumb").count() == 1
+        assert errors == []
+        context.close()
+
+
+def test_an_image_for_a_model_that_reads_none_shows_the_servers_message(page, server: PlatformServer, tmp_path):
+    open_page(page)
+    page.set_input_files("#image-file", png_files(tmp_path, 1))
+    page.wait_for_selector("#attachments .thumb")
+    send(page, "What is in it?")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "reads text only" in page.inner_text("#error")

@@ -1,6 +1,7 @@
 // The chat page: conversations (stored on the server when it has a conversation store, else kept in
 // this tab), a model picker, streamed answers rendered as markdown, branches from regenerating and
-// editing, stop, copy, and per-answer token counts and latency.
+// editing, stop, copy, per-answer token counts and latency, and images attached to a message (for a model that
+// reads them: they go as data: URLs in OpenAI's image_url parts).
 
 import { ApiError, apiKey, call, cancelStream, setApiKey, streamChat } from "./api.js";
 import { copyButton, renderMarkdown } from "./markdown.js";
@@ -18,7 +19,55 @@ const state = {
   choice: new Map(), // which child (or which reply of a group of same-text user turns) is shown
   stats: new Map(), // message id -> {tokens, firstTokenMs, totalMs, asked, answeredBy}: this tab's answers
   pending: null, // the turn being streamed: {user, reply, streamId, controller}
+  attachments: [], // data: URLs of the images to send with the next message
+  images: new Map(), // user message id -> its images' data: URLs (this tab's: the server stores a turn's text)
 };
+
+function imagesOf(node) {
+  return node.images ?? state.images.get(node.id) ?? [];
+}
+
+// A message's content as the API takes it: its images as image_url parts before its text.
+function content(text, images) {
+  if (!images.length) return text;
+  return [...images.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text }];
+}
+
+function readAsDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attach(files) {
+  for (const file of files) state.attachments.push(await readAsDataURL(file));
+  $("#image-file").value = "";
+  renderAttachments();
+}
+
+function renderAttachments() {
+  const strip = $("#attachments");
+  strip.replaceChildren(...state.attachments.map((url, index) => {
+    const item = document.createElement("span");
+    item.className = "attachment";
+    const remove = button("×", "Remove this image", () => { state.attachments.splice(index, 1); renderAttachments(); },
+      "remove-image");
+    item.append(thumbnail(url), remove);
+    return item;
+  }));
+  strip.hidden = !state.attachments.length;
+}
+
+function thumbnail(url) {
+  const image = document.createElement("img");
+  image.className = "thumb";
+  image.alt = "attached image";
+  image.src = url;
+  return image;
+}
 
 // ---- the tree of messages -------------------------------------------------------------------------
 
@@ -139,6 +188,13 @@ function messageView({ node, alternatives, choiceKey, selected }) {
   body.className = "body";
   if (node.role === "assistant") body.append(renderMarkdown(node.content));
   else body.textContent = node.content;
+  const images = imagesOf(node);
+  if (images.length) {
+    const strip = document.createElement("div");
+    strip.className = "images";
+    strip.append(...images.map(thumbnail));
+    body.prepend(strip);
+  }
   view.append(head, body);
   if (node.streaming) view.classList.add("streaming");
   if (node.error) view.append(notice(node.error));
@@ -336,14 +392,15 @@ function historyTo(node) {
   const turns = [];
   for (let id = node?.id; id; id = state.nodes.get(id).parent_id) {
     const message = state.nodes.get(id);
-    turns.unshift({ role: message.role, content: message.content });
+    turns.unshift({ role: message.role, content: content(message.content, imagesOf(message)) });
   }
   return turns;
 }
 
 async function send() {
   const text = $("#prompt").value;
-  if (!text.trim() || state.pending) return;
+  const images = state.attachments;
+  if ((!text.trim() && !images.length) || state.pending) return;
   showError(null);
   try {
     await ensureConversation(text);
@@ -352,12 +409,14 @@ async function send() {
     return;
   }
   $("#prompt").value = "";
-  await ask(text, lastShown());
+  state.attachments = [];
+  renderAttachments();
+  await ask(text, lastShown(), images);
 }
 
 async function regenerate(reply) {
   const user = state.nodes.get(reply.parent_id);
-  await ask(user.content, state.nodes.get(user.parent_id) ?? null);
+  await ask(user.content, state.nodes.get(user.parent_id) ?? null, imagesOf(user));
 }
 
 function edit(user) {
@@ -365,26 +424,28 @@ function edit(user) {
   const box = document.createElement("textarea");
   box.className = "edit-box";
   box.value = user.content;
-  const save = button("Send", "Send the edited message as a new branch", () => ask(box.value, state.nodes.get(user.parent_id) ?? null), "save-edit");
+  const save = button("Send", "Send the edited message as a new branch",
+    () => ask(box.value, state.nodes.get(user.parent_id) ?? null, imagesOf(user)), "save-edit");
   const cancel = button("Cancel", "Keep the message", render, "cancel-edit");
   view.querySelector(".body").replaceChildren(box);
   view.querySelector("footer").replaceChildren(save, cancel);
   box.focus();
 }
 
-// Streams the answer to `text` sent after `parent` (null: the start), then shows the stored turn.
-async function ask(text, parent) {
-  if (!text.trim() || state.pending) return;
+// Streams the answer to `text` (and `images`) sent after `parent` (null: the start), then shows the stored turn.
+async function ask(text, parent, images = []) {
+  if ((!text.trim() && !images.length) || state.pending) return;
   const model = $("#model").value;
   const local = state.current.local;
-  const user = { id: `pending-user-${Date.now()}`, parent_id: parent?.id ?? null, role: "user", content: text, pending: true };
+  const user = { id: `pending-user-${Date.now()}`, parent_id: parent?.id ?? null, role: "user", content: text, images,
+    pending: true };
   const reply = { id: `pending-reply-${Date.now()}`, parent_id: user.id, role: "assistant", content: "", streaming: true, pending: true };
   const controller = new AbortController();
   state.pending = { user, reply, streamId: null, controller };
   const stats = { tokens: null, firstTokenMs: null, totalMs: null, asked: model, answeredBy: null };
   const started = performance.now();
-  const body = { model, messages: [{ role: "user", content: text }], ...settings() };
-  if (local) body.messages = [...historyTo(parent), { role: "user", content: text }];
+  const body = { model, messages: [{ role: "user", content: content(text, images) }], ...settings() };
+  if (local) body.messages = [...historyTo(parent), { role: "user", content: content(text, images) }];
   else {
     body.conversation_id = state.current.id;
     if (parent) body.parent_message_id = parent.id;
@@ -454,6 +515,7 @@ async function storeTurn(user, reply, stats, local) {
     const tree = await call("GET", `/v1/conversations/${encodeURIComponent(state.current.id)}/tree`);
     const choices = new Map(state.choice);
     loadTree(tree.data, tree.head_message_id);
+    if (user.images.length) state.images.set(state.nodes.get(tree.head_message_id).parent_id, user.images);
     for (const [key, value] of choices) if (!state.choice.has(key)) state.choice.set(key, value);
     state.stats.set(tree.head_message_id, stats);
     const summary = state.conversations.find((c) => c.id === state.current.id);
@@ -556,6 +618,8 @@ function init() {
   $("#api-key").addEventListener("change", (event) => { setApiKey(event.target.value.trim()); connect(); });
   $("#new-chat").addEventListener("click", newConversation);
   $("#send").addEventListener("click", send);
+  $("#attach").addEventListener("click", () => $("#image-file").click());
+  $("#image-file").addEventListener("change", (event) => attach([...event.target.files]).catch(showError));
   $("#stop").addEventListener("click", stop);
   $("#menu").addEventListener("click", () => document.body.classList.toggle("sidebar-open"));
   $("#system-prompt").value = DEFAULT_SYSTEM_PROMPT;
