@@ -48,7 +48,7 @@ def llm(llava_dir) -> LLM:
     return LLM(str(llava_dir), dtype="float32", num_kv_blocks=64)
 
 
-def reference_tokens(model_dir: Path, llm: LLM, prompt_ids: list[int], images: list[Image.Image]) -> list[int]:
+def reference_tokens(model_dir: Path, prompt_ids: list[int], images: list[Image.Image]) -> list[int]:
     processor = ImageProcessor.from_dir(model_dir)
     pixels = torch.from_numpy(np.stack([processor(image) for image in images]))
     return greedy_with_images(load_llava(model_dir), prompt_ids, pixels, GREEDY.max_tokens)
@@ -68,7 +68,7 @@ def test_greedy_tokens_equal_transformers_with_the_same_images(llava_dir, llm, p
     images = [random_image(seed) for seed in range(num_images)]
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, GREEDY)[0]
     assert out.prompt_token_ids.count(1024) == 16 * num_images  # each <image> as its 16 patches
-    assert list(out.outputs[0].token_ids) == reference_tokens(llava_dir, llm, list(out.prompt_token_ids), images)
+    assert list(out.outputs[0].token_ids) == reference_tokens(llava_dir, list(out.prompt_token_ids), images)
 
 
 def test_prefill_chunks_that_cut_images_give_the_same_tokens(llava_dir):
@@ -76,7 +76,7 @@ def test_prefill_chunks_that_cut_images_give_the_same_tokens(llava_dir):
     images = [random_image(3), random_image(4)]
     chunked = LLM(str(llava_dir), dtype="float32", max_num_batched_tokens=7, num_kv_blocks=64)
     out = chunked.generate({"prompt": TWO_IMAGES, "multi_modal_data": {"image": images}}, GREEDY)[0]
-    assert list(out.outputs[0].token_ids) == reference_tokens(llava_dir, chunked, list(out.prompt_token_ids), images)
+    assert list(out.outputs[0].token_ids) == reference_tokens(llava_dir, list(out.prompt_token_ids), images)
     assert not chunked.engine.core.runner.image_features  # each image's features dropped after its last chunk
 
 
@@ -112,7 +112,7 @@ def test_other_feature_layers_strategies_and_decoders_equal_transformers(tmp_pat
     images = [random_image(9)]
     out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": images}}, GREEDY)[0]
     assert out.prompt_token_ids.count(1024) == 17  # the class token kept
-    assert list(out.outputs[0].token_ids) == reference_tokens(model_dir, llm, list(out.prompt_token_ids), images)
+    assert list(out.outputs[0].token_ids) == reference_tokens(model_dir, list(out.prompt_token_ids), images)
 
 
 @pytest.mark.parametrize(("prompt", "data", "message"), [
@@ -223,6 +223,32 @@ def test_the_built_in_llava_is_a_checkpoint_transformers_reads_the_same(tmp_path
     for seed in (1, 2):
         image = random_image(seed)
         out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}}, GREEDY)[0]
-        assert list(out.outputs[0].token_ids) == reference_tokens(model_dir, llm, list(out.prompt_token_ids), [image])
+        assert list(out.outputs[0].token_ids) == reference_tokens(model_dir, list(out.prompt_token_ids), [image])
         tokens.append(out.outputs[0].token_ids)
     assert tokens[0] != tokens[1]
+
+
+def test_two_tensor_parallel_ranks_read_images_as_transformers_does(llava_dir):
+    """The decoder split over two ranks, the vision tower whole on each, behind the engine core's process (the
+    images go to it in the request)."""
+    import asyncio
+
+    from llmserve.config import EngineConfig
+    from llmserve.engine.async_llm import AsyncLLM
+    from llmserve.server.streaming import final_outputs
+
+    images = [random_image(21), random_image(22)]
+
+    async def run() -> tuple[list[int], list[int]]:
+        engine = AsyncLLM.from_config(EngineConfig(model=str(llava_dir), dtype="float32", device="cpu",
+                                                   tensor_parallel_size=2, num_kv_blocks=64, max_num_batched_tokens=20))
+        try:
+            prompt = engine.input_processor.with_images(TWO_IMAGES, images)
+            [output] = await final_outputs([await engine.add_request("r", prompt, GREEDY)])
+            assert (await engine.stats()).num_used_blocks == 0
+            return list(output.prompt_token_ids), list(output.outputs[0].token_ids)
+        finally:
+            engine.close()
+
+    prompt_ids, tokens = asyncio.run(run())
+    assert tokens == reference_tokens(llava_dir, prompt_ids, images)
