@@ -27,8 +27,8 @@ from llmserve.server.conversations import (
 )
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, chat_logprobs, logprob_texts, vllm_prompt_logprobs
-from llmserve.server.media import load_images
-from llmserve.server.messages import image_urls, template_messages, uses_tools, with_image_parts
+from llmserve.server.media import images_placed, load_images
+from llmserve.server.messages import image_urls, template_messages, uses_tools
 from llmserve.server.openapi import documented
 from llmserve.server.pipeline import Choice, ChoiceRenderer, PreparedRequest, ResponseShape, respond
 from llmserve.server.postprocess import MessagePieces, TextPostProcessor
@@ -201,12 +201,9 @@ async def _chat_prompt(
     template_variables = _template_variables(body, endpoint)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     tokenizer, processor = endpoint.engine.tokenizer, endpoint.engine.input_processor
-    vision = processor.vision
-    placeholder = tokenizer.convert_ids_to_tokens([vision.image_token_id])[0] if vision is not None else ""
 
     def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        if vision is not None:
-            messages = with_image_parts(messages, tokenizer.template_places_images(), placeholder)
+        messages = images_placed(endpoint, messages)
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
             continue_final_message=body.continue_final_message, **template_variables,

@@ -1,17 +1,20 @@
 """The images of a request's content parts, fetched and prepared for a vision-language model: a data: URL's
 bytes, or an http(s) URL's body (fetched at once, each within `IMAGE_FETCH_TIMEOUT` seconds and
-`MAX_IMAGE_BYTES`); decoding and resizing run on worker threads."""
+`MAX_IMAGE_BYTES`); decoding and resizing run on worker threads. And the messages as the model's chat template
+takes their images."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 import aiohttp
 
 from llmserve.errors import InvalidRequestError
 from llmserve.multimodal.images import MAX_IMAGE_BYTES, data_url_bytes
 from llmserve.multimodal.inputs import PreparedImage
+from llmserve.server.messages import IMAGE_PARTS, with_image_parts
 from llmserve.server.state import ModelEndpoint, ServerState
 
 IMAGE_FETCH_TIMEOUT = 10.0
@@ -54,3 +57,16 @@ async def _fetch(session: aiohttp.ClientSession, url: str, param: str) -> bytes:
     if len(body) > MAX_IMAGE_BYTES:
         raise InvalidRequestError(f"The image at {url} is more than {MAX_IMAGE_BYTES} bytes.", param=param)
     return body
+
+
+def images_placed(endpoint: ModelEndpoint, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the model's chat template takes them: a message's images as parts for a template that writes
+    them, else as placeholder lines before its text; a 400 when the model reads no images."""
+    vision = endpoint.engine.input_processor.vision
+    if vision is None:
+        if any(IMAGE_PARTS in message for message in messages):
+            raise InvalidRequestError(f"The model {endpoint.name!r} reads text only, not images.", param="messages")
+        return messages
+    tokenizer = endpoint.engine.tokenizer
+    placeholder = tokenizer.convert_ids_to_tokens([vision.image_token_id])[0]
+    return with_image_parts(messages, tokenizer.template_places_images(), placeholder)

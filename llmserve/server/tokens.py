@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from llmserve.errors import InvalidRequestError
 from llmserve.server import errors
 from llmserve.server.gateway import request_key
+from llmserve.server.media import images_placed
 from llmserve.server.messages import template_messages
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import (
@@ -50,9 +51,11 @@ def _tokenize(endpoint: ModelEndpoint, body: TokenizeRequest) -> Response:
     if body.messages is not None:
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         ids = tokenizer.apply_chat_template(
-            template_messages(body.messages), add_generation_prompt=body.add_generation_prompt, tools=tools,
-            tokenize=True, continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}),
+            images_placed(endpoint, template_messages(body.messages)), add_generation_prompt=body.add_generation_prompt,
+            tools=tools, tokenize=True, continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
         )
+        ids = endpoint.engine.input_processor.expand_placeholders(ids)  # each image as the tokens it takes
     else:
         assert body.prompt is not None
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -252,3 +252,16 @@ def test_two_tensor_parallel_ranks_read_images_as_transformers_does(llava_dir):
 
     prompt_ids, tokens = asyncio.run(run())
     assert tokens == reference_tokens(llava_dir, prompt_ids, images)
+
+
+def test_requests_preempted_and_recomputed_read_their_images_again(llava_dir, llm):
+    """Four two-image prompts in a pool too small for all of them: the preempted ones recompute their prompts,
+    images included, to the tokens they get alone."""
+    batch = [{"prompt": TWO_IMAGES, "multi_modal_data": {"image": [random_image(30 + i), random_image(40 + i)]}}
+             for i in range(4)]
+    alone = [out.outputs[0].token_ids for out in llm.generate(batch, GREEDY)]
+    tight = LLM(str(llava_dir), dtype="float32", num_kv_blocks=12, max_model_len=160, max_num_batched_tokens=48)
+    squeezed = tight.generate(batch, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert [out.outputs[0].token_ids[:16] for out in squeezed] == alone
+    assert tight.engine.core.block_manager.num_used_blocks == 0

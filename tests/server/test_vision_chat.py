@@ -209,3 +209,13 @@ def test_keys_metering_and_the_gateway_take_images_as_the_replica_does(llava_dir
         rows = served.usage_rows()
         assert [row.prompt_tokens for row in rows] == [reply["usage"]["prompt_tokens"]]
         assert reply["usage"]["prompt_tokens"] > 16
+
+
+def test_tokenize_counts_a_messages_images_as_chat_does(server, live_server):
+    messages = [user_message(data_url(png_bytes(random_image(16))), data_url(png_bytes(random_image(17))))]
+    chat = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
+    counted = httpx.post(f"{server.base_url}/tokenize", json={"model": MODEL_NAME, "messages": messages}, timeout=60)
+    assert counted.status_code == 200 and counted.json()["count"] == chat.usage.prompt_tokens
+    assert counted.json()["tokens"].count(1024) == 32
+    refused = httpx.post(f"{live_server.base_url}/tokenize", json={"model": MODEL_NAME, "messages": messages}, timeout=60)
+    assert refused.status_code == 400 and "reads text only" in refused.json()["error"]["message"]
