@@ -234,6 +234,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="split replies into reasoning_content (<think>...</think>) and content; structured output "
         "constrains what follows the reasoning",
     )
+    serve.add_argument(
+        "--allowed-media-domains", action="append", default=[], metavar="HOST[,HOST...]",
+        help="the hosts whose http(s) image URLs the server fetches for a vision-language model (vLLM's; default: "
+        "any; 'none': no URL, only data: URLs)",
+    )
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     serve.add_argument(
         "--slo-ttft-ms", type=float, default=None,

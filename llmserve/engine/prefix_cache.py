@@ -1,11 +1,11 @@
 """Content addressing for full KV blocks (automatic prefix caching).
 
-A full block is named by a chained hash: hash(parent block's hash, the block's token ids). A block holding an image's placeholder
-tokens also hashes the image's name. The chain's
-root is a hash of whatever else changes the KV for the same tokens (the model, later a LoRA adapter)
-and of the request's `cache_salt`, so requests with different salts never share a block. The hash is
-a 128-bit BLAKE2b digest; on top of that every cached block keeps its parent hash and its token tuple,
-and a lookup only counts as a hit when both are equal, so a colliding hash can only cost a miss.
+A full block is named by a chained hash: hash(parent block's hash, the block's token ids, and the names of the
+images whose placeholder tokens it holds). The chain's root is a hash of whatever else changes the KV for the
+same tokens (the model, later a LoRA adapter) and of the request's `cache_salt`, so requests with different
+salts never share a block. The hash is a 128-bit BLAKE2b digest; on top of that every cached block keeps
+its parent hash and its token tuple, and a lookup only counts as a hit when both are equal, so a colliding
+hash can only cost a miss.
 
 This module only names blocks and maps names to block ids; the block manager owns the blocks, their
 reference counts and the eviction order.

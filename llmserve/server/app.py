@@ -181,6 +181,7 @@ def build_app(
     public_metrics: bool = False,
     public_openapi: bool = False,
     allowed_origins: Sequence[str] = (),
+    allowed_media_domains: Sequence[str] = (),
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
@@ -201,7 +202,8 @@ def build_app(
     on CORS for those origins ("*": any). A body over `max_request_body_bytes` gets a 413 before
     anything reads it. `tool_call_parser` and `reasoning_parser` name the formats
     `engine_client`'s replies are parsed in (a spec in `models` names its own). `stream_resume` bounds
-    the buffers of resumable streams (server/streams.py).
+    the buffers of resumable streams (server/streams.py). `allowed_media_domains`: the hosts whose image URLs
+    are fetched (none given: any; "none": no host).
     """
     specs = list(models)
     if engine_client is not None:
@@ -216,7 +218,7 @@ def build_app(
     router: ModelRouter[ModelEndpoint] = ModelRouter()
     state = ServerState(
         router=router, metrics=ServerMetrics(lambda: base_endpoints(router)), platform=platform,
-        streams=StreamRegistry(stream_resume),
+        streams=StreamRegistry(stream_resume), allowed_media_domains=frozenset(allowed_media_domains),
     )
     if platform is not None:
         platform.metrics = state.metrics.platform

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -27,13 +28,23 @@ async def load_images(state: ServerState, endpoint: ModelEndpoint, urls: Sequenc
     processor = endpoint.engine.input_processor
     if processor.vision is None:
         raise InvalidRequestError(f"The model {endpoint.name!r} reads text only, not images.", param=urls[0][1])
-    fetched = await _fetch_all([(url, param) for url, param in urls if not url.startswith("data:")])
+    remote = [(url, param) for url, param in urls if not url.startswith("data:")]
+    for url, param in remote:
+        _check_host(url, param, state.allowed_media_domains)
+    fetched = await _fetch_all(remote)
 
     def prepare() -> list[PreparedImage]:
         images = [fetched[param] if param in fetched else data_url_bytes(url, param) for url, param in urls]
         return processor.prepare_images(images, [param for _, param in urls])
 
     return await state.workers.run(prepare)
+
+
+def _check_host(url: str, param: str, allowed: frozenset[str]) -> None:
+    """A 400 unless `url`'s host is allowed (`--allowed-media-domains`; none given: any)."""
+    if allowed and urlsplit(url).hostname not in allowed:
+        raise InvalidRequestError(f"This server fetches images from {', '.join(sorted(allowed - {'none'})) or 'no host'}"
+                                  " only; send the image as a data: URL.", param=param)
 
 
 async def _fetch_all(urls: Sequence[tuple[str, str]]) -> dict[str, bytes]:

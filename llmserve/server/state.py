@@ -130,6 +130,7 @@ class ServerState:
     workers: WorkerPool = field(default_factory=WorkerPool)  # tokenization, templating, the safety screen
     streams: StreamRegistry = field(default_factory=StreamRegistry)  # resumable streams, by response id
     content_routers: dict[str, ContentRouter] = field(default_factory=dict)  # model names routed by the request's text
+    allowed_media_domains: frozenset[str] = frozenset()  # the hosts image URLs are fetched from (empty: any)
     created: int = field(default_factory=now)
     _tasks: set[asyncio.Task] = field(default_factory=set)
     _ready: asyncio.Event | None = None

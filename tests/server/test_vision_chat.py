@@ -219,3 +219,18 @@ def test_tokenize_counts_a_messages_images_as_chat_does(server, live_server):
     assert counted.json()["tokens"].count(1024) == 32
     refused = httpx.post(f"{live_server.base_url}/tokenize", json={"model": MODEL_NAME, "messages": messages}, timeout=60)
     assert refused.status_code == 400 and "reads text only" in refused.json()["error"]["message"]
+
+
+def test_allowed_media_domains_limit_the_hosts_images_are_fetched_from(llava_dir, image_host):
+    """vLLM's --allowed-media-domains: other hosts' URLs are 400s before anything is fetched; data: URLs always
+    go."""
+    for allowed, fetches in ((["none"], False), (["images.example"], False), (["127.0.0.1"], True)):
+        with serving(llava_dir, allowed_media_domains=allowed) as live:
+            body = {"model": MODEL_NAME, "max_tokens": 2, "messages": [user_message(f"{image_host}/image.png")]}
+            answer = httpx.post(f"{live.base_url}/v1/chat/completions", json=body, timeout=60)
+            assert answer.status_code == (200 if fetches else 400), answer.text
+            if not fetches:
+                assert "data: URL" in answer.json()["error"]["message"]
+                assert answer.json()["error"]["param"] == "messages[0].content[0].image_url"
+            inline = {**body, "messages": [user_message(data_url(png_bytes(random_image(11))))]}
+            assert httpx.post(f"{live.base_url}/v1/chat/completions", json=inline, timeout=60).status_code == 200
