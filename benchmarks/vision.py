@@ -59,11 +59,12 @@ def seconds(fn) -> float:
 def one_round(llm: LLM, prompt: str, text_ids: list[int], jpeg: bytes) -> dict[str, float]:
     """Seconds of each case, the image new to the prefix cache but in `cached`."""
     processor, core = llm.engine.input_processor.vision.processor, llm.engine.core
-    pixels = torch.from_numpy(prepare(processor, jpeg, "image").pixels[None])
+    prepared = prepare(processor, jpeg, "image", llm.engine.input_processor.vision.num_tokens)
+    pixels = torch.from_numpy(prepared.pixels)
     image_prompt = {"prompt": prompt, "multi_modal_data": {"image": [jpeg]}}
     times = {
-        "prepare": seconds(lambda: prepare(processor, jpeg, "image")),
-        "encode": seconds(lambda: core.runner.model.embed_images(pixels)),
+        "prepare": seconds(lambda: prepare(processor, jpeg, "image", llm.engine.input_processor.vision.num_tokens)),
+        "encode": seconds(lambda: core.runner.model.embed_image(pixels, prepared.size)),
         "ttft image": seconds(lambda: llm.generate(image_prompt, FIRST_TOKEN)),
         "ttft cached": seconds(lambda: llm.generate(image_prompt, FIRST_TOKEN)),
     }
@@ -93,7 +94,7 @@ def main() -> None:
             for name, value in times.items():
                 runs[name].append(value)
     print(f"built-in llava-{args.size}, {args.dtype}, {len(image_ids)} prompt tokens "
-          f"({processor.vision.tokens_per_image} of them the image's), {args.rounds} rounds, torch threads "
+          f"({image_ids.images[0].length} of them the image's), {args.rounds} rounds, torch threads "
           f"{torch.get_num_threads()}")
     for name, values in runs.items():
         print(f"  {name:12s} median {statistics.median(values) * 1e3:8.1f} ms  (min {min(values) * 1e3:.1f}, "

@@ -760,7 +760,8 @@ def _image_slices(row: ScheduledRow, batch_start: int) -> list[ImageSlice]:
         return []
     begin, end = row.begin, row.begin + row.num_new
     return [
-        ImageSlice(image.digest, image.pixel_array(), batch_start + lo - begin, lo - image.offset, hi - lo, image.length)
+        ImageSlice(image.digest, image.pixel_array(), image.size, batch_start + lo - begin, lo - image.offset, hi - lo,
+                   image.length)
         for image in row.seq.request.images
         if (lo := max(begin, image.offset)) < (hi := min(end, image.offset + image.length))
     ]

@@ -35,6 +35,7 @@ from llmserve.multimodal.inputs import (
     PreparedImage,
     expand_placeholders,
     image_prompt,
+    placed_images,
 )
 from llmserve.sampling.params import SamplingParams
 from llmserve.tokenizer.tokenizer import Tokenizer
@@ -203,7 +204,11 @@ class InputProcessor:
         """A prompt whose image placeholders (one per image, as a chat template writes them) stand for `images`
         (encoded bytes, or PIL images). Runs on a worker thread: decoding and resizing grow with the images."""
         prepared = self.prepare_images(images, [f"{param}[{i}]" for i in range(len(images))])
-        return self.place_images(self.expand_placeholders(self.tokenize(prompt)), prepared)
+        token_ids = self.tokenize(prompt)
+        if token_ids.count(self.vision.image_token_id) != len(prepared):  # (prepared: the model reads images)
+            raise InvalidRequestError(f"The prompt has places for {token_ids.count(self.vision.image_token_id)} "
+                                      f"images but {len(prepared)} were sent.", param=param)
+        return self.place_images(self.expand_placeholders(token_ids, prepared), prepared)
 
     def prepare_images(self, images: Sequence[bytes | Image.Image], params: Sequence[str]) -> list[PreparedImage]:
         """Images decoded and prepared as the model reads them; a 400 naming the parameter of one that is not an
@@ -213,24 +218,25 @@ class InputProcessor:
         if len(images) > MAX_IMAGES_PER_PROMPT:
             raise InvalidRequestError(f"A prompt holds at most {MAX_IMAGES_PER_PROMPT} images, not {len(images)}.",
                                       param=params[MAX_IMAGES_PER_PROMPT])
-        return [prepare(self.vision.processor, image, param) for image, param in zip(images, params, strict=True)]
+        vision = self.vision
+        return [prepare(vision.processor, image, param, vision.num_tokens)
+                for image, param in zip(images, params, strict=True)]
 
-    def expand_placeholders(self, token_ids: list[int]) -> list[int]:
-        """Each image placeholder a template wrote as the tokens its image takes (nothing to do without vision)."""
-        if self.vision is None:
+    def expand_placeholders(self, token_ids: list[int], images: Sequence[PreparedImage]) -> list[int]:
+        """Each image placeholder a template wrote as the tokens its image takes: the last of `images`, as many as
+        there are placeholders (fitting a conversation to the context drops its earliest turns)."""
+        if self.vision is None or not images:
             return token_ids
-        return expand_placeholders(token_ids, self.vision.image_token_id, self.vision.tokens_per_image)
-
-    def num_image_places(self, token_ids: Sequence[int]) -> int:
-        """How many images expanded token ids have places for."""
-        if self.vision is None:
-            return 0
-        return list(token_ids).count(self.vision.image_token_id) // self.vision.tokens_per_image
+        placeholder = self.vision.image_token_id
+        places = token_ids.count(placeholder)
+        kept = images[max(0, len(images) - places):]
+        return expand_placeholders(token_ids, placeholder, [image.num_tokens for image in kept])
 
     def place_images(self, token_ids: list[int], images: Sequence[PreparedImage]) -> ImagePrompt:
-        """Expanded token ids with `images` at their placeholder runs, in order."""
+        """Expanded token ids with the last of `images` (as many as they hold) at their placeholder runs, in order."""
         assert self.vision is not None
-        return image_prompt(token_ids, images, self.vision.image_token_id, self.vision.tokens_per_image)
+        placeholder = self.vision.image_token_id
+        return image_prompt(token_ids, placed_images(token_ids, images, placeholder), placeholder)
 
     def check_images(self, prompt: str | Sequence[int], token_ids: list[int]) -> list[ImageInput]:
         """The prompt's images (an `ImagePrompt`'s), each over a whole run of the model's placeholder tokens; a
@@ -250,9 +256,9 @@ class InputProcessor:
                 token_ids[image.offset] != placeholder or token_ids[image.offset + image.length - 1] != placeholder
                 for image in images):
             raise InvalidRequestError(
-                f"The prompt has {count} image placeholder tokens (id {placeholder}) for {len(images)} images of "
-                f"{self.vision.tokens_per_image} tokens each: images go in content parts, not in text or token ids.",
-                param="prompt")
+                f"The prompt has {count} image placeholder tokens (id {placeholder}) for {len(images)} images "
+                f"({sum(image.length for image in images)} tokens): images go in content parts, not in text or token "
+                "ids.", param="prompt")
         return images
 
     def beam_search(

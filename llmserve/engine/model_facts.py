@@ -20,7 +20,7 @@ from llmserve.model.config import ModelConfig
 from llmserve.model.loader import resolve_model_path
 from llmserve.model.pooling import ClassifierConfig, PoolerConfig, classifier_config, pooler_config
 from llmserve.model.registry import model_class
-from llmserve.multimodal.images import ImageProcessor
+from llmserve.multimodal.images import ImageProcessor, anyres_num_tokens
 from llmserve.plugins import load_plugins
 from llmserve.tokenizer.tokenizer import Tokenizer, read_chat_template
 
@@ -38,12 +38,23 @@ class DraftFacts:
 
 @dataclass
 class VisionFacts:
-    """A vision-language model's images: the token its chat template writes for each, how many tokens each
-    takes in the prompt, and how its pixels are prepared."""
+    """A vision-language model's images: the token its chat template writes for each, how its pixels are prepared,
+    and how many tokens each takes in the prompt: LLaVA's as many as its tower's patches (and its class token,
+    with the "full" feature strategy); LLaVA-NeXT's as many as its tiles' patches keep of the image, one more
+    for each row, and the whole image's patches."""
 
     image_token_id: int
-    tokens_per_image: int
     processor: ImageProcessor
+    patches_per_side: int
+    class_token: bool = False
+
+    def num_tokens(self, size: tuple[int, int]) -> int:
+        """The placeholder tokens an image of `size` (height, width) takes."""
+        grid = self.processor.grid_pinpoints
+        if grid is None:
+            return self.patches_per_side**2 + self.class_token
+        assert self.processor.crop is not None
+        return anyres_num_tokens(size, grid, self.processor.crop[0], self.patches_per_side)
 
 
 @dataclass
@@ -91,14 +102,13 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
     )
     facts.max_num_batched_tokens = step_token_budget(config, is_encoder, facts.max_model_len)
     facts.draft = _draft_facts(config, facts)
-    facts.vision = _vision_facts(model_dir, model_config) if hasattr(cls, "embed_images") else None
+    facts.vision = _vision_facts(model_dir, model_config) if hasattr(cls, "embed_image") else None
     return facts, tokenizer
 
 
 def _vision_facts(model_dir: Path, model_config: ModelConfig) -> VisionFacts:
-    """LLaVA's: one `image_token_index` per image in the template, each as many tokens as the vision tower has
-    patches (and its class token, with the "full" feature strategy); the image processor must give the tower's
-    image size."""
+    """LLaVA's and LLaVA-NeXT's: one `image_token_index` per image in the template; the image processor must give
+    the tower's image size (and LLaVA-NeXT's the model's tiled resolutions)."""
     raw = model_config.raw
     vision = VisionConfig.from_dict(raw.get("vision_config") or {})
     token = raw.get("image_token_id", raw.get("image_token_index"))
@@ -108,8 +118,11 @@ def _vision_facts(model_dir: Path, model_config: ModelConfig) -> VisionFacts:
     if processor.output_size() != (vision.image_size, vision.image_size):
         raise ModelLoadError(f"preprocessor_config.json makes images of {processor.output_size()} pixels; the vision "
                              f"tower reads {vision.image_size}x{vision.image_size}.")
-    tokens = vision.num_patches + (raw.get("vision_feature_select_strategy", "default") == "full")
-    return VisionFacts(token, tokens, processor)
+    if raw.get("image_grid_pinpoints") and [list(p) for p in processor.grid_pinpoints or ()] != [
+            list(p) for p in raw["image_grid_pinpoints"]]:
+        raise ModelLoadError("preprocessor_config.json's image_grid_pinpoints are not config.json's.")
+    full = raw.get("vision_feature_select_strategy", "default") == "full"
+    return VisionFacts(token, processor, vision.image_size // vision.patch_size, full)
 
 
 def _draft_facts(config: EngineConfig, facts: ModelFacts) -> DraftFacts | None:

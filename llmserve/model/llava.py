@@ -4,7 +4,7 @@ image placeholder tokens.
 
 The decoder is this class itself (it is a `LlamaForCausalLM`), so everything that serves a decoder (the paged
 KV cache, the one-call CPU decoder for decode steps, quantization, tensor parallelism) serves it unchanged;
-the runner computes `embed_images` for the placeholders a step covers and passes the step's input
+the runner computes `embed_image` for the placeholders a step covers and passes the step's input
 embeddings in (`inputs_embeds`). The vision tower and projector are replicated on every tensor-parallel rank.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -19,6 +20,7 @@ from llmserve.errors import ModelLoadError
 from llmserve.model.clip import VisionConfig, VisionTransformer, activation, feature_layer_count
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaForCausalLM
+from llmserve.multimodal.images import anyres_num_tokens, grid_shape, unpadded_size
 
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
@@ -51,14 +53,27 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self.vision_tower = VisionTransformer(vision, max(counts), cfg.dtype)
         self.vision_tower.requires_grad_(False)
         self.image_size = vision.image_size
-        self.tokens_per_image = vision.num_patches + self.keep_class_token
+        self.patches_per_side = vision.image_size // vision.patch_size
         self.multi_modal_projector = Projector(
             vision.hidden_size * len(counts), cfg.hidden_size, raw.get("projector_hidden_act", "gelu"),
             bool(raw.get("multimodal_projector_bias", True)), cfg.dtype,
         ).requires_grad_(False)
 
-    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[images, tokens per image, hidden]: what stands in for each image's placeholder tokens."""
+    def embed_image(self, pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """[tokens, hidden]: what stands in for an image's placeholder tokens (`pixels` as prepared, [3, S, S]; `size`
+        as it came, which LLaVA-NeXT's tiles depend on)."""
+        return self.embed_views(pixels[None])[0]
+
+    def image_tokens(self, size: tuple[int, int]) -> int:
+        """The placeholder tokens an image of `size` takes."""
+        return self.patches_per_side**2 + self.keep_class_token
+
+    def largest_image(self) -> tuple[np.ndarray, tuple[int, int]]:
+        """Pixels (zeros) and size of the image that takes the most tokens: what memory profiling reads."""
+        return np.zeros((3, self.image_size, self.image_size), dtype=np.float32), (self.image_size, self.image_size)
+
+    def embed_views(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[views, tokens per view, hidden]: the projected features of each [3, S, S] view."""
         x = self.vision_tower.pre_layrnorm(self.vision_tower.embeddings(pixels.to(self.config.dtype)))
         states = [x]
         for layer in self.vision_tower.encoder.layers:
@@ -111,3 +126,48 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ModelLoadError(f"The checkpoint lacks {len(missing)} vision weight(s): {shown}")
         super()._check_complete({k: v for k, v in params.items() if k not in vision}, loaded)
+
+
+class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
+    """LLaVA-NeXT (1.6): an image is read whole (one view, squashed) and in tiles of the best of the model's
+    `image_grid_pinpoints` resolutions; the tiles' features, as a grid cut back to the image's own ratio with a
+    learned `image_newline` after each row, follow the whole image's (transformers' `pack_image_features`)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__(cfg, max_positions)
+        if self.keep_class_token:
+            raise ModelLoadError("LLaVA-NeXT's tiles are read with vision_feature_select_strategy 'default' only.")
+        self.grid_pinpoints = tuple(tuple(p) for p in cfg.raw["image_grid_pinpoints"])
+        self.image_newline = nn.Parameter(torch.empty(cfg.hidden_size, dtype=cfg.dtype), requires_grad=False)
+
+    def embed_image(self, pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        views = self.embed_views(pixels)  # [1 + tiles, patches, hidden]
+        side, hidden = self.patches_per_side, views.shape[-1]
+        rows, columns = grid_shape(size, self.grid_pinpoints, self.image_size)
+        grid = views[1:].view(rows, columns, side, side, hidden).permute(0, 2, 1, 3, 4)
+        grid = grid.reshape(rows * side, columns * side, hidden)
+        height, width = unpadded_size(size, (rows * side, columns * side))
+        top, left = (rows * side - height) // 2, (columns * side - width) // 2
+        grid = grid[top : top + height, left : left + width]
+        newlines = self.image_newline.to(grid.dtype).expand(height, 1, hidden)
+        return torch.cat([views[0], torch.cat([grid, newlines], dim=1).reshape(-1, hidden)])
+
+    def image_tokens(self, size: tuple[int, int]) -> int:
+        return anyres_num_tokens(size, self.grid_pinpoints, self.image_size, self.patches_per_side)
+
+    def largest_image(self) -> tuple[np.ndarray, tuple[int, int]]:
+        size = max(self.grid_pinpoints, key=lambda p: p[0] * p[1])
+        views = 1 + (size[0] // self.image_size) * (size[1] // self.image_size)
+        return np.zeros((views, 3, self.image_size, self.image_size), dtype=np.float32), size
+
+    def load_special(self, name: str, tensor: torch.Tensor) -> bool:
+        if name in ("image_newline", "model.image_newline"):
+            self.image_newline.data.copy_(tensor)
+            self._vision_loaded.add("image_newline")
+            return True
+        return super().load_special(name, tensor)
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        if "image_newline" not in self._vision_loaded:
+            raise ModelLoadError("The checkpoint lacks LLaVA-NeXT's image_newline.")
+        super()._check_complete({k: v for k, v in params.items() if k != "image_newline"}, loaded)

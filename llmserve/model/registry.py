@@ -7,7 +7,7 @@ from torch import nn
 from llmserve.errors import UnsupportedArchitectureError
 from llmserve.model.bert import BertForSequenceClassification, BertModel
 from llmserve.model.llama import LlamaForCausalLM, LlamaForSequenceClassification
-from llmserve.model.llava import LlavaForConditionalGeneration
+from llmserve.model.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 from llmserve.model.mistral import MistralForCausalLM
 from llmserve.model.mixtral import MixtralForCausalLM
 from llmserve.model.qwen2 import Qwen2ForCausalLM
@@ -22,6 +22,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     "MistralForCausalLM": MistralForCausalLM,
     "MistralForSequenceClassification": LlamaForSequenceClassification,
     "MixtralForCausalLM": MixtralForCausalLM,

@@ -121,7 +121,8 @@ class ImageSlice:
     `image_start + count` go to the step's tokens from `batch_start`."""
 
     digest: bytes
-    pixels: np.ndarray  # [3, height, width] float32, the whole image's
+    pixels: np.ndarray  # float32, the whole image's as prepared: [3, height, width] or [views, 3, height, width]
+    size: tuple[int, int]  # (height, width) as it came
     batch_start: int
     image_start: int
     count: int
@@ -482,12 +483,12 @@ class ModelRunner:
     def _profile_images(self, num_tokens: int) -> list[ImageSlice]:
         """A vision-language model's profiling step reads as many images as its tokens hold (its vision tower's
         activations are part of the peak)."""
-        if not hasattr(self.model, "embed_images"):
+        if not hasattr(self.model, "embed_image"):
             return []
-        per_image, size = self.model.tokens_per_image, self.model.image_size
-        pixels = np.zeros((3, size, size), dtype=np.float32)
+        pixels, size = self.model.largest_image()
+        per_image = self.model.image_tokens(size)
         counts = [per_image] * (num_tokens // per_image) or [num_tokens]
-        return [ImageSlice(bytes([i % 256, i // 256]) * 8, pixels, i * per_image, 0, count, per_image)
+        return [ImageSlice(bytes([i % 256, i // 256]) * 8, pixels, size, i * per_image, 0, count, per_image)
                 for i, count in enumerate(counts)]
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
@@ -575,7 +576,7 @@ class ModelRunner:
         return self.model(input_ids, positions, kv_caches, self.attn_backend, meta)
 
     def _run(self, inputs: StepInputs, kv_caches: KVCaches, use_graph: bool) -> StepTensors:
-        if inputs.images and hasattr(self.model, "embed_images"):  # (a text-only draft model reads placeholders)
+        if inputs.images and hasattr(self.model, "embed_image"):  # (a text-only draft model reads placeholders)
             self.attn_backend.prepare(inputs.meta)
             embeds = self._input_embeds(inputs.input_ids, inputs.images)
             hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, self.attn_backend, inputs.meta, embeds)
@@ -607,10 +608,9 @@ class ModelRunner:
     def _image_features(self, images: list[ImageSlice]) -> dict[bytes, torch.Tensor]:
         needed = {piece.digest: piece for piece in images}
         missing = [piece for digest, piece in needed.items() if digest not in self.image_features]
-        if missing:
-            pixels = torch.from_numpy(np.stack([piece.pixels for piece in missing])).to(self.device)
-            for piece, rows in zip(missing, self.model.embed_images(pixels), strict=True):
-                self.image_features[piece.digest] = rows
+        for piece in missing:
+            pixels = torch.from_numpy(piece.pixels.copy()).to(self.device)
+            self.image_features[piece.digest] = self.model.embed_image(pixels, piece.size)
         for digest in needed:
             self.image_features.move_to_end(digest)
         features = {digest: self.image_features[digest] for digest in needed}

@@ -1,5 +1,6 @@
 """Images as a vision-language model reads them: decoded from the bytes a request carries, then resized,
-cropped and normalised as the checkpoint's `preprocessor_config.json` says (transformers' CLIP image processor).
+cropped and normalised as the checkpoint's `preprocessor_config.json` says (transformers' CLIP image processor;
+with `image_grid_pinpoints`, LLaVA-NeXT's: the image whole and in tiles of the best of those resolutions).
 Torch-free: it runs in the API process, on a worker thread.
 """
 
@@ -10,7 +11,9 @@ import binascii
 import hashlib
 import io
 import json
+import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,7 @@ class ImageProcessor:
     rescale_factor: float | None
     mean: tuple[float, ...] | None
     std: tuple[float, ...] | None
+    grid_pinpoints: tuple[tuple[int, int], ...] | None = None  # LLaVA-NeXT's tiled resolutions, (height, width)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ImageProcessor:
@@ -64,6 +68,8 @@ class ImageProcessor:
             rescale_factor=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
             mean=tuple(cfg.get("image_mean", CLIP_MEAN)) if cfg.get("do_normalize", True) else None,
             std=tuple(cfg.get("image_std", CLIP_STD)) if cfg.get("do_normalize", True) else None,
+            grid_pinpoints=tuple(tuple(p) for p in cfg["image_grid_pinpoints"]) if cfg.get("image_grid_pinpoints")
+            else None,
         )
 
     def output_size(self) -> tuple[int, int] | None:
@@ -71,8 +77,28 @@ class ImageProcessor:
         return self.crop or self.resize_to
 
     def __call__(self, image: Image.Image) -> np.ndarray:
-        """[3, height, width] float32 pixel values."""
+        """[3, height, width] float32 pixel values; with grid pinpoints, [1 + tiles, 3, height, width]: the image
+        resized whole, then its tiles."""
         image = image.convert("RGB")
+        if self.grid_pinpoints is not None:
+            return np.stack([self._prepare(view) for view in self._views(image)])
+        return self._prepare(image)
+
+    def _views(self, image: Image.Image) -> list[Image.Image]:
+        """LLaVA-NeXT's: the image squashed to one tile, then the tiles of it resized (its ratio kept) into the best
+        pinpoint resolution and padded there with black."""
+        assert self.grid_pinpoints is not None and self.crop is not None
+        tile = self.crop[0]
+        height, width = best_resolution((image.height, image.width), self.grid_pinpoints)
+        fitted_height, fitted_width = fitted_size((image.height, image.width), (height, width))
+        canvas = Image.new("RGB", (width, height))
+        canvas.paste(image.resize((fitted_width, fitted_height), self.resample),
+                     ((width - fitted_width) // 2, (height - fitted_height) // 2))
+        tiles = [canvas.crop((left, top, left + tile, top + tile))
+                 for top in range(0, height, tile) for left in range(0, width, tile)]
+        return [image.resize((tile, tile), self.resample), *tiles]
+
+    def _prepare(self, image: Image.Image) -> np.ndarray:
         if self.shortest_edge is not None:
             image = image.resize(_shortest_edge_size(image.size, self.shortest_edge), self.resample)
         elif self.resize_to is not None:
@@ -88,6 +114,57 @@ class ImageProcessor:
             std = np.asarray(self.std, dtype=np.float32).reshape(3, 1, 1)
             values = (values - mean) / std
         return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def best_resolution(size: tuple[int, int], resolutions: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """LLaVA-NeXT's choice among (height, width) resolutions for an image of `size`: the one that keeps most of its
+    pixels when it is scaled to fit, then the one that wastes least."""
+    height, width = size
+    best, best_kept, best_waste = resolutions[0], -1, math.inf
+    for target_height, target_width in resolutions:
+        scale = min(target_width / width, target_height / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        waste = target_width * target_height - kept
+        if kept > best_kept or (kept == best_kept and waste < best_waste):
+            best, best_kept, best_waste = (target_height, target_width), kept, waste
+    return best
+
+
+def fitted_size(size: tuple[int, int], target: tuple[int, int]) -> tuple[int, int]:
+    """(height, width) of an image of `size` scaled, its ratio kept, to fit `target`."""
+    height, width = size
+    target_height, target_width = target
+    scale_width, scale_height = target_width / width, target_height / height
+    if scale_width < scale_height:
+        return min(math.ceil(height * scale_width), target_height), target_width
+    return target_height, min(math.ceil(width * scale_height), target_width)
+
+
+def anyres_num_tokens(size: tuple[int, int], resolutions: tuple[tuple[int, int], ...], tile: int,
+                      patches_per_side: int) -> int:
+    """LLaVA-NeXT's tokens for an image of `size`: the whole image's patches, then the tiles' patch grid cut back to
+    the image's own ratio, a newline token after each of its rows."""
+    rows, columns = grid_shape(size, resolutions, tile)
+    height, width = unpadded_size(size, (rows * patches_per_side, columns * patches_per_side))
+    return patches_per_side**2 + height * (width + 1)
+
+
+def grid_shape(size: tuple[int, int], resolutions: tuple[tuple[int, int], ...], tile: int) -> tuple[int, int]:
+    """(rows, columns) of an image's tiles."""
+    height, width = best_resolution(size, resolutions)
+    return height // tile, width // tile
+
+
+def unpadded_size(size: tuple[int, int], grid: tuple[int, int]) -> tuple[int, int]:
+    """The part of a (height, width) feature grid an image of `size` covers (the padding around it cut off), as
+    transformers' `unpad_image` cuts it."""
+    height, width = size
+    grid_height, grid_width = grid
+    if width / height > grid_width / grid_height:
+        new_height = int(round(height * (grid_width / width), 7))
+        return grid_height - 2 * ((grid_height - new_height) // 2), grid_width
+    new_width = int(round(width * (grid_height / height), 7))
+    return grid_height, grid_width - 2 * ((grid_width - new_width) // 2)
 
 
 def _shortest_edge_size(size: tuple[int, int], shortest: int) -> tuple[int, int]:
@@ -146,10 +223,13 @@ def data_url_bytes(url: str, param: str) -> bytes:
         raise InvalidRequestError("The image data URL is not valid base64.", param=param) from None
 
 
-def prepare(processor: ImageProcessor, image: bytes | Image.Image, param: str) -> PreparedImage:
-    """An image (its bytes, or decoded) prepared, named by its pixels: the same image, however encoded, has the
-    same name (and the same KV to share)."""
-    pixels = processor(decode_image(image, param) if isinstance(image, bytes) else image)
-    digest = hashlib.blake2b(str(pixels.shape).encode(), digest_size=16)
+def prepare(processor: ImageProcessor, image: bytes | Image.Image, param: str,
+            num_tokens: Callable[[tuple[int, int]], int]) -> PreparedImage:
+    """An image (its bytes, or decoded) prepared, with the tokens it takes (`num_tokens` of its size), named by its
+    pixels and size: the same image, however encoded, has the same name (and the same KV to share)."""
+    decoded = decode_image(image, param) if isinstance(image, bytes) else image
+    size = (decoded.height, decoded.width)
+    pixels = processor(decoded)
+    digest = hashlib.blake2b(f"{pixels.shape}{size}".encode(), digest_size=16)
     digest.update(pixels.tobytes())
-    return PreparedImage(pixels, digest.digest())
+    return PreparedImage(pixels, digest.digest(), size, num_tokens(size))

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from llmserve.errors import InvalidRequestError
-from llmserve.multimodal.inputs import ImagePrompt, PreparedImage
+from llmserve.multimodal.inputs import PreparedImage
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.content_routing import chat_texts
 from llmserve.sampling.params import SamplingParams
@@ -70,9 +70,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     max_tokens, max_tokens_param = body.requested_max_tokens()
     urls = image_urls(body.messages)
     images = await load_images(state, endpoint, urls) if urls else []
-    prompt_text, prompt_ids = await _chat_prompt(state.workers, endpoint, body, new_messages, turn, max_tokens)
+    prompt_text, prompt_ids = await _chat_prompt(state.workers, endpoint, body, new_messages, turn, max_tokens, images)
     if images:
-        prompt_ids = await state.workers.run(_with_images, endpoint, prompt_ids, images)
+        prompt_ids = await state.workers.run(endpoint.engine.input_processor.place_images, prompt_ids, images)
     prompt_ids = endpoint.engine.input_processor.truncate(prompt_ids, body.truncate_prompt_tokens)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = to_sampling_params(
@@ -178,13 +178,6 @@ async def _with_prediction(state: ServerState, endpoint: ModelEndpoint, params: 
     return dataclasses.replace(params, prediction=prediction, prediction_token_ids=ids)
 
 
-def _with_images(endpoint: ModelEndpoint, prompt_ids: list[int], images: list[PreparedImage]) -> ImagePrompt:
-    """The prompt with its images in place: the last of them when fitting the history dropped earlier turns."""
-    processor = endpoint.engine.input_processor
-    places = processor.num_image_places(prompt_ids)
-    return processor.place_images(prompt_ids, images[len(images) - places :] if places else [])
-
-
 async def _chat_prompt(
     workers: WorkerPool,
     endpoint: ModelEndpoint,
@@ -192,6 +185,7 @@ async def _chat_prompt(
     new_messages: list[dict[str, Any]],
     turn: ConversationTurn | None,
     max_tokens: int | None,
+    images: list[PreparedImage],
 ) -> tuple[str, list[int]]:
     """The templated, tokenized prompt (on a worker thread): a conversation's history (fitted to the
     context window as `truncation` says, leaving room for `max_tokens`), then the new messages; without a
@@ -208,7 +202,7 @@ async def _chat_prompt(
             messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
             continue_final_message=body.continue_final_message, **template_variables,
         )
-        return text, processor.expand_placeholders(endpoint.continuations.encode(text, body.cache_salt))
+        return text, processor.expand_placeholders(endpoint.continuations.encode(text, body.cache_salt), images)
 
     if turn is not None:
         history = turn.history

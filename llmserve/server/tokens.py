@@ -6,10 +6,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmserve.errors import InvalidRequestError
+from llmserve.multimodal.inputs import PreparedImage
 from llmserve.server import errors
 from llmserve.server.gateway import request_key
-from llmserve.server.media import images_placed
-from llmserve.server.messages import template_messages
+from llmserve.server.media import images_placed, load_images
+from llmserve.server.messages import image_urls, template_messages
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import (
     DetokenizeRequest,
@@ -32,10 +33,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     if body.messages is None and body.prompt is None:
         raise InvalidRequestError("Give either 'prompt' or 'messages'.", param="prompt")
     errors.reject_unsupported(continuation_conflicts(body.continue_final_message, body.add_generation_prompt))
-    return await state.workers.run(_tokenize, endpoint, body)
+    urls = image_urls(body.messages) if body.messages is not None else []
+    images = await load_images(state, endpoint, urls) if urls else []  # an image's size can decide its tokens
+    return await state.workers.run(_tokenize, endpoint, body, images)
 
 
-def _tokenize(endpoint: ModelEndpoint, body: TokenizeRequest) -> Response:
+def _tokenize(endpoint: ModelEndpoint, body: TokenizeRequest, images: list[PreparedImage]) -> Response:
     """On a worker thread: the tokens, and their JSON (a long prompt's is long to write too)."""
     tokenizer = endpoint.engine.tokenizer
     max_model_len = endpoint.engine.max_model_len
@@ -55,7 +58,7 @@ def _tokenize(endpoint: ModelEndpoint, body: TokenizeRequest) -> Response:
             tools=tools, tokenize=True, continue_final_message=body.continue_final_message,
             **(body.chat_template_kwargs or {}),
         )
-        ids = endpoint.engine.input_processor.expand_placeholders(ids)  # each image as the tokens it takes
+        ids = endpoint.engine.input_processor.expand_placeholders(ids, images)  # each image as the tokens it takes
     else:
         assert body.prompt is not None
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -157,11 +157,12 @@ def test_a_processor_that_makes_images_the_tower_does_not_read_is_refused_at_sta
 def test_the_memory_profiling_step_runs_the_vision_tower_on_as_many_images_as_its_tokens_hold(llm, monkeypatch):
     runner = llm.engine.core.runner
     seen: list[tuple[int, ...]] = []
-    embed = runner.model.embed_images
-    monkeypatch.setattr(runner.model, "embed_images", lambda pixels: seen.append(tuple(pixels.shape)) or embed(pixels))
+    embed = runner.model.embed_image
+    monkeypatch.setattr(runner.model, "embed_image",
+                        lambda pixels, size: seen.append((tuple(pixels.shape), size)) or embed(pixels, size))
     runner.run_profile_step()
     budget = llm.engine.core.config.max_num_batched_tokens
-    assert seen == [(budget // 16, 3, 56, 56)] and not runner.image_features
+    assert seen == [((3, 56, 56), (56, 56))] * (budget // 16) and not runner.image_features
 
 
 def test_published_llava_configs_give_their_decoders_fields_by_transformers_defaults():
