@@ -234,3 +234,39 @@ def greedy_with_images(model, prompt_ids: list[int], pixel_values: torch.Tensor,
         generated.append(token)
         out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     return generated
+
+
+LLAVA_NEXT_PINPOINTS = [[56, 112], [112, 56], [112, 112], [168, 56], [56, 168]]  # llava-v1.6's shapes, at a 56 tile
+
+
+def build_llava_next(out_dir: Path, tokenizer_dir: Path, seed: int = 0, text_case: str = "mistral") -> Path:
+    """A random LLaVA-NeXT (1.6) checkpoint in transformers' layout: LLaVA's tower, projector and tokenizer (see
+    `build_llava`), tiles of 56 pixels in the grid of llava-v1.6's shapes, the `image_newline`, the `text_case`
+    decoder (llava-v1.6-mistral's by default), and LLaVA-NeXT's image processor config."""
+    import transformers
+
+    build_llava(out_dir, tokenizer_dir, seed, text_case=text_case)  # then made NeXT: config, newline, processor
+    llava = transformers.LlavaConfig.from_pretrained(out_dir)
+    config = transformers.LlavaNextConfig(text_config=llava.text_config, vision_config=llava.vision_config,
+                                          image_token_id=1024, image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
+                                          vision_feature_layer=-2, vision_feature_select_strategy="default")
+    torch.manual_seed(seed + 1)
+    model = transformers.LlavaNextForConditionalGeneration(config).to(torch.float32)
+    reference = transformers.LlavaForConditionalGeneration.from_pretrained(out_dir, dtype=torch.float32)
+    weights = dict(reference.state_dict())
+    with torch.no_grad():
+        missing, _ = model.load_state_dict(weights, strict=False)
+        assert all("image_newline" in name for name in missing), missing
+        model.model.image_newline.normal_(0.0, 1.0)
+    (out_dir / "model.safetensors").unlink()
+    model.save_pretrained(out_dir)
+    transformers.LlavaNextImageProcessorPil(
+        size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
+        image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(out_dir)
+    return out_dir
+
+
+def load_llava_next(model_dir: Path):
+    import transformers
+
+    return transformers.LlavaNextForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -1,6 +1,6 @@
-"""LLaVA (transformers' `LlavaForConditionalGeneration`): a CLIP vision tower, a two-layer projector, and a
-Llama-family decoder (Llama, Mistral, Qwen2) that reads the projected image features in place of the prompt's
-image placeholder tokens.
+"""LLaVA (transformers' `LlavaForConditionalGeneration`) and LLaVA-NeXT (`LlavaNextForConditionalGeneration`): a
+CLIP vision tower, a two-layer projector, and a Llama-family decoder (Llama, Mistral, Qwen2) that reads the
+projected image features in place of the prompt's image placeholder tokens.
 
 The decoder is this class itself (it is a `LlamaForCausalLM`), so everything that serves a decoder (the paged
 KV cache, the one-call CPU decoder for decode steps, quantization, tensor parallelism) serves it unchanged;

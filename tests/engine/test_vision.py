@@ -266,3 +266,57 @@ def test_requests_preempted_and_recomputed_read_their_images_again(llava_dir, ll
     assert tight.engine.core.scheduler.num_preemptions > 0
     assert [out.outputs[0].token_ids[:16] for out in squeezed] == alone
     assert tight.engine.core.block_manager.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def llava_next_dir(tmp_path_factory, tiny_llama_dir) -> Path:
+    from tests.hf_reference import build_llava_next
+
+    return build_llava_next(tmp_path_factory.mktemp("llava-next") / "model", tiny_llama_dir)
+
+
+@pytest.mark.parametrize("size", [(80, 50), (40, 130), (200, 200), (57, 56), (300, 90)])
+def test_llava_next_images_are_tiled_as_transformers_llava_next_processor_tiles_them(llava_next_dir, size):
+    image = random_image(5, size)
+    ours = ImageProcessor.from_dir(llava_next_dir)(image)
+    theirs = transformers.LlavaNextImageProcessorPil.from_pretrained(llava_next_dir)(image, return_tensors="np")
+    assert ours.shape == theirs["pixel_values"][0].shape
+    np.testing.assert_allclose(ours, theirs["pixel_values"][0], atol=1e-6)
+
+
+@pytest.mark.parametrize("step_tokens", [1024, 7])
+def test_llava_next_greedy_tokens_equal_transformers_for_images_of_other_shapes(llava_next_dir, step_tokens):
+    """A wide and a tall image take other numbers of tokens (their tiles cut back to their own ratio, a newline
+    after each row); whole or in prefill chunks of 7 tokens, the tokens are transformers'."""
+    images = [random_image(1, (80, 50)), random_image(2, (40, 130))]
+    llm = LLM(str(llava_next_dir), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=step_tokens)
+    out = llm.generate({"prompt": TWO_IMAGES, "multi_modal_data": {"image": images}}, GREEDY)[0]
+    assert [image.length for image in llm.engine.input_processor.with_images(TWO_IMAGES, images).images] == [44, 76]
+    processor = transformers.LlavaNextImageProcessorPil.from_pretrained(llava_next_dir)(images, return_tensors="pt")
+    from tests.hf_reference import load_llava_next
+
+    model, generated = load_llava_next(llava_next_dir), []
+    with torch.no_grad():
+        step = model(input_ids=torch.tensor([list(out.prompt_token_ids)]), pixel_values=processor["pixel_values"],
+                     image_sizes=processor["image_sizes"], use_cache=True)
+        for _ in range(GREEDY.max_tokens):
+            generated.append(int(step.logits[0, -1].argmax()))
+            step = model(input_ids=torch.tensor([[generated[-1]]]), past_key_values=step.past_key_values,
+                         use_cache=True)
+    assert list(out.outputs[0].token_ids) == generated
+    assert llm.engine.core.block_manager.num_used_blocks == 0
+
+
+def test_an_earlier_turns_images_dropped_with_it_leave_the_last_images_in_place():
+    """Fitting a conversation to the context drops its earliest turns: the placeholders left are the last images'."""
+    from llmserve.multimodal.inputs import PreparedImage, expand_placeholders, image_prompt, placed_images
+
+    images = [PreparedImage(np.full((3, 2, 2), i, dtype=np.float32), bytes([i]) * 16, (2, 2), n)
+              for i, n in enumerate((3, 2, 4))]
+    ids = expand_placeholders([7, 9, 8, 9, 6], 9, [2, 4])  # the turn with the first image was dropped
+    kept = placed_images(ids, images, 9)
+    assert [image.num_tokens for image in kept] == [2, 4]
+    prompt = image_prompt(ids, kept, 9)
+    assert [(image.offset, image.length) for image in prompt.images] == [(1, 2), (4, 4)]
+    with pytest.raises(InvalidRequestError, match="placeholders do not match"):
+        placed_images([7, 9, 9, 9], images, 9)  # no run of the last images fills 3

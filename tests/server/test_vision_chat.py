@@ -234,3 +234,21 @@ def test_allowed_media_domains_limit_the_hosts_images_are_fetched_from(llava_dir
                 assert answer.json()["error"]["param"] == "messages[0].content[0].image_url"
             inline = {**body, "messages": [user_message(data_url(png_bytes(random_image(11))))]}
             assert httpx.post(f"{live.base_url}/v1/chat/completions", json=inline, timeout=60).status_code == 200
+
+
+def test_llava_next_images_of_other_shapes_take_their_own_tokens_over_http(tmp_path_factory, tiny_llama_dir):
+    """LLaVA-NeXT: a wide and a tall image, by data: URL, give the offline API's tokens; usage and /tokenize count
+    each image's own tokens."""
+    from tests.hf_reference import build_llava_next
+
+    model_dir = build_llava_next(tmp_path_factory.mktemp("llava-next-http") / "model", tiny_llama_dir)
+    images = [random_image(1, (80, 50)), random_image(2, (40, 130))]
+    expected = offline_tokens(model_dir, images)
+    messages = [user_message(*(data_url(png_bytes(image)) for image in images))]
+    with serving(model_dir) as live:
+        reply = live.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
+                                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        counted = httpx.post(f"{live.base_url}/tokenize", json={"model": MODEL_NAME, "messages": messages}, timeout=60)
+    assert reply.choices[0].to_dict()["token_ids"] == expected
+    assert counted.json()["count"] == reply.usage.prompt_tokens
+    assert counted.json()["tokens"].count(1024) == 44 + 76
