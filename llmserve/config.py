@@ -66,6 +66,8 @@ class EngineConfig:
     # merged over config.json (vLLM's --hf-overrides): e.g. a Qwen3-Reranker served as the classifier it is
     # scored as, {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
     hf_overrides: dict[str, Any] | None = None
+    # vLLM's --limit-mm-per-prompt: {"image": N}, the most images one prompt of a vision-language model holds
+    limit_mm_per_prompt: dict[str, Any] | None = None
     normalize: bool = True  # False: never L2-normalise embeddings (else as the layout says; no layout: yes)
     # LoRA adapters (PEFT's layout), each served under its own name: "NAME=PATH", or vLLM's JSON form
     # {"name": ..., "path": ..., "base_model_name": ...}. Any implies enable_lora.
@@ -124,6 +126,10 @@ class EngineConfig:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}.")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a JSON object, got {self.hf_overrides!r}.")
+        limit = self.limit_mm_per_prompt
+        if limit is not None and (not isinstance(limit, dict) or set(limit) - {"image"} or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in limit.values())):
+            raise ValueError(f'limit_mm_per_prompt must be {{"image": N}} with N >= 0, got {limit!r}.')
         if self.cuda_graph_sizes is not None and any(size < 1 for size in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}.")
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
@@ -346,6 +352,10 @@ _ENGINE_FLAGS: tuple[_EngineFlag, ...] = (
     _EngineFlag("pooling", "--pooling", choices=POOLING_TYPES, help="embeddings: how token states are pooled"),
     _EngineFlag("normalize", "--no-normalize", help="embeddings: never L2-normalise them"),
     _EngineFlag("hf_overrides", "--hf-overrides", help="a JSON object merged over the model's config.json"),
+    _EngineFlag(
+        "limit_mm_per_prompt", "--limit-mm-per-prompt",
+        help='{"image": N}: the most images a prompt of a vision-language model holds (default 16; 0: none)',
+    ),
     _EngineFlag(
         "lora_modules", "--lora-modules",
         help="LoRA adapters (PEFT's layout) served under their own names: NAME=PATH or a JSON object "

@@ -46,7 +46,7 @@ MAX_BAD_WORD_TOKENS = 128
 _EMBEDDING_SAMPLING = SamplingParams(max_tokens=1)  # what an embedding request carries: it samples nothing
 
 
-MAX_IMAGES_PER_PROMPT = 16  # vLLM's --limit-mm-per-prompt; each image takes a vision-language model's hundreds of tokens
+MAX_IMAGES_PER_PROMPT = 16  # unless --limit-mm-per-prompt says; each image takes hundreds of tokens
 
 
 class InputProcessor:
@@ -67,6 +67,7 @@ class InputProcessor:
         self.kv_transfer = config.kv_transfer  # disaggregation: it takes kv_transfer_params
         self.adapters = AdapterChecker(facts.model_config, config.max_lora_rank) if config.lora_enabled else None
         self.vision = facts.vision  # a vision-language model's image facts
+        self.max_images = (config.limit_mm_per_prompt or {}).get("image", MAX_IMAGES_PER_PROMPT)
 
     def check_lora(self, lora: LoRARequest) -> None:
         """Raises InvalidRequestError when the adapter cannot be served (read once, then known by its id)."""
@@ -215,9 +216,9 @@ class InputProcessor:
         image, and for a model that reads none."""
         if self.vision is None:
             raise InvalidRequestError(f"The model {self.model_name!r} reads text only, not images.", param=params[0])
-        if len(images) > MAX_IMAGES_PER_PROMPT:
-            raise InvalidRequestError(f"A prompt holds at most {MAX_IMAGES_PER_PROMPT} images, not {len(images)}.",
-                                      param=params[MAX_IMAGES_PER_PROMPT])
+        if len(images) > self.max_images:
+            raise InvalidRequestError(f"A prompt holds at most {self.max_images} images here (--limit-mm-per-prompt), "
+                                      f"not {len(images)}.", param=params[self.max_images])
         vision = self.vision
         return [prepare(vision.processor, image, param, vision.num_tokens)
                 for image, param in zip(images, params, strict=True)]

@@ -320,3 +320,24 @@ def test_an_earlier_turns_images_dropped_with_it_leave_the_last_images_in_place(
     assert [(image.offset, image.length) for image in prompt.images] == [(1, 2), (4, 4)]
     with pytest.raises(InvalidRequestError, match="placeholders do not match"):
         placed_images([7, 9, 9, 9], images, 9)  # no run of the last images fills 3
+
+
+def test_limit_mm_per_prompt_bounds_the_images_of_a_prompt(llava_dir):
+    """vLLM's --limit-mm-per-prompt: {"image": N}; 0 reads no images; anything else is refused at start."""
+    import argparse
+
+    from llmserve.config import EngineConfig, add_engine_args
+
+    one = LLM(str(llava_dir), dtype="float32", num_kv_blocks=64, limit_mm_per_prompt={"image": 1})
+    assert one.generate({"prompt": PROMPT, "multi_modal_data": {"image": [random_image(0)]}}, GREEDY)
+    with pytest.raises(InvalidRequestError, match="at most 1 images here"):
+        one.generate({"prompt": TWO_IMAGES, "multi_modal_data": {"image": [random_image(0)] * 2}}, GREEDY)
+    none = LLM(str(llava_dir), dtype="float32", num_kv_blocks=64, limit_mm_per_prompt={"image": 0})
+    with pytest.raises(InvalidRequestError, match="at most 0 images here"):
+        none.generate({"prompt": PROMPT, "multi_modal_data": {"image": [random_image(0)]}}, GREEDY)
+    for wrong in ({"video": 1}, {"image": -1}, {"image": "2"}):
+        with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+            EngineConfig(model=str(llava_dir), limit_mm_per_prompt=wrong).validate()
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--limit-mm-per-prompt", '{"image": 2}']).limit_mm_per_prompt == {"image": 2}
