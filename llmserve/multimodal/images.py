@@ -26,6 +26,8 @@ from llmserve.multimodal.inputs import PreparedImage
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_IMAGE_PIXELS = 50_000_000  # past this PIL would decode a "decompression bomb": refused before decoding
+# A thinner image, its short side resized to a tower's, would be billions of pixels long.
+MAX_ASPECT_RATIO = 100
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -229,6 +231,9 @@ def prepare(processor: ImageProcessor, image: bytes | Image.Image, param: str,
     pixels and size: the same image, however encoded, has the same name (and the same KV to share)."""
     decoded = decode_image(image, param) if isinstance(image, bytes) else image
     size = (decoded.height, decoded.width)
+    if max(size) > MAX_ASPECT_RATIO * min(size):
+        raise InvalidRequestError(f"The image is {size[1]}x{size[0]} pixels: one side more than {MAX_ASPECT_RATIO} "
+                                  "times the other is not read.", param=param)
     pixels = processor(decoded)
     digest = hashlib.blake2b(f"{pixels.shape}{size}".encode(), digest_size=16)
     digest.update(pixels.tobytes())

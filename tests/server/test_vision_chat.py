@@ -133,9 +133,10 @@ def test_two_images_in_two_turns_and_their_order_matter(server, llava_dir):
     ([{"type": "input_audio", "input_audio": {}}], "messages", "not supported"),
     ([{"type": "text", "text": "<image>\nhi"}], "messages", "image placeholder tokens"),
     ([{"type": "image_url", "image_url": {"url": "{png}"}}] * 17, "messages[0].content[16].image_url", "at most 16"),
+    ([{"type": "image_url", "image_url": {"url": "{thin}"}}], "messages[0].content[0].image_url", "more than 100 times"),
 ])
 def test_images_that_cannot_be_read_are_400s_naming_the_part(server, image_host, content, param, message):
-    png = data_url(png_bytes(random_image(1)))
+    png, thin = data_url(png_bytes(random_image(1))), data_url(png_bytes(random_image(1, (303, 3))))
 
     def filled(part: dict) -> dict:
         if part["type"] != "image_url":
@@ -143,7 +144,8 @@ def test_images_that_cannot_be_read_are_400s_naming_the_part(server, image_host,
         inner = part["image_url"]
         if isinstance(inner, str):
             return {**part, "image_url": inner.replace("{png}", png)}
-        return {**part, "image_url": {**inner, "url": inner["url"].replace("{host}", image_host).replace("{png}", png)}}
+        url = inner["url"].replace("{host}", image_host).replace("{png}", png).replace("{thin}", thin)
+        return {**part, "image_url": {**inner, "url": url}}
 
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": [filled(p) for p in content]}], "max_tokens": 4}
     answer = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
