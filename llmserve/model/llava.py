@@ -46,10 +46,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         raw = cfg.raw
         vision = VisionConfig.from_dict(raw.get("vision_config") or {})
         layers = raw.get("vision_feature_layer", -2)
-        self.feature_layers = [layers] if isinstance(layers, int) else list(layers)
+        # The hidden states read, as indexes from 0 (the embeddings): each the layers that run to give it.
+        counts = [feature_layer_count(layer, vision.num_hidden_layers)
+                  for layer in ([layers] if isinstance(layers, int) else layers)]
+        self.feature_layers = counts
         self.keep_class_token = raw.get("vision_feature_select_strategy", "default") == "full"
-        counts = [feature_layer_count(layer, vision.num_hidden_layers) for layer in self.feature_layers]
-        self.feature_layers = counts  # as indexes of the hidden states, from 0 (the embeddings)
         self.vision_tower = VisionTransformer(vision, max(counts), cfg.dtype)
         self.vision_tower.requires_grad_(False)
         self.image_size = vision.image_size
