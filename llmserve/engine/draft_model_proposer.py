@@ -73,6 +73,7 @@ class DraftModelProposer:
         self.block_size = runner.block_size
         self.max_model_len = max_model_len  # the draft model's positions: a longer sequence gets no drafts
         self.step_tokens = step_tokens  # tokens one catch-up step of the draft model computes at most
+        self.vocab_size = runner.model_config.vocab_size
         self.free_blocks = list(range(runner.num_blocks - 1, -1, -1))
         self.states: dict[Hashable, _DraftState] = {}
 
@@ -157,8 +158,11 @@ class DraftModelProposer:
     def _run(self, inputs: list[list[int]], begins: list[int], tables: list[list[int]], sampling: list[int]) -> list[int]:
         """One step of the draft model: each row's tokens from position `begin`; greedy samples of the rows
         in `sampling`."""
+        ids = np.fromiter((t for row in inputs for t in row), dtype=np.int64)
         batch = StepBatch(
-            input_ids=np.fromiter((t for row in inputs for t in row), dtype=np.int64),
+            # A served token past the draft's vocabulary (an image placeholder, a padding row's id) reads as token
+            # 0: the draft only guesses, and the served model verifies every guess.
+            input_ids=np.where(ids < self.vocab_size, ids, 0),
             num_computed=np.array(begins, dtype=np.int64),
             num_new=np.array([len(row) for row in inputs], dtype=np.int64),
             block_tables=tables,

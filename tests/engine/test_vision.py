@@ -341,3 +341,15 @@ def test_limit_mm_per_prompt_bounds_the_images_of_a_prompt(llava_dir):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert parser.parse_args(["--limit-mm-per-prompt", '{"image": 2}']).limit_mm_per_prompt == {"image": 2}
+
+
+def test_a_text_draft_model_of_a_smaller_vocabulary_drafts_for_prompts_with_images(llava_dir, llm, tiny_llama_dir):
+    """The tiny Llama (1,024 tokens) drafts for the LLaVA (1,032 with `<image>` at 1,024): the placeholders, past
+    its vocabulary, read as token 0 to it, and the served model's verification keeps the tokens it gives alone."""
+    images = {"image": [random_image(50), random_image(51)]}
+    alone = llm.generate({"prompt": TWO_IMAGES, "multi_modal_data": images}, GREEDY)[0].outputs[0].token_ids
+    drafted = LLM(str(llava_dir), dtype="float32", num_kv_blocks=64,
+                  speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 3})
+    out = drafted.generate({"prompt": TWO_IMAGES, "multi_modal_data": images}, GREEDY)[0]
+    assert out.outputs[0].token_ids == alone
+    assert drafted.engine.core.block_manager.num_used_blocks == 0
