@@ -48,6 +48,7 @@ from llmserve.platform.content_routing import ContentRouter, ContentRouterConfig
 from llmserve.platform.routing import ModelRouter
 from llmserve.server import (
     anthropic_api,
+    anthropic_batches,
     batches,
     conversations,
     responses_api,
@@ -348,7 +349,8 @@ def build_gateway_app(
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    for module in (usage, conversations, streams, *((stored_responses, batches) if platform is not None else ())):
+    for module in (usage, conversations, streams,
+                   *((stored_responses, batches, anthropic_batches) if platform is not None else ())):
         app.include_router(module.router)
     install_page(app)
     return app

@@ -26,7 +26,8 @@ from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.store.db import Database
 from llmserve.store.schema import BatchResultRow, BatchRow, FileRow, utcnow
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/moderations")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/moderations",
+             "/v1/messages")
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 UPLOAD_PURPOSES = ("batch",)
 OUTPUT_PURPOSE = "batch_output"
@@ -63,6 +64,10 @@ class FileInUse(LLMServeError):
 
 class BatchNotCancellable(LLMServeError):
     """A batch that has already ended."""
+
+
+class BatchNotEnded(LLMServeError):
+    """A batch that has not ended yet (it cannot be deleted)."""
 
 
 @dataclass(frozen=True)
@@ -373,10 +378,14 @@ class BatchStore:
         with self._db.session() as session:
             return batch_object(self._row(session, key_id, batch_id))
 
-    def list(self, key_id: str | None, limit: int = 20, after: str | None = None) -> tuple[list[dict[str, Any]], bool]:
-        """A page of the key's batches, newest first; `after` is the last id of the page before."""
+    def list(self, key_id: str | None, limit: int = 20, after: str | None = None,
+             endpoint: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+        """A page of the key's batches (those to `endpoint` alone, when given), newest first; `after` is the last id
+        of the page before."""
         _check_limit(limit, 100)
         query = select(BatchRow).where(_owned_by(BatchRow.key_id, key_id))
+        if endpoint is not None:
+            query = query.where(BatchRow.endpoint == endpoint)
         with self._db.session() as session:
             if after is not None:
                 anchor = session.get(BatchRow, after)
@@ -397,6 +406,18 @@ class BatchStore:
                 raise BatchNotCancellable(f"Batch {batch_id} is {row.status}: it can no longer be cancelled.")
             row.status, row.cancelling_at = "cancelling", utcnow()
             return batch_object(row)
+
+    def delete(self, key_id: str | None, batch_id: str) -> None:
+        """Forget an ended batch, its results and its output and error files; BatchNotEnded before it ended."""
+        with self._db.session(write=True) as session:
+            row = self._row(session, key_id, batch_id)
+            if row.status in UNFINISHED:
+                raise BatchNotEnded(f"Batch {batch_id} is {row.status}: cancel it, or wait for it to end, first.")
+            session.execute(delete(BatchResultRow).where(BatchResultRow.batch_id == batch_id))
+            for file_id in (row.output_file_id, row.error_file_id):
+                if file_id is not None:
+                    session.execute(delete(FileRow).where(FileRow.id == file_id))
+            session.delete(row)
 
     # ---- the runner's side ----------------------------------------------------------------------------
     def claim(self, runner: str, lease: timedelta) -> ClaimedBatch | None:

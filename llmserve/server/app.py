@@ -20,6 +20,7 @@ from llmserve.platform.routing import ModelRouter
 from llmserve.server import (
     admin,
     anthropic,
+    anthropic_batches,
     batches,
     chat,
     classify,
@@ -260,7 +261,7 @@ def build_app(
     install_cors(app, allowed_origins)
     for module in (
         chat, completions, responses, stored_responses, embeddings, scores, classify, moderations, streams, models_api,
-        tokens, health, metrics, usage, conversations, batches, admin, lora, anthropic,
+        tokens, health, metrics, usage, conversations, batches, admin, lora, anthropic, anthropic_batches,
     ):
         app.include_router(module.router)
     install_page(app)

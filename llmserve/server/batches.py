@@ -117,7 +117,7 @@ class CreateBatch(BaseModel):
     output_expires_after: ExpiresAfter | None = None  # its output and error files' (30 days without)
 
 
-def _store(request: Request) -> tuple[BatchStore, str | None]:
+def batch_store(request: Request) -> tuple[BatchStore, str | None]:
     platform = platform_of(request)
     if platform is None or platform.batches is None:
         raise APIError(404, "The Batch API is not enabled on this server.", code="not_enabled")
@@ -125,13 +125,13 @@ def _store(request: Request) -> tuple[BatchStore, str | None]:
     return platform.batches, key.id if key is not None else None
 
 
-def _runner(request: Request) -> BatchSignals | None:
+def batch_runner_of(request: Request) -> BatchSignals | None:
     """The batch runner of this server (None before its start, or after its stop)."""
     platform = platform_of(request)
     return platform.batch_runner if platform is not None else None
 
 
-async def _call(method: Callable[..., T], *args: Any) -> T:
+async def store_call(method: Callable[..., T], *args: Any) -> T:
     """A store call on a worker thread, its refusals as OpenAI answers them."""
     try:
         return await asyncio.to_thread(method, *args)
@@ -157,14 +157,14 @@ async def upload_file(
     """Upload a batch's input (`purpose` "batch"): JSON Lines, one request a line, as OpenAI's. It is kept for 30
     days, or `expires_after[seconds]` (an hour to 30 days) after it was made (`expires_after[anchor]`
     "created_at"); then it is gone, as if deleted, but for the batches already made from it."""
-    store, key_id = _store(request)
+    store, key_id = batch_store(request)
     if (expires_anchor is None) != (expires_seconds is None):
         raise APIError(400, "expires_after needs both its anchor and its seconds.", param="expires_after")
     if expires_anchor not in (None, "created_at"):
         raise APIError(400, f"expires_after[anchor] must be 'created_at', got {expires_anchor!r}.",
                        param="expires_after.anchor")
     content = await file.read()
-    return JSONResponse(await _call(store.files.create, key_id, file.filename or "upload", purpose, content,
+    return JSONResponse(await store_call(store.files.create, key_id, file.filename or "upload", purpose, content,
                                     DEFAULT_EXPIRES_AFTER if expires_seconds is None else expires_seconds))
 
 
@@ -178,30 +178,30 @@ async def list_files(
 ) -> JSONResponse:
     """The key's files, newest first unless `order=asc`: uploaded ones ("batch") and batches' output
     ("batch_output")."""
-    store, key_id = _store(request)
-    files, has_more = await _call(store.files.list, key_id, purpose, limit, after, order)
+    store, key_id = batch_store(request)
+    files, has_more = await store_call(store.files.list, key_id, purpose, limit, after, order)
     return JSONResponse(list_page(files, has_more))
 
 
 @router.get("/v1/files/{file_id}", responses=documented(FileObject))
 async def get_file(file_id: str, request: Request) -> JSONResponse:
-    store, key_id = _store(request)
-    return JSONResponse(await _call(store.files.get, key_id, file_id))
+    store, key_id = batch_store(request)
+    return JSONResponse(await store_call(store.files.get, key_id, file_id))
 
 
 @router.get("/v1/files/{file_id}/content", response_class=Response,
             responses={200: {"description": "The file's bytes",
                              "content": {"application/octet-stream": {"schema": {"type": "string"}}}}})
 async def file_content(file_id: str, request: Request) -> Response:
-    store, key_id = _store(request)
-    return Response(await _call(store.files.content, key_id, file_id), media_type="application/octet-stream")
+    store, key_id = batch_store(request)
+    return Response(await store_call(store.files.content, key_id, file_id), media_type="application/octet-stream")
 
 
 @router.delete("/v1/files/{file_id}", responses=documented(FileDeleted))
 async def delete_file(file_id: str, request: Request) -> JSONResponse:
     """Delete a file; 409 while an unfinished batch reads its requests from it."""
-    store, key_id = _store(request)
-    await _call(store.files.delete, key_id, file_id)
+    store, key_id = batch_store(request)
+    await store_call(store.files.delete, key_id, file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -211,14 +211,15 @@ async def delete_file(file_id: str, request: Request) -> JSONResponse:
 @router.post("/v1/batches", responses=documented(BatchObject))
 async def create_batch(body: CreateBatch, request: Request) -> JSONResponse:
     """A batch of the requests in `input_file_id`, all to `endpoint` (one of /v1/chat/completions,
-    /v1/completions, /v1/embeddings, /v1/responses, /v1/moderations), to end within `completion_window` ("24h").
+    /v1/completions, /v1/embeddings, /v1/responses, /v1/moderations, /v1/messages), to end within
+    `completion_window` ("24h").
     It is "validating" until this server's batch runner reads the file. Its output and error files are kept for
     30 days, or `output_expires_after`."""
-    store, key_id = _store(request)
+    store, key_id = batch_store(request)
     keep = body.output_expires_after
-    batch = await _call(store.create, key_id, body.input_file_id, body.endpoint, body.completion_window,
+    batch = await store_call(store.create, key_id, body.input_file_id, body.endpoint, body.completion_window,
                         body.metadata, DEFAULT_EXPIRES_AFTER if keep is None else keep.seconds)
-    runner = _runner(request)
+    runner = batch_runner_of(request)
     if runner is not None:
         runner.wake()
     return JSONResponse(batch)
@@ -226,24 +227,24 @@ async def create_batch(body: CreateBatch, request: Request) -> JSONResponse:
 
 @router.get("/v1/batches", responses=documented(BatchPage))
 async def list_batches(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> JSONResponse:
-    store, key_id = _store(request)
-    batches, has_more = await _call(store.list, key_id, limit, after)
+    store, key_id = batch_store(request)
+    batches, has_more = await store_call(store.list, key_id, limit, after)
     return JSONResponse(list_page(batches, has_more))
 
 
 @router.get("/v1/batches/{batch_id}", responses=documented(BatchObject))
 async def get_batch(batch_id: str, request: Request) -> JSONResponse:
-    store, key_id = _store(request)
-    return JSONResponse(await _call(store.get, key_id, batch_id))
+    store, key_id = batch_store(request)
+    return JSONResponse(await store_call(store.get, key_id, batch_id))
 
 
 @router.post("/v1/batches/{batch_id}/cancel", responses=documented(BatchObject))
 async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
     """Stop a batch: "cancelling" until the requests running are stopped and the output so far is written
     (within seconds), then "cancelled"; 409 once it has ended."""
-    store, key_id = _store(request)
-    batch = await _call(store.cancel, key_id, batch_id)
-    runner = _runner(request)
+    store, key_id = batch_store(request)
+    batch = await store_call(store.cancel, key_id, batch_id)
+    runner = batch_runner_of(request)
     if runner is not None:
         runner.cancelled(batch_id)
     return JSONResponse(batch)

@@ -71,6 +71,10 @@ ROUTE_ACCESS = {
     "/v1/batches": KEY,
     "/v1/batches/{batch_id}": KEY,
     "/v1/batches/{batch_id}/cancel": KEY,
+    "/v1/messages/batches": KEY,
+    "/v1/messages/batches/{message_batch_id}": KEY,
+    "/v1/messages/batches/{message_batch_id}/cancel": KEY,
+    "/v1/messages/batches/{message_batch_id}/results": KEY,
     "/": PUBLIC,  # the chat page: it asks for a key itself
     "/web": PUBLIC,  # the page's assets (a mount: one of its files is requested)
 }
