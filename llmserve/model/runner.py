@@ -60,8 +60,6 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 _PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.95, logprobs=20)
 # Prompt logprobs take the logits of this many positions at a time, which bounds their memory.
 PROMPT_LOGITS_SLICE = 512
-# Image features kept between the chunks of a prefill (a request that ends mid-image leaves its own behind).
-MAX_KEPT_IMAGES = 16
 MAX_PROMPT_LOGPROBS = 20
 
 
@@ -614,8 +612,15 @@ class ModelRunner:
         for digest in needed:
             self.image_features.move_to_end(digest)
         features = {digest: self.image_features[digest] for digest in needed}
-        while len(self.image_features) > MAX_KEPT_IMAGES:
-            self.image_features.popitem(last=False)
+        # Kept between a prefill's chunks: those of this step, and others up to a step's worth of rows in all (what the
+        # memory profile's step held), the least recently used dropped first (a request that ended mid-image left
+        # them; one preempted computes them again).
+        kept = sum(rows.shape[0] for rows in self.image_features.values())
+        budget = self.config.max_num_batched_tokens or DEFAULT_STEP_TOKENS
+        for digest in [d for d in self.image_features if d not in needed]:
+            if kept <= budget:
+                break
+            kept -= self.image_features.pop(digest).shape[0]
         return features
 
     def _pool(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:

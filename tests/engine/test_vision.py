@@ -353,3 +353,21 @@ def test_a_text_draft_model_of_a_smaller_vocabulary_drafts_for_prompts_with_imag
     out = drafted.generate({"prompt": TWO_IMAGES, "multi_modal_data": images}, GREEDY)[0]
     assert out.outputs[0].token_ids == alone
     assert drafted.engine.core.block_manager.num_used_blocks == 0
+
+
+def test_the_features_of_a_request_ended_mid_image_are_dropped_once_a_steps_worth_is_kept(llava_dir):
+    """A request aborted between the prefill chunks of its image leaves the image's features behind; the next steps
+    keep them only while what is kept stays within a step's worth of rows (7 here: they are 16)."""
+    llm = LLM(str(llava_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=7)
+    engine, runner = llm.engine, llm.engine.core.runner
+    processor = engine.input_processor
+    engine.add_request("left", processor.with_images(PROMPT, [random_image(60)]), GREEDY)
+    while not runner.image_features:
+        engine.step()
+    (left,) = runner.image_features
+    engine.abort_request(["left"])
+    engine.add_request("next", processor.with_images(PROMPT, [random_image(61)]), GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert left not in runner.image_features and not runner.image_features
+    engine.check_invariants()
