@@ -156,18 +156,26 @@ class ModelConfig:
         return v * h + self.num_hidden_layers * per_layer + h + lm_head
 
 
-# transformers' defaults for a Llama decoder's config fields: published LLaVA configs give only what differs.
-_LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                       num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6)
+# transformers' defaults for a decoder's config fields, by model type: published LLaVA configs give only what
+# differs.
+_DECODER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+                    rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  rope_theta=10000.0),
+}
 
 
 def _decoder_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A vision-language model's `text_config` as a decoder's config.json: its architecture the model's, and
     the dtype and token ids the model gives at its top level where the decoder's part does not."""
     text = dict(cfg["text_config"])
-    if text.get("model_type", "llama") == "llama":
-        text = {**_LLAMA_DEFAULTS, **text}
     text.setdefault("model_type", "llama")
+    text = {**_DECODER_DEFAULTS.get(text["model_type"], {}), **text}
     text["architectures"] = cfg.get("architectures") or []
     for key in ("dtype", "torch_dtype", "eos_token_id", "bos_token_id", "tie_word_embeddings"):
         if key in cfg and text.get(key) is None:

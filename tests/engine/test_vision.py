@@ -166,7 +166,8 @@ def test_the_memory_profiling_step_runs_the_vision_tower_on_as_many_images_as_it
 
 
 def test_published_llava_configs_give_their_decoders_fields_by_transformers_defaults():
-    """llava-1.5-7b-hf's config.json names only what differs from a Llama's defaults in its text_config."""
+    """llava-1.5-7b-hf's and llava-v1.6-mistral-7b-hf's config.json name only what differs from their decoder's
+    defaults in their text_config."""
     from llmserve.model.config import ModelConfig
 
     config = ModelConfig.from_dict({
@@ -181,6 +182,17 @@ def test_published_llava_configs_give_their_decoders_fields_by_transformers_defa
     assert (config.architecture, config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
             config.intermediate_size, config.vocab_size, config.max_position_embeddings, config.dtype) == (
         "LlavaForConditionalGeneration", 4096, 32, 32, 11008, 32064, 4096, torch.float16)
+    mistral = ModelConfig.from_dict({  # llava-v1.6-mistral-7b-hf's
+        "architectures": ["LlavaNextForConditionalGeneration"], "image_token_index": 32000, "model_type": "llava_next",
+        "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+        "text_config": {"architectures": ["MistralForCausalLM"], "intermediate_size": 14336,
+                        "max_position_embeddings": 32768, "model_type": "mistral", "num_key_value_heads": 8,
+                        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
+                        "torch_dtype": "bfloat16", "vocab_size": 32064},
+        "torch_dtype": "float16", "vision_config": {"model_type": "clip_vision_model"}})
+    assert (mistral.model_type, mistral.hidden_size, mistral.num_hidden_layers, mistral.num_attention_heads,
+            mistral.num_key_value_heads, mistral.sliding_window, mistral.rope.theta, mistral.dtype) == (
+        "mistral", 4096, 32, 32, 8, None, 1000000.0, torch.bfloat16)
 
 
 @pytest.mark.parametrize("layout", ["published", "transformers-4.52"])
