@@ -13,7 +13,7 @@ from typing import Any
 
 from llmserve.bench.client import DEFAULT_TIMEOUT_S
 
-DATASETS: tuple[str, ...] = ("random", "shared-prefix", "multi-turn")
+DATASETS: tuple[str, ...] = ("random", "random-mm", "shared-prefix", "multi-turn")
 PROMPT_FORMATS: tuple[str, ...] = ("text", "ids")
 
 
@@ -38,6 +38,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                       help="ids: send token-id prompts to /v1/completions (exact lengths)")
     data.add_argument("--random-input-len-range", default="32:512", help="LOW:HIGH prompt tokens (random)")
     data.add_argument("--random-output-len-range", default="16:512", help="LOW:HIGH output tokens (random)")
+    data.add_argument("--images-per-request", type=int, default=1,
+                      help="random-mm: random images (PNG data: URLs, each request's its own) before each prompt; "
+                      "chat endpoint only")
+    data.add_argument("--image-size", default="336x336", help="random-mm: WIDTHxHEIGHT of the images")
     data.add_argument("--shared-prefix-len", type=int, default=1000, help="shared system prompt tokens")
     data.add_argument("--question-len", type=int, default=50, help="per-request question tokens (shared-prefix)")
     data.add_argument("--output-len", type=int, default=64, help="output tokens (shared-prefix)")

@@ -235,6 +235,7 @@ class Conversation:
     system: Prompt | None = None
     system_len: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    images: list[str] = field(default_factory=list)  # data: URLs sent before the first user message's text
 
     @property
     def multi_turn(self) -> bool:
@@ -279,6 +280,37 @@ def shared_prefix_dataset(
         question, length = _make_prompt(source, question_len, prompt_format, rng)
         conversations.append(Conversation([Turn(question, length, output_len)], prefix, measured_prefix))
     return conversations
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """Parse "336x224" (width x height)."""
+    width, sep, height = text.lower().partition("x")
+    if not sep or not width.isdigit() or not height.isdigit() or int(width) < 1 or int(height) < 1:
+        raise ValueError(f"bad image size {text!r}: expected WIDTHxHEIGHT, e.g. 336x336")
+    return int(width), int(height)
+
+
+def with_random_images(conversations: list[Conversation], count: int, size: tuple[int, int],
+                       rng: random.Random) -> list[Conversation]:
+    """The conversations with `count` random images each (vLLM's random-mm): PNGs of smooth random colour, each
+    request's its own (no prefix cache hits), sent as data: URLs."""
+    if count < 1:
+        raise ValueError("--images-per-request must be >= 1")
+    for conversation in conversations:
+        conversation.images = [_random_png(size, rng) for _ in range(count)]
+    return conversations
+
+
+def _random_png(size: tuple[int, int], rng: random.Random) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    corners = Image.frombytes("RGB", (4, 4), bytes(rng.randrange(256) for _ in range(48)))
+    out = io.BytesIO()
+    corners.resize(size, Image.Resampling.BICUBIC).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
 def multi_turn_dataset(
@@ -351,9 +383,9 @@ def completion_prompt(conversation: Conversation, turn: int, replies: Sequence[s
     return "".join(parts)
 
 
-def chat_messages(conversation: Conversation, turn: int, replies: Sequence[str]) -> list[dict[str, str]]:
+def chat_messages(conversation: Conversation, turn: int, replies: Sequence[str]) -> list[dict[str, Any]]:
     """The /v1/chat/completions messages for a turn: system, then alternating user / assistant."""
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     if conversation.system is not None:
         if not isinstance(conversation.system, str):
             raise ValueError("chat requests need --prompt-format text")
@@ -364,7 +396,11 @@ def chat_messages(conversation: Conversation, turn: int, replies: Sequence[str])
         user = conversation.turns[index].user
         if not isinstance(user, str):
             raise ValueError("chat requests need --prompt-format text")
-        messages.append({"role": "user", "content": user})
+        if index == 0 and conversation.images:
+            parts = [{"type": "image_url", "image_url": {"url": url}} for url in conversation.images]
+            messages.append({"role": "user", "content": [*parts, {"type": "text", "text": user}]})
+        else:
+            messages.append({"role": "user", "content": user})
     return messages
 
 

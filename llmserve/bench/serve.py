@@ -119,6 +119,9 @@ def make_token_source(args: argparse.Namespace, client: httpx.Client, model: str
 def dataset_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.dataset == "random":
         return {"input_len_range": args.random_input_len_range, "output_len_range": args.random_output_len_range}
+    if args.dataset == "random-mm":
+        return {"input_len_range": args.random_input_len_range, "output_len_range": args.random_output_len_range,
+                "images_per_request": args.images_per_request, "image_size": args.image_size}
     if args.dataset == "shared-prefix":
         return {"shared_prefix_len": args.shared_prefix_len, "question_len": args.question_len,
                 "output_len": args.output_len}
@@ -135,6 +138,15 @@ def build_workload(config: BenchConfig, source: TokenSource, seed: int) -> list[
             source, config.num_prompts, datasets.parse_len_range(extra["input_len_range"]),
             datasets.parse_len_range(extra["output_len_range"]), config.prompt_format, rng,
         )
+    if config.dataset == "random-mm":
+        if not is_chat_endpoint(config.endpoint):
+            raise ValueError("the random-mm dataset sends images in chat messages: use --endpoint /v1/chat/completions")
+        conversations = datasets.random_dataset(
+            source, config.num_prompts, datasets.parse_len_range(extra["input_len_range"]),
+            datasets.parse_len_range(extra["output_len_range"]), config.prompt_format, rng,
+        )
+        return datasets.with_random_images(conversations, extra["images_per_request"],
+                                           datasets.parse_image_size(extra["image_size"]), rng)
     if config.dataset == "shared-prefix":
         return datasets.shared_prefix_dataset(
             source, config.num_prompts, extra["shared_prefix_len"], extra["question_len"], extra["output_len"],

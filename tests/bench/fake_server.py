@@ -38,7 +38,7 @@ def _word_ids(text: str) -> list[int]:
 
 def _prompt_tokens(body: dict[str, Any]) -> int:
     if "messages" in body:
-        return sum(len(m["content"].split()) for m in body["messages"])
+        return sum(len(_text(m["content"]).split()) for m in body["messages"])
     prompt = body["prompt"]
     return len(prompt) if isinstance(prompt, list) else len(prompt.split())
 
@@ -114,3 +114,10 @@ def run_fake_server(state: FakeState) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def _text(content: str | list[dict]) -> str:
+    """A message's text: its text parts' (an image part has none)."""
+    if isinstance(content, str):
+        return content
+    return " ".join(part["text"] for part in content if part["type"] == "text")

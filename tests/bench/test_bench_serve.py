@@ -245,3 +245,32 @@ def test_multi_turn_with_shared_system_prompt_and_first_turn_context(tmp_path: P
 def test_multi_turn_rejects_a_negative_system_prompt(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="system-prompt-len"):
         multi_turn_dataset(WordSource(), 1, 2, 6, 2, "text", random.Random(0), system_prompt_len=-1)
+
+
+def test_random_mm_sends_each_request_its_own_images_before_its_text(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's random-mm: chat messages of `--images-per-request` PNG data: URLs of `--image-size`, then the text;
+    the completions endpoint is refused."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    state = FakeState()
+    with run_fake_server(state) as url:
+        doc = run_bench(tmp_path, url, "--dataset", "random-mm", "--endpoint", "/v1/chat/completions",
+                        "--num-prompts", "3", "--random-input-len-range", "4", "--random-output-len-range", "2",
+                        "--images-per-request", "2", "--image-size", "40x30")
+        assert doc["runs"][0]["completed"] == 3
+        refused = bench_main(["serve", "--base-url", url, "--no-progress", "--dataset", "random-mm", "--num-prompts", "1"])
+        assert refused == 2 and "--endpoint /v1/chat/completions" in capsys.readouterr().err
+    urls = []
+    for body in state.requests:
+        (message,) = body["messages"]
+        parts = message["content"]
+        assert [part["type"] for part in parts] == ["image_url", "image_url", "text"]
+        assert len(parts[2]["text"].split()) == 4
+        urls += [part["image_url"]["url"] for part in parts[:2]]
+    assert len(set(urls)) == 6  # each request's own: no cache hits
+    image = Image.open(io.BytesIO(base64.b64decode(urls[0].removeprefix("data:image/png;base64,"))))
+    assert image.size == (40, 30)
