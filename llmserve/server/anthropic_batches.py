@@ -5,6 +5,8 @@ Each belongs to the key that made it. Torch-free: `llmserve serve` and `llmserve
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 from datetime import datetime, timezone
@@ -14,7 +16,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmserve.platform.batches import DEFAULT_EXPIRES_AFTER, MAX_REQUESTS, BatchNotEnded
+from llmserve.platform.batches import DEFAULT_EXPIRES_AFTER, MAX_REQUESTS, BatchNotEnded, FileNotFound
 from llmserve.server.batches import batch_runner_of, batch_store, store_call
 from llmserve.server.errors import APIError
 from llmserve.server.openapi import documented
@@ -136,8 +138,9 @@ async def delete_message_batch(message_batch_id: str, request: Request) -> JSONR
         await store_call(store.delete, key_id, batch_id)
     except BatchNotEnded as exc:
         raise APIError(409, str(exc), code="batch_not_ended") from None
-    if REQUESTS_KEY in (batch["metadata"] or {}):  # its input file was this API's: it goes too
-        await store_call(store.files.delete, key_id, batch["input_file_id"])
+    if REQUESTS_KEY in (batch["metadata"] or {}):  # its input file was this API's: it goes too (if not gone yet)
+        with contextlib.suppress(FileNotFound):
+            await asyncio.to_thread(store.files.delete, key_id, batch["input_file_id"])
     return JSONResponse({"id": message_batch_id, "type": "message_batch_deleted"})
 
 
