@@ -79,11 +79,8 @@ class MessageBatchDeleted(BaseModel):
 async def create_message_batch(body: CreateMessageBatch, request: Request) -> JSONResponse:
     """A batch of Messages API requests, each `params` as `/v1/messages` takes it (not streamed), its `custom_id`
     unique in the batch; its results can be read once it has ended (within 24 hours)."""
-    _check_requests(body.requests)
     store, key_id = batch_store(request)
-    lines = (json.dumps({"custom_id": item.custom_id, "method": "POST", "url": ENDPOINT, "body": item.params})
-             for item in body.requests)
-    content = ("\n".join(lines) + "\n").encode()
+    content = await asyncio.to_thread(_input_file, body.requests)  # (grows with the batch: off the event loop)
     source = await store_call(store.files.create, key_id, "message_batch.jsonl", "batch", content, DEFAULT_EXPIRES_AFTER)
     batch = await store_call(store.create, key_id, source["id"], ENDPOINT, "24h", {REQUESTS_KEY: str(len(body.requests))})
     runner = batch_runner_of(request)
@@ -156,8 +153,17 @@ async def message_batch_results(message_batch_id: str, request: Request) -> Resp
     if batch["status"] not in _ENDED:
         raise APIError(400, f"Message batch {message_batch_id} has not ended: its results are not ready.",
                        code="batch_not_ended")
-    results = await _results(store, key_id, batch)
-    return Response("".join(json.dumps(result) + "\n" for result in results), media_type="application/x-jsonl")
+    contents = [await store_call(store.files.content, key_id, file_id)
+                for file_id in (batch["output_file_id"], batch["error_file_id"]) if file_id is not None]
+    return Response(await asyncio.to_thread(_results, contents), media_type="application/x-jsonl")
+
+
+def _input_file(requests: list[MessageBatchRequest]) -> bytes:
+    """The Batch API's input file of the requests, checked."""
+    _check_requests(requests)
+    lines = (json.dumps({"custom_id": item.custom_id, "method": "POST", "url": ENDPOINT, "body": item.params})
+             for item in requests)
+    return ("\n".join(lines) + "\n").encode()
 
 
 def _check_requests(requests: list[MessageBatchRequest]) -> None:
@@ -212,22 +218,25 @@ async def _message_batch(request: Request, batch: dict[str, Any]) -> dict[str, A
 async def _unrun_counts(request: Request, batch: dict[str, Any]) -> dict[str, int]:
     """How many of an ended batch's requests never ran, by why (canceled, expired)."""
     store, key_id = batch_store(request)
-    counts: dict[str, int] = {}
     if batch["error_file_id"] is None:
-        return counts
-    for record in _records(await store_call(store.files.content, key_id, batch["error_file_id"])):
+        return {}
+    content = await store_call(store.files.content, key_id, batch["error_file_id"])
+    return await asyncio.to_thread(_count_unrun, content)
+
+
+def _count_unrun(error_file: bytes) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for record in _records(error_file):
         why = _UNRUN.get((record.get("error") or {}).get("code"))
         if why is not None:
             counts[why] = counts.get(why, 0) + 1
     return counts
 
 
-async def _results(store: Any, key_id: str | None, batch: dict[str, Any]) -> list[dict[str, Any]]:
-    records = []
-    for file_id in (batch["output_file_id"], batch["error_file_id"]):
-        if file_id is not None:
-            records += _records(await store_call(store.files.content, key_id, file_id))
-    return [{"custom_id": record["custom_id"], "result": _result(record)} for record in records]
+def _results(contents: list[bytes]) -> str:
+    """The output and error files' lines as Anthropic's results, JSON Lines."""
+    return "".join(json.dumps({"custom_id": record["custom_id"], "result": _result(record)}) + "\n"
+                   for content in contents for record in _records(content))
 
 
 def _result(record: dict[str, Any]) -> dict[str, Any]:
