@@ -507,7 +507,9 @@ def test_a_model_that_is_not_a_string_is_a_400_naming_it(server: PlatformServer,
 def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
     server: PlatformServer, stream: bool
 ) -> None:
-    body = chat_body("Write a long story about a cat.", max_tokens=60, ignore_eos=True, temperature=0)
+    # 400 tokens: the block comes early, so the engine is still generating when its abort arrives, even where a
+    # loaded machine's API process reads the stream late
+    body = chat_body("Write a long story about a cat.", max_tokens=400, ignore_eos=True, temperature=0)
     reference = _reference_reply(server, body)
     word, position = _blockable_word(reference)
     server.platform.safety = RuleSetFilter(words=[word])
