@@ -379,21 +379,27 @@ class BatchStore:
             return batch_object(self._row(session, key_id, batch_id))
 
     def list(self, key_id: str | None, limit: int = 20, after: str | None = None,
-             endpoint: str | None = None) -> tuple[list[dict[str, Any]], bool]:
-        """A page of the key's batches (those to `endpoint` alone, when given), newest first; `after` is the last id
-        of the page before."""
+             endpoint: str | None = None, before: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+        """A page of the key's batches (those to `endpoint` alone, when given), newest first: the next older than
+        `after` (the last id of the page before), or the next newer than `before` (the first id of the page after:
+        Anthropic's `before_id`); has_more: there are more that way."""
         _check_limit(limit, 100)
         query = select(BatchRow).where(_owned_by(BatchRow.key_id, key_id))
         if endpoint is not None:
             query = query.where(BatchRow.endpoint == endpoint)
+        newest_first = (BatchRow.created_at.desc(), BatchRow.id.desc())
         with self._db.session() as session:
-            if after is not None:
-                anchor = session.get(BatchRow, after)
-                if anchor is None or anchor.key_id != key_id:
-                    raise InvalidRequestError(f"No batch with id {after!r}.", param="after")
-                query = query.where(_beyond(BatchRow, anchor, ascending=False))
-            rows = session.scalars(query.order_by(BatchRow.created_at.desc(), BatchRow.id.desc()).limit(limit + 1))
-            return _page(list(rows), limit, batch_object)
+            for anchor_id, param, newer in ((after, "after", False), (before, "before", True)):
+                if anchor_id is not None:
+                    anchor = session.get(BatchRow, anchor_id)
+                    if anchor is None or anchor.key_id != key_id:
+                        raise InvalidRequestError(f"No batch with id {anchor_id!r}.", param=param)
+                    query = query.where(_beyond(BatchRow, anchor, ascending=newer))
+            if before is None:
+                return _page(list(session.scalars(query.order_by(*newest_first).limit(limit + 1))), limit, batch_object)
+            oldest_first = (BatchRow.created_at.asc(), BatchRow.id.asc())
+            rows = list(session.scalars(query.order_by(*oldest_first).limit(limit + 1)))
+            return [batch_object(row) for row in reversed(rows[:limit])], len(rows) > limit
 
     def cancel(self, key_id: str | None, batch_id: str) -> dict[str, Any]:
         """Ask for the batch to stop: "cancelling" until its runner has stopped its requests and written what it

@@ -94,13 +94,14 @@ async def list_message_batches(
     request: Request, limit: int = Query(20, ge=1, le=100), after_id: str | None = None,
     before_id: str | None = None,
 ) -> JSONResponse:
-    """The key's message batches, newest first; `after_id`: the last id of the page before."""
-    if before_id is not None:
-        raise APIError(400, "before_id is not supported here: page with after_id.", param="before_id",
-                       code="unsupported_parameter")
+    """The key's message batches, newest first: the next older than `after_id` (the last id of the page before), or
+    the next newer than `before_id` (the first id of the page after)."""
+    if after_id is not None and before_id is not None:
+        raise APIError(400, "Give after_id or before_id, not both.", param="before_id")
     store, key_id = batch_store(request)
     after = _batch_id(after_id) if after_id is not None else None
-    batches, has_more = await store_call(store.list, key_id, limit, after, ENDPOINT)
+    before = _batch_id(before_id) if before_id is not None else None
+    batches, has_more = await store_call(store.list, key_id, limit, after, ENDPOINT, before)
     data = [await _message_batch(request, batch) for batch in batches]
     return JSONResponse({"data": data, "has_more": has_more, "first_id": data[0]["id"] if data else None,
                          "last_id": data[-1]["id"] if data else None})

@@ -107,6 +107,16 @@ def test_batches_are_their_keys_own_and_malformed_ones_are_400s(server: Platform
     with pytest.raises(anthropic.NotFoundError):
         _client(server, bob).messages.batches.cancel(batch.id)
     assert list(_client(server, bob).messages.batches.list()) == []
+    newer = [_client(server, alice).messages.batches.create(requests=[{"custom_id": "a", "params": _params("hi")}])
+             for _ in range(3)]
+    ids = [b.id for b in reversed(newer)] + [batch.id]  # newest first
+    first = _client(server, alice).messages.batches.list(limit=2)
+    assert [b.id for b in first.data] == ids[:2] and first.has_more and first.last_id == ids[1]
+    second = _client(server, alice).messages.batches.list(limit=2, after_id=first.last_id)
+    assert [b.id for b in second.data] == ids[2:] and not second.has_more
+    back = _client(server, alice).messages.batches.list(limit=2, before_id=ids[3])
+    assert [b.id for b in back.data] == ids[1:3] and back.has_more
+    assert [b.id for b in _client(server, alice).messages.batches.list(limit=5, before_id=ids[1]).data] == ids[:1]
     for body, param in [
         ({"requests": []}, "requests"),
         ({"requests": [{"custom_id": "a b", "params": _params("hi")}]}, "requests[0].custom_id"),
@@ -118,6 +128,7 @@ def test_batches_are_their_keys_own_and_malformed_ones_are_400s(server: Platform
                             headers={"x-api-key": alice})
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"]["param"] == param
-    _ended(server, _client(server, alice), batch.id)
+    for made in (batch, *newer):
+        _ended(server, _client(server, alice), made.id)
     early = httpx.get(f"{server.base_url}/v1/messages/batches/msgbatch_unknown/results", headers={"x-api-key": alice})
     assert early.status_code == 404
