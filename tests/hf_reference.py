@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from llmserve.model import builtin_llava
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 _COMMON = dict(
@@ -166,16 +168,9 @@ def load_with_adapter(base_dir: Path, adapter_dir: Path):
     return peft.PeftModel.from_pretrained(load_model(base_dir), adapter_dir).eval()
 
 
-IMAGE_TOKEN = "<image>"
-# ChatML whose user turns may hold images: each image part becomes one `<image>` placeholder (the server expands it
-# to the image's tokens), as llava-hf's templates place theirs.
-LLAVA_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<image>\\n' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# The built-in LLaVA's placeholder and its ChatML template that places one `<image>` per image part (the server
+# expands each to the image's tokens), as llava-hf's templates place theirs.
+IMAGE_TOKEN, LLAVA_CHAT_TEMPLATE = builtin_llava.IMAGE_TOKEN, builtin_llava.CHAT_TEMPLATE
 
 
 def build_llava(

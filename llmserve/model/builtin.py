@@ -483,7 +483,7 @@ def write_weights(out_dir: Path, config: dict[str, Any], seed: int, shard_size: 
             total_size += tensor.numel() * tensor.element_size()
     if len(set(weight_map.values())) > 1:
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        _write_json(out_dir / "model.safetensors.index.json", index)
+        write_json(out_dir / "model.safetensors.index.json", index)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +495,7 @@ def _json_text(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(_json_text(data), encoding="utf-8")
 
 
@@ -517,11 +517,11 @@ def make_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_json = train_tokenizer(tokenizer_vocab_size(size))
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", build_generation_config(size))
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", build_generation_config(size))
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", build_tokenizer_config(size, added_tokens(tokenizer_json), arch))
-    _write_json(out / "special_tokens_map.json", build_special_tokens_map())
+    write_json(out / "tokenizer_config.json", build_tokenizer_config(size, added_tokens(tokenizer_json), arch))
+    write_json(out / "special_tokens_map.json", build_special_tokens_map())
     if with_weights:
         write_weights(out, config, seed, shard_size)
     return out

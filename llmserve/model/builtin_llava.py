@@ -6,7 +6,6 @@ CLIP's image processor config. `transformers` loads it as `LlavaForConditionalGe
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from llmserve.model import builtin
+from llmserve.multimodal.images import CLIP_MEAN, CLIP_STD
 
 IMAGE_TOKEN = "<image>"
 VOCAB_PADDING = 8  # the decoder's vocabulary past the tokenizer's: `<image>` and room (llava-1.5's 32064)
@@ -114,11 +114,11 @@ def make_llava(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     tokenizer_config = builtin.build_tokenizer_config(size, builtin.added_tokens(tokenizer_json))
     tokenizer_config["chat_template"] = CHAT_TEMPLATE
-    _write_json(out / "tokenizer_config.json", tokenizer_config)
-    _write_json(out / "special_tokens_map.json", builtin.build_special_tokens_map())
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", builtin.build_generation_config(size))
-    _write_json(out / "preprocessor_config.json", _preprocessor_config(config["vision_config"]["image_size"]))
+    builtin.write_json(out / "tokenizer_config.json", tokenizer_config)
+    builtin.write_json(out / "special_tokens_map.json", builtin.build_special_tokens_map())
+    builtin.write_json(out / "config.json", config)
+    builtin.write_json(out / "generation_config.json", builtin.build_generation_config(size))
+    builtin.write_json(out / "preprocessor_config.json", _preprocessor_config(config["vision_config"]["image_size"]))
     _write_weights(out, config, seed)
     return out
 
@@ -140,11 +140,7 @@ def _preprocessor_config(image_size: int) -> dict[str, Any]:
     """transformers' CLIPImageProcessor at `image_size`, as LLaVA-1.5's."""
     return {
         "crop_size": {"height": image_size, "width": image_size}, "do_center_crop": True, "do_convert_rgb": True,
-        "do_normalize": True, "do_rescale": True, "do_resize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_processor_type": "CLIPImageProcessor", "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_normalize": True, "do_rescale": True, "do_resize": True, "image_mean": list(CLIP_MEAN),
+        "image_processor_type": "CLIPImageProcessor", "image_std": list(CLIP_STD),
         "resample": 3, "rescale_factor": 1 / 255, "size": {"shortest_edge": image_size},
     }
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -486,7 +486,7 @@ class ModelRunner:
         pixels, size = self.model.largest_image()
         per_image = self.model.image_tokens(size)
         counts = [per_image] * (num_tokens // per_image) or [num_tokens]
-        return [ImageSlice(bytes([i % 256, i // 256]) * 8, pixels, size, i * per_image, 0, count, per_image)
+        return [ImageSlice(i.to_bytes(16, "big"), pixels, size, i * per_image, 0, count, per_image)
                 for i, count in enumerate(counts)]
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
