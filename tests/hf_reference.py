@@ -220,9 +220,11 @@ def load_llava(model_dir: Path):
 
 
 @torch.no_grad()
-def greedy_with_images(model, prompt_ids: list[int], pixel_values: torch.Tensor, max_new_tokens: int) -> list[int]:
-    """Greedy decode of a LLaVA prompt (its `<image>` placeholders already expanded) with the images' pixels."""
-    out = model(input_ids=torch.tensor([prompt_ids]), pixel_values=pixel_values, use_cache=True)
+def greedy_with_images(model, prompt_ids: list[int], pixel_values: torch.Tensor, max_new_tokens: int,
+                       **inputs: torch.Tensor) -> list[int]:
+    """Greedy decode of a prompt (its image placeholders already expanded) with the images' pixels (and the other
+    `inputs` the model reads them with: Qwen2-VL's grids and image token types)."""
+    out = model(input_ids=torch.tensor([prompt_ids]), pixel_values=pixel_values, use_cache=True, **inputs)
     generated: list[int] = []
     for _ in range(max_new_tokens):
         token = int(out.logits[0, -1].argmax())
@@ -265,3 +267,75 @@ def load_llava_next(model_dir: Path):
     import transformers
 
     return transformers.LlavaNextForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+# Qwen2-VL's image tokens, added after the tiny tokenizer's vocabulary, and a ChatML template that writes each image
+# part as Qwen2-VL's templates do.
+QWEN_VL_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
+QWEN_VL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+QWEN_VL_MAX_PIXELS = 28 * 28 * 48  # images of at most 48 tokens: quick towers
+
+
+def build_qwen2_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0, version: str = "2") -> Path:
+    """A random Qwen2-VL (`version` "2") or Qwen2.5-VL ("2.5") checkpoint in transformers' layout: a small vision
+    tower, a Qwen2 decoder with M-RoPE sections for its 16-wide heads, the tokenizer of `tokenizer_dir` with Qwen2-VL's
+    image tokens added (1024-1026), a chat template that places them, and Qwen2-VL's image processor config (images
+    of at most `QWEN_VL_MAX_PIXELS`)."""
+    import tokenizers
+    import transformers
+
+    text = {**_COMMON, "vocab_size": 1032, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                 "mrope_section": [2, 3, 3]}}
+    if version == "2":
+        vision = dict(depth=2, embed_dim=32, num_heads=4, hidden_size=64, mlp_ratio=2)
+        config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(depth=3, hidden_size=32, num_heads=4, intermediate_size=48, out_hidden_size=64,
+                      window_size=56, fullatt_block_indexes=[1])
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    config = config_class(text_config=text, vision_config=vision, image_token_id=1024, vision_start_token_id=1025,
+                          vision_end_token_id=1026, video_token_id=1027, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32)
+    with torch.no_grad():  # larger weights than the default init: clear logit margins, images that matter
+        for name, p in model.named_parameters():
+            if "norm" not in name and "ln_q" not in name:
+                p.normal_(0.0, 0.08 if "embed_tokens" not in name else 1.0)
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(out_dir)
+    tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in QWEN_VL_TOKENS])
+    assert tokenizer.token_to_id(QWEN_VL_TOKENS[0]) == 1024
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = QWEN_VL_CHAT_TEMPLATE
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    shutil.copy(tokenizer_dir / "special_tokens_map.json", out_dir / "special_tokens_map.json")
+    transformers.Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=QWEN_VL_MAX_PIXELS).save_pretrained(out_dir)
+    return out_dir
+
+
+def load_qwen2_vl(model_dir: Path):
+    import transformers
+
+    return transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def qwen2_vl_inputs(model_dir: Path, prompt_ids: list[int], images: list) -> dict[str, torch.Tensor]:
+    """transformers' inputs for a Qwen2-VL prompt whose `<|image_pad|>` runs are already expanded: the images'
+    patches and grids from its own image processor, and which tokens are image tokens."""
+    import transformers
+
+    processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    prepared = processor(images=images, return_tensors="pt")
+    ids = torch.tensor([prompt_ids])
+    return dict(pixel_values=prepared["pixel_values"], image_grid_thw=prepared["image_grid_thw"],
+                mm_token_type_ids=(ids == 1024).int())

@@ -573,6 +573,7 @@ class EngineCore:
             lora_ids=[row.seq.request.lora_id for row in rows] if self.runner.lora is not None else [],
             images=[piece for row, start in zip(rows, starts.tolist(), strict=True) if row.seq.request.images
                     for piece in _image_slices(row, start)],
+            position_shifts=_position_shifts(rows, starts, total),
         )
 
     def _token_bitmask(self, sampled: list[Sequence]) -> tuple[dict[int, int], np.ndarray | None]:
@@ -765,6 +766,23 @@ def _image_slices(row: ScheduledRow, batch_start: int) -> list[ImageSlice]:
         for image in row.seq.request.images
         if (lo := max(begin, image.offset)) < (hi := min(end, image.offset + image.length))
     ]
+
+
+def _position_shifts(rows: list[ScheduledRow], starts: np.ndarray, total: int) -> np.ndarray | None:
+    """How far each token's position lags its index where images moved them on by other than their tokens (Qwen2-VL's
+    M-RoPE: an image takes its grid's longer side); None where none did. An image's own tokens lag as the first."""
+    shifts = None
+    for row, start in zip(rows, starts.tolist(), strict=True):
+        images = row.seq.request.images
+        if not any(image.shift for image in images):
+            continue
+        if shifts is None:
+            shifts = np.zeros(total, dtype=np.int64)
+        ends = np.array([image.offset + image.length for image in images])
+        lags = np.cumsum([0] + [image.shift for image in images])
+        indexes = np.arange(row.begin, row.begin + row.num_new)
+        shifts[start : start + row.num_new] = lags[np.searchsorted(ends, indexes, side="right")]
+    return shifts
 
 
 def _row_tokens(row: ScheduledRow) -> list[int]:

@@ -220,7 +220,7 @@ class InputProcessor:
             raise InvalidRequestError(f"A prompt holds at most {self.max_images} images here (--limit-mm-per-prompt), "
                                       f"not {len(images)}.", param=params[self.max_images])
         vision = self.vision
-        return [prepare(vision.processor, image, param, vision.num_tokens)
+        return [prepare(vision.processor, image, param, vision.num_tokens, vision.span)
                 for image, param in zip(images, params, strict=True)]
 
     def expand_placeholders(self, token_ids: list[int], images: Sequence[PreparedImage]) -> list[int]:

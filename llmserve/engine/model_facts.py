@@ -20,7 +20,7 @@ from llmserve.model.config import ModelConfig
 from llmserve.model.loader import resolve_model_path
 from llmserve.model.pooling import ClassifierConfig, PoolerConfig, classifier_config, pooler_config
 from llmserve.model.registry import model_class
-from llmserve.multimodal.images import ImageProcessor, anyres_num_tokens
+from llmserve.multimodal.images import ImageProcessor, QwenImageProcessor, anyres_num_tokens
 from llmserve.plugins import load_plugins
 from llmserve.tokenizer.tokenizer import Tokenizer, read_chat_template
 
@@ -39,22 +39,31 @@ class DraftFacts:
 @dataclass
 class VisionFacts:
     """A vision-language model's images: the token its chat template writes for each, how its pixels are prepared,
-    and how many tokens each takes in the prompt: LLaVA's as many as its tower's patches (and its class token,
-    with the "full" feature strategy); LLaVA-NeXT's as many as its tiles' patches keep of the image, one more
-    for each row, and the whole image's patches."""
+    how many tokens each takes in the prompt (LLaVA's as many as its tower's patches, and its class token with the
+    "full" feature strategy; LLaVA-NeXT's as many as its tiles' patches keep of the image, one more for each row,
+    and the whole image's patches; Qwen2-VL's one per 28x28 pixels at the size it is resized to), and how many
+    positions it moves its sequence on (Qwen2-VL's M-RoPE: the longer side of its token grid; others: its tokens)."""
 
     image_token_id: int
-    processor: ImageProcessor
-    patches_per_side: int
+    processor: ImageProcessor | QwenImageProcessor
+    patches_per_side: int = 0  # LLaVA's tower's
     class_token: bool = False
 
     def num_tokens(self, size: tuple[int, int]) -> int:
         """The placeholder tokens an image of `size` (height, width) takes."""
-        grid = self.processor.grid_pinpoints
-        if grid is None:
+        processor = self.processor
+        if isinstance(processor, QwenImageProcessor):
+            return processor.num_tokens(size)
+        if processor.grid_pinpoints is None:
             return self.patches_per_side**2 + self.class_token
-        assert self.processor.crop is not None
-        return anyres_num_tokens(size, grid, self.processor.crop[0], self.patches_per_side)
+        assert processor.crop is not None
+        return anyres_num_tokens(size, processor.grid_pinpoints, processor.crop[0], self.patches_per_side)
+
+    def span(self, size: tuple[int, int]) -> int:
+        """The positions an image of `size` moves its sequence on."""
+        if isinstance(self.processor, QwenImageProcessor):
+            return max(self.processor.grid(size))
+        return self.num_tokens(size)
 
 
 @dataclass
@@ -102,19 +111,22 @@ def load_model(config: EngineConfig) -> tuple[ModelFacts, Tokenizer]:
     )
     facts.max_num_batched_tokens = step_token_budget(config, is_encoder, facts.max_model_len)
     facts.draft = _draft_facts(config, facts)
-    facts.vision = _vision_facts(model_dir, model_config) if hasattr(cls, "embed_image") else None
+    facts.vision = (_vision_facts(model_dir, model_config, facts.max_num_batched_tokens)
+                    if hasattr(cls, "embed_image") else None)
     return facts, tokenizer
 
 
-def _vision_facts(model_dir: Path, model_config: ModelConfig) -> VisionFacts:
-    """LLaVA's and LLaVA-NeXT's: one `image_token_index` per image in the template; the image processor must give
-    the tower's image size (and LLaVA-NeXT's the model's tiled resolutions)."""
+def _vision_facts(model_dir: Path, model_config: ModelConfig, step_tokens: int) -> VisionFacts:
+    """One `image_token_index` per image in the template; the image processor must give the tower's image size (and
+    LLaVA-NeXT's the model's tiled resolutions), or Qwen2-VL's its patches."""
     raw = model_config.raw
-    vision = VisionConfig.from_dict(raw.get("vision_config") or {})
     token = raw.get("image_token_id", raw.get("image_token_index"))
     if not isinstance(token, int) or not 0 <= token < model_config.vocab_size:
         raise ModelLoadError(f"config.json's image_token_index ({token!r}) is not a token of the model.")
     processor = ImageProcessor.from_dir(model_dir)
+    if isinstance(processor, QwenImageProcessor):
+        return VisionFacts(token, _qwen_processor(processor, raw.get("vision_config") or {}, step_tokens))
+    vision = VisionConfig.from_dict(raw.get("vision_config") or {})
     if processor.output_size() != (vision.image_size, vision.image_size):
         raise ModelLoadError(f"preprocessor_config.json makes images of {processor.output_size()} pixels; the vision "
                              f"tower reads {vision.image_size}x{vision.image_size}.")
@@ -123,6 +135,22 @@ def _vision_facts(model_dir: Path, model_config: ModelConfig) -> VisionFacts:
         raise ModelLoadError("preprocessor_config.json's image_grid_pinpoints are not config.json's.")
     full = raw.get("vision_feature_select_strategy", "default") == "full"
     return VisionFacts(token, processor, vision.image_size // vision.patch_size, full)
+
+
+def _qwen_processor(processor: QwenImageProcessor, vision: dict, step_tokens: int) -> QwenImageProcessor:
+    """Qwen2-VL's processor, checked against its tower, resizing no image past a step's tokens: an image's features
+    are computed in one pass, which the memory profile's step bounds (vLLM's rule too)."""
+    patch, merge = int(vision.get("patch_size", 14)), int(vision.get("spatial_merge_size", 2))
+    if (processor.patch_size, processor.merge_size) != (patch, merge):
+        raise ModelLoadError(f"preprocessor_config.json cuts {processor.patch_size}-pixel patches merged "
+                             f"{processor.merge_size} by {processor.merge_size}; the vision tower reads {patch} and "
+                             f"{merge}.")
+    max_pixels = step_tokens * processor.factor**2
+    if processor.max_pixels <= max_pixels:
+        return processor
+    logger.info("Images are resized to at most %d pixels (%d tokens, a step's; preprocessor_config.json allows %d); "
+                "raise --max-num-batched-tokens to read them larger.", max_pixels, step_tokens, processor.max_pixels)
+    return dataclasses.replace(processor, max_pixels=max_pixels, min_pixels=min(processor.min_pixels, max_pixels))
 
 
 def _draft_facts(config: EngineConfig, facts: ModelFacts) -> DraftFacts | None:

@@ -21,6 +21,7 @@ _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
 }
 
 

@@ -41,6 +41,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # Qwen2-VL's multimodal rotary embedding: how many of the head's frequencies turn with each of an image token's
+    # temporal, height and width position ids (None: one position id per token).
+    mrope_section: tuple[int, ...] | None = None
 
 
 def merged(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -95,9 +98,9 @@ class ModelConfig:
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         # Qwen2 always has a bias on q/k/v (its config has no field for it), Qwen2-MoE unless `qkv_bias` says
         # otherwise; others say so explicitly.
-        attention_bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe"))))
+        attention_bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", model_type in _QWEN2_TYPES)))
         sliding = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        if model_type in (*_QWEN2_TYPES, "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding = None
         return cls(
             architecture=arch,
@@ -156,6 +159,9 @@ class ModelConfig:
         return v * h + self.num_hidden_layers * per_layer + h + lm_head
 
 
+# Decoders of Qwen2's shape: a bias on q, k and v, the sliding window off unless `use_sliding_window` says so.
+_QWEN2_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
+
 # transformers' defaults for a decoder's config fields, by model type: published LLaVA configs give only what
 # differs.
 _DECODER_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -167,6 +173,12 @@ _DECODER_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6,
                   rope_theta=10000.0),
+    "qwen2_vl_text": dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=32768,
+                          rms_norm_eps=1e-5, rope_theta=1000000.0),
+    "qwen2_5_vl_text": dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                            num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=32768,
+                            rms_norm_eps=1e-5, rope_theta=1000000.0),
 }
 
 
@@ -192,6 +204,9 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type == "mrope":  # transformers 4.x's name for Qwen2-VL's: default frequencies, turned by sections
+        rope_type = "default"
+    section = merged.get("mrope_section")
     if rope_type not in ("default", "linear", "llama3"):
         raise ModelLoadError(f"Unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3.")
     return RopeConfig(
@@ -201,4 +216,5 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+        mrope_section=tuple(int(n) for n in section) if section else None,
     )

@@ -22,6 +22,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from llmserve.errors import ModelLoadError
 from llmserve.model import cpu_fused, cpu_linear
 from llmserve.model.config import RopeConfig
 
@@ -269,6 +270,50 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's multimodal rotary embedding (M-RoPE): each token has three position ids (temporal, height,
+    width), and the head's frequencies are cut in `section`s that turn with one id each. A text token's three ids
+    are equal, so it reads the table as any rotary embedding; an image token's are not: the runner writes those
+    tokens' rows past the table (`place`) and points them there, so every attention backend reads them as it reads
+    the table, with no position layout of its own."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+        super().__init__(head_dim, max_positions, rope)
+        assert rope.mrope_section is not None
+        if sum(rope.mrope_section) != head_dim // 2:
+            raise ModelLoadError(f"mrope_section {list(rope.mrope_section)} turns {sum(rope.mrope_section)} "
+                                 f"frequencies; the heads have {head_dim // 2}.")
+        self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, rope), persistent=False)
+        # Which of the three ids turns each frequency.
+        axis = torch.repeat_interleave(torch.arange(len(rope.mrope_section)), torch.tensor(rope.mrope_section))
+        self.register_buffer("axis", axis % 3, persistent=False)
+        self.num_positions = max_positions
+        self.image_rows = 0
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` image tokens in a step. Called before anything reads the table's address (the one-call
+        CPU decoder, CUDA graphs): it moves the table."""
+        if rows <= self.image_rows:
+            return
+        extra = rows - self.image_rows
+        for name in ("cos_cache", "sin_cache"):
+            table = getattr(self, name)
+            setattr(self, name, torch.cat([table, table.new_zeros(extra, table.shape[1])]))
+        self.image_rows = rows
+
+    def place(self, ids: torch.Tensor) -> int:
+        """Write the rows of image tokens with position ids `ids` ([n, 3]: temporal, height, width) past the table,
+        in order; the position that reads the first."""
+        count = ids.shape[0]
+        if count > self.image_rows:
+            raise RuntimeError(f"a step places {count} image tokens; the rotary table has room for {self.image_rows}")
+        freqs = ids.to(self.inv_freq.device, torch.float32)[:, :, None] * self.inv_freq  # [n, 3, D/2]
+        freqs = freqs.gather(1, self.axis.expand(count, 1, -1)).squeeze(1)
+        self.cos_cache[self.num_positions : self.num_positions + count] = freqs.cos()
+        self.sin_cache[self.num_positions : self.num_positions + count] = freqs.sin()
+        return self.num_positions
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from llmserve.errors import ModelLoadError
 from llmserve.model import parallel
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
 from llmserve.model.config import ModelConfig
-from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, linear
+from llmserve.model.layers import Embedding, Linear, MRotaryEmbedding, RMSNorm, RotaryEmbedding, linear
 
 
 class Attention(nn.Module):
@@ -105,7 +105,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope)
+        rotary_class = RotaryEmbedding if cfg.rope.mrope_section is None else MRotaryEmbedding
+        rotary = rotary_class(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope)
         self.rotary = rotary
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, self.make_mlp) for i in range(cfg.num_hidden_layers))

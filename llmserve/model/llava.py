@@ -69,8 +69,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         """The placeholder tokens an image of `size` takes."""
         return self.patches_per_side**2 + self.keep_class_token
 
-    def largest_image(self) -> tuple[np.ndarray, tuple[int, int]]:
-        """Pixels (zeros) and size of the image that takes the most tokens: what memory profiling reads."""
+    def largest_image(self, max_tokens: int) -> tuple[np.ndarray, tuple[int, int]]:
+        """Pixels (zeros) and size of the image that takes the most tokens: what memory profiling reads (a LLaVA
+        image's tokens are set by the model, not by `max_tokens`)."""
         return np.zeros((3, self.image_size, self.image_size), dtype=np.float32), (self.image_size, self.image_size)
 
     def embed_views(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -156,7 +157,7 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     def image_tokens(self, size: tuple[int, int]) -> int:
         return anyres_num_tokens(size, self.grid_pinpoints, self.image_size, self.patches_per_side)
 
-    def largest_image(self) -> tuple[np.ndarray, tuple[int, int]]:
+    def largest_image(self, max_tokens: int) -> tuple[np.ndarray, tuple[int, int]]:
         size = max(self.grid_pinpoints, key=lambda p: p[0] * p[1])
         views = 1 + (size[0] // self.image_size) * (size[1] // self.image_size)
         return np.zeros((views, 3, self.image_size, self.image_size), dtype=np.float32), size

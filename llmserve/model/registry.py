@@ -12,6 +12,7 @@ from llmserve.model.mistral import MistralForCausalLM
 from llmserve.model.mixtral import MixtralForCausalLM
 from llmserve.model.qwen2 import Qwen2ForCausalLM
 from llmserve.model.qwen2_moe import Qwen2MoeForCausalLM
+from llmserve.model.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from llmserve.model.qwen3 import Qwen3ForCausalLM
 from llmserve.model.qwen3_moe import Qwen3MoeForCausalLM
 from llmserve.model.roberta import RobertaForSequenceClassification, RobertaModel
@@ -28,6 +29,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3ForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

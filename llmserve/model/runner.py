@@ -43,6 +43,7 @@ from llmserve.model.cuda_graphs import (
     make_model_forward,
 )
 from llmserve.model.dummy_weights import init_dummy_weights_
+from llmserve.model.layers import MRotaryEmbedding
 from llmserve.model.loader import iterate_weights
 from llmserve.model.lora import LoRASlots, supports_lora
 from llmserve.model.memory import MemoryProfile, kv_cache_budget, num_kv_blocks, profile_prompt_lengths
@@ -161,6 +162,8 @@ class StepBatch:
     pool_second_texts: list[int | None] = field(default_factory=list)
     lora_ids: list[int] = field(default_factory=list)  # with LoRA served: each row's adapter id (0: none)
     images: list[ImageSlice] = field(default_factory=list)  # a vision-language model's image placeholders
+    # [T] int64: how far each token's position lags its index (images moved it on by their M-RoPE grids); None: not.
+    position_shifts: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -353,6 +356,8 @@ class ModelRunner:
                                  "serve the unquantized one, with --quantization int8 to quantize it at load.")
         with torch.device(self.device):
             model = cls(self.model_config, max_positions=max_model_len)
+        if isinstance(getattr(model, "rotary", None), MRotaryEmbedding):  # a step's image tokens' rows
+            model.rotary.reserve(self.config.max_num_batched_tokens or DEFAULT_STEP_TOKENS)
         quantized = QuantizedLoader(model, self.quantization) if self.quantization is not None else None
         if self.config.load_format == "dummy":
             init_dummy_weights_(model, self.config.seed)
@@ -483,7 +488,7 @@ class ModelRunner:
         activations are part of the peak)."""
         if not hasattr(self.model, "embed_image"):
             return []
-        pixels, size = self.model.largest_image()
+        pixels, size = self.model.largest_image(num_tokens)
         per_image = self.model.image_tokens(size)
         counts = [per_image] * (num_tokens // per_image) or [num_tokens]
         return [ImageSlice(i.to_bytes(16, "big"), pixels, size, i * per_image, 0, count, per_image)
@@ -773,7 +778,27 @@ class ModelRunner:
             seq_lens_host=seq_lens_host,
         )
         input_ids = self._to_device(batch.input_ids)
+        if batch.position_shifts is not None:
+            positions = positions + batch.position_shifts
+        if batch.images and isinstance(self.model.rotary, MRotaryEmbedding):
+            positions = self._place_image_positions(batch.images, positions)
         return input_ids, self._to_device(positions.astype(np.int64, copy=False)), meta
+
+    def _place_image_positions(self, images: list[ImageSlice], positions: np.ndarray) -> np.ndarray:
+        """`positions` with the image tokens' pointing at rotary rows written for their (temporal, height, width)
+        ids: Qwen2-VL's, from where the image starts (the position its first token would have as text) along its
+        token grid."""
+        positions = positions.copy()
+        ids, tokens = [], []
+        for piece in images:
+            frames, height, width = self.model.image_grid(piece.pixels.shape)
+            index = np.arange(piece.image_start, piece.image_start + piece.count)
+            grid = np.stack([index // (height * width), index // width % height, index % width], axis=1)
+            ids.append(grid + (positions[piece.batch_start] - piece.image_start))
+            tokens.append(np.arange(piece.batch_start, piece.batch_start + piece.count))
+        first_row = self.model.rotary.place(torch.from_numpy(np.concatenate(ids)))
+        positions[np.concatenate(tokens)] = first_row + np.arange(sum(piece.count for piece in images))
+        return positions
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """Host array -> device tensor; on CUDA through pinned memory, asynchronously (no stream sync)."""

@@ -1,7 +1,8 @@
 """Images as a vision-language model reads them: decoded from the bytes a request carries, then resized,
 cropped and normalised as the checkpoint's `preprocessor_config.json` says (transformers' CLIP image processor;
-with `image_grid_pinpoints`, LLaVA-NeXT's: the image whole and in tiles of the best of those resolutions).
-Torch-free: it runs in the API process, on a worker thread.
+with `image_grid_pinpoints`, LLaVA-NeXT's: the image whole and in tiles of the best of those resolutions; for
+Qwen2-VL and Qwen2.5-VL, transformers' `Qwen2VLImageProcessor`: the image resized, its ratio kept, to a multiple of
+the tower's merged patch within a pixel budget). Torch-free: it runs in the API process, on a worker thread.
 """
 
 from __future__ import annotations
@@ -47,11 +48,16 @@ class ImageProcessor:
     grid_pinpoints: tuple[tuple[int, int], ...] | None = None  # LLaVA-NeXT's tiled resolutions, (height, width)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ImageProcessor:
+    def from_dir(cls, model_dir: str | Path) -> ImageProcessor | QwenImageProcessor:
+        """The processor `preprocessor_config.json` names: Qwen2-VL's (Qwen2.5-VL's too) for an
+        `image_processor_type` of Qwen2VL..., else CLIP's (LLaVA-NeXT's with grid pinpoints)."""
         path = Path(model_dir) / "preprocessor_config.json"
         if not path.is_file():
             raise ModelLoadError(f"{model_dir} has no preprocessor_config.json: its images cannot be prepared.")
-        return cls.from_dict(json.loads(path.read_text()))
+        cfg = json.loads(path.read_text())
+        if str(cfg.get("image_processor_type", "")).startswith("Qwen2VL"):
+            return QwenImageProcessor.from_dict(cfg)
+        return cls.from_dict(cfg)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ImageProcessor:
@@ -116,6 +122,118 @@ class ImageProcessor:
             std = np.asarray(self.std, dtype=np.float32).reshape(3, 1, 1)
             values = (values - mean) / std
         return np.ascontiguousarray(values, dtype=np.float32)
+
+
+QWEN_MIN_PIXELS = 56 * 56
+QWEN_MAX_PIXELS = 28 * 28 * 1280
+QWEN_MAX_ASPECT_RATIO = 200
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's (height, width) for an image: each side a multiple of `factor` as near its own as rounding
+    gets, then, when the area falls outside [min_pixels, max_pixels], both sides scaled by one ratio into it
+    (rounded down when shrinking, up when growing)."""
+    if max(height, width) > QWEN_MAX_ASPECT_RATIO * min(height, width):
+        raise ValueError(f"An image of {width}x{height} pixels is more than {QWEN_MAX_ASPECT_RATIO} times as long "
+                         "as it is wide.")
+    # Python's round (half to even) as transformers rounds, so a side at exactly half a factor lands the same.
+    rounded_height, rounded_width = round(height / factor) * factor, round(width / factor) * factor
+    if rounded_height * rounded_width > max_pixels:
+        shrink = math.sqrt(height * width / max_pixels)
+        return (max(factor, math.floor(height / shrink / factor) * factor),
+                max(factor, math.floor(width / shrink / factor) * factor))
+    if rounded_height * rounded_width < min_pixels:
+        grow = math.sqrt(min_pixels / (height * width))
+        return math.ceil(height * grow / factor) * factor, math.ceil(width * grow / factor) * factor
+    return rounded_height, rounded_width
+
+
+@dataclass(frozen=True)
+class QwenImageProcessor:
+    """transformers' `Qwen2VLImageProcessor` (Qwen2-VL's and Qwen2.5-VL's): the image resized to `smart_resize`'s
+    size, pixel values scaled to [0, 1] and normalised per channel. Left whole: the tower cuts it into patches."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = QWEN_MIN_PIXELS
+    max_pixels: int = QWEN_MAX_PIXELS
+    resample: int = int(Image.Resampling.BICUBIC)
+    rescale_factor: float | None = 1 / 255
+    mean: tuple[float, ...] | None = CLIP_MEAN
+    std: tuple[float, ...] | None = CLIP_STD
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> QwenImageProcessor:
+        min_pixels, max_pixels = _qwen_pixel_budget(cfg)
+        normalize = cfg.get("do_normalize", True)
+        return cls(
+            patch_size=int(cfg.get("patch_size", 14)),
+            merge_size=int(cfg.get("merge_size", 2)),
+            temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            resample=int(cfg.get("resample", Image.Resampling.BICUBIC)),
+            rescale_factor=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
+            mean=tuple(cfg.get("image_mean", CLIP_MEAN)) if normalize else None,
+            std=tuple(cfg.get("image_std", CLIP_STD)) if normalize else None,
+        )
+
+    @property
+    def factor(self) -> int:
+        """The side of one merged patch (one decoder token), which both resized sides are multiples of."""
+        return self.patch_size * self.merge_size
+
+    def output_size(self) -> tuple[int, int] | None:
+        """None: each image keeps (roughly) its own ratio and size."""
+        return None
+
+    def resized_size(self, size: tuple[int, int]) -> tuple[int, int]:
+        """(height, width) an image of (height, width) `size` is resized to."""
+        return smart_resize(size[0], size[1], self.factor, self.min_pixels, self.max_pixels)
+
+    def grid(self, size: tuple[int, int]) -> tuple[int, int]:
+        """(rows, columns) of the decoder tokens an image of `size` becomes."""
+        height, width = self.resized_size(size)
+        return height // self.factor, width // self.factor
+
+    def num_tokens(self, size: tuple[int, int]) -> int:
+        rows, columns = self.grid(size)
+        return rows * columns
+
+    def __call__(self, image: Image.Image) -> np.ndarray:
+        """[3, height, width] float32 pixel values, height and width multiples of `factor`."""
+        image = _rgb_on_white(image)
+        height, width = self.resized_size((image.height, image.width))
+        pixels = np.asarray(image.resize((width, height), self.resample)).transpose(2, 0, 1)
+        if self.rescale_factor is not None:
+            # Scaled in float64 and only then cast, as transformers rescales: the same float32 to the last bit.
+            values = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        else:
+            values = pixels.astype(np.float32)
+        if self.mean is not None and self.std is not None:
+            mean = np.asarray(self.mean, dtype=np.float32).reshape(3, 1, 1)
+            std = np.asarray(self.std, dtype=np.float32).reshape(3, 1, 1)
+            values = (values - mean) / std
+        return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def _qwen_pixel_budget(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of a Qwen2-VL preprocessor config: top-level keys (older configs; they win, as in
+    transformers) or `size`'s shortest_edge / longest_edge (newer ones)."""
+    size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+    min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or QWEN_MIN_PIXELS
+    max_pixels = cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or QWEN_MAX_PIXELS
+    return int(min_pixels), int(max_pixels)
+
+
+def _rgb_on_white(image: Image.Image) -> Image.Image:
+    """The image in RGB, a transparent one laid over white (as transformers' Qwen2-VL processor converts it;
+    `Image.convert("RGB")` alone would show whatever colour the transparent pixels hold)."""
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+    return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
 
 
 def best_resolution(size: tuple[int, int], resolutions: tuple[tuple[int, int], ...]) -> tuple[int, int]:
@@ -225,10 +343,12 @@ def data_url_bytes(url: str, param: str) -> bytes:
         raise InvalidRequestError("The image data URL is not valid base64.", param=param) from None
 
 
-def prepare(processor: ImageProcessor, image: bytes | Image.Image, param: str,
-            num_tokens: Callable[[tuple[int, int]], int]) -> PreparedImage:
-    """An image (its bytes, or decoded) prepared, with the tokens it takes (`num_tokens` of its size), named by its
-    pixels and size: the same image, however encoded, has the same name (and the same KV to share)."""
+def prepare(processor: ImageProcessor | QwenImageProcessor, image: bytes | Image.Image, param: str,
+            num_tokens: Callable[[tuple[int, int]], int],
+            span: Callable[[tuple[int, int]], int] | None = None) -> PreparedImage:
+    """An image (its bytes, or decoded) prepared, with the tokens it takes (`num_tokens` of its size) and the
+    positions it spans (`span` of its size; its tokens without it), named by its pixels and size: the same image,
+    however encoded, has the same name (and the same KV to share)."""
     decoded = decode_image(image, param) if isinstance(image, bytes) else image
     size = (decoded.height, decoded.width)
     if max(size) > MAX_ASPECT_RATIO * min(size):
@@ -237,4 +357,5 @@ def prepare(processor: ImageProcessor, image: bytes | Image.Image, param: str,
     pixels = processor(decoded)
     digest = hashlib.blake2b(f"{pixels.shape}{size}".encode(), digest_size=16)
     digest.update(pixels.tobytes())
-    return PreparedImage(pixels, digest.digest(), size, num_tokens(size))
+    tokens = num_tokens(size)
+    return PreparedImage(pixels, digest.digest(), size, tokens, span(size) if span is not None else tokens)

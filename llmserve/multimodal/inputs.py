@@ -14,7 +14,8 @@ from llmserve.errors import InvalidRequestError
 class ImageInput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """An image of a prompt: the `length` placeholder tokens from `offset` that its features replace, its prepared
     pixels (float32, C-ordered `shape`: one view of it, or several: LLaVA-NeXT's tiles) and its size as it came
-    (height, width), named by `digest` (the prefix cache tells images apart by it)."""
+    (height, width), named by `digest` (the prefix cache tells images apart by it). `span` is how many positions it
+    moves its sequence on: its tokens, or under Qwen2-VL's M-RoPE the longer side of its token grid."""
 
     offset: int
     length: int
@@ -22,6 +23,12 @@ class ImageInput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     pixels: bytes
     shape: tuple[int, ...]
     size: tuple[int, int]
+    span: int
+
+    @property
+    def shift(self) -> int:
+        """How far the positions of the tokens after it lag their indexes, for this image."""
+        return self.span - self.length
 
     def pixel_array(self) -> np.ndarray:
         return np.frombuffer(self.pixels, dtype=np.float32).reshape(self.shape)
@@ -33,6 +40,7 @@ class PreparedImage:
     digest: bytes
     size: tuple[int, int]  # (height, width) as it came
     num_tokens: int  # the placeholder tokens it takes in the prompt
+    span: int  # the positions it moves its sequence on (`ImageInput.span`)
 
 
 class ImagePrompt(list[int]):
@@ -82,7 +90,7 @@ def image_prompt(token_ids: Sequence[int], images: Sequence[PreparedImage], plac
             raise InvalidRequestError("The prompt's image placeholder tokens are not in whole runs, one per image.",
                                       param="messages")
         inputs.append(ImageInput(int(run[0]), image.num_tokens, image.digest, image.pixels.tobytes(),
-                                 image.pixels.shape, image.size))
+                                 image.pixels.shape, image.size, image.span))
         start += image.num_tokens
     return ImagePrompt(token_ids, inputs)
 

@@ -323,7 +323,7 @@ def test_an_earlier_turns_images_dropped_with_it_leave_the_last_images_in_place(
     """Fitting a conversation to the context drops its earliest turns: the placeholders left are the last images'."""
     from llmserve.multimodal.inputs import PreparedImage, expand_placeholders, image_prompt, placed_images
 
-    images = [PreparedImage(np.full((3, 2, 2), i, dtype=np.float32), bytes([i]) * 16, (2, 2), n)
+    images = [PreparedImage(np.full((3, 2, 2), i, dtype=np.float32), bytes([i]) * 16, (2, 2), n, n)
               for i, n in enumerate((3, 2, 4))]
     ids = expand_placeholders([7, 9, 8, 9, 6], 9, [2, 4])  # the turn with the first image was dropped
     kept = placed_images(ids, images, 9)

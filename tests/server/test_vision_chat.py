@@ -254,3 +254,28 @@ def test_llava_next_images_of_other_shapes_take_their_own_tokens_over_http(tmp_p
     assert reply.choices[0].to_dict()["token_ids"] == expected
     assert counted.json()["count"] == reply.usage.prompt_tokens
     assert counted.json()["tokens"].count(1024) == 44 + 76
+
+
+def test_qwen2_vl_images_over_http_give_the_offline_tokens(tmp_path_factory, tiny_llama_dir):
+    """Qwen2-VL: images of their own shapes in a chat, streamed, give the offline API's tokens (the template writes
+    each as <|vision_start|><|image_pad|><|vision_end|>); usage and /tokenize count each image's own tokens."""
+    from tests.engine.test_qwen2_vl import IMAGE
+    from tests.hf_reference import build_qwen2_vl
+
+    model_dir = build_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl-http") / "model", tiny_llama_dir)
+    images = [random_image(3, (150, 90)), random_image(4, (60, 200))]
+    prompt = f"<|begin_of_text|><|im_start|>user\n{IMAGE}{IMAGE}{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
+    expected = list(llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
+                                 SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids)
+    messages = [user_message(*(data_url(png_bytes(image)) for image in images))]
+    with serving(model_dir) as live:
+        stream = live.client().chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
+        chunks = list(stream)
+        counted = httpx.post(f"{live.base_url}/tokenize", json={"model": MODEL_NAME, "messages": messages}, timeout=60)
+        assert live.idle_stats().num_used_blocks == 0
+    assert [t for chunk in chunks if chunk.choices for t in (chunk.choices[0].to_dict().get("token_ids") or [])] == expected
+    assert counted.json()["count"] == chunks[-1].usage.prompt_tokens
+    assert counted.json()["tokens"].count(1024) == 5 * 3 + 2 * 7
