@@ -1,6 +1,7 @@
 """What an image costs a vision-language model's request, on the built-in LLaVA (`make-model --arch llava`; at
 `medium`, LLaVA-1.5's own vision tower, CLIP ViT-L/14 at 336 pixels, 576 tokens an image, before the 348.7M
-built-in medium Llama), in bfloat16, at batch 1:
+built-in medium Llama) or Qwen2-VL (`--arch qwen2_vl`; at `medium`, Qwen2-VL's own 675M tower, which reads the
+picture at about its own resolution, before the same decoder with M-RoPE), in bfloat16, at batch 1:
 
   - `prepare`: a 1024x768 JPEG decoded, resized, cropped and normalised (the API process's work, on a worker);
   - `encode`: the vision tower and projector on one image (the engine's, in the image's first prefill step);
@@ -11,7 +12,7 @@ built-in medium Llama), in bfloat16, at batch 1:
 
 Rounds alternate the cases; each image is new to the cache except in `cached`.
 
-    python benchmarks/vision.py --size medium --rounds 5
+    python benchmarks/vision.py --size medium --rounds 5 [--arch qwen2_vl]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llmserve import LLM, SamplingParams  # noqa: E402
 from llmserve.model.builtin_llava import make_llava  # noqa: E402
+from llmserve.model.builtin_qwen2_vl import make_qwen2_vl  # noqa: E402
 from llmserve.multimodal.images import prepare  # noqa: E402
 
 QUESTION = [{"type": "image"}, {"type": "text", "text": "What is in this picture, and what is it for?"}]
@@ -76,11 +78,13 @@ def one_round(llm: LLM, prompt: str, text_ids: list[int], jpeg: bytes) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="llava", choices=["llava", "qwen2_vl"])
     parser.add_argument("--size", default="medium", choices=["tiny", "small", "medium"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    model_dir = make_llava(Path(tempfile.mkdtemp()) / "llava", args.size)
+    make = make_llava if args.arch == "llava" else make_qwen2_vl
+    model_dir = make(Path(tempfile.mkdtemp()) / args.arch, args.size)
     llm = LLM(model=str(model_dir), dtype=args.dtype)
     processor = llm.engine.input_processor
     prompt = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
@@ -93,7 +97,7 @@ def main() -> None:
         if round_:
             for name, value in times.items():
                 runs[name].append(value)
-    print(f"built-in llava-{args.size}, {args.dtype}, {len(image_ids)} prompt tokens "
+    print(f"built-in {args.arch}-{args.size}, {args.dtype}, {len(image_ids)} prompt tokens "
           f"({image_ids.images[0].length} of them the image's), {args.rounds} rounds, torch threads "
           f"{torch.get_num_threads()}")
     for name, values in runs.items():

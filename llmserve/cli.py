@@ -26,6 +26,11 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
         print(f"wrote llava-{args.size} (seed {args.seed}) to {make_llava(args.dir, args.size, args.seed)}")
         return 0
+    if args.arch == "qwen2_vl":
+        from llmserve.model.builtin_qwen2_vl import make_qwen2_vl
+
+        print(f"wrote qwen2_vl-{args.size} (seed {args.seed}) to {make_qwen2_vl(args.dir, args.size, args.seed)}")
+        return 0
     with_weights = args.with_weights or (not args.no_weights and args.size not in SIZES_WITHOUT_DEFAULT_WEIGHTS)
     if with_weights and args.size in SIZES_WITHOUT_DEFAULT_WEIGHTS:
         size_gb = checkpoint_bytes(build_config(args.arch, args.size)) / 1e9
@@ -258,8 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     make = sub.add_parser("make-model", help="write a random-weight checkpoint with a locally trained tokenizer")
     make.add_argument("dir")
-    make.add_argument("--arch", default="llama", choices=["llama", "qwen3", "llava"],
-                      help="llava: the built-in llama of --size with a CLIP vision tower (tiny, small or medium)")
+    make.add_argument("--arch", default="llama", choices=["llama", "qwen3", "llava", "qwen2_vl"],
+                      help="llava: the built-in llama of --size with a CLIP vision tower; qwen2_vl: with Qwen2-VL's "
+                           "vision tower and M-RoPE (both tiny, small or medium)")
     make.add_argument(
         "--size", default="tiny", choices=["tiny", "small", "medium", "8b"],
         help="8b: Llama-3.1-8B's configuration (llama only), written without weights unless --with-weights",

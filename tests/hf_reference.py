@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from llmserve.model import builtin_llava
+from llmserve.model import builtin_llava, builtin_qwen2_vl
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -269,17 +269,10 @@ def load_llava_next(model_dir: Path):
     return transformers.LlavaNextForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-# Qwen2-VL's image tokens, added after the tiny tokenizer's vocabulary, and a ChatML template that writes each image
-# part as Qwen2-VL's templates do.
-QWEN_VL_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
-QWEN_VL_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# Qwen2-VL's image tokens, added after the tiny tokenizer's vocabulary, and the built-in Qwen2-VL's ChatML template
+# that writes each image part as Qwen2-VL's templates do.
+QWEN_VL_TOKENS = (builtin_qwen2_vl.IMAGE_TOKEN, builtin_qwen2_vl.VISION_START, builtin_qwen2_vl.VISION_END)
+QWEN_VL_CHAT_TEMPLATE = builtin_qwen2_vl.CHAT_TEMPLATE
 QWEN_VL_MAX_PIXELS = 28 * 28 * 48  # images of at most 48 tokens: quick towers
 
 
@@ -329,7 +322,8 @@ def load_qwen2_vl(model_dir: Path):
     return transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def qwen2_vl_inputs(model_dir: Path, prompt_ids: list[int], images: list) -> dict[str, torch.Tensor]:
+def qwen2_vl_inputs(model_dir: Path, prompt_ids: list[int], images: list, image_token: int = 1024
+                    ) -> dict[str, torch.Tensor]:
     """transformers' inputs for a Qwen2-VL prompt whose `<|image_pad|>` runs are already expanded: the images'
     patches and grids from its own image processor, and which tokens are image tokens."""
     import transformers
@@ -338,4 +332,4 @@ def qwen2_vl_inputs(model_dir: Path, prompt_ids: list[int], images: list) -> dic
     prepared = processor(images=images, return_tensors="pt")
     ids = torch.tensor([prompt_ids])
     return dict(pixel_values=prepared["pixel_values"], image_grid_thw=prepared["image_grid_thw"],
-                mm_token_type_ids=(ids == 1024).int())
+                mm_token_type_ids=(ids == image_token).int())

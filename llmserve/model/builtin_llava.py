@@ -27,14 +27,22 @@ VISION_SIZES: dict[str, dict[str, int]] = {
     "medium": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                    image_size=336, patch_size=14),
 }
-# ChatML whose user turns may hold images, each written as `<image>` and a newline where it is in the message.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<image>\\n' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+
+
+def image_chat_template(image: str) -> str:
+    """ChatML whose user turns may hold images, each written as `image` (a Jinja string literal's text) where it is
+    in the message."""
+    return (
+        "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+        f"{{% if part['type'] == 'image' %}}{{{{ '{image}' }}}}{{% elif part['type'] == 'text' %}}{{{{ part['text'] }}}}"
+        "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+
+
+# Each image written as `<image>` and a newline where it is in the message.
+CHAT_TEMPLATE = image_chat_template("<image>\\n")
 _FEATURE_LAYER = -2
 
 

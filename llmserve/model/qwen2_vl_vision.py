@@ -209,8 +209,9 @@ class VisionAttention(nn.Module):
         patches, width = x.shape
         q, k, v = self.qkv(x).view(patches, 3, self.num_heads, -1).unbind(1)
         q, k = _rotate(q, *rotary), _rotate(k, *rotary)
-        if windows is None:
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        if windows is None:  # (a batch of one: torch's fused CPU kernel takes 4-D inputs only)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                 v.transpose(0, 1)[None])[0]
             return self.proj(out.transpose(0, 1).reshape(patches, width))
         q, k, v = (t[windows.members].transpose(1, 2) for t in (q, k, v))  # [windows, heads, length, head_dim]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=windows.valid[:, None, None, :])

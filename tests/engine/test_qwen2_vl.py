@@ -5,6 +5,7 @@ that cut them, generating well past the prompt (decode positions lag their index
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -159,3 +160,23 @@ def test_published_qwen2_vl_configs_load():
     assert (config.hidden_size, config.num_key_value_heads, config.attention_bias, config.sliding_window,
             config.rope.rope_type, config.rope.mrope_section, config.dtype) == (
         3584, 4, True, None, "default", (16, 24, 24), torch.bfloat16)
+
+
+def test_the_built_in_qwen2_vl_reads_an_image_as_transformers_does(tmp_path):
+    """`make-model --arch qwen2_vl`: transformers loads it as Qwen2VLForConditionalGeneration, and a chat with an
+    image gives its greedy tokens (the zero q, k and v biases, the scaled M-RoPE sections, the tower)."""
+    from llmserve.model.builtin_qwen2_vl import make_qwen2_vl
+
+    model_dir = make_qwen2_vl(tmp_path / "qwen2_vl", "tiny")
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=1024)
+    image = random_image(12, (200, 150))
+    prompt = llm.engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it"}]}],
+        add_generation_prompt=True)
+    out = generate(llm, prompt, [image])
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    inputs = qwen2_vl_inputs(model_dir, list(out.prompt_token_ids), [image], image_token)
+    expected = greedy_with_images(load_qwen2_vl(model_dir), list(out.prompt_token_ids), inputs.pop("pixel_values"),
+                                  GREEDY.max_tokens, **inputs)
+    assert out.prompt_token_ids.count(image_token) == 35  # 196x140 pixels: 7x5 tokens
+    assert list(out.outputs[0].token_ids) == expected
