@@ -114,21 +114,29 @@ def make_llava(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
         raise ValueError(f"unknown built-in llava size {size!r}; choose one of {sorted(VISION_SIZES)}")
     config = build_config(size)
     out = Path(out_dir)
+    write_vision_files(out, size, config, [IMAGE_TOKEN], CHAT_TEMPLATE,
+                       _preprocessor_config(config["vision_config"]["image_size"]))
+    _write_weights(out, config, seed)
+    return out
+
+
+def write_vision_files(out: Path, size: str, config: dict[str, Any], image_tokens: list[str], chat_template: str,
+                       preprocessor: dict[str, Any]) -> None:
+    """A built-in vision-language model's files but its weights: the built-in tokenizer of `size` with
+    `image_tokens` added after its vocabulary, `chat_template`, config.json and `preprocessor` config."""
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = HFTokenizer.from_str(builtin.train_tokenizer(builtin.tokenizer_vocab_size(size)))
-    tokenizer.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
-    assert tokenizer.token_to_id(IMAGE_TOKEN) == config["image_token_index"]
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in image_tokens])
+    assert tokenizer.token_to_id(image_tokens[0]) == builtin.tokenizer_vocab_size(size)
     tokenizer_json = tokenizer.to_str()
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     tokenizer_config = builtin.build_tokenizer_config(size, builtin.added_tokens(tokenizer_json))
-    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    tokenizer_config["chat_template"] = chat_template
     builtin.write_json(out / "tokenizer_config.json", tokenizer_config)
     builtin.write_json(out / "special_tokens_map.json", builtin.build_special_tokens_map())
     builtin.write_json(out / "config.json", config)
     builtin.write_json(out / "generation_config.json", builtin.build_generation_config(size))
-    builtin.write_json(out / "preprocessor_config.json", _preprocessor_config(config["vision_config"]["image_size"]))
-    _write_weights(out, config, seed)
-    return out
+    builtin.write_json(out / "preprocessor_config.json", preprocessor)
 
 
 def _write_weights(out: Path, config: dict[str, Any], seed: int) -> None:

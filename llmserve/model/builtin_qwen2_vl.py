@@ -12,11 +12,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken
-from tokenizers import Tokenizer as HFTokenizer
 
 from llmserve.model import builtin
-from llmserve.model.builtin_llava import VOCAB_PADDING, image_chat_template
+from llmserve.model.builtin_llava import VOCAB_PADDING, image_chat_template, write_vision_files
 from llmserve.model.qwen2_vl_vision import Qwen2VisionTower
 from llmserve.multimodal.images import CLIP_MEAN, CLIP_STD, QWEN_MAX_PIXELS, QWEN_MIN_PIXELS
 
@@ -64,20 +62,8 @@ def make_qwen2_vl(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Pat
         raise ValueError(f"unknown built-in qwen2_vl size {size!r}; choose one of {sorted(VISION_SIZES)}")
     config = build_config(size)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = HFTokenizer.from_str(builtin.train_tokenizer(builtin.tokenizer_vocab_size(size)))
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
-                                  for token in (IMAGE_TOKEN, VISION_START, VISION_END)])
-    assert tokenizer.token_to_id(IMAGE_TOKEN) == config["image_token_id"]
-    tokenizer_json = tokenizer.to_str()
-    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    tokenizer_config = builtin.build_tokenizer_config(size, builtin.added_tokens(tokenizer_json))
-    tokenizer_config["chat_template"] = CHAT_TEMPLATE
-    builtin.write_json(out / "tokenizer_config.json", tokenizer_config)
-    builtin.write_json(out / "special_tokens_map.json", builtin.build_special_tokens_map())
-    builtin.write_json(out / "config.json", config)
-    builtin.write_json(out / "generation_config.json", builtin.build_generation_config(size))
-    builtin.write_json(out / "preprocessor_config.json", _preprocessor_config())
+    write_vision_files(out, size, config, [IMAGE_TOKEN, VISION_START, VISION_END], CHAT_TEMPLATE,
+                       _preprocessor_config())
     _write_weights(out, config, seed)
     return out
 

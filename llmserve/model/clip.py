@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmserve.errors import ModelLoadError
+from llmserve.model.layers import VisionLinear
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -82,10 +83,10 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         hidden = cfg.hidden_size
-        self.q_proj = nn.Linear(hidden, hidden, dtype=dtype)
-        self.k_proj = nn.Linear(hidden, hidden, dtype=dtype)
-        self.v_proj = nn.Linear(hidden, hidden, dtype=dtype)
-        self.out_proj = nn.Linear(hidden, hidden, dtype=dtype)
+        self.q_proj = VisionLinear(hidden, hidden, dtype=dtype)
+        self.k_proj = VisionLinear(hidden, hidden, dtype=dtype)
+        self.v_proj = VisionLinear(hidden, hidden, dtype=dtype)
+        self.out_proj = VisionLinear(hidden, hidden, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         images, tokens, hidden = x.shape
@@ -104,8 +105,8 @@ class VisionLayer(nn.Module):
         self.self_attn = VisionAttention(cfg, dtype)
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=dtype)
         self.mlp = nn.Module()
-        self.mlp.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
-        self.mlp.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+        self.mlp.fc1 = VisionLinear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+        self.mlp.fc2 = VisionLinear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

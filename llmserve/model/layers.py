@@ -137,6 +137,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return cpu_linear.linear(x, weight, bias)
 
 
+class VisionLinear(nn.Linear):
+    """A vision tower's linear layer: torch's (initialised as torch does, so a built-in checkpoint can draw its
+    tower's weights from the module) computed by `linear`, which runs bf16 products in float32 blocks on CPUs
+    without bf16 GEMM instructions, where torch's own bf16 GEMM is several times slower."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class Linear(nn.Module):
     """A linear layer whose weights come from a checkpoint, so nothing is initialised at construction.
     Decode-sized bf16 batches on CPU run through `cpu_linear`'s kernel. A quantized layer

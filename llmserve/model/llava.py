@@ -19,6 +19,7 @@ from torch import nn
 from llmserve.errors import ModelLoadError
 from llmserve.model.clip import VisionConfig, VisionTransformer, activation, feature_layer_count
 from llmserve.model.config import ModelConfig
+from llmserve.model.layers import VisionLinear
 from llmserve.model.llama import LlamaForCausalLM
 from llmserve.multimodal.images import anyres_num_tokens, grid_shape, unpadded_size
 
@@ -29,8 +30,8 @@ _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 class Projector(nn.Module):
     def __init__(self, vision_hidden: int, text_hidden: int, act: str, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.linear_1 = nn.Linear(vision_hidden, text_hidden, bias=bias, dtype=dtype)
-        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias, dtype=dtype)
+        self.linear_1 = VisionLinear(vision_hidden, text_hidden, bias=bias, dtype=dtype)
+        self.linear_2 = VisionLinear(text_hidden, text_hidden, bias=bias, dtype=dtype)
         self.act = activation(act)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from llmserve.errors import ModelLoadError
 from llmserve.model.clip import activation
+from llmserve.model.layers import VisionLinear, linear
 
 DEFAULT_ROPE_THETA = 10000.0
 NORM_EPS = 1e-6
@@ -125,7 +126,7 @@ class PatchEmbed(nn.Module):
         patches = merge_block_patches(pixels.to(device=weight.device, dtype=weight.dtype), self.spec)
         # A still image is every frame of a temporal patch: the same pixels, temporal_patch_size times.
         frames = patches.unsqueeze(2).expand(-1, -1, self.spec.temporal_patch_size, -1, -1)
-        return F.linear(frames.reshape(patches.shape[0], -1), weight.reshape(weight.shape[0], -1))
+        return linear(frames.reshape(patches.shape[0], -1), weight.reshape(weight.shape[0], -1))
 
 
 def merge_block_patches(pixels: torch.Tensor, spec: TowerSpec) -> torch.Tensor:
@@ -200,8 +201,8 @@ class VisionAttention(nn.Module):
     def __init__(self, spec: TowerSpec, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
-        self.qkv = nn.Linear(spec.width, 3 * spec.width, dtype=dtype)
-        self.proj = nn.Linear(spec.width, spec.width, dtype=dtype)
+        self.qkv = VisionLinear(spec.width, 3 * spec.width, dtype=dtype)
+        self.proj = VisionLinear(spec.width, spec.width, dtype=dtype)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], windows: Windows | None
                 ) -> torch.Tensor:
@@ -223,8 +224,8 @@ class GeluMlp(nn.Module):
 
     def __init__(self, spec: TowerSpec, dtype: torch.dtype) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(spec.width, spec.intermediate_size, dtype=dtype)
-        self.fc2 = nn.Linear(spec.intermediate_size, spec.width, dtype=dtype)
+        self.fc1 = VisionLinear(spec.width, spec.intermediate_size, dtype=dtype)
+        self.fc2 = VisionLinear(spec.intermediate_size, spec.width, dtype=dtype)
         self.act = activation(spec.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,9 +237,9 @@ class GatedMlp(nn.Module):
 
     def __init__(self, spec: TowerSpec, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(spec.width, spec.intermediate_size, dtype=dtype)
-        self.up_proj = nn.Linear(spec.width, spec.intermediate_size, dtype=dtype)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.width, dtype=dtype)
+        self.gate_proj = VisionLinear(spec.width, spec.intermediate_size, dtype=dtype)
+        self.up_proj = VisionLinear(spec.width, spec.intermediate_size, dtype=dtype)
+        self.down_proj = VisionLinear(spec.intermediate_size, spec.width, dtype=dtype)
         self.act = activation(spec.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -263,8 +264,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         merged = spec.width * spec.merge_size**2
         self.ln_q = ln_q
-        self.mlp = nn.Sequential(nn.Linear(merged, merged, dtype=dtype), nn.GELU(),
-                                 nn.Linear(merged, spec.out_dim, dtype=dtype))
+        self.mlp = nn.Sequential(VisionLinear(merged, merged, dtype=dtype), nn.GELU(),
+                                 VisionLinear(merged, spec.out_dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         merged = self.mlp[0].in_features

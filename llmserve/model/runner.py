@@ -791,7 +791,7 @@ class ModelRunner:
         positions = positions.copy()
         ids, tokens = [], []
         for piece in images:
-            frames, height, width = self.model.image_grid(piece.pixels.shape)
+            _, height, width = self.model.image_grid(piece.pixels.shape)
             index = np.arange(piece.image_start, piece.image_start + piece.count)
             grid = np.stack([index // (height * width), index // width % height, index % width], axis=1)
             ids.append(grid + (positions[piece.batch_start] - piece.image_start))

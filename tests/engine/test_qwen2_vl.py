@@ -17,6 +17,7 @@ from llmserve import LLM
 from llmserve.model.config import ModelConfig
 from llmserve.multimodal.images import ImageProcessor, QwenImageProcessor
 from llmserve.sampling.params import SamplingParams
+from tests.engine.test_vision import generate_on_two_ranks
 from tests.hf_reference import build_qwen2_vl, greedy_with_images, load_qwen2_vl, qwen2_vl_inputs
 
 transformers = pytest.importorskip("transformers")
@@ -112,26 +113,8 @@ def test_qwen25_vl_greedy_tokens_equal_transformers(qwen25_vl_dir):
 def test_two_tensor_parallel_ranks_behind_the_core_process_read_images_as_transformers_does(qwen2_vl_dir):
     """The decoder split over two ranks, each writing the image tokens' rotary rows; the requests' images and the
     steps' position lags go to the core's process and its workers."""
-    import asyncio
-
-    from llmserve.config import EngineConfig
-    from llmserve.engine.async_llm import AsyncLLM
-    from llmserve.server.streaming import final_outputs
-
     images = [random_image(8, (150, 90)), random_image(10, (60, 120))]
-
-    async def run() -> tuple[list[int], list[int]]:
-        engine = AsyncLLM.from_config(EngineConfig(model=str(qwen2_vl_dir), dtype="float32", device="cpu",
-                                                   tensor_parallel_size=2, num_kv_blocks=64, max_num_batched_tokens=20))
-        try:
-            prompt = engine.input_processor.with_images(TWO_IMAGES, images)
-            [output] = await final_outputs([await engine.add_request("r", prompt, GREEDY)])
-            assert (await engine.stats()).num_used_blocks == 0
-            return list(output.prompt_token_ids), list(output.outputs[0].token_ids)
-        finally:
-            engine.close()
-
-    prompt_ids, tokens = asyncio.run(run())
+    prompt_ids, tokens = generate_on_two_ranks(qwen2_vl_dir, TWO_IMAGES, images, GREEDY)
     assert tokens == reference_tokens(qwen2_vl_dir, prompt_ids, images)
 
 

@@ -244,27 +244,33 @@ def test_the_built_in_llava_is_a_checkpoint_transformers_reads_the_same(tmp_path
 def test_two_tensor_parallel_ranks_read_images_as_transformers_does(llava_dir):
     """The decoder split over two ranks, the vision tower whole on each, behind the engine core's process (the
     images go to it in the request)."""
+    images = [random_image(21), random_image(22)]
+    prompt_ids, tokens = generate_on_two_ranks(llava_dir, TWO_IMAGES, images, GREEDY)
+    assert tokens == reference_tokens(llava_dir, prompt_ids, images)
+
+
+def generate_on_two_ranks(model_dir: Path, prompt: str, images: list, params: SamplingParams
+                          ) -> tuple[list[int], list[int]]:
+    """The prompt and generated token ids of a prompt with images, on two tensor-parallel ranks behind the engine
+    core's process (20-token steps: prefill chunks cut the images); no block left in use."""
     import asyncio
 
     from llmserve.config import EngineConfig
     from llmserve.engine.async_llm import AsyncLLM
     from llmserve.server.streaming import final_outputs
 
-    images = [random_image(21), random_image(22)]
-
     async def run() -> tuple[list[int], list[int]]:
-        engine = AsyncLLM.from_config(EngineConfig(model=str(llava_dir), dtype="float32", device="cpu",
+        engine = AsyncLLM.from_config(EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
                                                    tensor_parallel_size=2, num_kv_blocks=64, max_num_batched_tokens=20))
         try:
-            prompt = engine.input_processor.with_images(TWO_IMAGES, images)
-            [output] = await final_outputs([await engine.add_request("r", prompt, GREEDY)])
+            with_images = engine.input_processor.with_images(prompt, images)
+            [output] = await final_outputs([await engine.add_request("r", with_images, params)])
             assert (await engine.stats()).num_used_blocks == 0
             return list(output.prompt_token_ids), list(output.outputs[0].token_ids)
         finally:
             engine.close()
 
-    prompt_ids, tokens = asyncio.run(run())
-    assert tokens == reference_tokens(llava_dir, prompt_ids, images)
+    return asyncio.run(run())
 
 
 def test_requests_preempted_and_recomputed_read_their_images_again(llava_dir, llm):
