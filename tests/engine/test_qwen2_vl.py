@@ -163,3 +163,30 @@ def test_the_built_in_qwen2_vl_reads_an_image_as_transformers_does(tmp_path):
                                   GREEDY.max_tokens, **inputs)
     assert out.prompt_token_ids.count(image_token) == 35  # 196x140 pixels: 7x5 tokens
     assert list(out.outputs[0].token_ids) == expected
+
+
+def test_preempted_requests_and_speculated_tokens_keep_their_positions(qwen2_vl_dir, llm):
+    """Prompts preempted and recomputed, and n-gram drafts verified after an image, take the positions they take
+    alone without drafts (the lag of every token after an image, drafts' included)."""
+    batch = [{"prompt": TWO_IMAGES, "multi_modal_data": {"image": [random_image(30 + i, (150, 90)),
+                                                                  random_image(40 + i, (60, 120))]}}
+             for i in range(4)]
+    alone = [out.outputs[0].token_ids for out in llm.generate(batch, GREEDY)]
+    tight = LLM(str(qwen2_vl_dir), dtype="float32", num_kv_blocks=14, max_model_len=160, max_num_batched_tokens=48)
+    assert [out.outputs[0].token_ids for out in tight.generate(batch, GREEDY)] == alone
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert tight.engine.core.block_manager.num_used_blocks == 0
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    speculating = LLM(str(qwen2_vl_dir), dtype="float32", num_kv_blocks=64, speculative_config=ngram)
+    assert [out.outputs[0].token_ids for out in speculating.generate(batch, GREEDY)] == alone
+    assert speculating.engine.core.scheduler.spec.num_draft_tokens > 0
+
+
+def test_int8_weights_read_images(qwen2_vl_dir):
+    """Weight-only int8 at load quantizes the decoder's linear layers; the tower stays as it was: an image still
+    changes the tokens, and the run frees its blocks."""
+    int8 = LLM(str(qwen2_vl_dir), dtype="float32", num_kv_blocks=64, quantization="int8")
+    first = generate(int8, PROMPT, [random_image(1, (150, 90))]).outputs[0].token_ids
+    second = generate(int8, PROMPT, [random_image(2, (150, 90))]).outputs[0].token_ids
+    assert len(first) == GREEDY.max_tokens and first != second
+    assert int8.engine.core.block_manager.num_used_blocks == 0
