@@ -61,7 +61,7 @@ from llmserve.server import errors
 from llmserve.server.conversations import ConversationTurn, fit_history, open_turn, turn_messages
 from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Admission, Platform, request_key
-from llmserve.server.messages import template_messages, uses_tools
+from llmserve.server.messages import template_messages, uses_tools, wire_messages
 from llmserve.server.moderators import choose_moderator, moderate_by_filter
 from llmserve.server.protocol import (
     ChatCompletionRequest,
@@ -158,7 +158,7 @@ class GatewayPlatform:
         new_messages = template_messages(body.messages)
         if body.conversation_id is not None and uses_tools(body):
             raise InvalidRequestError(
-                "Stored conversations keep text turns only: tools and tool messages cannot be used with "
+                "Stored conversations keep text and image turns only: tools and tool messages cannot be used with "
                 "conversation_id.", param="conversation_id",
             )
         turn = await open_turn(self.platform, key, body.conversation_id, body.parent_message_id, new_messages)
@@ -323,11 +323,13 @@ class GatewayPlatform:
     async def _fitted_history(
         self, pool: Pool, model: str, turn: ConversationTurn, payload: dict[str, Any], max_tokens: int | None,
         truncation: str,
-    ) -> list[dict[str, str]]:
-        """The stored history the turn continues; with `truncation: "auto"` its oldest turns are left
-        out until it fits the context window (the server's `fit_history`, counting with /tokenize)."""
-        if truncation == "disabled" or not turn.history:
-            return turn.history
+    ) -> list[dict[str, Any]]:
+        """The stored history the turn continues (in OpenAI's form: its images as content parts); with
+        `truncation: "auto"` its oldest turns are left out until it fits the context window (the server's
+        `fit_history`, counting with /tokenize)."""
+        history = wire_messages(turn.history)
+        if truncation == "disabled" or not history:
+            return history
         loop = asyncio.get_running_loop()
         _, max_model_len = await self._count(pool, _tokenize_body(model, payload))
         new_messages = payload["messages"]
@@ -338,13 +340,13 @@ class GatewayPlatform:
             return "", [0] * count  # fit_history weighs the prompt by its length only
 
         _, _, dropped = await self.workers.run(
-            fit_history, render, turn.history, new_messages, max_model_len - (max_tokens or 1), "auto"
+            fit_history, render, history, new_messages, max_model_len - (max_tokens or 1), "auto"
         )
         turn.truncated = dropped
         system = 0
-        while system < len(turn.history) and turn.history[system]["role"] == "system":
+        while system < len(history) and history[system]["role"] == "system":
             system += 1
-        return turn.history[:system] + turn.history[system + dropped:]
+        return history[:system] + history[system + dropped:]
 
     async def _count(self, pool: Pool, body: dict[str, Any]) -> tuple[int, int]:
         """The prompt's token count and the model's context window, from a replica's /tokenize."""

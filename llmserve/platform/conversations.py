@@ -55,16 +55,18 @@ class ConversationLimits:
     history, small enough to load and template in a request."""
 
     max_message_bytes: int = 1 << 20  # UTF-8 bytes of one message's content (1 MiB)
+    max_image_bytes: int = 64 << 20  # of one message's image URLs (data: URLs hold the images: 64 MiB)
     max_messages_per_request: int = 100  # added by one call: a create, or one chat turn's messages
     max_messages: int = 10_000  # in one conversation, every branch counted
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "max_messages_per_request", "max_messages"):
+        for name in ("max_message_bytes", "max_image_bytes", "max_messages_per_request", "max_messages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
-    def check(self, contents: Sequence[str], existing: int = 0) -> None:
-        """Raise ConversationLimitExceeded unless `contents` may join a conversation of `existing` messages."""
+    def check(self, contents: Sequence[str], existing: int = 0, images: Sequence[Sequence[str]] = ()) -> None:
+        """Raise ConversationLimitExceeded unless `contents` (with their `images`' URLs, where given) may join a
+        conversation of `existing` messages."""
         if len(contents) > self.max_messages_per_request:
             raise ConversationLimitExceeded(
                 f"At most {self.max_messages_per_request} messages can be added at once; got {len(contents)}.",
@@ -77,6 +79,13 @@ class ConversationLimits:
                     f"A stored message may have at most {self.max_message_bytes} bytes of content; "
                     f"messages[{i}] has {size}.",
                     param=f"messages[{i}].content", code="message_too_large",
+                )
+        for i, urls in enumerate(images):
+            size = sum(len(url) for url in urls)
+            if size > self.max_image_bytes:
+                raise ConversationLimitExceeded(
+                    f"A stored message may have at most {self.max_image_bytes} bytes of images; messages[{i}] has "
+                    f"{size}.", param=f"messages[{i}].content", code="message_too_large",
                 )
         if existing + len(contents) > self.max_messages:
             raise ConversationLimitExceeded(
@@ -103,6 +112,12 @@ class Message:
     content: str
     token_count: int | None
     created_at: datetime
+    parts: list[dict[str, Any]] | None = None  # a message with images: its content parts (`MessageRow.parts`)
+
+    @property
+    def images(self) -> list[str]:
+        """The URLs of its images, in order."""
+        return image_urls(self.parts or ())
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -111,6 +126,7 @@ class Message:
             "parent_id": self.parent_id,
             "role": self.role,
             "content": self.content,
+            "images": self.images,
             "token_count": self.token_count,
             "created_at": int(self.created_at.timestamp()),
         }
@@ -144,7 +160,7 @@ class Conversation:
 def _to_message(row: MessageRow) -> Message:
     return Message(
         id=row.id, conversation_id=row.conversation_id, parent_id=row.parent_id, role=row.role,
-        content=row.content, token_count=row.token_count, created_at=row.created_at,
+        content=row.content, token_count=row.token_count, created_at=row.created_at, parts=row.parts,
     )
 
 
@@ -176,6 +192,11 @@ def _checked_model(model: str | None) -> str | None:
     if model is not None and (not isinstance(model, str) or len(model) > MODEL_NAME_LENGTH):
         raise ValueError(f"model must be a string of at most {MODEL_NAME_LENGTH} characters")
     return model
+
+
+def image_urls(parts: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The image URLs of content parts (OpenAI's image_url parts), in order."""
+    return [part["image_url"]["url"] for part in parts if part.get("type") == "image_url"]
 
 
 def _check_message(role: object, content: object, token_count: object) -> None:
@@ -374,19 +395,24 @@ class ConversationStore:
         content: str,
         token_count: int | None = None,
         parent_id: str | None = None,
+        parts: list[dict[str, Any]] | None = None,
     ) -> Message:
-        """Add a message after `parent_id` (default: the head) and make it the head.
+        """Add a message after `parent_id` (default: the head) and make it the head; `parts`: a user message's
+        content parts as sent, where it holds images (`content` is its text).
 
         An earlier parent branches: the path from the root to the new message becomes the active
         branch. Raises ConversationNotFound, ConversationLimitExceeded, or ValueError for bad input
         or a parent from elsewhere.
         """
         _check_message(role, content, token_count)
+        if parts is not None and role != "user":
+            raise ValueError("only user messages hold images")
         with self._db.session(write=True) as session:
             # Locked so concurrent appends to one conversation chain up instead of forking (and
             # cannot both take the last place under the message limit).
             conversation = self._owned(session, key_id, conversation_id, lock=True)
-            self.limits.check([content], existing=self._message_count(session, conversation.id))
+            self.limits.check([content], existing=self._message_count(session, conversation.id),
+                              images=[image_urls(parts or ())])
             if parent_id is None:
                 parent_id = conversation.head_message_id
             else:
@@ -396,7 +422,7 @@ class ConversationStore:
             now = utcnow()
             message = MessageRow(
                 id=_new_id("msg"), conversation_id=conversation.id, parent_id=parent_id, role=role,
-                content=content, token_count=token_count, created_at=now,
+                content=content, parts=parts, token_count=token_count, created_at=now,
             )
             session.add(message)
             conversation.head_message_id = message.id

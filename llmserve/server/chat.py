@@ -28,7 +28,7 @@ from llmserve.server.conversations import (
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, chat_logprobs, logprob_texts, vllm_prompt_logprobs
 from llmserve.server.media import images_placed, load_images
-from llmserve.server.messages import image_urls, template_messages, uses_tools
+from llmserve.server.messages import entry_image_urls, image_urls, template_messages, uses_tools
 from llmserve.server.openapi import documented
 from llmserve.server.pipeline import Choice, ChoiceRenderer, PreparedRequest, ResponseShape, respond
 from llmserve.server.postprocess import MessagePieces, TextPostProcessor
@@ -57,7 +57,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     new_messages = template_messages(body.messages)
     if body.conversation_id is not None and uses_tools(body):
         raise InvalidRequestError(
-            "Stored conversations keep text turns only: tools and tool messages cannot be used with conversation_id.",
+            "Stored conversations keep text and image turns only: tools and tool messages cannot be used with "
+            "conversation_id.",
             param="conversation_id",
         )
     turn = await open_turn(state.platform, key, body.conversation_id, body.parent_message_id, new_messages)
@@ -69,6 +70,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     endpoint.prompt_bound.check(sum(len(m["content"]) for m in new_messages), "messages")
     max_tokens, max_tokens_param = body.requested_max_tokens()
     urls = image_urls(body.messages)
+    if turn is not None:  # the stored conversation's images come first
+        urls = entry_image_urls(turn.history, "conversation_id") + urls
     images = await load_images(state, endpoint, urls) if urls else []
     prompt_text, prompt_ids = await _chat_prompt(state.workers, endpoint, body, new_messages, turn, max_tokens, images)
     if images:
@@ -116,6 +119,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         prompt_logprobs=body.prompt_logprobs,
         plan=plan,
         prompt_token_ids=prompt_ids if body.return_token_ids else None,
+        with_images=bool(images),
     )
     return await respond(request, prepared, shape)
 
@@ -304,11 +308,13 @@ class ChatShape(ResponseShape):
         prompt_text: str,
         cache_salt: str | None,
         turn: ConversationTurn | None,
-        turn_messages: list[dict[str, str]],
+        turn_messages: list[dict[str, Any]],
         prompt_logprobs: int | None = None,
         plan: ReplyPlan | None = None,
         prompt_token_ids: list[int] | None = None,
+        with_images: bool = False,
     ) -> None:
+        self.with_images = with_images  # its prompt's ids hold images' expanded placeholders: not remembered
         self.plan = plan  # the tool calls and reasoning replies are parsed for (None: plain content)
         self.prompt_token_ids = prompt_token_ids  # vLLM's return_token_ids: the response carries them
         self.top_logprobs = top_logprobs
@@ -359,7 +365,9 @@ class ChatShape(ResponseShape):
 
     async def completed(self, outputs: Sequence[RequestOutput], cursors: Sequence[StreamCursor], blocked: bool) -> None:
         output = outputs[0]
-        if not blocked and output.finished:
+        # A prompt with images is not remembered: its ids hold each image's placeholder expanded, which the next
+        # turn's template writes once (and expands again).
+        if not blocked and output.finished and not self.with_images:
             self._remember_replies(output)
         if self.turn is not None:
             first = output.outputs[0]

@@ -34,10 +34,12 @@ from llmserve.platform.conversations import (
     ConversationNotFound,
     ConversationStore,
     Message,
+    image_urls,
 )
 from llmserve.platform.keys import ApiKey
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import Platform, platform_of, request_key
+from llmserve.server.messages import IMAGE_PARTS
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import list_page
 
@@ -45,7 +47,7 @@ router = APIRouter()
 
 TRUNCATED_HEADER = "x-llmserve-truncated-messages"
 Truncation = Literal["auto", "disabled"]
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]  # as the chat template takes them (`template_messages`)
 
 
 def _not_found(conversation_id: str, param: str | None = None) -> APIError:
@@ -83,15 +85,16 @@ class ConversationTurn:
     reply_id: str | None = None
     truncated: int = 0  # history messages left out of the prompt to fit the context window
 
-    async def save(self, messages: list[dict[str, str]], reply: str, reply_tokens: int) -> None:
-        """Append the request's messages, then the assistant's reply, after `parent_id`."""
+    async def save(self, messages: ChatMessages, reply: str, reply_tokens: int) -> None:
+        """Append the request's messages (with their images), then the assistant's reply, after `parent_id`."""
         self.reply_id = await asyncio.to_thread(self._save, messages, reply, reply_tokens)
 
-    def _save(self, messages: list[dict[str, str]], reply: str, reply_tokens: int) -> str:
+    def _save(self, messages: ChatMessages, reply: str, reply_tokens: int) -> str:
         parent = self.parent_id
         for message in messages:
             parent = self.store.append(
-                self.key_id, self.conversation_id, message["role"], message["content"], parent_id=parent
+                self.key_id, self.conversation_id, message["role"], message["content"], parent_id=parent,
+                parts=message.get(IMAGE_PARTS),
             ).id
         return self.store.append(
             self.key_id, self.conversation_id, "assistant", reply, token_count=reply_tokens, parent_id=parent
@@ -139,7 +142,8 @@ async def start_turn(
     except ValueError as exc:
         raise APIError(400, str(exc), param="parent_message_id") from None
     # Stored "developer" turns (from POST /v1/conversations) reach the template as "system", like new ones.
-    history = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in path]
+    history = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
+               | ({IMAGE_PARTS: m.parts} if m.parts else {}) for m in path]
     parent = path[-1].id if path else None
     return ConversationTurn(store, key_id, conversation_id, parent, history)
 
@@ -151,7 +155,8 @@ def _turn_context(
     the conversation's limits: checked before generating, so a reply is not computed and then lost."""
     path = store.history(key_id, conversation_id, up_to)
     existing = store.message_count(key_id, conversation_id)
-    store.limits.check([m["content"] for m in new_messages], existing=existing + 1)
+    store.limits.check([m["content"] for m in new_messages], existing=existing + 1,
+                       images=[image_urls(m.get(IMAGE_PARTS, ())) for m in new_messages])
     return path
 
 

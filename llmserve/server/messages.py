@@ -8,7 +8,9 @@ from typing import Any
 from llmserve.errors import InvalidRequestError
 from llmserve.server.protocol import ChatCompletionRequest, ChatMessage
 
-IMAGE_PARTS = "image_parts"  # a message entry's content parts where it holds images (for the template alone)
+# A message entry's content parts, as OpenAI's API takes them (its image_url parts with their URLs), where it holds
+# images: the template reads them with each image as `{"type": "image"}`, a stored conversation keeps them.
+IMAGE_PARTS = "image_parts"
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -38,7 +40,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if message.image_urls():
             if message.role != "user":
                 raise InvalidRequestError("Only user messages hold images.", param=f"messages[{i}].content")
-            entry[IMAGE_PARTS] = [{"type": "image"} if part["type"] == "image_url" else part for part in message.content]
+            entry[IMAGE_PARTS] = list(message.content)
         converted.append(entry)
     return converted
 
@@ -50,6 +52,19 @@ def image_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:
         for i, message in enumerate(messages) if isinstance(message.content, list)
         for j, part in enumerate(message.content) if part["type"] == "image_url"
     ]
+
+
+def entry_image_urls(messages: list[dict[str, Any]], param: str) -> list[tuple[str, str]]:
+    """Every image of messages as the template takes them (a stored conversation's), in order, each named by
+    `param`."""
+    return [(part["image_url"]["url"], param) for message in messages for part in message.get(IMAGE_PARTS, ())
+            if part["type"] == "image_url"]
+
+
+def wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the template takes them back in OpenAI's form: those with images as their content parts."""
+    return [{key: value for key, value in message.items() if key != IMAGE_PARTS} | {"content": message[IMAGE_PARTS]}
+            if IMAGE_PARTS in message else message for message in messages]
 
 
 def with_image_parts(messages: list[dict[str, Any]], takes_parts: bool, placeholder: str) -> list[dict[str, Any]]:
@@ -64,9 +79,9 @@ def with_image_parts(messages: list[dict[str, Any]], takes_parts: bool, placehol
             continue
         message = {key: value for key, value in message.items() if key != IMAGE_PARTS}
         if takes_parts:
-            message["content"] = parts
+            message["content"] = [{"type": "image"} if part["type"] == "image_url" else part for part in parts]
         else:
-            images = sum(part["type"] == "image" for part in parts)
+            images = sum(part["type"] == "image_url" for part in parts)
             message["content"] = f"{placeholder}\n" * images + message["content"]
         out.append(message)
     return out

@@ -51,8 +51,9 @@ from llmserve.server.chat_translation import (
     whole_completion,
 )
 from llmserve.server.conversations import ConversationTurn, start_turn
+from llmserve.server.messages import template_messages, wire_messages
 from llmserve.server.openapi import documented
-from llmserve.server.protocol import ChatCompletionRequest, Int64, RequestBody, now
+from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, Int64, RequestBody, now
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
     if conversation_id is not None:
         assert storage is not None and storage.conversations is not None
         turn = await renamed(_open_turn(storage.conversations, storage.key_id, conversation_id, body, messages), _rename)
-    history = turn.history if turn is not None else []
+    history = wire_messages(turn.history) if turn is not None else []
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat, payload = _chat_request(body, [*instructions, *history, *messages])
     reply = await renamed(run_chat(chat, payload), _rename)
@@ -189,7 +190,7 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
         return error_reply(reply, _rename)
     response_id = f"resp_{uuid.uuid4().hex}"
     keep = _Keeper(storage if body.store is not False else None, input_items, body.previous_response_id, turn,
-                   messages)
+                   _templated(messages) if turn is not None else [])
     if body.stream:
         assert isinstance(reply, StreamingResponse)
         events = ResponseEvents(body, response_id, keep).events(reply.body_iterator)
@@ -235,9 +236,14 @@ async def _open_turn(store: ConversationStore, key_id: str | None, conversation_
                      messages: list[dict[str, Any]]) -> ConversationTurn:
     """The request's turn in its stored conversation (chat's hook: a 404 for another key's or an unknown one)."""
     if body.tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
-        raise _invalid("Stored conversations keep text turns only: tools and function call items cannot be used "
-                       "with conversation.", "conversation")
-    return await start_turn(store, key_id, conversation_id, messages)
+        raise _invalid("Stored conversations keep text and image turns only: tools and function call items cannot "
+                       "be used with conversation.", "conversation")
+    return await start_turn(store, key_id, conversation_id, _templated(messages))
+
+
+def _templated(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat's messages as the chat template takes them (and a stored conversation keeps them)."""
+    return template_messages([ChatMessage.model_validate(message) for message in messages])
 
 
 async def _context(previous_id: str | None, storage: Storage | None) -> list[dict[str, Any]]:

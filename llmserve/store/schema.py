@@ -156,6 +156,8 @@ class MessageRow(Base):
     )
     role: Mapped[str] = mapped_column(String(32))
     content: Mapped[str] = mapped_column(Text)
+    # A message with images: its content parts as OpenAI's API takes them (text, and image_url parts with their URLs).
+    parts: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     token_count: Mapped[int | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

@@ -258,7 +258,8 @@ def test_as_dict_shapes(store: ConversationStore) -> None:
     assert isinstance(data["created_at"], int)
     assert data["messages"] == [{
         "id": conversation.messages[0].id, "object": "conversation.message", "parent_id": None, "role": "user",
-        "content": "hi", "token_count": 1, "created_at": int(conversation.messages[0].created_at.timestamp()),
+        "content": "hi", "images": [], "token_count": 1,
+        "created_at": int(conversation.messages[0].created_at.timestamp()),
     }]
     assert "messages" not in conversation.as_dict(with_messages=False)
 
@@ -393,3 +394,25 @@ def test_messages_refuse_bad_cursors_limits_and_orders(store: ConversationStore)
         store.messages(KEY, empty.id, before="msg_unknown")
     with pytest.raises(ConversationNotFound):
         store.messages(OTHER, conversation.id)
+
+
+def test_a_user_message_keeps_its_images_within_the_image_limit(db: Database) -> None:
+    """A user message's content parts are kept with it and listed as its images (in both databases); a message
+    whose image URLs pass `max_image_bytes` is refused, as are images on another role's message."""
+    store = ConversationStore(db, ConversationLimits(max_image_bytes=60))
+    conversation = store.create(KEY)
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+             {"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]
+    message = store.append(KEY, conversation.id, "user", "what is it", parts=parts)
+    store.append(KEY, conversation.id, "assistant", "a cat")
+    stored = store.get(KEY, conversation.id).messages
+    assert [m.parts for m in stored] == [parts, None]
+    assert [m.as_dict()["images"] for m in stored] == [["data:image/png;base64,AAAA", "https://x/y.png"], []]
+    assert store.history(KEY, conversation.id, message.id)[0].images == message.images
+    too_many = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 20}}] * 2
+    with pytest.raises(ConversationLimitExceeded, match="at most 60 bytes of images") as refused:
+        store.append(KEY, conversation.id, "user", "and these", parts=too_many)
+    assert refused.value.param == "messages[0].content"
+    with pytest.raises(ValueError, match="only user messages hold images"):
+        store.append(KEY, conversation.id, "assistant", "x", parts=parts)
+    assert store.message_count(KEY, conversation.id) == 2

@@ -279,3 +279,45 @@ def test_qwen2_vl_images_over_http_give_the_offline_tokens(tmp_path_factory, tin
     assert [t for chunk in chunks if chunk.choices for t in (chunk.choices[0].to_dict().get("token_ids") or [])] == expected
     assert counted.json()["count"] == chunks[-1].usage.prompt_tokens
     assert counted.json()["tokens"].count(1024) == 5 * 3 + 2 * 7
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stored_conversation_keeps_its_images_for_the_next_turns(llava_dir, tmp_path, mode):
+    """A turn with an image in a stored conversation keeps the image: its message lists it, and the next turn (text
+    only) sends it to the model again, giving the tokens of the whole conversation sent at once; the Responses API's
+    `conversation` keeps its images the same way."""
+    image = random_image(18)
+    url = data_url(png_bytes(image))
+    greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    with tiny_engine_running(llava_dir, NUM_KV_BLOCKS, 1024) as engine, \
+            contextlib.contextmanager(serve_platform)(engine, tmp_path, mode=mode) as served:
+        _, secret = served.new_key("vision")
+        with served.client(secret) as http:
+            conversation = http.post("/v1/conversations", json={}).json()["id"]
+            first = http.post("/v1/chat/completions", json={
+                "model": MODEL_NAME, "conversation_id": conversation, "messages": [user_message(url)], **greedy})
+            assert first.status_code == 200, first.text
+            reply = first.json()["choices"][0]["message"]["content"]
+            second = http.post("/v1/chat/completions", json={
+                "model": MODEL_NAME, "conversation_id": conversation,
+                "messages": [{"role": "user", "content": "and what else"}], **greedy})
+            assert second.status_code == 200, second.text
+            whole = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": [
+                user_message(url), {"role": "assistant", "content": reply},
+                {"role": "user", "content": "and what else"}], **greedy})
+            messages = http.get(f"/v1/conversations/{conversation}/messages", params={"order": "asc"}).json()["data"]
+            responses = http.post("/v1/responses", json={
+                "model": MODEL_NAME, "conversation": conversation, "max_output_tokens": 4, "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                                 {"type": "input_text", "text": "and this"}]}]})
+            assert responses.status_code == 200, responses.text
+            stored = http.get(f"/v1/conversations/{conversation}/messages", params={"order": "asc"}).json()["data"]
+    # The stateless form of the same conversation (the image sent again with the reply it got) is answered too: a
+    # prompt with images is not remembered for its continuation, whose template writes each placeholder once.
+    assert whole.status_code == 200, whole.text
+    assert second.json()["choices"][0]["token_ids"] == whole.json()["choices"][0]["token_ids"]
+    assert second.json()["usage"]["prompt_tokens"] == whole.json()["usage"]["prompt_tokens"]
+    assert [(m["role"], m["images"]) for m in messages] == [("user", [url]), ("assistant", []), ("user", []),
+                                                           ("assistant", [])]
+    assert messages[0]["content"] == QUESTION
+    assert [m["images"] for m in stored[4:]] == [[url], []]

@@ -441,6 +441,13 @@ def test_images_attached_to_a_message_are_sent_shown_and_sent_again_on_regenerat
         assert bodies[-1]["messages"][-1]["content"] == parts  # the image goes again with the regenerated turn
         assert page.inner_text(".msg.assistant:last-child .branch-label") == "2/2"
         assert page.locator(".msg.user .images .thumb").count() == 1
+        send(page, "And the colours?")  # the stored conversation sends its image to the model again, not the page
+        assert bodies[-1]["messages"] == [{"role": "user", "content": "And the colours?"}]
+        assert answers(page)[-1] and page.locator(".msg .notice").count() == 0
+        page.reload()  # the server stored the image with its turn
+        page.wait_for_selector(".msg.user .images .thumb")
+        assert page.locator(".msg.user .images .thumb").count() == 1
+        assert page.get_attribute(".msg.user .images .thumb", "src") == parts[0]["image_url"]["url"]
         assert errors == []
         context.close()
 

@@ -20,11 +20,11 @@ const state = {
   stats: new Map(), // message id -> {tokens, firstTokenMs, totalMs, asked, answeredBy}: this tab's answers
   pending: null, // the turn being streamed: {user, reply, streamId, controller}
   attachments: [], // data: URLs of the images to send with the next message
-  images: new Map(), // user message id -> its images' data: URLs (this tab's: the server stores a turn's text)
 };
 
+// A message's images (data: URLs): the server stores them with the turn.
 function imagesOf(node) {
-  return node.images ?? state.images.get(node.id) ?? [];
+  return node.images ?? [];
 }
 
 // A message's content as the API takes it: its images as image_url parts before its text.
@@ -515,7 +515,6 @@ async function storeTurn(user, reply, stats, local) {
     const tree = await call("GET", `/v1/conversations/${encodeURIComponent(state.current.id)}/tree`);
     const choices = new Map(state.choice);
     loadTree(tree.data, tree.head_message_id);
-    if (user.images.length) state.images.set(state.nodes.get(tree.head_message_id).parent_id, user.images);
     for (const [key, value] of choices) if (!state.choice.has(key)) state.choice.set(key, value);
     state.stats.set(tree.head_message_id, stats);
     const summary = state.conversations.find((c) => c.id === state.current.id);
