@@ -57,6 +57,7 @@ from llmserve.server import (
     usage,
 )
 from llmserve.server.anthropic_api import CountTokensRequest, MessagesRequest
+from llmserve.server.anthropic_errors import AnthropicErrorMiddleware
 from llmserve.server.batch_runner import start_batch_runner, stop_batch_runner
 from llmserve.server.cors import install_cors
 from llmserve.server.errors import install_error_handlers
@@ -217,6 +218,7 @@ def build_gateway_app(
         public = public_paths(app, public_metrics, public_openapi) | page_paths()
         app.add_middleware(AuthMiddleware, keys=keys, metrics=platform.metrics if platform is not None else None,
                            public_paths=public, api_key=api_key)
+    app.add_middleware(AnthropicErrorMiddleware)
     install_cors(app, allowed_origins)
     front = GatewayPlatform(platform or Platform(), state.router, state.proxy, workers, StreamRegistry(stream_resume))
     for name, config in (content_routers or {}).items():

@@ -11,8 +11,8 @@ usage (`input_tokens` leaves out the prompt tokens read from the prefix cache, `
 Streamed, chat's chunks become Anthropic's events (message_start, content_block_start / _delta / _stop,
 message_delta, message_stop). Stop sequences are asked of chat with their text kept, and taken off the end here, so
 that `stop_sequence` can say which one ended the reply; streamed, text that could be the start of one is held back
-until the reply shows it is not. Errors keep OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`,
-whose `error.message` Anthropic's clients read too), their `param` named as this request names it."""
+until the reply shows it is not. Errors name the `param` as this request names it; `anthropic_errors` answers them
+in Anthropic's shape."""
 
 from __future__ import annotations
 

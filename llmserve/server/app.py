@@ -39,6 +39,7 @@ from llmserve.server import (
     usage,
 )
 from llmserve.server import models as models_api
+from llmserve.server.anthropic_errors import AnthropicErrorMiddleware
 from llmserve.server.batch_runner import start_batch_runner, stop_batch_runner
 from llmserve.server.cors import install_cors
 from llmserve.server.embeddings import embed_texts
@@ -258,6 +259,7 @@ def build_app(
         app.add_middleware(AuthMiddleware, keys=keys, metrics=state.metrics.platform, public_paths=public,
                            api_key=api_key)
     app.add_middleware(DrainMiddleware, state=state)
+    app.add_middleware(AnthropicErrorMiddleware)
     install_cors(app, allowed_origins)
     for module in (
         chat, completions, responses, stored_responses, embeddings, scores, classify, moderations, streams, models_api,

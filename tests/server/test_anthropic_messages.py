@@ -159,3 +159,32 @@ def test_a_key_in_x_api_key_is_metered_through_the_gateway_too(tiny_engine: Asyn
         assert counted.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens
         rows = server.wait_for_usage_rows(2)
         assert [(row.key_id, row.completion_tokens, row.status) for row in rows] == [(key.id, 5, "completed")] * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_errors_are_in_anthropics_shape_wherever_they_come_from(tiny_engine: AsyncLLM, tmp_path: Path,  # noqa: F811
+                                                                mode: str) -> None:
+    """The key check's 401, the request's 400 (its param kept), an unknown batch's 404 and the rate limit's 429
+    answer Anthropic's API as Anthropic does ({"type": "error", "error": {"type", "message"}}); OpenAI's API keeps
+    OpenAI's shape."""
+    with contextlib.contextmanager(serve_platform)(tiny_engine, tmp_path, mode=mode) as server:
+        _, secret = server.new_key("claude", rpm=2)
+        with pytest.raises(anthropic.AuthenticationError) as unknown_key:
+            _client(server.base_url, "sk-wrong").messages.create(model=MODEL, max_tokens=4, messages=MESSAGES)
+        headers = {"x-api-key": secret}
+        bad = httpx.post(f"{server.base_url}/v1/messages", headers=headers, timeout=60,
+                         json={"model": MODEL, "max_tokens": 4, "messages": MESSAGES, "temperature": 1.5})
+        missing = httpx.get(f"{server.base_url}/v1/messages/batches/msgbatch_nope", headers=headers, timeout=60)
+        for _ in range(3):  # past the key's 2 requests a minute
+            limited = httpx.post(f"{server.base_url}/v1/messages", headers=headers, timeout=60,
+                                 json={"model": MODEL, "max_tokens": 1, "messages": MESSAGES})
+        chat = httpx.post(f"{server.base_url}/v1/chat/completions", headers={"authorization": f"Bearer {secret}"},
+                          json={"model": MODEL, "messages": MESSAGES, "temperature": 3}, timeout=60)
+    assert unknown_key.value.body["type"] == "error"
+    assert unknown_key.value.body["error"]["type"] == "authentication_error"
+    assert (bad.status_code, bad.json()["type"], bad.json()["error"]["type"], bad.json()["error"]["param"]) == (
+        400, "error", "invalid_request_error", "temperature")
+    assert (missing.status_code, missing.json()["error"]["type"]) == (404, "not_found_error")
+    assert (limited.status_code, limited.json()["error"]["type"]) == (429, "rate_limit_error")
+    assert limited.headers["retry-after"] and limited.headers["content-length"] == str(len(limited.content))
+    assert chat.status_code in (400, 429) and "type" not in chat.json() and "message" in chat.json()["error"]
