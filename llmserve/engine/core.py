@@ -773,11 +773,15 @@ def _position_shifts(rows: list[ScheduledRow], starts: np.ndarray, total: int) -
     M-RoPE: an image takes its grid's longer side); None where none did. An image's own tokens lag as the first."""
     shifts = None
     for row, start in zip(rows, starts.tolist(), strict=True):
-        images = row.seq.request.images
-        if not any(image.shift for image in images):
+        request = row.seq.request
+        if not request.position_lag:
             continue
         if shifts is None:
             shifts = np.zeros(total, dtype=np.int64)
+        if row.begin >= request.images_end:  # past every image (every decode): the whole lag
+            shifts[start : start + row.num_new] = request.position_lag
+            continue
+        images = request.images
         ends = np.array([image.offset + image.length for image in images])
         lags = np.cumsum([0] + [image.shift for image in images])
         indexes = np.arange(row.begin, row.begin + row.num_new)

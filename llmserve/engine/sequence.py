@@ -139,6 +139,12 @@ class Request:
     prediction: np.ndarray | None = None  # the predicted output's tokens (Predicted Outputs): drafts to verify
     images: list[ImageInput] = field(default_factory=list)  # what its prompt's image placeholders stand for
 
+    def __post_init__(self) -> None:
+        # How far positions lag indexes after its images (Qwen2-VL's M-RoPE moves them on by their grids' longer
+        # sides); 0 for every other model. Never positive: an image spans no more positions than it has tokens.
+        self.position_lag = sum(image.shift for image in self.images)
+        self.images_end = self.images[-1].offset + self.images[-1].length if self.images else 0
+
     @property
     def lora_id(self) -> int:
         """Its adapter's id; 0 without one."""
