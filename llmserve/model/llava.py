@@ -21,10 +21,10 @@ from llmserve.model.clip import VisionConfig, VisionTransformer, activation, fea
 from llmserve.model.config import ModelConfig
 from llmserve.model.layers import VisionLinear
 from llmserve.model.llama import LlamaForCausalLM
+from llmserve.model.vision_weights import VisionWeights
 from llmserve.multimodal.images import anyres_num_tokens, grid_shape, unpadded_size
 
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
 
 class Projector(nn.Module):
@@ -38,7 +38,9 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(VisionWeights, LlamaForCausalLM):
+    reads_part_of_tower = True  # the layers after the one read, and the final norm
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         if cfg.model_type not in TEXT_MODEL_TYPES:
             raise ModelLoadError(f"LLaVA with a {cfg.model_type!r} decoder is not supported; supported decoders: "
@@ -103,32 +105,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 name = "vision_tower." + name.removeprefix("vision_tower.vision_model.")
             yield name, tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._vision_params = dict(self.vision_tower.named_parameters(prefix="vision_tower"))
-        self._vision_params.update(self.multi_modal_projector.named_parameters(prefix="multi_modal_projector"))
-        self._vision_loaded: set[str] = set()
-        super().load_weights(self.rename_weights(weights))
-
-    def load_special(self, name: str, tensor: torch.Tensor) -> bool:
-        if not name.startswith(_VISION_PREFIXES):
-            return False
-        params = self._vision_params
-        if name not in params:
-            return True  # the tower's layers after the one read, and its final norm: not needed
-        if tuple(params[name].shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(params[name].shape)}.")
-        params[name].data.copy_(tensor)
-        self._vision_loaded.add(name)
-        return True
-
-    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        vision = {name for name in params if name.startswith(_VISION_PREFIXES)}
-        missing = sorted(vision - self._vision_loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ModelLoadError(f"The checkpoint lacks {len(missing)} vision weight(s): {shown}")
-        super()._check_complete({k: v for k, v in params.items() if k not in vision}, loaded)
+    def vision_modules(self) -> dict[str, nn.Module]:
+        return {"vision_tower": self.vision_tower, "multi_modal_projector": self.multi_modal_projector}
 
 
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):

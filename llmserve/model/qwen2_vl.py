@@ -22,16 +22,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from llmserve.errors import ModelLoadError
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaForCausalLM
 from llmserve.model.qwen2_vl_vision import Qwen2VisionTower, Qwen25VisionTower
+from llmserve.model.vision_weights import VisionWeights
 
 DEFAULT_MROPE_SECTION = (16, 24, 24)  # transformers' default: Qwen2-VL-7B's and 72B's, and Qwen2.5-VL's
-_VISION_PREFIX = "visual."
 
 
-class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
+class Qwen2VLForConditionalGeneration(VisionWeights, LlamaForCausalLM):
     tower_class: type[nn.Module] = Qwen2VisionTower
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
@@ -79,31 +78,8 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
                 name = name.removeprefix("model.")
             yield name, tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._vision_params = dict(self.visual.named_parameters(prefix="visual"))
-        self._vision_loaded: set[str] = set()
-        super().load_weights(self.rename_weights(weights))
-
-    def load_special(self, name: str, tensor: torch.Tensor) -> bool:
-        if not name.startswith(_VISION_PREFIX):
-            return False
-        param = self._vision_params.get(name)
-        if param is None:
-            raise ModelLoadError(f"Checkpoint tensor {name!r} is not part of the vision tower.")
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(param.shape)}.")
-        param.data.copy_(tensor)
-        self._vision_loaded.add(name)
-        return True
-
-    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        vision = {name for name in params if name.startswith(_VISION_PREFIX)}
-        missing = sorted(vision - self._vision_loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ModelLoadError(f"The checkpoint lacks {len(missing)} vision weight(s): {shown}")
-        super()._check_complete({k: v for k, v in params.items() if k not in vision}, loaded)
+    def vision_modules(self) -> dict[str, nn.Module]:
+        return {"visual": self.visual}
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801 (transformers' name)

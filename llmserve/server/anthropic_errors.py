@@ -7,9 +7,12 @@ type Anthropic's clients know for the status. The OpenAI shape's `param` and `co
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmserve.server.protocol import ErrorInfo
 
 ANTHROPIC_PATH = "/v1/messages"
 # Anthropic's error types by HTTP status (docs.anthropic.com, "Errors").
@@ -18,6 +21,15 @@ ERROR_TYPES = {
     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
     529: "overloaded_error",
 }
+
+
+class AnthropicErrorResponse(BaseModel):
+    """An error of Anthropic's API as it is answered (the OpenAPI document's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["error"]
+    error: ErrorInfo
 
 
 def anthropic_error_type(status: int) -> str:

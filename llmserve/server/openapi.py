@@ -1,5 +1,5 @@
 """The OpenAPI document as the server behaves: each main endpoint's response schema, and errors as
-they are sent (a 400 in OpenAI's error shape where FastAPI would document its own 422)."""
+they are sent (a 400 in OpenAI's error shape where FastAPI would document its own 422; Anthropic's on its API)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from llmserve.server.anthropic_errors import ANTHROPIC_PATH, AnthropicErrorResponse
 from llmserve.server.protocol import ErrorResponse
 
-_ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
-_ERROR_CONTENT = {"application/json": {"schema": _ERROR_REF}}
+_ERROR_CONTENT = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+_ANTHROPIC_ERROR_CONTENT = {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicErrorResponse"}}}
 _METHODS = ("get", "put", "post", "delete", "patch", "head", "options", "trace")
 
 
@@ -45,9 +46,13 @@ def _document_errors(schema: dict[str, Any]) -> None:
     error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
     components.update(error_schema.pop("$defs", {}))
     components["ErrorResponse"] = error_schema
+    anthropic_schema = AnthropicErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    anthropic_schema.pop("$defs", None)  # ErrorInfo, as above
+    components["AnthropicErrorResponse"] = anthropic_schema
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
-    for item in schema.get("paths", {}).values():
+    for path, item in schema.get("paths", {}).items():
+        content = _ANTHROPIC_ERROR_CONTENT if path.startswith(ANTHROPIC_PATH) else _ERROR_CONTENT
         for method in _METHODS:
             operation = item.get(method)
             if operation is None:
@@ -55,5 +60,5 @@ def _document_errors(schema: dict[str, Any]) -> None:
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             if "requestBody" in operation or operation.get("parameters"):
-                responses["400"] = {"description": "Invalid request", "content": _ERROR_CONTENT}
-            responses["default"] = {"description": "Error", "content": _ERROR_CONTENT}
+                responses["400"] = {"description": "Invalid request", "content": content}
+            responses["default"] = {"description": "Error", "content": content}
