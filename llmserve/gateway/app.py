@@ -271,7 +271,7 @@ def build_gateway_app(
     if platform is None:  # the bodies are passed on as they are: they take the lane, past FastAPI
         app.lane = ProxyLane({path: forwarder(path) for path in PROXIED_PATHS}, max_request_body_bytes, HOP_HEADERS)
         if api_key:
-            app.lane_entry = AuthMiddleware(app.lane, keys=None, api_key=api_key)
+            app.lane_entry = AnthropicErrorMiddleware(AuthMiddleware(app.lane, keys=None, api_key=api_key))
         app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"],
                           response_model=None)
         app.add_api_route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"],

@@ -117,7 +117,7 @@ class Message:
     @property
     def images(self) -> list[str]:
         """The URLs of its images, in order."""
-        return image_urls(self.parts or ())
+        return part_image_urls(self.parts or ())
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -194,7 +194,7 @@ def _checked_model(model: str | None) -> str | None:
     return model
 
 
-def image_urls(parts: Iterable[Mapping[str, Any]]) -> list[str]:
+def part_image_urls(parts: Iterable[Mapping[str, Any]]) -> list[str]:
     """The image URLs of content parts (OpenAI's image_url parts), in order."""
     return [part["image_url"]["url"] for part in parts if part.get("type") == "image_url"]
 
@@ -412,7 +412,7 @@ class ConversationStore:
             # cannot both take the last place under the message limit).
             conversation = self._owned(session, key_id, conversation_id, lock=True)
             self.limits.check([content], existing=self._message_count(session, conversation.id),
-                              images=[image_urls(parts or ())])
+                              images=[part_image_urls(parts or ())])
             if parent_id is None:
                 parent_id = conversation.head_message_id
             else:

@@ -34,7 +34,7 @@ from llmserve.platform.conversations import (
     ConversationNotFound,
     ConversationStore,
     Message,
-    image_urls,
+    part_image_urls,
 )
 from llmserve.platform.keys import ApiKey
 from llmserve.server.errors import APIError
@@ -156,7 +156,7 @@ def _turn_context(
     path = store.history(key_id, conversation_id, up_to)
     existing = store.message_count(key_id, conversation_id)
     store.limits.check([m["content"] for m in new_messages], existing=existing + 1,
-                       images=[image_urls(m.get(IMAGE_PARTS, ())) for m in new_messages])
+                       images=[part_image_urls(m.get(IMAGE_PARTS, ())) for m in new_messages])
     return path
 
 

@@ -70,6 +70,9 @@ def test_without_the_platform_only_the_given_key_gets_in(tiny_engine: AsyncLLM, 
         assert client.get("/v1/models", headers=_bearer(SECRET)).status_code == 200
         answered = client.post("/v1/chat/completions", json=chat_body(), headers=_bearer(SECRET))
         assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] == 4
+        anthropic = client.post("/v1/messages", json={"model": MODEL, "max_tokens": 1, "messages": []})
+        assert anthropic.status_code == 401  # in Anthropic's shape, also where a gateway's lane answers it
+        assert (anthropic.json()["type"], anthropic.json()["error"]["type"]) == ("error", "authentication_error")
 
 
 @pytest.mark.parametrize("mode", MODES)
