@@ -551,6 +551,7 @@ class EngineCore:
         else:
             tokens = chain.from_iterable(_row_tokens(row) for row in rows)
         input_ids = np.fromiter(tokens, dtype=np.int64, count=total)
+        with_images = [(row, start) for row, start in zip(rows, starts.tolist(), strict=True) if row.seq.request.images]
         return StepBatch(
             input_ids=input_ids,
             num_computed=begins,
@@ -571,9 +572,8 @@ class EngineCore:
             pool_dimensions=[target.seq.request.pooling.dimensions for target in scheduled.pools],  # type: ignore[union-attr]
             pool_second_texts=[target.seq.request.pooling.second_text_start for target in scheduled.pools],  # type: ignore[union-attr]
             lora_ids=[row.seq.request.lora_id for row in rows] if self.runner.lora is not None else [],
-            images=[piece for row, start in zip(rows, starts.tolist(), strict=True) if row.seq.request.images
-                    for piece in _image_slices(row, start)],
-            position_shifts=_position_shifts(rows, starts, total),
+            images=[piece for row, start in with_images for piece in _image_slices(row, start)],
+            position_shifts=_position_shifts(with_images, total) if with_images else None,
         )
 
     def _token_bitmask(self, sampled: list[Sequence]) -> tuple[dict[int, int], np.ndarray | None]:
@@ -768,11 +768,12 @@ def _image_slices(row: ScheduledRow, batch_start: int) -> list[ImageSlice]:
     ]
 
 
-def _position_shifts(rows: list[ScheduledRow], starts: np.ndarray, total: int) -> np.ndarray | None:
+def _position_shifts(rows: list[tuple[ScheduledRow, int]], total: int) -> np.ndarray | None:
     """How far each token's position lags its index where images moved them on by other than their tokens (Qwen2-VL's
-    M-RoPE: an image takes its grid's longer side); None where none did. An image's own tokens lag as the first."""
+    M-RoPE: an image takes its grid's longer side), given the rows with images and where each starts; None where none
+    did. An image's own tokens lag as the first."""
     shifts = None
-    for row, start in zip(rows, starts.tolist(), strict=True):
+    for row, start in rows:
         request = row.seq.request
         if not request.position_lag:
             continue

@@ -28,9 +28,10 @@ class VisionWeights:
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._vision_params = {f"{prefix}.{name}": param for prefix, module in self.vision_modules().items()
+        modules = self.vision_modules()
+        self._vision_params = {f"{prefix}.{name}": param for prefix, module in modules.items()
                                for name, param in module.named_parameters()}
-        self._vision_prefixes = tuple(f"{prefix}." for prefix in self.vision_modules())
+        self._vision_prefixes = tuple(f"{prefix}." for prefix in modules)
         self._vision_loaded: set[str] = set()
         super().load_weights(self.rename_weights(weights))  # type: ignore[misc]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmserve.errors import InvalidRequestError
+from llmserve.platform.conversations import part_image_urls
 from llmserve.server.protocol import ChatCompletionRequest, ChatMessage
 
 # A message entry's content parts, as OpenAI's API takes them (its image_url parts with their URLs), where it holds
@@ -57,8 +58,7 @@ def image_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:
 def entry_image_urls(messages: list[dict[str, Any]], param: str) -> list[tuple[str, str]]:
     """Every image of messages as the template takes them (a stored conversation's), in order, each named by
     `param`."""
-    return [(part["image_url"]["url"], param) for message in messages for part in message.get(IMAGE_PARTS, ())
-            if part["type"] == "image_url"]
+    return [(url, param) for message in messages for url in part_image_urls(message.get(IMAGE_PARTS, ()))]
 
 
 def wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -177,10 +177,11 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
     context = await _context(body.previous_response_id, storage)
     input_items = with_ids(_input_items(body))
     messages = _messages(context, input_items)
-    turn = None
+    turn, turn_messages = None, []
     if conversation_id is not None:
         assert storage is not None and storage.conversations is not None
-        turn = await renamed(_open_turn(storage.conversations, storage.key_id, conversation_id, body, messages), _rename)
+        turn, turn_messages = await renamed(
+            _open_turn(storage.conversations, storage.key_id, conversation_id, body, messages), _rename)
     history = wire_messages(turn.history) if turn is not None else []
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat, payload = _chat_request(body, [*instructions, *history, *messages])
@@ -190,7 +191,7 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
         return error_reply(reply, _rename)
     response_id = f"resp_{uuid.uuid4().hex}"
     keep = _Keeper(storage if body.store is not False else None, input_items, body.previous_response_id, turn,
-                   _templated(messages) if turn is not None else [])
+                   turn_messages)
     if body.stream:
         assert isinstance(reply, StreamingResponse)
         events = ResponseEvents(body, response_id, keep).events(reply.body_iterator)
@@ -233,17 +234,14 @@ def _conversation_id(body: ResponsesRequest, storage: Storage | None) -> str | N
 
 
 async def _open_turn(store: ConversationStore, key_id: str | None, conversation_id: str, body: ResponsesRequest,
-                     messages: list[dict[str, Any]]) -> ConversationTurn:
-    """The request's turn in its stored conversation (chat's hook: a 404 for another key's or an unknown one)."""
+                     messages: list[dict[str, Any]]) -> tuple[ConversationTurn, list[dict[str, Any]]]:
+    """The request's turn in its stored conversation (chat's hook: a 404 for another key's or an unknown one), and
+    its messages as the template takes them (and the conversation keeps them)."""
     if body.tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
         raise _invalid("Stored conversations keep text and image turns only: tools and function call items cannot "
                        "be used with conversation.", "conversation")
-    return await start_turn(store, key_id, conversation_id, _templated(messages))
-
-
-def _templated(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Chat's messages as the chat template takes them (and a stored conversation keeps them)."""
-    return template_messages([ChatMessage.model_validate(message) for message in messages])
+    templated = template_messages([ChatMessage.model_validate(message) for message in messages])
+    return await start_turn(store, key_id, conversation_id, templated), templated
 
 
 async def _context(previous_id: str | None, storage: Storage | None) -> list[dict[str, Any]]:
