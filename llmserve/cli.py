@@ -163,7 +163,8 @@ def add_platform_args(parser: argparse.ArgumentParser, config_help: str) -> argp
     )
     platform.add_argument(
         "--response-retention-days", type=float, default=30.0,
-        help="stored Responses API responses are purged this many days after they were made (OpenAI keeps 30)",
+        help="stored Responses API responses and stored chat completions are purged this many days after "
+             "they were made (OpenAI keeps 30)",
     )
     platform.add_argument(
         "--max-file-bytes", type=int, default=100 * 1024 * 1024,

@@ -52,6 +52,7 @@ from llmserve.server import (
     batches,
     conversations,
     responses_api,
+    stored_completions,
     stored_responses,
     streams,
     usage,
@@ -352,7 +353,7 @@ def build_gateway_app(
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     for module in (usage, conversations, streams,
-                   *((stored_responses, batches, anthropic_batches) if platform is not None else ())):
+                   *((stored_responses, stored_completions, batches, anthropic_batches) if platform is not None else ())):
         app.include_router(module.router)
     install_page(app)
     return app

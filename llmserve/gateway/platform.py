@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from llmserve.errors import InvalidRequestError
 from llmserve.gateway.disaggregation import KV_TRANSFER_PARAMS
 from llmserve.gateway.errors import error_body, kv_transfer_params_refused
+from llmserve.gateway.fold import ChatFold
 from llmserve.gateway.pool import Pool
 from llmserve.gateway.proxy import Proxy, forwarded_headers, prompt_cache_key, prompt_key
 from llmserve.gateway.relay import CONTENT_FILTER, RelayMeter, Reply, StreamRelay
@@ -74,11 +75,12 @@ from llmserve.server.protocol import (
     random_id,
     texts_by_field,
 )
+from llmserve.server.stored_completions import CompletionKeeper, keeper_for
 from llmserve.server.streaming import PROGRESS_HEADER, StreamRegistry, until_disconnect
 from llmserve.server.workers import WorkerPool
 
 # The platform's request fields: the gateway acts on them, the replicas (without a platform) never see them.
-CONVERSATION_FIELDS = ("conversation_id", "parent_message_id", "truncation")
+PLATFORM_FIELDS = ("conversation_id", "parent_message_id", "truncation", "store", "metadata")
 JSON_HEADERS = {"content-type": "application/json"}
 
 
@@ -103,6 +105,7 @@ class _Call:
     prompt_tokens: int = 0  # as far as known before the replica answers
     turn: ConversationTurn | None = None
     turn_messages: list[dict[str, Any]] = field(default_factory=list)
+    keeper: CompletionKeeper | None = None  # `store: true`: where the completion goes once answered
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ class GatewayPlatform:
                 "conversation_id.", param="conversation_id",
             )
         turn = await open_turn(self.platform, key, body.conversation_id, body.parent_message_id, new_messages)
+        keeper = keeper_for(self.platform, key, body)
         # A content router reads the stored conversation's turns too (its history_turns).
         model, pool = await self.routed(body.model, key, key.id if key is not None else body.user,
                                         lambda: chat_texts(turn_messages(turn, new_messages)))
@@ -177,7 +181,7 @@ class GatewayPlatform:
         call = _Call(
             "/v1/chat/completions", "chatcmpl", "content", model, pool, key, payload, body.stream,
             *_usage_asked(body), choices=body.n, resumable=_resumable(body), turn=turn, turn_messages=new_messages,
-            obfuscate=_obfuscation_asked(body),
+            obfuscate=_obfuscation_asked(body), keeper=keeper,
         )
         if self._limits_tokens(key):
             count, max_model_len = await self._count(pool, _tokenize_body(model, payload))
@@ -470,7 +474,7 @@ class GatewayPlatform:
         for choice in data.get("choices") or ():
             reply.screen(choice, final=True)
         await meter.finish_durably(CONTENT_FILTER if reply.blocked else UsageStatus.COMPLETED)
-        await self._completed(call, meter, reply)
+        await self._completed(call, meter, reply, data)
         return JSONResponse(data, headers=headers)
 
     async def _reply_as_written(
@@ -492,17 +496,25 @@ class GatewayPlatform:
 
     def _reply(self, call: _Call) -> Reply:
         assert call.text_field is not None
-        return Reply(call.text_field, call.choices, self._output_guard)
+        fold = ChatFold() if call.keeper is not None and call.stream else None
+        return Reply(call.text_field, call.choices, self._output_guard, fold)
 
     def _output_guard(self) -> OutputGuard | None:
         safety = self.platform.safety
         return OutputGuard(safety, self.platform.holdback_chars) if safety is not None else None
 
-    async def _completed(self, call: _Call, meter: RelayMeter, reply: Reply) -> None:
-        """After a request ran to its end: its blocked outputs counted, its reply stored in the conversation."""
+    async def _completed(self, call: _Call, meter: RelayMeter, reply: Reply, whole: dict[str, Any] | None = None) -> None:
+        """After a request ran to its end: its blocked outputs counted, its reply stored in the conversation, the
+        completion kept when it asked to be stored (`whole`: a non-streamed one's, as answered; a streamed one's
+        is folded from its chunks)."""
         self.platform.count_blocked_outputs(call.model, meter.request_id, reply.blocked)
         if call.turn is not None:
             await call.turn.save(call.turn_messages, reply.first_text, meter.completion_tokens)
+        if call.keeper is not None:
+            if whole is None:
+                assert reply.fold is not None
+                whole = reply.fold.completion(meter.usage())
+            await call.keeper.save(whole)
 
 
 class _ReportedUsage(msgspec.Struct):
@@ -530,7 +542,7 @@ async def _payload(request: Request, model: str) -> dict[str, Any]:
 def _as_sent(payload: dict[str, Any], model: str) -> dict[str, Any]:
     """A body as the replica gets it: the concrete model, without the platform's fields."""
     payload["model"] = model
-    for name in CONVERSATION_FIELDS:
+    for name in PLATFORM_FIELDS:
         payload.pop(name, None)
     return payload
 

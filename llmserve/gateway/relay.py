@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from llmserve.gateway.fold import ChatFold
 from llmserve.platform.safety import OutputGuard, Verdict
 from llmserve.platform.usage import UsageStatus
 from llmserve.server.gateway import Meter
@@ -135,8 +136,10 @@ class ChoiceScreen:
 class Reply:
     """One reply's choices on their way out: screened, their ends noted, the first one's text kept."""
 
-    def __init__(self, text_field: str, choices: int, guards: Callable[[], OutputGuard | None]) -> None:
+    def __init__(self, text_field: str, choices: int, guards: Callable[[], OutputGuard | None],
+                 fold: ChatFold | None = None) -> None:
         self.text_field = text_field  # "content" in a chat delta or message, "text" in a completion
+        self.fold = fold  # a streamed chat completion kept (`store: true`): its chunks as sent, folded
         self.choices = choices
         self._guards = guards
         self.screens: dict[int, ChoiceScreen] = {}
@@ -267,6 +270,8 @@ class StreamRelay:
         data["choices"] = [c for c in choices if self.reply.screen(c, final=False)]
         if not data["choices"]:
             return None
+        if self.reply.fold is not None:
+            self.reply.fold.add(data)
         if not self.continuous_usage:
             data["usage"] = None
         event = f"data: {dumps(data)}\n\n"

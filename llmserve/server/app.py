@@ -33,6 +33,7 @@ from llmserve.server import (
     moderations,
     responses,
     scores,
+    stored_completions,
     stored_responses,
     streams,
     tokens,
@@ -262,8 +263,9 @@ def build_app(
     app.add_middleware(AnthropicErrorMiddleware)
     install_cors(app, allowed_origins)
     for module in (
-        chat, completions, responses, stored_responses, embeddings, scores, classify, moderations, streams, models_api,
-        tokens, health, metrics, usage, conversations, batches, admin, lora, anthropic, anthropic_batches,
+        chat, stored_completions, completions, responses, stored_responses, embeddings, scores, classify, moderations,
+        streams, models_api, tokens, health, metrics, usage, conversations, batches, admin, lora, anthropic,
+        anthropic_batches,
     ):
         app.include_router(module.router)
     install_page(app)

@@ -1,10 +1,11 @@
 """POST /v1/chat/completions: the messages templated into a prompt (after a stored conversation's
-history), run by the request pipeline in the chat shape."""
+history), run by the request pipeline in the chat shape; kept once answered when it asks to be stored
+(server/stored_completions.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -44,6 +45,7 @@ from llmserve.server.protocol import (
 )
 from llmserve.server.sampling import constraint_field, engine_kv_transfer, to_sampling_params
 from llmserve.server.state import ModelEndpoint, ServerState, get_state
+from llmserve.server.stored_completions import CompletionKeeper, keeper_for
 from llmserve.server.streaming import Delta, StreamCursor, content_choice_json
 from llmserve.server.workers import WorkerPool
 
@@ -62,6 +64,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             param="conversation_id",
         )
     turn = await open_turn(state.platform, key, body.conversation_id, body.parent_message_id, new_messages)
+    keeper = keeper_for(state.platform, key, body)
     # A content router reads the stored conversation's turns too (its history_turns).
     endpoint = await state.routed_endpoint(body.model, key, key.id if key is not None else body.user,
                                            lambda: chat_texts(turn_messages(turn, new_messages)))
@@ -120,6 +123,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         plan=plan,
         prompt_token_ids=prompt_ids if body.return_token_ids else None,
         with_images=bool(images),
+        keeper=keeper,
     )
     return await respond(request, prepared, shape)
 
@@ -295,7 +299,8 @@ def _delta_message(pieces: MessagePieces) -> DeltaMessage:
 
 class ChatShape(ResponseShape):
     """chat.completion(.chunk) bodies; a completed request's replies are remembered for the next turn
-    (their exact tokens) and, in a stored conversation, saved with the turn."""
+    (their exact tokens) and, in a stored conversation, saved with the turn; the response is kept when the
+    request asked to be stored."""
 
     id_prefix = "chatcmpl"
 
@@ -313,7 +318,9 @@ class ChatShape(ResponseShape):
         plan: ReplyPlan | None = None,
         prompt_token_ids: list[int] | None = None,
         with_images: bool = False,
+        keeper: CompletionKeeper | None = None,
     ) -> None:
+        self.keeper = keeper  # `store: true`: where the response goes
         self.with_images = with_images  # its prompt's ids hold images' expanded placeholders: not remembered
         self.plan = plan  # the tool calls and reasoning replies are parsed for (None: plain content)
         self.prompt_token_ids = prompt_token_ids  # vLLM's return_token_ids: the response carries them
@@ -363,7 +370,8 @@ class ChatShape(ResponseShape):
             chunks.append([ChatChunkChoice(index=i, delta=DeltaMessage(content=self.echo)) for i in range(n)])
         return chunks
 
-    async def completed(self, outputs: Sequence[RequestOutput], cursors: Sequence[StreamCursor], blocked: bool) -> None:
+    async def completed(self, outputs: Sequence[RequestOutput], cursors: Sequence[StreamCursor], blocked: bool,
+                        response: Callable[[], dict]) -> None:
         output = outputs[0]
         # A prompt with images is not remembered: its ids hold each image's placeholder expanded, which the next
         # turn's template writes once (and expands again).
@@ -374,6 +382,8 @@ class ChatShape(ResponseShape):
             guard = cursors[0].guard
             reply = guard.released_text if guard is not None else first.text
             await self.turn.save(self.turn_messages, reply, len(first.token_ids))
+        if self.keeper is not None:
+            await self.keeper.save(response())
 
     def _remember_replies(self, output: RequestOutput) -> None:
         """Let the next turn of this conversation reuse the replies' exact tokens (and so their KV)."""

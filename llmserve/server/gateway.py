@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from llmserve.platform.batches import BatchStore
+    from llmserve.platform.chat_completions import StoredCompletions
     from llmserve.platform.conversations import ConversationStore
     from llmserve.platform.responses import ResponseStore
     from llmserve.platform.safety import SafetyFilter, Verdict
@@ -72,6 +73,7 @@ class Platform:
     usage: UsageRecorder | None = None
     conversations: ConversationStore | None = None
     responses: ResponseStore | None = None  # the Responses API's stored responses
+    completions: StoredCompletions | None = None  # chat completions made with `store: true`
     batches: BatchStore | None = None  # the Batch API's files and batches
     batch_concurrency: int = 8  # how many of a batch's requests run at once
     batch_runner: BatchSignals | None = None  # set while the server runs (server/batch_runner.py)
@@ -80,7 +82,7 @@ class Platform:
     prices: PriceTable = field(default_factory=PriceTable)
     database: Database | None = None
     conversation_retention: timedelta | None = None  # deleted conversations are purged after this
-    response_retention: timedelta | None = None  # stored responses are purged this long after they were made
+    response_retention: timedelta | None = None  # stored responses and completions are purged this long after made
     metrics: PlatformMetrics | None = None
     tier_priorities: dict[str, int] = field(default_factory=dict)  # the config's `tiers`: key tier -> priority
     # When the rate limiter's store (Redis) is unreachable: "open" admits without limits (they keep
@@ -101,11 +103,12 @@ class Platform:
 
     async def purge_expired(self) -> None:
         """Now and every hour: hard-delete conversations deleted longer ago than their retention period, stored
-        responses older than theirs, and the Batch API's files past their expiry."""
+        responses and chat completions older than theirs, and the Batch API's files past their expiry."""
         jobs: list[tuple[Callable[[], int], str]] = [
             (partial(store.purge, retention), what) for store, retention, what in (
                 (self.conversations, self.conversation_retention, "deleted conversations"),
                 (self.responses, self.response_retention, "stored responses"),
+                (self.completions, self.response_retention, "stored chat completions"),
             ) if store is not None and retention is not None]
         if self.batches is not None:
             jobs.append((self.batches.files.purge_expired, "expired files"))

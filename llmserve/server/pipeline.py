@@ -102,10 +102,12 @@ class ResponseShape(ABC):
         """The choices of the chunks sent before any output (chat's role, echoed text), one list a chunk."""
         return []
 
-    async def completed(self, outputs: Sequence[RequestOutput], cursors: Sequence[StreamCursor], blocked: bool) -> None:
+    async def completed(self, outputs: Sequence[RequestOutput], cursors: Sequence[StreamCursor], blocked: bool,
+                        response: Callable[[], dict]) -> None:
         """After a request ran to its end (metered, before the client sees the end): `outputs` are its
         requests' last outputs, `cursors` its choices' (in index order), `blocked` whether the safety
-        guard stopped any choice. Nothing by default."""
+        guard stopped any choice, `response` gives the whole response as the client saw it (a streamed one's
+        as the non-streamed response it adds up to). Nothing by default."""
         return None
 
 
@@ -262,21 +264,27 @@ class _Run:
                 response = await self.prepared.state.workers.run(self._response_json, outputs)
             status = "content_filter" if self._count_blocks() else "completed"
             await started.meter.finish_durably(status)
-            await self.shape.completed(outputs, self.cursors, status == "content_filter")
+            await self.shape.completed(outputs, self.cursors, status == "content_filter", lambda: response)
             return response
         finally:
             started.abort(status)
 
-    def _response_json(self, outputs: Sequence[RequestOutput]) -> dict:
-        """The non-streamed response of the requests' last outputs, as a JSON-ready dict."""
+    def _response_json(self, outputs: Sequence[RequestOutput], streamed: bool = False) -> dict:
+        """The non-streamed response of the requests' last outputs, as a JSON-ready dict; `streamed`: the one a
+        streamed response adds up to (its choices as they were sent, rendered whole by fresh renderers)."""
         choices = []
         for position, output in enumerate(outputs):
             for completion in output.outputs:
                 index = position * self.n + completion.index
                 cursor = self.cursors[index]
-                text, finish_reason = cursor.visible(completion)
+                if streamed:
+                    text, finish_reason = cursor.seen(completion)
+                    renderer = self.shape.renderer(position, index)
+                else:
+                    text, finish_reason = cursor.visible(completion)
+                    renderer = self.renderers[index]
                 shown = cursor.shown(completion, len(text))
-                choices.append(self.renderers[index].response_choice(shown, text, finish_reason, output))
+                choices.append(renderer.response_choice(shown, text, finish_reason, output))
         usage = usage_of(self.started.meter)
         return self.shape.response(self.started.response_id, self.model, choices, usage, outputs).model_dump()
 
@@ -312,7 +320,9 @@ class _Run:
             if self.prepared.include_usage:
                 yield numbered(sse(shape.empty_chunk(started.response_id, created, self.model, usage_of(meter))))
             await meter.finish_durably(status)  # metered before the client sees the end
-            await shape.completed([self.finals[i] for i in sorted(self.finals)], self.cursors, status == "content_filter")
+            finals = [self.finals[i] for i in sorted(self.finals)]
+            await shape.completed(finals, self.cursors, status == "content_filter",
+                                  lambda: {**self._response_json(finals, streamed=True), "created": created})
             yield numbered(SSE_DONE)
         except LLMServeError as exc:  # the engine died or is shutting down mid-stream
             status = "error"

@@ -38,11 +38,12 @@ def make_rate_limiter(redis_url: str | None, redis_timeout_ms: float = 100.0) ->
 
 
 def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Platform | None:
-    """Keys, usage, conversations, stored responses and the Batch API's files and batches in the database, rate limits in process or in Redis,
-    safety rules."""
+    """Keys, usage, conversations, stored responses and chat completions, the Batch API's files and batches in the
+    database; rate limits in process or in Redis; safety rules."""
     if args.no_platform:
         return None
     from llmserve.platform.batches import BatchStore, FileStore
+    from llmserve.platform.chat_completions import StoredCompletions
     from llmserve.platform.conversations import ConversationStore
     from llmserve.platform.keys import KeyCache, KeyStore
     from llmserve.platform.quota import QuotaLedger
@@ -71,6 +72,7 @@ def build_platform(args: argparse.Namespace, config: ModelsConfig | None) -> Pla
         usage=usage,
         conversations=ConversationStore(database, conversation_limits(args)),
         responses=ResponseStore(database),
+        completions=StoredCompletions(database),
         batches=BatchStore(database, FileStore(database, args.max_file_bytes)),
         batch_concurrency=args.batch_concurrency,
         safety=load_filter(spec, rules),

@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
 Requests use `extra="forbid"`: a field nobody has heard of is a 400 naming it, never silently ignored.
-Fields that only carry metadata (`metadata`, `store`, `user`, `service_tier`) are declared and accepted
-without effect. Fields the OpenAI API has but this server does not implement are declared, so that
+Fields that only carry metadata (`user`, `service_tier`) are declared and accepted without effect; a chat
+completion's `store` and `metadata` keep it where the platform stores completions (server/stored_completions.py). Fields the OpenAI API has but this server does not implement are declared, so that
 `unsupported_params()` can name them in a 400. Booleans and integers are strictly typed (`"yes"` is
 not true, `true` is not 1); floats accept integers. Fields whose type is
 a union (`stop`, `prompt`, message `content`) are checked by validators that raise on the field
@@ -25,6 +25,7 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    StrictStr,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -35,6 +36,10 @@ from pydantic_core import PydanticCustomError
 MAX_LOGPROBS = 20
 # Integers the engine receives must fit 64 bits (its messages are MessagePack), as vLLM bounds its own.
 Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
+# OpenAI's metadata: at most 16 pairs, keys up to 64 characters, values up to 512.
+Metadata = Annotated[
+    dict[Annotated[StrictStr, Field(max_length=64)], Annotated[StrictStr, Field(max_length=512)]], Field(max_length=16)
+]
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_BAD_WORDS = 128
 MAX_MESSAGES = 2048
@@ -379,7 +384,8 @@ class SamplingFields(RequestBody):
     # metadata only: accepted without effect
     user: str | None = None
     safety_identifier: str | None = Field(None, max_length=128)  # OpenAI's successor to `user`
-    metadata: dict[str, str] | None = None
+    # `store: true` keeps the completion, listed by its metadata (server/stored_completions.py)
+    metadata: Metadata | None = None
     store: StrictBool | None = None
     service_tier: str | None = None
     # OpenAI's prompt caching. This server caches every prompt's KV blocks by itself (prefix caching,
@@ -844,6 +850,9 @@ class CompletionRequest(SamplingFields):
             found.append(("suffix", "suffix is not supported."))
         if self.best_of is not None and self.best_of != self.n:
             found.append(("best_of", "best_of is only supported when it equals n."))
+        if self.store:
+            found.append(("store", "store keeps chat completions (POST /v1/chat/completions); completions are not "
+                          "stored."))
         return found
 
     @property

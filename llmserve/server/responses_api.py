@@ -53,7 +53,7 @@ from llmserve.server.chat_translation import (
 from llmserve.server.conversations import ConversationTurn, start_turn
 from llmserve.server.messages import template_messages, wire_messages
 from llmserve.server.openapi import documented
-from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, Int64, RequestBody, now
+from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, Int64, Metadata, RequestBody, now
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class ResponsesRequest(RequestBody):
     previous_response_id: str | None = Field(None, min_length=1, max_length=64)
     conversation: ConversationRef | Annotated[str, Field(min_length=1)] | None = None  # its id, or {"id": ...}
     # metadata only
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     safety_identifier: str | None = Field(None, max_length=128)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024)

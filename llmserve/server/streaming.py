@@ -237,6 +237,12 @@ class StreamCursor:
             return self.guard.released_text, CONTENT_FILTER
         return self.guard.released_text, finish_reason
 
+    def seen(self, completion: CompletionOutput) -> tuple[str, str | None]:
+        """Once the choice was streamed to its end: the text its client saw, and the finish reason it was told."""
+        if self.guard is None:
+            return completion.text, completion.finish_reason
+        return self.guard.released_text, CONTENT_FILTER if self.blocked is not None else completion.finish_reason
+
     def advance(self, completion: CompletionOutput) -> Delta | None:
         """The new part of `completion`, or None when there is nothing to send yet (held-back text
         keeps its tokens for the next delta) or the choice already finished."""

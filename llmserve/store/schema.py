@@ -1,5 +1,5 @@
-"""The tables: API keys, usage records, conversations and their messages, stored Responses API responses, and the
-Batch API's files, batches and each batch request's result.
+"""The tables: API keys, usage records, conversations and their messages, stored Responses API responses, stored chat
+completions, and the Batch API's files, batches and each batch request's result.
 
 The migrations create exactly this schema; tests/store/test_migrations.py checks that they agree.
 Timestamps are timezone-aware UTC in Python on every backend (`UTCDateTime`).
@@ -178,6 +178,25 @@ class ResponseRow(Base):
     input_items: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
 
     __table_args__ = (Index("ix_responses_created_at", "created_at"),)
+
+
+class ChatCompletionRow(Base):
+    """A chat completion made with `store: true`, kept for GET /v1/chat/completions(/{id}(/messages)): the completion
+    as answered, the messages its request sent, and the metadata it is listed by (which may be changed later)."""
+
+    __tablename__ = "chat_completions"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    key_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))  # NULL: local mode (no API keys)
+    model: Mapped[str] = mapped_column(String(MODEL_NAME_LENGTH))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    completion: Mapped[dict[str, Any]] = mapped_column(JSON)
+    messages: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    # `metadata` is the declarative base's own attribute: the column keeps OpenAI's name, the attribute another.
+    tags: Mapped[dict[str, str]] = mapped_column("metadata", JSON)
+
+    __table_args__ = (Index("ix_chat_completions_key_id_created_at", "key_id", "created_at"),
+                      Index("ix_chat_completions_created_at", "created_at"))
 
 
 class FileRow(Base):

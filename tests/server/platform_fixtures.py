@@ -23,6 +23,7 @@ from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.messages import EngineStats
 from llmserve.gateway.app import build_gateway_app
 from llmserve.platform.batches import BatchStore, FileStore
+from llmserve.platform.chat_completions import StoredCompletions
 from llmserve.platform.conversations import ConversationStore
 from llmserve.platform.keys import ApiKey, KeyCache, KeyStore
 from llmserve.platform.quota import QuotaLedger
@@ -149,6 +150,7 @@ def serve_platform(
         usage=usage,
         conversations=ConversationStore(database),
         responses=ResponseStore(database),
+        completions=StoredCompletions(database),
         batches=BatchStore(database, FileStore(database, max_file_bytes)),
         batch_concurrency=batch_concurrency,
         prices=prices or PriceTable(),

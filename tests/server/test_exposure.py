@@ -41,6 +41,8 @@ ROUTE_ACCESS = {
     "/v1/models/{model_id:path}": KEY,
     "/v1/completions": KEY,
     "/v1/chat/completions": KEY,
+    "/v1/chat/completions/{completion_id}": KEY,
+    "/v1/chat/completions/{completion_id}/messages": KEY,
     "/v1/responses": KEY,
     "/v1/responses/{response_id}": KEY,
     "/v1/responses/{response_id}/input_items": KEY,

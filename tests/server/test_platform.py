@@ -514,6 +514,7 @@ def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
     word, position = _blockable_word(reference)
     server.platform.safety = RuleSetFilter(words=[word])
     aborted = server.engine.num_aborted
+    body["store"] = True  # kept as its client got it
     with server.client() as client:
         if stream:
             text, reasons = "", []
@@ -528,7 +529,9 @@ def test_a_blocked_output_stops_with_content_filter_and_withholds_the_text(
         else:
             choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
             text, finish_reason = choice["message"]["content"], choice["finish_reason"]
-    assert finish_reason == "content_filter"
+        [stored] = client.get("/v1/chat/completions").json()["data"]
+    assert stored["choices"][0]["message"]["content"] == text
+    assert stored["choices"][0]["finish_reason"] == finish_reason == "content_filter"
     assert word.lower() not in text.lower()
     assert reference.startswith(text) and len(text) <= position
     [row] = [r for r in server.wait_for_usage_rows(2) if r.status == "content_filter"]

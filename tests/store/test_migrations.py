@@ -14,7 +14,8 @@ from llmserve.store.db import MIGRATIONS_DIR, Database, alembic_config, open_dat
 from llmserve.store.schema import ApiKeyRow, Base, utcnow
 from tests.store.fixtures import db_url_fixture, sqlite_url  # noqa: F401
 
-TABLES = {"api_keys", "usage_records", "conversations", "messages", "responses", "files", "batches", "batch_results"}
+TABLES = {"api_keys", "usage_records", "conversations", "messages", "responses", "files", "batches", "batch_results",
+          "chat_completions"}
 
 
 def _current_revision(database: Database) -> str | None:
@@ -29,7 +30,7 @@ def test_migrated_schema_matches_the_models(db_url: str) -> None:
             context = MigrationContext.configure(connection, opts={"compare_type": True})
             assert compare_metadata(context, Base.metadata) == []
             assert set(inspect(connection).get_table_names()) == TABLES | {"alembic_version"}
-        assert _current_revision(database) == "0006"
+        assert _current_revision(database) == "0007"
     finally:
         database.dispose()
 
@@ -47,7 +48,7 @@ def test_migrating_again_keeps_the_data(db_url: str) -> None:
     try:
         with second.session() as session:
             assert session.scalars(select(ApiKeyRow.name)).all() == ["kept"]
-        assert _current_revision(second) == "0006"
+        assert _current_revision(second) == "0007"
     finally:
         second.dispose()
 
@@ -84,7 +85,7 @@ def test_a_new_revision_from_the_template_has_nothing_to_do(tmp_path: Path) -> N
         database.dispose()
     source = Path(script.path).read_text()
     compile(source, script.path, "exec")
-    assert "down_revision = '0006'" in source
+    assert "down_revision = '0007'" in source
     operations = source.replace("from alembic import op", "")
     assert "op." not in operations  # autogenerate writes an op.* call for every difference
 
@@ -104,6 +105,6 @@ def test_keys_made_before_quotas_existed_migrate_without_one(db_url: str) -> Non
         with database.session() as session:
             row = session.get(ApiKeyRow, "key_old")
             assert (row.name, row.rpm, row.token_quota, row.quota_period) == ("old", 5, None, None)
-        assert _current_revision(database) == "0006"
+        assert _current_revision(database) == "0007"
     finally:
         database.dispose()
