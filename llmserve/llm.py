@@ -31,7 +31,7 @@ from llmserve.tokenizer.tokenizer import read_chat_template
 Prompt = str | Seq[int] | Mapping[str, object]
 Message = dict[str, object]
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
-_OPTIONAL_PROMPT_KEYS = {"cache_salt", "multi_modal_data"}
+_OPTIONAL_PROMPT_KEYS = {"cache_salt", "multi_modal_data", "mm_processor_kwargs"}
 
 
 class LLM:
@@ -88,10 +88,19 @@ class LLM:
         return [outputs[i] for i in range(len(requests))]  # type: ignore[misc]
 
     def _prompt_content(self, prompt: Prompt) -> tuple[str | Seq[int], str | None]:
-        """A prompt's text or token ids (with its images, when it has `multi_modal_data`), and its cache salt."""
+        """A prompt's text or token ids (with its images, when it has `multi_modal_data`, prepared under its
+        `mm_processor_kwargs`), and its cache salt."""
         content, cache_salt = _unpack_prompt(prompt)
         images = _images(prompt)
-        return (self.engine.input_processor.with_images(content, images) if images else content), cache_salt
+        options = prompt.get("mm_processor_kwargs") if isinstance(prompt, Mapping) else None
+        if options is not None and not isinstance(options, Mapping):
+            raise InvalidRequestError("mm_processor_kwargs takes an object of the image processor's options.",
+                                      param="mm_processor_kwargs")
+        if not images:
+            if options is not None:
+                self.engine.input_processor.vision_options(options)
+            return content, cache_salt
+        return self.engine.input_processor.with_images(content, images, options=options), cache_salt
 
     def _new_search(
         self, prompt: Prompt, params: SamplingParams, priority: int, lora: LoRARequest | None

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import random
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from PIL import Image
 
@@ -23,7 +24,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.beam_search import BeamSearch
 from llmserve.engine.grammar import validate_structured_outputs
 from llmserve.engine.messages import EngineCoreRequest, KVTransferParams
-from llmserve.engine.model_facts import ModelFacts
+from llmserve.engine.model_facts import ModelFacts, VisionFacts
 from llmserve.errors import ContextLengthExceededError, InvalidRequestError
 from llmserve.model.lora import AdapterChecker
 from llmserve.model.lora_request import LoRARequest
@@ -201,27 +202,38 @@ class InputProcessor:
                                  kv_transfer=kv_transfer, images=images)
 
     def with_images(self, prompt: str | Sequence[int], images: Sequence[bytes | Image.Image],
-                    param: str = "multi_modal_data") -> ImagePrompt:
+                    param: str = "multi_modal_data", options: Mapping[str, Any] | None = None) -> ImagePrompt:
         """A prompt whose image placeholders (one per image, as a chat template writes them) stand for `images`
-        (encoded bytes, or PIL images). Runs on a worker thread: decoding and resizing grow with the images."""
-        prepared = self.prepare_images(images, [f"{param}[{i}]" for i in range(len(images))])
+        (encoded bytes, or PIL images), prepared under the image processor `options` (`mm_processor_kwargs`).
+        Runs on a worker thread: decoding and resizing grow with the images."""
+        prepared = self.prepare_images(images, [f"{param}[{i}]" for i in range(len(images))], options)
         token_ids = self.tokenize(prompt)
         if token_ids.count(self.vision.image_token_id) != len(prepared):  # (prepared: the model reads images)
             raise InvalidRequestError(f"The prompt has places for {token_ids.count(self.vision.image_token_id)} "
                                       f"images but {len(prepared)} were sent.", param=param)
         return self.place_images(self.expand_placeholders(token_ids, prepared), prepared)
 
-    def prepare_images(self, images: Sequence[bytes | Image.Image], params: Sequence[str]) -> list[PreparedImage]:
-        """Images decoded and prepared as the model reads them; a 400 naming the parameter of one that is not an
-        image, and for a model that reads none."""
+    def prepare_images(self, images: Sequence[bytes | Image.Image], params: Sequence[str],
+                       options: Mapping[str, Any] | None = None) -> list[PreparedImage]:
+        """Images decoded and prepared as the model reads them, under the image processor `options`
+        (`vision_options`); a 400 naming the parameter of one that is not an image, and for a model that reads
+        none."""
         if self.vision is None:
             raise InvalidRequestError(f"The model {self.model_name!r} reads text only, not images.", param=params[0])
         if len(images) > self.max_images:
             raise InvalidRequestError(f"A prompt holds at most {self.max_images} images here (--limit-mm-per-prompt), "
                                       f"not {len(images)}.", param=params[self.max_images])
-        vision = self.vision
+        vision = self.vision_options(options)
         return [prepare(vision.processor, image, param, vision.num_tokens, vision.span)
                 for image, param in zip(images, params, strict=True)]
+
+    def vision_options(self, options: Mapping[str, Any] | None, param: str = "mm_processor_kwargs") -> VisionFacts:
+        """The model's image facts under a request's image processor options (vLLM's `mm_processor_kwargs`); a 400
+        naming an option the model's processor does not take, or any for a model that reads no images."""
+        if self.vision is None:
+            raise InvalidRequestError(f"The model {self.model_name!r} reads text only: it has no image processor.",
+                                      param=param)
+        return self.vision.with_options(options or {}, param)
 
     def expand_placeholders(self, token_ids: list[int], images: Sequence[PreparedImage]) -> list[int]:
         """Each image placeholder a template wrote as the tokens its image takes: the last of `images`, as many as

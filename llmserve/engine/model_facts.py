@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from llmserve.config import DEFAULT_STEP_TOKENS, ENCODER_STEP_TOKENS, EngineConfig
-from llmserve.errors import ModelLoadError
+from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.model.clip import VisionConfig
 from llmserve.model.config import ModelConfig
 from llmserve.model.loader import resolve_model_path
@@ -48,6 +50,37 @@ class VisionFacts:
     processor: ImageProcessor | QwenImageProcessor
     patches_per_side: int = 0  # LLaVA's tower's
     class_token: bool = False
+    pixel_limit: int | None = None  # Qwen2-VL's: the most pixels an image is resized to (a step's tokens)
+
+    def with_options(self, options: Mapping[str, Any], param: str) -> VisionFacts:
+        """These facts under a request's image processor options (vLLM's `mm_processor_kwargs`): Qwen2-VL's
+        `min_pixels` and `max_pixels` (up to `pixel_limit`); a 400 naming any other option, or a value out of range."""
+        processor = self.processor
+        names = ("min_pixels", "max_pixels") if isinstance(processor, QwenImageProcessor) else ()
+        for name, value in options.items():
+            if name not in names:
+                takes = f"takes {' and '.join(names)}" if names else "takes none"
+                raise InvalidRequestError(f"{name!r} is not an option of this model's image processor (it {takes}).",
+                                          param=f"{param}.{name}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"{name} must be a positive integer.", param=f"{param}.{name}")
+        if not options:
+            return self
+        assert isinstance(processor, QwenImageProcessor)
+        one_token, limit = processor.factor**2, self.pixel_limit or processor.max_pixels
+        for name, least in (("max_pixels", one_token), ("min_pixels", 1)):
+            if name in options and not least <= options[name] <= limit:
+                raise InvalidRequestError(
+                    f"{name} must be between {least} and {limit} (a step's tokens: raise --max-num-batched-tokens to "
+                    "read images larger).", param=f"{param}.{name}")
+        # One bound given: the other follows it where it must (a max below the default min lowers the min).
+        max_pixels = options.get("max_pixels", max(processor.max_pixels, options.get("min_pixels", 0)))
+        min_pixels = options.get("min_pixels", min(processor.min_pixels, max_pixels))
+        if min_pixels > max_pixels:
+            raise InvalidRequestError(f"min_pixels ({min_pixels}) is more than max_pixels ({max_pixels}).",
+                                      param=f"{param}.min_pixels")
+        return dataclasses.replace(self, processor=dataclasses.replace(processor, min_pixels=min_pixels,
+                                                                       max_pixels=max_pixels))
 
     def num_tokens(self, size: tuple[int, int]) -> int:
         """The placeholder tokens an image of `size` (height, width) takes."""
@@ -125,7 +158,8 @@ def _vision_facts(model_dir: Path, model_config: ModelConfig, step_tokens: int) 
         raise ModelLoadError(f"config.json's image_token_index ({token!r}) is not a token of the model.")
     processor = ImageProcessor.from_dir(model_dir)
     if isinstance(processor, QwenImageProcessor):
-        return VisionFacts(token, _qwen_processor(processor, raw.get("vision_config") or {}, step_tokens))
+        processor = _qwen_processor(processor, raw.get("vision_config") or {}, step_tokens)
+        return VisionFacts(token, processor, pixel_limit=step_tokens * processor.factor**2)
     vision = VisionConfig.from_dict(raw.get("vision_config") or {})
     if processor.output_size() != (vision.image_size, vision.image_size):
         raise ModelLoadError(f"preprocessor_config.json makes images of {processor.output_size()} pixels; the vision "

@@ -561,13 +561,15 @@ def _usage_asked(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool,
 
 
 def _tokenize_body(model: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """A chat prompt as the replica renders it: the tools' schemas and the template's variables too
-    (`reasoning_effort` among them, as the replica passes it)."""
+    """A chat prompt as the replica renders it: the tools' schemas, the template's variables (`reasoning_effort`
+    among them, as the replica passes it) and the image processor's options too."""
     body = {"model": model, "messages": payload["messages"],
             "add_generation_prompt": payload.get("add_generation_prompt", True),
             "continue_final_message": payload.get("continue_final_message", False)}
     if payload.get("tools"):
         body["tools"] = payload["tools"]
+    if payload.get("mm_processor_kwargs"):
+        body["mm_processor_kwargs"] = payload["mm_processor_kwargs"]
     variables = dict(payload.get("chat_template_kwargs") or {})
     if payload.get("reasoning_effort") is not None:
         variables.setdefault("reasoning_effort", payload["reasoning_effort"])

@@ -75,7 +75,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     urls = image_urls(body.messages)
     if turn is not None:  # the stored conversation's images come first
         urls = entry_image_urls(turn.history, "conversation_id") + urls
-    images = await load_images(state, endpoint, urls) if urls else []
+    images = await load_images(state, endpoint, urls, body.mm_processor_kwargs)
     prompt_text, prompt_ids = await _chat_prompt(state.workers, endpoint, body, new_messages, turn, max_tokens, images)
     if images:
         prompt_ids = await state.workers.run(endpoint.engine.input_processor.place_images, prompt_ids, images)

@@ -6,7 +6,7 @@ takes their images."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,11 +21,16 @@ from llmserve.server.state import ModelEndpoint, ServerState
 IMAGE_FETCH_TIMEOUT = 10.0
 
 
-async def load_images(state: ServerState, endpoint: ModelEndpoint, urls: Sequence[tuple[str, str]]
-                      ) -> list[PreparedImage]:
-    """(URL, parameter) pairs as prepared images, in order; a 400 naming the parameter of one that cannot be
-    had or is not an image, or when the model reads no images."""
+async def load_images(state: ServerState, endpoint: ModelEndpoint, urls: Sequence[tuple[str, str]],
+                      options: Mapping[str, Any] | None = None) -> list[PreparedImage]:
+    """(URL, parameter) pairs as prepared images, in order, under the image processor `options` (the request's
+    `mm_processor_kwargs`, checked even without images); a 400 naming the parameter of one that cannot be had or is
+    not an image, or when the model reads no images."""
     processor = endpoint.engine.input_processor
+    if options is not None:
+        processor.vision_options(options)
+    if not urls:
+        return []
     if processor.vision is None:
         raise InvalidRequestError(f"The model {endpoint.name!r} reads text only, not images.", param=urls[0][1])
     remote = [(url, param) for url, param in urls if not url.startswith("data:")]
@@ -35,7 +40,7 @@ async def load_images(state: ServerState, endpoint: ModelEndpoint, urls: Sequenc
 
     def prepare() -> list[PreparedImage]:
         images = [fetched[param] if param in fetched else data_url_bytes(url, param) for url, param in urls]
-        return processor.prepare_images(images, [param for _, param in urls])
+        return processor.prepare_images(images, [param for _, param in urls], options)
 
     return await state.workers.run(prepare)
 

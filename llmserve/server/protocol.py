@@ -628,6 +628,8 @@ class ChatCompletionRequest(SamplingFields):
     truncation: Literal["auto", "disabled"] = "disabled"
     # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the image processor's options for this request's images (Qwen2-VL's min_pixels and max_pixels)
+    mm_processor_kwargs: dict[str, Any] | None = None
     # OpenAI's; given to the chat template as the variable of that name (as vLLM does for gpt-oss), and a
     # 400 for a model whose template does not read it
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
@@ -932,6 +934,7 @@ class TokenizeRequest(RequestBody):
     # As a chat request's: the tools' schemas and the template's variables are part of its prompt.
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # as a chat request's: an image's size can decide its tokens
 
     @field_validator("prompt")
     @classmethod

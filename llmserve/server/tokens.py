@@ -34,7 +34,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         raise InvalidRequestError("Give either 'prompt' or 'messages'.", param="prompt")
     errors.reject_unsupported(continuation_conflicts(body.continue_final_message, body.add_generation_prompt))
     urls = image_urls(body.messages) if body.messages is not None else []
-    images = await load_images(state, endpoint, urls) if urls else []  # an image's size can decide its tokens
+    images = await load_images(state, endpoint, urls, body.mm_processor_kwargs)  # a size can decide its tokens
     return await state.workers.run(_tokenize, endpoint, body, images)
 
 

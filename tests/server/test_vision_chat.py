@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -279,6 +281,55 @@ def test_qwen2_vl_images_over_http_give_the_offline_tokens(tmp_path_factory, tin
     assert [t for chunk in chunks if chunk.choices for t in (chunk.choices[0].to_dict().get("token_ids") or [])] == expected
     assert counted.json()["count"] == chunks[-1].usage.prompt_tokens
     assert counted.json()["tokens"].count(1024) == 5 * 3 + 2 * 7
+
+
+def test_mm_processor_kwargs_resize_a_requests_images_as_the_preprocessor_config_would(
+        tmp_path_factory, tiny_llama_dir, server, live_server):
+    """Qwen2-VL with vLLM's `mm_processor_kwargs` (`max_pixels`): a request's image is resized as a checkpoint whose
+    preprocessor_config.json says so resizes it (the same tokens, online and offline), into fewer tokens than the
+    default; /tokenize counts it the same. Options the processor does not take, or out of range, are 400s naming
+    them, as any option is for LLaVA (whose processor takes none) and for a text model."""
+    from tests.engine.test_qwen2_vl import IMAGE
+    from tests.hf_reference import build_qwen2_vl
+
+    root = tmp_path_factory.mktemp("qwen2-vl-pixels")
+    model_dir = build_qwen2_vl(root / "model", tiny_llama_dir)
+    smaller = root / "smaller"
+    shutil.copytree(model_dir, smaller)
+    config = json.loads((smaller / "preprocessor_config.json").read_text())
+    (smaller / "preprocessor_config.json").write_text(json.dumps({**config, "min_pixels": 784, "max_pixels": 3136}))
+    image = random_image(5, (150, 90))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = {"prompt": f"<|begin_of_text|><|im_start|>user\n{IMAGE}{QUESTION}<|im_end|>\n<|im_start|>assistant\n",
+              "multi_modal_data": {"image": [image]}}
+    expected = list(LLM(str(smaller), dtype="float32", num_kv_blocks=64).generate(prompt, greedy)[0].outputs[0].token_ids)
+    offline = LLM(str(model_dir), dtype="float32", num_kv_blocks=64).generate(
+        {**prompt, "mm_processor_kwargs": {"max_pixels": 3136}}, greedy)
+    assert list(offline[0].outputs[0].token_ids) == expected
+    messages = [user_message(data_url(png_bytes(image)))]
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with serving(model_dir) as live, httpx.Client(base_url=live.base_url, timeout=60) as client:
+        resized = client.post("/v1/chat/completions", json={**body, "mm_processor_kwargs": {"max_pixels": 3136}})
+        assert resized.status_code == 200, resized.text
+        assert resized.json()["choices"][0]["token_ids"] == expected
+        counted = client.post("/tokenize", json={"model": MODEL_NAME, "messages": messages,
+                                                 "mm_processor_kwargs": {"max_pixels": 3136}}).json()
+        assert counted["count"] == resized.json()["usage"]["prompt_tokens"] and counted["tokens"].count(1024) == 2
+        default = client.post("/v1/chat/completions", json=body).json()
+        assert default["usage"]["prompt_tokens"] == counted["count"] - 2 + 5 * 3
+        for options, param in (({"max_pixels": 700}, "max_pixels"), ({"max_pixels": 64 * 784 + 1}, "max_pixels"),
+                               ({"max_pixels": "3136"}, "max_pixels"), ({"min_pixels": 5000, "max_pixels": 4000},
+                                                                         "min_pixels"), ({"size": {}}, "size")):
+            refused = client.post("/v1/chat/completions", json={**body, "mm_processor_kwargs": options})
+            assert refused.status_code == 400, options
+            assert refused.json()["error"]["param"] == f"mm_processor_kwargs.{param}", options
+        assert live.idle_stats().num_used_blocks == 0
+    for other, param in ((server, "mm_processor_kwargs.max_pixels"), (live_server, "mm_processor_kwargs")):
+        refused = httpx.post(f"{other.base_url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "mm_processor_kwargs": {"max_pixels": 3136}})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
 
 
 @pytest.mark.parametrize("mode", MODES)
