@@ -55,6 +55,13 @@ GEMM instructions), no draft takes a step past that size. A request with a predi
 Outputs, prediction.py) drafts from it, speculative decoding configured or not (up to 16 tokens, and within the
 fast step's size), and the proposer drafts for the others.
 
+A vision-language model's images have a budget of their own (vLLM's encoder budget): the image tokens whose
+features a step computes, a step's tokens in all (what the memory profile's step computed). A chunk that reaches the
+first placeholder of an image it cannot afford stops before it, and the sequence takes the rest in a later step;
+a step's first image always fits (an image larger than a step is computed alone). An image a chunk reaches past its
+first placeholder was computed by an earlier chunk, unless the chunk is the first after admission (the prefix cache
+gave it the image's first tokens): then it counts too.
+
 An embedding request (`Request.pooling`) is prefill-only work under the same token budget: its whole
 prompt is admitted in one step or waits (it is never chunked: an encoder attends both ways, and mean
 pooling needs every token's hidden state), packed with the step's other rows, bypassing the prefix
@@ -246,6 +253,7 @@ class Scheduler:
         drafts: dict[Sequence, tuple[int, ...]] = {}
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        images_left = self.max_num_batched_tokens  # the image tokens whose features the step may compute
         if self.policy == "priority":
             self.running.sort(key=self.order)
         block_size = self.block_manager.block_size
@@ -256,6 +264,11 @@ class Scheduler:
             if not self._schedulable(seq):
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if seq.num_computed_tokens < seq.request.images_end:
+                num_new, computed = self._images_within(seq, num_new, images_left, fresh=False)
+                if not num_new:
+                    continue
+                images_left -= computed
             total = seq.num_computed_tokens + num_new
             # Most decodes still have room in their last block: skip the block manager for them.
             if total > len(seq.block_table) * block_size:
@@ -268,9 +281,26 @@ class Scheduler:
             speculating = self.proposer is not None and self._speculating()
             if speculating or self.num_predicting:
                 budget = self._add_drafts(scheduled, drafts, budget, speculating)
-            self._admit(scheduled, out, budget)
+            self._admit(scheduled, out, budget, images_left)
         self._after_schedule(scheduled, drafts, out)
         return out
+
+    def _images_within(self, seq: Sequence, num_new: int, images_left: int, fresh: bool) -> tuple[int, int]:
+        """How many of `num_new` tokens `seq`'s chunk takes so that the images whose features it computes fit
+        `images_left` (the step's first image always does), and those images' tokens. `fresh`: the chunk is the
+        first since admission, so an image it starts inside is computed too."""
+        begin, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        computed = 0
+        for image in seq.request.images:
+            if image.offset >= end:
+                break
+            if image.offset + image.length <= begin or (image.offset < begin and not fresh):
+                continue  # behind the chunk, or computed by an earlier chunk
+            first_of_step = images_left == self.max_num_batched_tokens and not computed
+            if computed + image.length > images_left and not first_of_step:
+                return max(0, image.offset - begin), computed
+            computed += image.length
+        return num_new, computed
 
     def _speculating(self) -> bool:
         """Drafts are proposed unless the batch is as large as `disable_by_batch_size` (vLLM's option: a large
@@ -441,7 +471,7 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, scheduled: dict[Sequence, int], out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, scheduled: dict[Sequence, int], out: SchedulerOutput, budget: int, images_left: int) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             index = self._pick_waiting()
             if self.max_loras is not None and not self._adapter_fits(self.waiting[index]):
@@ -465,8 +495,12 @@ class Scheduler:
             reused = 0 if seq.request.needs_prompt_logprobs else self.block_manager.take_cached_prefix(seq)
             seq.num_computed_tokens = reused
             num_new = min(seq.num_uncomputed_tokens, budget)
+            computed = 0
+            if seq.request.images:
+                num_new, computed = self._images_within(seq, num_new, images_left, fresh=True)
             total = seq.num_computed_tokens + num_new
-            if not self.block_manager.can_grow(seq, total) and not self._evict_for(seq, total, scheduled, out):
+            if not num_new or (not self.block_manager.can_grow(seq, total)
+                               and not self._evict_for(seq, total, scheduled, out)):
                 if reused:  # not admitted after all: give the cached blocks back
                     self.block_manager.release(seq)
                     seq.num_computed_tokens = 0
@@ -480,6 +514,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled[seq] = num_new
             out.admitted.append(seq)
+            images_left -= computed
             if out.preempted:  # evictions gave their scheduled tokens back
                 budget = self.max_num_batched_tokens - sum(scheduled.values())
             else:

@@ -1,11 +1,13 @@
-"""The scheduler on its own: token budgets, chunked prefill, preemption order, priorities, and
-overlapped scheduling (step N+1 scheduled before step N's tokens are known)."""
+"""The scheduler on its own: token budgets, chunked prefill, preemption order, priorities, overlapped scheduling
+(step N+1 scheduled before step N's tokens are known), and a step's budget of image tokens."""
 
 from __future__ import annotations
 
 from llmserve.engine.block_manager import BlockManager
+from llmserve.engine.prefix_cache import hash_root
 from llmserve.engine.scheduler import Scheduler
-from llmserve.engine.sequence import SequenceStatus
+from llmserve.engine.sequence import Request, Sequence, SequenceStatus
+from llmserve.multimodal.inputs import ImageInput
 from llmserve.sampling.params import SamplingParams
 from tests.engine.steps import add, sampled, scheduled, step
 
@@ -160,3 +162,26 @@ def test_a_sequence_preempted_with_a_token_in_flight_recomputes_once_it_is_known
     assert second.token_ids[7:] == [7, 9] and second.num_pending == 0
     assert scheduled(sched.schedule()) == {second: 9}  # prompt and both outputs, recomputed
     bm.check_invariants(sched.running)
+
+
+def _with_image(sched: Scheduler, name: str, tokens: int, offset: int, length: int, max_tokens: int = 1) -> Sequence:
+    """Queue a request of `tokens` ids whose placeholders `offset`..`offset + length` stand for the image `name`."""
+    image = ImageInput(offset, length, name.encode(), b"", (0,), (1, 1), length)
+    request = Request(name, list(range(tokens)), SamplingParams(max_tokens=max_tokens), seed=0,
+                      arrival_order=len(sched.requests), cache_root=hash_root("m"), images=[image])
+    sched.add_request(request)
+    return request.seqs[0]
+
+
+def test_an_image_a_cached_prefix_cuts_is_computed_by_the_first_chunk_and_counted_against_the_steps_images():
+    """The prefix cache gives the second request the first 12 of its 16 tokens, cutting its image (6..14) in two:
+    its chunk computes the image's features (8 tokens), which leaves too little of the step's 16 for the third
+    request's image at its very start: the third waits a step, though tokens were left for it."""
+    sched = Scheduler(BlockManager(32, 4, enable_prefix_caching=True), max_num_batched_tokens=16, max_num_seqs=8)
+    _with_image(sched, "a", 16, 6, 8)
+    step(sched)  # prefilled, sampled its one token, ended: its blocks are cached
+    again = _with_image(sched, "a", 16, 6, 8)
+    other = _with_image(sched, "b", 12, 0, 10)
+    assert scheduled(step(sched)) == {again: 4}
+    assert again.request.num_cached_tokens == 12 and other.status is SequenceStatus.WAITING
+    assert scheduled(step(sched)) == {other: 12}

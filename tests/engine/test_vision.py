@@ -389,3 +389,31 @@ def test_the_features_of_a_request_ended_mid_image_are_dropped_once_a_steps_wort
         engine.step()
     assert left not in runner.image_features and not runner.image_features
     engine.check_invariants()
+
+
+def test_a_steps_images_stay_within_its_token_budget_and_the_chunk_that_cannot_afford_one_waits(
+        llava_dir, llm, monkeypatch):
+    """Three prompts that start with an image (16 placeholders) under a 30-token step: the first prompt's chunk takes
+    its image; the second's, which would start a second image in the same step (32 image tokens), stops before it and
+    reads it in the next step; no step computes more than 30 image tokens. The tokens are each prompt's alone."""
+    prompt = "<|begin_of_text|><image>\nwhat is it<|im_end|>\n<|im_start|>assistant\n"
+    images = [random_image(70 + i) for i in range(3)]
+    budgeted = LLM(str(llava_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=30)
+    engine, runner = budgeted.engine, budgeted.engine.core.runner
+    computed: list[int] = []
+    embed = runner.model.embed_image
+    monkeypatch.setattr(runner.model, "embed_image",
+                        lambda pixels, size: computed.append(len(features := embed(pixels, size))) or features)
+    for i, image in enumerate(images):
+        engine.add_request(f"r{i}", engine.input_processor.with_images(prompt, [image]), GREEDY)
+    per_step, tokens = [], {}
+    while engine.has_unfinished_requests():
+        before = len(computed)
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+        per_step.append(sum(computed[before:]))
+    assert per_step[0] == 16 and max(per_step) <= 30 and sum(per_step) == 3 * 16
+    alone = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": [image]}} for image in images], GREEDY)
+    assert [tokens[f"r{i}"] for i in range(3)] == [list(out.outputs[0].token_ids) for out in alone]
+    engine.check_invariants()
