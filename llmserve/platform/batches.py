@@ -23,6 +23,7 @@ from sqlalchemy import ColumnElement, and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from llmserve.errors import InvalidRequestError, LLMServeError
+from llmserve.platform.metadata import checked_metadata
 from llmserve.store.db import Database
 from llmserve.store.schema import BatchResultRow, BatchRow, FileRow, utcnow
 
@@ -33,7 +34,6 @@ UPLOAD_PURPOSES = ("batch",)
 OUTPUT_PURPOSE = "batch_output"
 MAX_REQUESTS = 50_000  # per batch, as OpenAI's
 MAX_PAGE_SIZE = 10_000  # OpenAI's bound on a page of files
-MAX_METADATA_PAIRS = 16
 # A file's `expires_after` (and a batch's `output_expires_after`) in seconds, within OpenAI's bounds; a batch's input
 # and output files are kept this long unless asked otherwise, as OpenAI keeps them.
 MIN_EXPIRES_AFTER, MAX_EXPIRES_AFTER = 3600, 30 * 24 * 3600
@@ -360,7 +360,7 @@ class BatchStore:
         if window is None:
             raise InvalidRequestError(f"Invalid completion_window {completion_window!r}: only '24h' is supported.",
                                       param="completion_window")
-        _check_metadata(metadata)
+        metadata = checked_metadata(metadata) if metadata is not None else None
         now = utcnow()
         with self._db.session(write=True) as session:
             source = FileStore._row(session, key_id, input_file_id)
@@ -542,11 +542,3 @@ class BatchStore:
     def _row(session: Session, key_id: str | None, batch_id: str) -> BatchRow:
         return _owned_row(session, BatchRow, key_id, batch_id, BatchNotFound)
 
-
-def _check_metadata(metadata: dict[str, str] | None) -> None:
-    if metadata is None:
-        return
-    if len(metadata) > MAX_METADATA_PAIRS or any(
-            not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
-        raise InvalidRequestError(f"metadata holds at most {MAX_METADATA_PAIRS} pairs of strings (keys up to 64 "
-                                  "characters, values up to 512).", param="metadata")

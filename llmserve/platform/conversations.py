@@ -2,8 +2,10 @@
 
 Each message points at its parent, and the conversation at its head (the newest message of the
 active branch). Appending with an earlier message as the parent, to regenerate a reply or edit a
-turn, starts a new branch and leaves the old one in place. Deleting is soft: the conversation is
-hidden at once and `purge()` removes it for good after the retention period.
+turn, starts a new branch and leaves the old one in place. Deleting one message takes it out of
+every branch it is on: its children move up to its parent. Deleting a conversation is soft: it is
+hidden at once and `purge()` removes it for good after the retention period. A conversation carries
+OpenAI's metadata (up to 16 string pairs).
 
 What a conversation may hold is bounded (ConversationLimits): the bytes of one message, the messages
 added at once, and the messages of one conversation (every branch counted).
@@ -13,14 +15,16 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from enum import Enum
 from typing import Any, Literal
 
-from sqlalchemy import CTE, and_, delete, func, literal, or_, select
+from sqlalchemy import CTE, and_, delete, func, literal, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from llmserve.errors import InvalidRequestError, LLMServeError
+from llmserve.platform.metadata import checked_metadata
 from llmserve.store.db import Database
 from llmserve.store.schema import MODEL_NAME_LENGTH, NAME_LENGTH, ConversationRow, MessageRow, utcnow
 
@@ -31,12 +35,29 @@ ORDERS = ("asc", "desc")
 Order = Literal["asc", "desc"]
 
 
+class Unchanged(Enum):
+    """What `ConversationStore.update` leaves as it is (a field not given, as opposed to one given as None)."""
+
+    UNCHANGED = "unchanged"
+
+
+UNCHANGED = Unchanged.UNCHANGED
+
+
 class ConversationNotFound(LLMServeError):
     """No such conversation for this key: unknown, deleted, or another key's (all look the same: 404)."""
 
     def __init__(self, conversation_id: str) -> None:
         super().__init__(f"conversation {conversation_id!r} not found")
         self.conversation_id = conversation_id
+
+
+class MessageNotFound(LLMServeError):
+    """No such message in the conversation (404 over HTTP)."""
+
+    def __init__(self, message_id: str) -> None:
+        super().__init__(f"message {message_id!r} not found")
+        self.message_id = message_id
 
 
 class ConversationLimitExceeded(LLMServeError):
@@ -141,6 +162,7 @@ class Conversation:
     created_at: datetime
     updated_at: datetime
     head_message_id: str | None
+    metadata: dict[str, str] = field(default_factory=dict)
     messages: tuple[Message, ...] = ()  # the active branch, oldest first; empty in listings
 
     def as_dict(self, with_messages: bool = True) -> dict[str, Any]:
@@ -149,6 +171,7 @@ class Conversation:
             "object": "conversation",
             "title": self.title,
             "model": self.model,
+            "metadata": dict(self.metadata),
             "created_at": int(self.created_at.timestamp()),
             "updated_at": int(self.updated_at.timestamp()),
         }
@@ -167,7 +190,7 @@ def _to_message(row: MessageRow) -> Message:
 def _to_conversation(row: ConversationRow, messages: Iterable[MessageRow] = ()) -> Conversation:
     return Conversation(
         id=row.id, key_id=row.key_id, title=row.title, model=row.model, created_at=row.created_at,
-        updated_at=row.updated_at, head_message_id=row.head_message_id,
+        updated_at=row.updated_at, head_message_id=row.head_message_id, metadata=dict(row.tags),
         messages=tuple(_to_message(m) for m in messages),
     )
 
@@ -199,13 +222,42 @@ def part_image_urls(parts: Iterable[Mapping[str, Any]]) -> list[str]:
     return [part["image_url"]["url"] for part in parts if part.get("type") == "image_url"]
 
 
-def _check_message(role: object, content: object, token_count: object) -> None:
+def _check_message(role: object, content: object, token_count: object, parts: object = None) -> None:
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
     if not isinstance(content, str):
         raise ValueError("message content must be a string")
     if token_count is not None and (isinstance(token_count, bool) or not isinstance(token_count, int) or token_count < 0):
         raise ValueError(f"token_count must be a non-negative integer, got {token_count!r}")
+    if parts is not None and role != "user":
+        raise ValueError("only user messages hold images")
+
+
+def _checked_turns(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages to store ({"role", "content", "token_count"?, "parts"?}), checked."""
+    turns = [dict(m) for m in messages]
+    for turn in turns:
+        _check_message(turn.get("role"), turn.get("content"), turn.get("token_count"), turn.get("parts"))
+    return turns
+
+
+def _first_user_title(turns: Iterable[Mapping[str, Any]]) -> str | None:
+    """An untitled conversation's title: from its first user message."""
+    return next((derive_title(turn["content"]) for turn in turns if turn["role"] == "user"), None)
+
+
+def _message_rows(
+    conversation_id: str, parent_id: str | None, turns: Iterable[Mapping[str, Any]], now: datetime
+) -> list[MessageRow]:
+    """The rows of `turns`, chained after `parent_id`, each after the one before."""
+    rows: list[MessageRow] = []
+    for turn in turns:
+        rows.append(MessageRow(
+            id=_new_id("msg"), conversation_id=conversation_id, parent_id=rows[-1].id if rows else parent_id,
+            role=turn["role"], content=turn["content"], parts=turn.get("parts"), token_count=turn.get("token_count"),
+            created_at=now,
+        ))
+    return rows
 
 
 def _new_id(prefix: str) -> str:
@@ -232,27 +284,22 @@ class ConversationStore:
         title: str | None = None,
         model: str | None = None,
         messages: Iterable[Mapping[str, Any]] | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> Conversation:
-        """Create a conversation, optionally with messages ({"role", "content", "token_count"?}) as
-        its first turns, in order. Without a title, the first user message provides one."""
-        turns = [dict(m) for m in messages or ()]
-        for turn in turns:
-            _check_message(turn.get("role"), turn.get("content"), turn.get("token_count"))
-        self.limits.check([turn["content"] for turn in turns])
+        """Create a conversation, optionally with messages ({"role", "content", "token_count"?, "parts"?: a
+        user message's content parts, where it holds images}) as its first turns, in order. Without a
+        title, the first user message provides one."""
+        turns = _checked_turns(messages or ())
+        self._check_limits(turns)
         title = _checked_title(title)
         if title is None:
-            title = next((derive_title(t["content"]) for t in turns if t["role"] == "user"), None)
+            title = _first_user_title(turns)
         now = utcnow()
         conversation = ConversationRow(
             id=_new_id("conv"), key_id=key_id, title=title, model=_checked_model(model),
-            created_at=now, updated_at=now,
+            tags=checked_metadata(metadata), created_at=now, updated_at=now,
         )
-        rows: list[MessageRow] = []
-        for turn in turns:
-            rows.append(MessageRow(
-                id=_new_id("msg"), conversation_id=conversation.id, parent_id=rows[-1].id if rows else None,
-                role=turn["role"], content=turn["content"], token_count=turn.get("token_count"), created_at=now,
-            ))
+        rows = _message_rows(conversation.id, None, turns, now)
         conversation.head_message_id = rows[-1].id if rows else None
         with self._db.session(write=True) as session:
             session.add(conversation)
@@ -361,13 +408,30 @@ class ConversationStore:
             )
             return _to_conversation(conversation), [_to_message(row) for row in rows]
 
-    def rename(self, key_id: str | None, conversation_id: str, title: str | None) -> Conversation:
-        """Set the conversation's title (None or blank: untitled)."""
+    def update(
+        self,
+        key_id: str | None,
+        conversation_id: str,
+        title: str | None | Unchanged = UNCHANGED,
+        metadata: Mapping[str, str] | None | Unchanged = UNCHANGED,
+    ) -> Conversation:
+        """Replace what is given: the title (None or blank: untitled), the metadata (None: none). With
+        neither, nothing changes."""
         with self._db.session(write=True) as session:
             conversation = self._owned(session, key_id, conversation_id, lock=True)
-            conversation.title = _checked_title(title)
-            conversation.updated_at = utcnow()
+            if title is not UNCHANGED:
+                conversation.title = _checked_title(title)
+            if metadata is not UNCHANGED:
+                conversation.tags = checked_metadata(metadata)
+            if title is not UNCHANGED or metadata is not UNCHANGED:
+                conversation.updated_at = utcnow()
             return _to_conversation(conversation)
+
+    def message(self, key_id: str | None, conversation_id: str, message_id: str) -> Message:
+        """One message of the conversation, on whichever branch. Raises ConversationNotFound or MessageNotFound."""
+        with self._db.session() as session:
+            conversation = self._owned(session, key_id, conversation_id)
+            return _to_message(self._message_in(session, conversation, message_id))
 
     def message_count(self, key_id: str | None, conversation_id: str) -> int:
         """How many messages the conversation holds, every branch counted (what its limit counts)."""
@@ -404,15 +468,24 @@ class ConversationStore:
         branch. Raises ConversationNotFound, ConversationLimitExceeded, or ValueError for bad input
         or a parent from elsewhere.
         """
-        _check_message(role, content, token_count)
-        if parts is not None and role != "user":
-            raise ValueError("only user messages hold images")
+        turn = {"role": role, "content": content, "token_count": token_count, "parts": parts}
+        return self.extend(key_id, conversation_id, [turn], parent_id)[0]
+
+    def extend(
+        self,
+        key_id: str | None,
+        conversation_id: str,
+        messages: Iterable[Mapping[str, Any]],
+        parent_id: str | None = None,
+    ) -> list[Message]:
+        """Add messages (as `create` takes them), in order, after `parent_id` (default: the head), and make the
+        last one the head: `append` for several at once, all or none of them (the limits count them together)."""
+        turns = _checked_turns(messages)
         with self._db.session(write=True) as session:
             # Locked so concurrent appends to one conversation chain up instead of forking (and
             # cannot both take the last place under the message limit).
             conversation = self._owned(session, key_id, conversation_id, lock=True)
-            self.limits.check([content], existing=self._message_count(session, conversation.id),
-                              images=[part_image_urls(parts or ())])
+            self._check_limits(turns, existing=self._message_count(session, conversation.id))
             if parent_id is None:
                 parent_id = conversation.head_message_id
             else:
@@ -420,16 +493,30 @@ class ConversationStore:
                 if parent is None or parent.conversation_id != conversation.id:
                     raise ValueError(f"message {parent_id!r} is not in conversation {conversation_id!r}")
             now = utcnow()
-            message = MessageRow(
-                id=_new_id("msg"), conversation_id=conversation.id, parent_id=parent_id, role=role,
-                content=content, parts=parts, token_count=token_count, created_at=now,
+            rows = _message_rows(conversation.id, parent_id, turns, now)
+            session.add_all(rows)
+            if rows:
+                conversation.head_message_id = rows[-1].id
+                conversation.updated_at = now
+            if conversation.title is None:
+                conversation.title = _first_user_title(turns)
+        return [_to_message(row) for row in rows]
+
+    def delete_message(self, key_id: str | None, conversation_id: str, message_id: str) -> Conversation:
+        """Remove one message from every branch it is on: its children (of every branch) follow its parent
+        instead, and the head, when it was the head, moves to its parent. Raises ConversationNotFound or
+        MessageNotFound."""
+        with self._db.session(write=True) as session:
+            conversation = self._owned(session, key_id, conversation_id, lock=True)
+            message = self._message_in(session, conversation, message_id)
+            session.execute(
+                update(MessageRow).where(MessageRow.parent_id == message.id).values(parent_id=message.parent_id)
             )
-            session.add(message)
-            conversation.head_message_id = message.id
-            conversation.updated_at = now
-            if conversation.title is None and role == "user":
-                conversation.title = derive_title(content)
-        return _to_message(message)
+            if conversation.head_message_id == message.id:
+                conversation.head_message_id = message.parent_id
+            session.delete(message)
+            conversation.updated_at = utcnow()
+            return _to_conversation(conversation)
 
     def delete(self, key_id: str | None, conversation_id: str) -> None:
         """Hide the conversation at once; `purge()` removes it after the retention period."""
@@ -460,6 +547,17 @@ class ConversationStore:
         if conversation is None:
             raise ConversationNotFound(conversation_id)
         return conversation
+
+    @staticmethod
+    def _message_in(session: Session, conversation: ConversationRow, message_id: str) -> MessageRow:
+        message = session.get(MessageRow, message_id)
+        if message is None or message.conversation_id != conversation.id:
+            raise MessageNotFound(message_id)
+        return message
+
+    def _check_limits(self, turns: Sequence[Mapping[str, Any]], existing: int = 0) -> None:
+        self.limits.check([turn["content"] for turn in turns], existing=existing,
+                          images=[part_image_urls(turn.get("parts") or ()) for turn in turns])
 
     @staticmethod
     def _message_count(session: Session, conversation_id: str) -> int:

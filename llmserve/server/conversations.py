@@ -7,6 +7,12 @@ A conversation belongs to the key that made it; any other key gets a 404, as for
 Its messages are listed a page at a time (`GET /v1/conversations/{id}/messages`, in the shape of OpenAI's
 Conversations items list). What a conversation may hold is bounded by the store's limits (413).
 
+OpenAI's Conversations API is served over the same conversations (what the `openai` SDK's `conversations`
+and `conversations.items` call): `items` and `metadata` at creation, `metadata` (and `title`) updated, and
+`/v1/conversations/{id}/items` to list (the active branch), add (after its head), read and delete messages as
+OpenAI's message items. Stored conversations keep text and image turns only, so other item types (function
+calls and their outputs, reasoning) are 400s, and so is `include`, none of whose additions is made here.
+
 When the history plus the new turn would not fit the model's context window, `truncation: "auto"` drops
 the oldest turns (never the leading system messages, never the request's own messages) and the response
 says how many messages it dropped in `x-llmserve-truncated-messages`; `"disabled"` (the default, as in
@@ -20,9 +26,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,14 +40,15 @@ from llmserve.platform.conversations import (
     ConversationNotFound,
     ConversationStore,
     Message,
+    MessageNotFound,
     part_image_urls,
 )
 from llmserve.platform.keys import ApiKey
-from llmserve.server.errors import APIError
+from llmserve.server.errors import APIError, unsupported
 from llmserve.server.gateway import Platform, platform_of, request_key
 from llmserve.server.messages import IMAGE_PARTS
 from llmserve.server.openapi import documented
-from llmserve.server.protocol import list_page
+from llmserve.server.protocol import Metadata, list_page
 
 router = APIRouter()
 
@@ -66,8 +73,10 @@ def _key_id(key: ApiKey | None) -> str | None:
     return key.id if key is not None else None
 
 
-def _too_large(exc: ConversationLimitExceeded) -> APIError:
-    return APIError(413, exc.message, param=exc.param, code=exc.code)
+def _too_large(exc: ConversationLimitExceeded, field: str = "messages") -> APIError:
+    """The 413, its parameter named after the request's `field` that held the messages ("items": an item each)."""
+    param = exc.param.replace("messages", field, 1)
+    return APIError(413, exc.message.replace("messages[", f"{field}[", 1), param=param, code=exc.code)
 
 
 # ---- the chat completion hook ---------------------------------------------------------------------
@@ -223,6 +232,89 @@ def _split_turns(history: ChatMessages) -> tuple[ChatMessages, list[ChatMessages
     return history[:start], turns
 
 
+# ---- OpenAI's conversation items ------------------------------------------------------------------
+
+MAX_ITEMS = 20  # added by one call, as OpenAI
+ITEM_ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _item_messages(items: list[dict[str, Any]]) -> ChatMessages:
+    """OpenAI's message items as messages to store: their text, and where they hold images, their content parts
+    as chat's stored image turns keep them (text and image_url parts). 400 for anything else."""
+    return [_item_message(item, f"items[{i}]") for i, item in enumerate(items)]
+
+
+def _item_message(item: dict[str, Any], param: str) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise unsupported(f"{param}.type", f"Stored conversations keep text and image messages only: items of type "
+                                           f"{kind!r} are not supported.")
+    role = item.get("role")
+    if role not in ITEM_ROLES:
+        raise APIError(400, f"role must be one of {', '.join(ITEM_ROLES)}.", param=f"{param}.role")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise APIError(400, "content must be a string or a list of content parts.", param=f"{param}.content")
+    parts = [_content_part(part, role, f"{param}.content[{j}]") for j, part in enumerate(content)]
+    message: dict[str, Any] = {"role": role, "content": "".join(p["text"] for p in parts if p["type"] == "text")}
+    if any(part["type"] == "image_url" for part in parts):
+        message["parts"] = parts
+    return message
+
+
+def _content_part(part: object, role: str, param: str) -> dict[str, Any]:
+    """An item's content part as chat's: a text part, or an image_url part."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in TEXT_PARTS:
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, "A text content part needs a string 'text'.", param=f"{param}.text")
+        return {"type": "text", "text": part["text"]}
+    if kind != "input_image":
+        raise unsupported(f"{param}.type", f"Content parts of type {kind!r} are not supported here (input_text, "
+                                           "output_text, text and input_image).")
+    if role != "user":
+        raise APIError(400, "Only user messages hold images.", param=param)
+    url, detail = part.get("image_url"), part.get("detail")
+    if not isinstance(url, str) or not url.startswith(("data:", "http://", "https://")):
+        raise unsupported(f"{param}.image_url", "An input_image is read from its image_url (a data: or http(s) "
+                                                "URL) here, not a file_id.")
+    if detail not in (None, "auto", "low", "high"):
+        raise APIError(400, "detail must be 'auto', 'low' or 'high'.", param=f"{param}.detail")
+    return {"type": "image_url", "image_url": {"url": url} | ({"detail": detail} if detail else {})}
+
+
+def _item(message: Message) -> dict[str, Any]:
+    """A stored message as OpenAI's message item: its text (or its text and images, in order) as content parts."""
+    parts = message.parts or [{"type": "text", "text": message.content}]
+    return {"type": "message", "id": message.id, "status": "completed", "role": message.role,
+            "content": [_item_part(part, message.role) for part in parts]}
+
+
+def _item_part(part: dict[str, Any], role: str) -> dict[str, Any]:
+    if part["type"] == "image_url":
+        return {"type": "input_image", "image_url": part["image_url"]["url"],
+                "detail": part["image_url"].get("detail", "auto")}
+    if role == "assistant":
+        return {"type": "output_text", "text": part["text"], "annotations": [], "logprobs": []}
+    return {"type": "input_text", "text": part["text"]}
+
+
+def _no_include(
+    include: Annotated[list[str] | None, Query(description="Not supported here: any value is a 400.")] = None,
+    include_brackets: Annotated[list[str] | None, Query(alias="include[]", include_in_schema=False)] = None,
+) -> None:
+    """OpenAI's `include` (the `openai` SDK sends it as `include[]`): none of what it adds is made here."""
+    if include or include_brackets:
+        raise unsupported("include", "include is not supported here: conversation items are messages, whose "
+                                     "text is all there is to include.")
+
+
+NO_INCLUDE = Depends(_no_include)
+
+
 # ---- endpoints ------------------------------------------------------------------------------------
 
 
@@ -237,6 +329,15 @@ class CreateConversation(BaseModel):
     title: str | None = Field(None, max_length=200)
     model: str | None = None
     messages: list[NewMessage] = Field(default_factory=list)
+    # OpenAI's: its first message items (instead of `messages`), metadata, and an end user's id (not used here).
+    items: list[dict[str, Any]] | None = Field(None, max_length=MAX_ITEMS)
+    metadata: Metadata | None = None
+    safety_identifier: str | None = Field(None, max_length=64)
+
+
+class AddItems(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_ITEMS)
 
 
 class _Response(BaseModel):
@@ -248,6 +349,7 @@ class ConversationObject(_Response):
     object: Literal["conversation"]
     title: str | None
     model: str | None
+    metadata: dict[str, str]
     created_at: int
     updated_at: int
 
@@ -267,6 +369,32 @@ class MessageObject(_Response):
     created_at: int
 
 
+class InputTextContent(_Response):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputTextContent(_Response):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[dict[str, Any]]
+    logprobs: list[dict[str, Any]]
+
+
+class InputImageContent(_Response):
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"]
+
+
+class MessageItem(_Response):
+    type: Literal["message"]
+    id: str
+    status: Literal["completed"]
+    role: str
+    content: list[InputTextContent | OutputTextContent | InputImageContent]
+
+
 class _Page(_Response):
     object: Literal["list"]
     first_id: str | None
@@ -282,6 +410,10 @@ class MessagePage(_Page):
     data: list[MessageObject]
 
 
+class ItemPage(_Page):
+    data: list[MessageItem]
+
+
 class ConversationDeleted(_Response):
     id: str
     object: Literal["conversation.deleted"]
@@ -292,17 +424,26 @@ def _summary_json(conversation: Conversation, totals: BranchTotals) -> dict[str,
     return {**conversation.as_dict(with_messages=False), "message_count": totals.messages, "total_tokens": totals.tokens}
 
 
+def _item_not_found(item_id: str) -> APIError:
+    return APIError(404, f"No item found with id '{item_id}'.", code="item_not_found")
+
+
 @router.post("/v1/conversations", status_code=201, responses=documented(ConversationSummary, status=201))
 async def create_conversation(body: CreateConversation, request: Request) -> JSONResponse:
-    """A new conversation, optionally with its first messages; answered without them (list them with
-    GET /v1/conversations/{id}/messages)."""
+    """A new conversation, optionally with its first messages (`messages`, or OpenAI's message `items`) and
+    metadata; answered without the messages (list them with GET /v1/conversations/{id}/messages or /items)."""
+    if body.items is not None and "messages" in body.model_fields_set:
+        raise APIError(400, "Give either items or messages, not both.", param="items")
     store = _store(platform_of(request))
-    messages = [m.model_dump() for m in body.messages]
+    field = "messages" if body.items is None else "items"
+    messages = [m.model_dump() for m in body.messages] if body.items is None else _item_messages(body.items)
     key_id = _key_id(request_key(request.state))
     try:
-        conversation = await asyncio.to_thread(store.create, key_id, body.title, body.model, messages)
+        conversation = await asyncio.to_thread(
+            store.create, key_id, body.title, body.model, messages, body.metadata
+        )
     except ConversationLimitExceeded as exc:
-        raise _too_large(exc) from None
+        raise _too_large(exc, field) from None
     summary = await asyncio.to_thread(store.summary, key_id, conversation.id)
     return JSONResponse(_summary_json(*summary), status_code=201)
 
@@ -328,6 +469,19 @@ async def get_conversation(conversation_id: str, request: Request) -> JSONRespon
     return JSONResponse(_summary_json(*summary))
 
 
+async def _message_page(
+    request: Request, conversation_id: str, limit: int, order: Literal["asc", "desc"], after: str | None,
+    before: str | None = None,
+) -> tuple[list[Message], bool]:
+    """A page of the active branch's messages (`ConversationStore.messages`), and whether more follow."""
+    store = _store(platform_of(request))
+    key_id = _key_id(request_key(request.state))
+    try:
+        return await asyncio.to_thread(store.messages, key_id, conversation_id, limit, order, after, before)
+    except ConversationNotFound:
+        raise _not_found(conversation_id) from None
+
+
 @router.get("/v1/conversations/{conversation_id}/messages", responses=documented(MessagePage))
 async def list_messages(
     conversation_id: str,
@@ -339,20 +493,14 @@ async def list_messages(
 ) -> JSONResponse:
     """A page of the active branch's messages, newest first unless `order=asc`; `after`/`before` take
     a message id from a previous page."""
-    store = _store(platform_of(request))
-    key_id = _key_id(request_key(request.state))
-    try:
-        page, has_more = await asyncio.to_thread(
-            store.messages, key_id, conversation_id, limit, order, after, before
-        )
-    except ConversationNotFound:
-        raise _not_found(conversation_id) from None
+    page, has_more = await _message_page(request, conversation_id, limit, order, after, before)
     return JSONResponse(list_page([m.as_dict() for m in page], has_more))
 
 
 class UpdateConversation(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    title: str | None = Field(max_length=200)
+    title: str | None = Field(None, max_length=200)
+    metadata: Metadata | None = None
 
 
 class ConversationTree(_Response):
@@ -364,11 +512,12 @@ class ConversationTree(_Response):
 
 @router.post("/v1/conversations/{conversation_id}", responses=documented(ConversationSummary))
 async def update_conversation(conversation_id: str, body: UpdateConversation, request: Request) -> JSONResponse:
-    """Rename the conversation (as OpenAI's conversation update, with a title instead of metadata)."""
+    """OpenAI's conversation update: what is given replaces what was, the metadata (null: none) or the title
+    (null or blank: untitled); neither changes nothing."""
     store = _store(platform_of(request))
     key_id = _key_id(request_key(request.state))
     try:
-        await asyncio.to_thread(store.rename, key_id, conversation_id, body.title)
+        await asyncio.to_thread(store.update, key_id, conversation_id, **body.model_dump(exclude_unset=True))
         summary = await asyncio.to_thread(store.summary, key_id, conversation_id)
     except ConversationNotFound:
         raise _not_found(conversation_id) from None
@@ -400,3 +549,62 @@ async def delete_conversation(conversation_id: str, request: Request) -> Respons
     except ConversationNotFound:
         raise _not_found(conversation_id) from None
     return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+
+@router.get("/v1/conversations/{conversation_id}/items", responses=documented(ItemPage), dependencies=[NO_INCLUDE])
+async def list_items(
+    conversation_id: str,
+    request: Request,
+    limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> JSONResponse:
+    """OpenAI's items list: a page of the active branch's messages as message items, newest first unless
+    `order=asc`; `after` takes an item id from a previous page."""
+    page, has_more = await _message_page(request, conversation_id, limit, order, after)
+    return JSONResponse(list_page([_item(m) for m in page], has_more))
+
+
+@router.post("/v1/conversations/{conversation_id}/items", responses=documented(ItemPage), dependencies=[NO_INCLUDE])
+async def add_items(conversation_id: str, body: AddItems, request: Request) -> JSONResponse:
+    """Append message items, in order, after the active branch's head (all of them or, past the store's limits,
+    none: 413); answered with the items made, oldest first."""
+    store = _store(platform_of(request))
+    messages = _item_messages(body.items)
+    try:
+        added = await asyncio.to_thread(store.extend, _key_id(request_key(request.state)), conversation_id, messages)
+    except ConversationNotFound:
+        raise _not_found(conversation_id) from None
+    except ConversationLimitExceeded as exc:
+        raise _too_large(exc, "items") from None
+    return JSONResponse(list_page([_item(m) for m in added], has_more=False))
+
+
+@router.get("/v1/conversations/{conversation_id}/items/{item_id}", responses=documented(MessageItem),
+            dependencies=[NO_INCLUDE])
+async def get_item(conversation_id: str, item_id: str, request: Request) -> JSONResponse:
+    """One message of the conversation (of any branch) as a message item."""
+    store = _store(platform_of(request))
+    try:
+        message = await asyncio.to_thread(store.message, _key_id(request_key(request.state)), conversation_id, item_id)
+    except ConversationNotFound:
+        raise _not_found(conversation_id) from None
+    except MessageNotFound:
+        raise _item_not_found(item_id) from None
+    return JSONResponse(_item(message))
+
+
+@router.delete("/v1/conversations/{conversation_id}/items/{item_id}", responses=documented(ConversationObject))
+async def delete_item(conversation_id: str, item_id: str, request: Request) -> JSONResponse:
+    """Delete one message: its children, on every branch, follow its parent instead, so the active branch loses
+    just that message. Answered with the conversation, as OpenAI's."""
+    store = _store(platform_of(request))
+    try:
+        conversation = await asyncio.to_thread(
+            store.delete_message, _key_id(request_key(request.state)), conversation_id, item_id
+        )
+    except ConversationNotFound:
+        raise _not_found(conversation_id) from None
+    except MessageNotFound:
+        raise _item_not_found(item_id) from None
+    return JSONResponse(conversation.as_dict(with_messages=False))

@@ -33,12 +33,16 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from llmserve.platform import metadata as metadata_bounds
+
 MAX_LOGPROBS = 20
 # Integers the engine receives must fit 64 bits (its messages are MessagePack), as vLLM bounds its own.
 Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
-# OpenAI's metadata: at most 16 pairs, keys up to 64 characters, values up to 512.
+# OpenAI's metadata (platform/metadata.py): at most 16 pairs, keys up to 64 characters, values up to 512.
 Metadata = Annotated[
-    dict[Annotated[StrictStr, Field(max_length=64)], Annotated[StrictStr, Field(max_length=512)]], Field(max_length=16)
+    dict[Annotated[StrictStr, Field(max_length=metadata_bounds.MAX_KEY_LENGTH)],
+         Annotated[StrictStr, Field(max_length=metadata_bounds.MAX_VALUE_LENGTH)]],
+    Field(max_length=metadata_bounds.MAX_PAIRS),
 ]
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_BAD_WORDS = 128

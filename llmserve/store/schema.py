@@ -137,6 +137,8 @@ class ConversationRow(Base):
     # The newest message of the active branch. Not a foreign key: the two tables would refer to
     # each other, which SQLite cannot add after creating them.
     head_message_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    # OpenAI's conversation metadata, under the column's name (`metadata` is the declarative base's own attribute).
+    tags: Mapped[dict[str, str]] = mapped_column("metadata", JSON, server_default=text("'{}'"))
 
     __table_args__ = (
         Index("ix_conversations_key_id_created_at", "key_id", "created_at"),

@@ -1,5 +1,5 @@
 """Conversations: per-key ownership, paginated listing, message trees with branches, soft delete and purge,
-the limits on what a conversation holds, and its messages a page at a time."""
+the limits on what a conversation holds, its messages a page at a time, deleting one message, and metadata."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from llmserve.platform.conversations import (
     ConversationLimits,
     ConversationNotFound,
     ConversationStore,
+    MessageNotFound,
     derive_title,
 )
 from llmserve.store.db import Database
@@ -416,3 +417,103 @@ def test_a_user_message_keeps_its_images_within_the_image_limit(db: Database) ->
     with pytest.raises(ValueError, match="only user messages hold images"):
         store.append(KEY, conversation.id, "assistant", "x", parts=parts)
     assert store.message_count(KEY, conversation.id) == 2
+
+
+# ---- deleting one message -------------------------------------------------------------------------
+
+
+def tree_links(store: ConversationStore, conversation_id: str) -> dict[str, str | None]:
+    """Each message's content -> its parent's content, every branch."""
+    messages = store.tree(KEY, conversation_id)[1]
+    by_id = {m.id: m.content for m in messages}
+    return {m.content: by_id.get(m.parent_id) for m in messages}
+
+
+def test_deleting_a_middle_message_moves_its_children_up_on_every_branch(store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=user_turns("a", "b", "c"))
+    a, b, _ = conversation.messages
+    other_branch = store.append(KEY, conversation.id, "assistant", "c2", parent_id=b.id)  # the head now
+    after = store.delete_message(KEY, conversation.id, b.id)
+    assert after.head_message_id == other_branch.id and after.updated_at >= conversation.updated_at
+    assert tree_links(store, conversation.id) == {"a": None, "c": "a", "c2": "a"}
+    assert contents(store.history(KEY, conversation.id)) == [("user", "a"), ("assistant", "c2")]
+    assert store.message_count(KEY, conversation.id) == 3
+    with pytest.raises(MessageNotFound):
+        store.message(KEY, conversation.id, b.id)
+    assert store.message(KEY, conversation.id, a.id).content == "a"
+
+
+def test_deleting_the_head_moves_the_head_to_its_parent(store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=user_turns("a", "b", "c"))
+    a, b, c = conversation.messages
+    assert store.delete_message(KEY, conversation.id, c.id).head_message_id == b.id
+    assert contents(store.history(KEY, conversation.id)) == [("user", "a"), ("user", "b")]
+    assert store.delete_message(KEY, conversation.id, a.id).head_message_id == b.id  # the root: b becomes one
+    assert tree_links(store, conversation.id) == {"b": None}
+    assert store.delete_message(KEY, conversation.id, b.id).head_message_id is None
+    assert store.history(KEY, conversation.id) == [] and store.message_count(KEY, conversation.id) == 0
+
+
+def test_deleting_a_message_elsewhere_is_refused_and_deletes_nothing(store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=user_turns("a", "b"))
+    elsewhere = store.create(KEY, messages=user_turns("x")).messages[0]
+    head = conversation.messages[-1]
+    with pytest.raises(ConversationNotFound):
+        store.delete_message(OTHER, conversation.id, head.id)
+    with pytest.raises(ConversationNotFound):
+        store.message(OTHER, conversation.id, head.id)
+    for message_id in (elsewhere.id, "msg_unknown"):
+        with pytest.raises(MessageNotFound):
+            store.delete_message(KEY, conversation.id, message_id)
+        with pytest.raises(MessageNotFound):
+            store.message(KEY, conversation.id, message_id)
+    assert store.get(KEY, conversation.id) == conversation
+    assert store.message_count(KEY, elsewhere.conversation_id) == 1
+
+
+# ---- several messages at once, and metadata -------------------------------------------------------
+
+
+def test_extend_adds_messages_in_order_after_the_head_all_or_none(db: Database) -> None:
+    store = small_store(db)  # 5 messages, 3 at once, 8 bytes each
+    conversation = store.create(KEY, messages=[{"role": "system", "content": "sys"}])
+    image = [{"type": "image_url", "image_url": {"url": "data:,x"}}, {"type": "text", "text": "what"}]
+    added = store.extend(KEY, conversation.id, [
+        {"role": "user", "content": "what", "parts": image}, {"role": "assistant", "content": "a cat"},
+    ])
+    assert [m.parent_id for m in added] == [conversation.head_message_id, added[0].id]
+    stored = store.get(KEY, conversation.id)
+    assert stored.messages[1:] == tuple(added) and stored.head_message_id == added[-1].id
+    assert (stored.title, stored.messages[1].parts, stored.messages[2].parts) == ("what", image, None)
+    for too_much in (user_turns("1", "2", "3", "4"), user_turns("1", "2", "3"), user_turns("1", "123456789")):
+        with pytest.raises(ConversationLimitExceeded):
+            store.extend(KEY, conversation.id, too_much)
+    with pytest.raises(ValueError, match="only user messages hold images"):
+        store.extend(KEY, conversation.id, [{"role": "assistant", "content": "x", "parts": image}])
+    assert store.get(KEY, conversation.id) == stored  # nothing of the refused ones was stored
+
+
+def test_metadata_round_trips_through_create_and_update(store: ConversationStore) -> None:
+    conversation = store.create(KEY, title="Trip", metadata={"topic": "travel", "user": "u1"})
+    assert store.get(KEY, conversation.id).metadata == {"topic": "travel", "user": "u1"}
+    assert conversation.as_dict(with_messages=False)["metadata"] == {"topic": "travel", "user": "u1"}
+    assert store.create(KEY).metadata == {}
+
+    unchanged = store.update(KEY, conversation.id)
+    assert (unchanged.title, unchanged.metadata, unchanged.updated_at) == (
+        "Trip", {"topic": "travel", "user": "u1"}, conversation.updated_at)
+    replaced = store.update(KEY, conversation.id, metadata={"topic": "food"})
+    assert (replaced.title, replaced.metadata) == ("Trip", {"topic": "food"})
+    assert replaced.updated_at >= conversation.updated_at
+    renamed = store.update(KEY, conversation.id, title="Dinner")
+    assert (renamed.title, renamed.metadata) == ("Dinner", {"topic": "food"})
+    assert store.update(KEY, conversation.id, metadata=None, title=None).metadata == {}
+    assert store.list(KEY)[0][-1].metadata == {}
+
+    for bad in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": 1}):
+        with pytest.raises(ValueError, match="metadata holds at most 16 pairs"):
+            store.update(KEY, conversation.id, metadata=bad)
+        with pytest.raises(ValueError, match="metadata holds at most 16 pairs"):
+            store.create(KEY, metadata=bad)
+    with pytest.raises(ConversationNotFound):
+        store.update(OTHER, conversation.id, metadata={"mine": "now"})

@@ -1,6 +1,6 @@
 """/v1/conversations over HTTP: the limits on what a conversation holds (413), its messages a page at
-a time, 400s for bad cursors (SQLite and PostgreSQL), and a long conversation fitted into the context
-window by `truncation: "auto"`."""
+a time, 400s for bad cursors (SQLite and PostgreSQL), a long conversation fitted into the context
+window by `truncation: "auto"`, and OpenAI's Conversations API (items, metadata) through the `openai` SDK."""
 
 from __future__ import annotations
 
@@ -8,16 +8,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from llmserve.cli import build_parser
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.conversations import ConversationLimits, ConversationStore
-from llmserve.server.conversations import TRUNCATED_HEADER, fit_history
+from llmserve.server.conversations import TRUNCATED_HEADER, ItemPage, fit_history
 from llmserve.server.platform_options import conversation_limits
 from llmserve.store.db import open_database
 from tests.server.conftest import MAX_MODEL_LEN
 from tests.server.platform_fixtures import (
+    MODEL,
     MODES,
     PlatformServer,
     chat_body,
@@ -260,3 +262,185 @@ def test_fit_history_drops_the_fewest_oldest_whole_turns_and_keeps_the_system_pr
     assert fit_history(word_render, history, new, 7, "auto")[::2] == ("s1 s2 u3 a3 n", 5)
     assert fit_history(word_render, history, new, 2, "auto")[::2] == ("s1 s2 n", 7)  # too long even so
     assert fit_history(word_render, history, new, 2, "disabled")[2] == 0
+
+
+# ---- OpenAI's Conversations API: items and metadata -----------------------------------------------
+
+
+def sdk(server: PlatformServer, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+
+
+def texts(items: list) -> list[str]:
+    return [item.content[0].text for item in items]
+
+
+QUESTION_ITEM = {"type": "message", "role": "user", "content": "Where is the lake?"}
+ANSWER_ITEM = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Up the valley."}]}
+
+
+def test_the_openai_sdk_creates_updates_lists_and_deletes_conversations_and_items(server: PlatformServer) -> None:
+    client = sdk(server)
+    created = client.conversations.create(items=[QUESTION_ITEM, ANSWER_ITEM], metadata={"topic": "travel"})
+    conversation_id = created.id
+    assert (created.object, created.metadata) == ("conversation", {"topic": "travel"})
+    assert client.conversations.retrieve(conversation_id).metadata == {"topic": "travel"}
+    updated = client.conversations.update(conversation_id, metadata={"topic": "food", "day": "2"})
+    assert updated.metadata == client.conversations.retrieve(conversation_id).metadata == {"topic": "food", "day": "2"}
+
+    newest_first = client.conversations.items.with_raw_response.list(conversation_id).http_response.json()
+    answer_id, question_id = [item["id"] for item in newest_first["data"]]
+    assert newest_first == {"object": "list", "first_id": answer_id, "last_id": question_id, "has_more": False, "data": [
+        {"type": "message", "id": answer_id, "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Up the valley.", "annotations": [], "logprobs": []}]},
+        {"type": "message", "id": question_id, "status": "completed", "role": "user",
+         "content": [{"type": "input_text", "text": "Where is the lake?"}]},
+    ]}
+    ItemPage.model_validate(newest_first)  # as documented
+
+    added = client.conversations.items.create(conversation_id, items=[
+        {"role": "user", "content": [{"type": "input_text", "text": "And the hotel?"}]},
+        {"role": "assistant", "content": "By the shore."},
+    ])
+    assert [(item.role, item.content[0].type) for item in added.data] == [("user", "input_text"),
+                                                                          ("assistant", "output_text")]
+    assert texts(added.data) == ["And the hotel?", "By the shore."] and added.has_more is False
+    oldest_first = client.conversations.items.list(conversation_id, order="asc").data
+    assert texts(oldest_first) == ["Where is the lake?", "Up the valley.", "And the hotel?", "By the shore."]
+    assert [item.id for item in oldest_first] == [question_id, answer_id, *(item.id for item in added.data)]
+    first = client.conversations.items.list(conversation_id, order="asc", limit=3)
+    second = client.conversations.items.list(conversation_id, order="asc", limit=3, after=first.last_id)
+    assert (texts(first.data), first.has_more) == (texts(oldest_first[:3]), True)
+    assert (texts(second.data), second.has_more) == (["By the shore."], False)
+    assert texts(client.conversations.items.list(conversation_id, limit=2).data) == ["By the shore.", "And the hotel?"]
+    every_page = [item.id for item in client.conversations.items.list(conversation_id, limit=1)]  # the SDK pages on
+    assert every_page == [item.id for item in reversed(oldest_first)]
+
+    assert client.conversations.items.retrieve(answer_id, conversation_id=conversation_id) == oldest_first[1]
+    after_delete = client.conversations.items.delete(answer_id, conversation_id=conversation_id)
+    assert (after_delete.id, after_delete.object, after_delete.metadata) == (
+        conversation_id, "conversation", {"topic": "food", "day": "2"})
+    assert texts(client.conversations.items.list(conversation_id, order="asc").data) == [
+        "Where is the lake?", "And the hotel?", "By the shore."]
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.conversations.items.retrieve(answer_id, conversation_id=conversation_id)
+    assert gone.value.code == "item_not_found"
+
+    deleted = client.conversations.delete(conversation_id)
+    assert (deleted.id, deleted.deleted) == (conversation_id, True)
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conversation_id)
+
+
+def test_a_chat_continues_a_conversation_made_of_items_as_if_sent_whole(server: PlatformServer) -> None:
+    history = [{"role": "developer", "content": "Answer in one word."}, {"role": "user", "content": "Name a lake."},
+               {"role": "assistant", "content": "Como."}]
+    question = {"role": "user", "content": "And a mountain?"}
+    conversation = sdk(server).conversations.create(items=history)
+    greedy = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    with server.client() as client:
+        continued = client.post("/v1/chat/completions",
+                                json={**greedy, "messages": [question], "conversation_id": conversation.id})
+        whole = client.post("/v1/chat/completions", json={**greedy, "messages": [*history, question]})
+        alone = client.post("/v1/chat/completions", json={**greedy, "messages": [question]})
+    assert continued.status_code == whole.status_code == alone.status_code == 200, continued.text
+    assert continued.json()["usage"]["prompt_tokens"] == whole.json()["usage"]["prompt_tokens"]
+    assert continued.json()["usage"]["prompt_tokens"] > alone.json()["usage"]["prompt_tokens"]
+    reply = continued.json()["choices"][0]["message"]["content"]
+    assert reply == whole.json()["choices"][0]["message"]["content"]
+    stored = sdk(server).conversations.items.list(conversation.id, order="asc").data
+    assert [(item.role, item.content[0].text) for item in stored] == [
+        *((m["role"], m["content"]) for m in history), ("user", question["content"]), ("assistant", reply)]
+
+
+def test_image_items_are_stored_as_a_chat_turns_images(server: PlatformServer) -> None:
+    url = "data:image/png;base64,iVBORw0KGgo="
+    item = {"role": "user", "content": [{"type": "input_text", "text": "What is "},
+                                        {"type": "input_image", "image_url": url},
+                                        {"type": "input_text", "text": "this?"}]}
+    with server.client() as client:
+        conversation_id = client.post("/v1/conversations", json={"items": [item]}).json()["id"]
+        items = client.get(f"/v1/conversations/{conversation_id}/items").json()
+        messages = client.get(f"/v1/conversations/{conversation_id}/messages").json()
+    assert items["data"][0]["content"] == [{"type": "input_text", "text": "What is "},
+                                           {"type": "input_image", "image_url": url, "detail": "auto"},
+                                           {"type": "input_text", "text": "this?"}]
+    ItemPage.model_validate(items)
+    assert (messages["data"][0]["content"], messages["data"][0]["images"]) == ("What is this?", [url])
+    stored = server.platform.conversations.get(None, conversation_id).messages[0]
+    assert stored.parts == [{"type": "text", "text": "What is "}, {"type": "image_url", "image_url": {"url": url}},
+                            {"type": "text", "text": "this?"}]
+
+
+def test_items_a_stored_conversation_cannot_keep_are_400s(server: PlatformServer) -> None:
+    client = sdk(server)
+    conversation_id = client.conversations.create(items=[QUESTION_ITEM]).id
+    refused = {
+        "items[0].type": lambda: client.conversations.items.create(conversation_id, items=[
+            {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}"}]),
+        "items[1].type": lambda: client.conversations.create(items=[
+            QUESTION_ITEM, {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]),
+        "include": lambda: client.conversations.items.list(conversation_id, include=["message.output_text.logprobs"]),
+        "items[0].content[1].type": lambda: client.conversations.items.create(conversation_id, items=[
+            {"role": "user", "content": [{"type": "input_text", "text": "read"},
+                                         {"type": "input_file", "file_id": "file_1"}]}]),
+        "items[0].content[0]": lambda: client.conversations.items.create(conversation_id, items=[
+            {"role": "assistant", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]),
+    }
+    for param, call in refused.items():
+        with pytest.raises(openai.BadRequestError) as error:
+            call()
+        assert error.value.param == param
+    with server.client() as http:
+        plain_include = http.get(f"/v1/conversations/{conversation_id}/items",
+                                 params={"include": "message.output_text.logprobs"})
+        both = http.post("/v1/conversations", json={"items": [QUESTION_ITEM], "messages": turns("a")})
+        too_many = http.post(f"/v1/conversations/{conversation_id}/items", json={"items": [QUESTION_ITEM] * 21})
+        none = http.post(f"/v1/conversations/{conversation_id}/items", json={"items": []})
+    for response, param in ((plain_include, "include"), (both, "items"), (too_many, "items"), (none, "items")):
+        assert response.status_code == 400 and error_of(response)["param"] == param, response.text
+    assert texts(client.conversations.items.list(conversation_id).data) == ["Where is the lake?"]  # nothing added
+    assert client.conversations.create(items=[]).metadata == {}  # how the Agents SDK starts a session
+
+
+def test_items_past_the_limits_are_413s_and_none_of_them_is_stored(server: PlatformServer) -> None:
+    server.platform.conversations = ConversationStore(
+        server.database, ConversationLimits(max_message_bytes=8, max_messages=3))
+    with server.client() as client:
+        created = client.post("/v1/conversations", json={"items": [{"role": "user", "content": "a"}]})
+        conversation_id = created.json()["id"]
+        url = f"/v1/conversations/{conversation_id}/items"
+        too_large = client.post(url, json={"items": [{"role": "user", "content": "fine"},
+                                                     {"role": "user", "content": "too large"}]})
+        too_long = client.post(url, json={"items": [{"role": "user", "content": str(i)} for i in range(3)]})
+        stored = client.get(url).json()["data"]
+    assert too_large.status_code == 413 and error_of(too_large)["param"] == "items[1].content"
+    assert "items[1] has 9" in error_of(too_large)["message"]
+    assert too_long.status_code == 413 and error_of(too_long)["code"] == "conversation_too_long"
+    assert len(stored) == 1
+
+
+def test_another_keys_conversation_and_unknown_items_are_404s(server: PlatformServer) -> None:
+    owner, stranger = sdk(server, server.new_key("owner")[1]), sdk(server, server.new_key("stranger")[1])
+    conversation_id = owner.conversations.create(items=[QUESTION_ITEM]).id
+    item_id = owner.conversations.items.list(conversation_id).data[0].id
+    elsewhere = owner.conversations.items.list(owner.conversations.create(items=[ANSWER_ITEM]).id).data[0].id
+    foreign = [
+        lambda: stranger.conversations.items.list(conversation_id),
+        lambda: stranger.conversations.items.create(conversation_id, items=[QUESTION_ITEM]),
+        lambda: stranger.conversations.items.retrieve(item_id, conversation_id=conversation_id),
+        lambda: stranger.conversations.items.delete(item_id, conversation_id=conversation_id),
+        lambda: stranger.conversations.update(conversation_id, metadata={"mine": "now"}),
+    ]
+    unknown = [
+        lambda: owner.conversations.items.retrieve("msg_unknown", conversation_id=conversation_id),
+        lambda: owner.conversations.items.delete("msg_unknown", conversation_id=conversation_id),
+        lambda: owner.conversations.items.delete(elsewhere, conversation_id=conversation_id),
+    ]
+    for calls, code in ((foreign, "conversation_not_found"), (unknown, "item_not_found")):
+        for call in calls:
+            with pytest.raises(openai.NotFoundError) as error:
+                call()
+            assert error.value.code == code
+    conversation = owner.conversations.retrieve(conversation_id)
+    assert conversation.metadata == {} and [i.id for i in owner.conversations.items.list(conversation_id)] == [item_id]

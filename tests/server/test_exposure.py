@@ -60,6 +60,8 @@ ROUTE_ACCESS = {
     "/v1/conversations": KEY,
     "/v1/conversations/{conversation_id}": KEY,
     "/v1/conversations/{conversation_id}/messages": KEY,
+    "/v1/conversations/{conversation_id}/items": KEY,
+    "/v1/conversations/{conversation_id}/items/{item_id}": KEY,
     "/admin/reload": KEY,  # an admin key, in fact (test_weight_reload.py)
     "/admin/reset_prefix_cache": KEY,  # an admin key, in fact (test_kv_offload_http.py)
     "/reset_prefix_cache": KEY,  # vLLM's path for it

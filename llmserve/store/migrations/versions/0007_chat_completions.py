@@ -1,4 +1,4 @@
-"""Stored chat completions (`store: true`).
+"""Stored chat completions (`store: true`), and conversation metadata.
 
 Revision ID: 0007
 Revises: 0006
@@ -30,9 +30,13 @@ def upgrade() -> None:
     )
     op.create_index("ix_chat_completions_key_id_created_at", "chat_completions", ["key_id", "created_at"])
     op.create_index("ix_chat_completions_created_at", "chat_completions", ["created_at"])
+    with op.batch_alter_table("conversations") as batch:
+        batch.add_column(sa.Column("metadata", sa.JSON(), nullable=False, server_default=sa.text("'{}'")))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("conversations") as batch:
+        batch.drop_column("metadata")
     op.drop_index("ix_chat_completions_created_at", table_name="chat_completions")
     op.drop_index("ix_chat_completions_key_id_created_at", table_name="chat_completions")
     op.drop_table("chat_completions")
