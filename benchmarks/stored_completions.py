@@ -1,7 +1,7 @@
 """What OpenAI's stored chat completions (`store: true`) cost as a key's store grows: keeping one
 (`StoredCompletions.save`, before the client sees the end), reading one back, and listing a page of 20 (oldest first,
 from the start and after the 100th, newest first, and filtered by model or by a metadata pair that one
-completion in 100 holds).
+completion in 100 holds, or that none holds: every one of the key's completions is read).
 
 The key's completions are written in bulk up to each size (`--sizes`), each a 100-word reply to a 100-word
 question with two metadata pairs; another key holds as many again, which its listings must pass over. Timings are
@@ -62,6 +62,7 @@ def _cases(store: StoredCompletions, hundredth: str) -> dict[str, Callable[[], o
         "list 20, newest first": lambda: store.list(KEY, order="desc"),
         "list 20 of a model (1 in 10)": lambda: store.list(KEY, model="big"),
         "list 20 by metadata (1 in 100)": lambda: store.list(KEY, metadata={"run": "run-7"}),
+        "list by metadata that none holds": lambda: store.list(KEY, metadata={"run": "nowhere"}),
     }
 
 

@@ -198,6 +198,7 @@ class ChatCompletionRow(Base):
     tags: Mapped[dict[str, str]] = mapped_column("metadata", JSON)
 
     __table_args__ = (Index("ix_chat_completions_key_id_created_at", "key_id", "created_at"),
+                      Index("ix_chat_completions_key_id_model_created_at", "key_id", "model", "created_at"),
                       Index("ix_chat_completions_created_at", "created_at"))
 
 

@@ -29,6 +29,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name="pk_chat_completions"),
     )
     op.create_index("ix_chat_completions_key_id_created_at", "chat_completions", ["key_id", "created_at"])
+    op.create_index("ix_chat_completions_key_id_model_created_at", "chat_completions", ["key_id", "model", "created_at"])
     op.create_index("ix_chat_completions_created_at", "chat_completions", ["created_at"])
     with op.batch_alter_table("conversations") as batch:
         batch.add_column(sa.Column("metadata", sa.JSON(), nullable=False, server_default=sa.text("'{}'")))
@@ -38,5 +39,6 @@ def downgrade() -> None:
     with op.batch_alter_table("conversations") as batch:
         batch.drop_column("metadata")
     op.drop_index("ix_chat_completions_created_at", table_name="chat_completions")
+    op.drop_index("ix_chat_completions_key_id_model_created_at", table_name="chat_completions")
     op.drop_index("ix_chat_completions_key_id_created_at", table_name="chat_completions")
     op.drop_table("chat_completions")
