@@ -76,14 +76,15 @@ from llmserve.server.protocol import (
     RerankRequest,
     ScoreRequest,
 )
-from llmserve.server.responses_api import ResponsesRequest
+from llmserve.server.responses_api import InputTokensRequest, ResponsesRequest
 from llmserve.server.streaming import ResumeLimits, StreamRegistry
 from llmserve.server.workers import WorkerPool
 from llmserve.web import install_page, page_paths
 
 # Passed on as they are by a gateway without its platform (with it, each has a route; a Responses API request
 # runs there as a chat completion, metered and screened as one).
-PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/score",
+PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+                 "/v1/responses/input_tokens", "/v1/score",
                  "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/classify", "/v1/moderations", "/v1/messages",
                  "/v1/messages/count_tokens")
 
@@ -311,7 +312,7 @@ def build_gateway_app(
 
         @app.post("/v1/messages/count_tokens", response_model=None)
         async def count_message_tokens_with_platform(body: CountTokensRequest, request: Request) -> Response:
-            return await front.count_tokens(request, anthropic_api.count_request(body))
+            return JSONResponse({"input_tokens": await front.count_tokens(request, anthropic_api.count_request(body))})
 
         @app.post("/v1/moderations", response_model=None)
         async def moderations_with_platform(body: ModerationRequest, request: Request) -> Response:
@@ -321,6 +322,12 @@ def build_gateway_app(
         async def responses_with_platform(body: ResponsesRequest, request: Request) -> Response:
             return await responses_api.answer(body, lambda chat, payload: front.chat(request, chat, payload),
                                               stored_responses.storage_for(request))
+
+        @app.post("/v1/responses/input_tokens", response_model=None)
+        async def count_input_tokens_with_platform(body: InputTokensRequest, request: Request) -> Response:
+            prompt = await responses_api.input_token_request(body, stored_responses.storage_for(request))
+            count = await front.count_tokens(request, prompt)
+            return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -59,6 +59,7 @@ from llmserve.platform.routing import ModelRouter
 from llmserve.platform.safety import OutputGuard
 from llmserve.platform.usage import UsageStatus
 from llmserve.server import errors
+from llmserve.server.chat_translation import chat_tokenize_body
 from llmserve.server.conversations import ConversationTurn, fit_history, open_turn, turn_messages
 from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Admission, Platform, request_key
@@ -184,7 +185,7 @@ class GatewayPlatform:
             obfuscate=_obfuscation_asked(body), keeper=keeper,
         )
         if self._limits_tokens(key):
-            count, max_model_len = await self._count(pool, _tokenize_body(model, payload))
+            count, max_model_len = await self._count(pool, chat_tokenize_body(model, payload))
             call.prompt_tokens = count
             call.reserve_tokens = _reservation([count], max_tokens, body.n, max_model_len)
         return await self._run(request, call)
@@ -269,12 +270,13 @@ class GatewayPlatform:
         payload["model"] = model
         return await self.proxy.forward(pool, path, json.dumps(payload).encode(), "", _replica_headers(request))
 
-    async def count_tokens(self, request: Request, prompt: dict[str, Any]) -> Response:
-        """A chat prompt's tokens (Anthropic's count_tokens), counted by a replica of the model's pool."""
+    async def count_tokens(self, request: Request, prompt: dict[str, Any]) -> int:
+        """A chat prompt's tokens (given as a /tokenize body: Anthropic's count_tokens, the Responses API's
+        input_tokens), counted by a replica of the model's pool."""
         key = request_key(request.state)
         model, pool = self.resolve(prompt["model"], key, key.id if key is not None else None)
         count, _ = await self._count(pool, {**prompt, "model": model})
-        return JSONResponse({"input_tokens": count})
+        return count
 
     def resolve(self, model: str | None, key: ApiKey | None, routing_key: str | None) -> tuple[str, Pool]:
         """The pool a request for `model` goes to: by name or alias (a canary alias picks one, the same
@@ -335,11 +337,11 @@ class GatewayPlatform:
         if truncation == "disabled" or not history:
             return history
         loop = asyncio.get_running_loop()
-        _, max_model_len = await self._count(pool, _tokenize_body(model, payload))
+        _, max_model_len = await self._count(pool, chat_tokenize_body(model, payload))
         new_messages = payload["messages"]
 
         def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-            body = _tokenize_body(model, {**payload, "messages": messages})
+            body = chat_tokenize_body(model, {**payload, "messages": messages})
             count, _ = asyncio.run_coroutine_threadsafe(self._count(pool, body), loop).result()
             return "", [0] * count  # fit_history weighs the prompt by its length only
 
@@ -558,24 +560,6 @@ def _obfuscation_asked(body: ChatCompletionRequest | CompletionRequest) -> bool:
 def _usage_asked(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
     options = body.stream_options
     return (options.include_usage, options.continuous_usage_stats) if options is not None else (False, False)
-
-
-def _tokenize_body(model: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """A chat prompt as the replica renders it: the tools' schemas, the template's variables (`reasoning_effort`
-    among them, as the replica passes it) and the image processor's options too."""
-    body = {"model": model, "messages": payload["messages"],
-            "add_generation_prompt": payload.get("add_generation_prompt", True),
-            "continue_final_message": payload.get("continue_final_message", False)}
-    if payload.get("tools"):
-        body["tools"] = payload["tools"]
-    if payload.get("mm_processor_kwargs"):
-        body["mm_processor_kwargs"] = payload["mm_processor_kwargs"]
-    variables = dict(payload.get("chat_template_kwargs") or {})
-    if payload.get("reasoning_effort") is not None:
-        variables.setdefault("reasoning_effort", payload["reasoning_effort"])
-    if variables:
-        body["chat_template_kwargs"] = variables
-    return body
 
 
 def _truncated(count: int, truncate: int | None, max_model_len: int) -> int:

@@ -4,14 +4,9 @@ chat prompt."""
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
-from llmserve.errors import InvalidRequestError
-from llmserve.server import errors
 from llmserve.server.anthropic_api import (
     DOCUMENTED,
     CountTokensRequest,
@@ -22,8 +17,7 @@ from llmserve.server.anthropic_api import (
 )
 from llmserve.server.chat import create_chat_completion
 from llmserve.server.openapi import documented
-from llmserve.server.protocol import TokenizeRequest
-from llmserve.server.tokens import tokenize
+from llmserve.server.tokens import count_chat_tokens
 
 router = APIRouter()
 
@@ -35,10 +29,4 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 
 @router.post("/v1/messages/count_tokens", responses=documented(TokenCount))
 async def count_message_tokens(body: CountTokensRequest, request: Request) -> JSONResponse:
-    try:
-        prompt = TokenizeRequest.model_validate(count_request(body))
-    except ValidationError as exc:
-        param = errors.param_path(exc.errors()[0].get("loc", ()))
-        raise InvalidRequestError(f"Invalid value for '{param}': {exc.errors()[0].get('msg')}", param="messages") from None
-    counted = await tokenize(prompt, request)
-    return JSONResponse({"input_tokens": json.loads(bytes(counted.body))["count"]})
+    return JSONResponse({"input_tokens": await count_chat_tokens(count_request(body), request, "messages")})

@@ -1,7 +1,7 @@
 """What the APIs run as chat completions share (OpenAI's Responses API, responses_api.py; Anthropic's Messages API,
 anthropic_api.py): the chat endpoint they call, the chat request validated and its errors, a non-streamed
 completion read whole, chat's error answers, and chat's streamed chunks, each with its `param` named as the
-caller's own request names it."""
+caller's own request names it; and the /tokenize body that counts a chat request's prompt."""
 
 from __future__ import annotations
 
@@ -100,3 +100,21 @@ async def chat_chunks(events: AsyncIterator[str | bytes]) -> AsyncIterator[dict[
         close = getattr(events, "aclose", None)
         if close is not None:
             await close()
+
+
+def chat_tokenize_body(model: str | None, payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The /tokenize body of a chat request's prompt, as the chat endpoint renders it: the tools' schemas, the
+    template's variables (`reasoning_effort` among them, as chat passes it) and the image processor's options too."""
+    body = {"model": model, "messages": payload["messages"],
+            "add_generation_prompt": payload.get("add_generation_prompt", True),
+            "continue_final_message": payload.get("continue_final_message", False)}
+    if payload.get("tools"):
+        body["tools"] = payload["tools"]
+    if payload.get("mm_processor_kwargs"):
+        body["mm_processor_kwargs"] = payload["mm_processor_kwargs"]
+    variables = dict(payload.get("chat_template_kwargs") or {})
+    if payload.get("reasoning_effort") is not None:
+        variables.setdefault("reasoning_effort", payload["reasoning_effort"])
+    if variables:
+        body["chat_template_kwargs"] = variables
+    return body

@@ -1,14 +1,24 @@
 """POST /v1/responses: OpenAI's Responses API, run as the chat completion of the same conversation
-(`responses_api`) by this server's chat endpoint, and kept in the platform's store (`stored_responses`)."""
+(`responses_api`) by this server's chat endpoint, and kept in the platform's store (`stored_responses`); and
+POST /v1/responses/input_tokens, which counts that chat completion's prompt as /tokenize counts it."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from llmserve.server.chat import create_chat_completion
-from llmserve.server.responses_api import DOCUMENTED, ResponsesRequest, answer
+from llmserve.server.openapi import documented
+from llmserve.server.responses_api import (
+    DOCUMENTED,
+    InputTokens,
+    InputTokensRequest,
+    ResponsesRequest,
+    answer,
+    input_token_request,
+)
 from llmserve.server.stored_responses import storage_for
+from llmserve.server.tokens import count_chat_tokens
 
 router = APIRouter()
 
@@ -16,3 +26,11 @@ router = APIRouter()
 @router.post("/v1/responses", response_model=None, responses=DOCUMENTED)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return await answer(body, lambda chat, _: create_chat_completion(chat, request), storage_for(request))
+
+
+@router.post("/v1/responses/input_tokens", responses=documented(InputTokens))
+async def count_input_tokens(body: InputTokensRequest, request: Request) -> JSONResponse:
+    """The input tokens of the response `body` describes (its instructions, the conversation it continues, its
+    input and its tools), as its chat completion's prompt counts them."""
+    count = await count_chat_tokens(await input_token_request(body, storage_for(request)), request, "input")
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": count})

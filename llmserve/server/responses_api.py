@@ -45,6 +45,7 @@ from llmserve.server.chat_translation import (
     RunChat,
     chat_chunks,
     chat_request,
+    chat_tokenize_body,
     error_reply,
     renamed,
     renamer,
@@ -115,6 +116,27 @@ class ResponsesRequest(RequestBody):
     max_tool_calls: Any = None
 
 
+class InputTokensRequest(RequestBody):
+    """POST /v1/responses/input_tokens: what a Responses request's input tokens depend on."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(default_factory=list)
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    previous_response_id: str | None = Field(None, min_length=1, max_length=64)
+    conversation: ConversationRef | Annotated[str, Field(min_length=1)] | None = None
+
+
+class InputTokens(BaseModel):
+    object: Literal["response.input_tokens"]
+    input_tokens: int
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int
     input_tokens_details: dict[str, int]
@@ -169,10 +191,21 @@ class Storage:
     conversations: ConversationStore | None = None
 
 
-async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | None = None) -> Response:
-    """The response to `body`, by way of a chat completion that `run_chat` runs; kept in `storage` unless the
-    request says not to; its turn appended to the stored conversation it names."""
-    _check_fields(body)
+@dataclass(frozen=True)
+class _Turn:
+    """A request as the chat completion it runs: the chat request (validated, and as JSON), the input items it
+    sent (with their ids), and its turn in the stored conversation it names with that turn's messages."""
+
+    chat: ChatCompletionRequest
+    payload: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    turn: ConversationTurn | None
+    turn_messages: list[dict[str, Any]]
+
+
+async def _as_chat(body: ResponsesRequest, storage: Storage | None) -> _Turn:
+    """`body` as a chat completion: its instructions, then the stored conversation it continues (its previous
+    response's turns, or its stored conversation's messages), then its input."""
     conversation_id = _conversation_id(body, storage)
     context = await _context(body.previous_response_id, storage)
     input_items = with_ids(_input_items(body))
@@ -185,7 +218,23 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
     history = wire_messages(turn.history) if turn is not None else []
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat, payload = _chat_request(body, [*instructions, *history, *messages])
-    reply = await renamed(run_chat(chat, payload), _rename)
+    return _Turn(chat, payload, input_items, turn, turn_messages)
+
+
+async def input_token_request(body: InputTokensRequest, storage: Storage | None = None) -> dict[str, Any]:
+    """The /tokenize body whose count is the input tokens of the response `body` describes: the prompt its chat
+    completion would template (before `truncation: "auto"` cut it)."""
+    request = ResponsesRequest.model_validate({**body.model_dump(exclude_unset=True), "input": body.input})
+    return chat_tokenize_body(body.model, (await _as_chat(request, storage)).payload)
+
+
+async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | None = None) -> Response:
+    """The response to `body`, by way of a chat completion that `run_chat` runs; kept in `storage` unless the
+    request says not to; its turn appended to the stored conversation it names."""
+    _check_fields(body)
+    prepared = await _as_chat(body, storage)
+    input_items, turn, turn_messages = prepared.input_items, prepared.turn, prepared.turn_messages
+    reply = await renamed(run_chat(prepared.chat, prepared.payload), _rename)
     headers = {k: v for k, v in reply.headers.items() if k.startswith("x-")}
     if reply.status_code != 200:  # an error answered rather than raised (a gateway's replica's)
         return error_reply(reply, _rename)

@@ -1,9 +1,15 @@
-"""POST /tokenize and /detokenize (vLLM's extras): the served model's tokenizer over HTTP."""
+"""POST /tokenize and /detokenize (vLLM's extras): the served model's tokenizer over HTTP; and the count of a chat
+prompt that the APIs counting their requests' input tokens share (Anthropic's count_tokens, the Responses API's
+input_tokens)."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from llmserve.errors import InvalidRequestError
 from llmserve.multimodal.inputs import PreparedImage
@@ -64,6 +70,18 @@ def _tokenize(endpoint: ModelEndpoint, body: TokenizeRequest, images: list[Prepa
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     head = f'{{"count":{len(ids)},"max_model_len":{max_model_len},"tokens":['
     return Response(head + _joined(ids) + "]}", media_type="application/json")
+
+
+async def count_chat_tokens(body: dict[str, Any], request: Request, param: str) -> int:
+    """The tokens of a chat prompt given as a /tokenize body (an API's count of its request's input tokens); a 400
+    naming `param` for a body /tokenize refuses."""
+    try:
+        prompt = TokenizeRequest.model_validate(body)
+    except ValidationError as exc:
+        where = errors.param_path(exc.errors()[0].get("loc", ()))
+        raise InvalidRequestError(f"Invalid value for '{where}': {exc.errors()[0].get('msg')}", param=param) from None
+    counted = await tokenize(prompt, request)
+    return json.loads(bytes(counted.body))["count"]
 
 
 def _joined(ids: list[int]) -> str:

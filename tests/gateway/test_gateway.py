@@ -223,6 +223,10 @@ def test_responses_pass_through_unchanged(gateway: Gateway, replicas: list[Proce
     direct = httpx.post(f"{replicas[1].url}/v1/responses", json=response, timeout=30)
     assert proxied.status_code == 200 and proxied.json()["output"][0]["content"] == direct.json()["output"][0]["content"]
     assert prompt_key(response) == "Be brief.\nOnce upon a time"  # routed by prefix as a chat would be
+    counted = httpx.post(f"{gateway.url}/v1/responses/input_tokens", json={
+        "model": MODEL, "instructions": "Be brief.", "input": response["input"]}, timeout=30)
+    assert counted.json() == {"object": "response.input_tokens",
+                              "input_tokens": direct.json()["usage"]["input_tokens"]}
 
 
 def test_a_resumable_stream_is_forwarded_plain(gateway: Gateway, replicas: list[Process]) -> None:

@@ -186,10 +186,10 @@ def test_a_non_streamed_request_whose_replica_dies_mid_reply_is_retried_on_anoth
 def test_a_chats_token_count_is_asked_for_the_prompt_its_reasoning_effort_renders() -> None:
     """The replica passes `reasoning_effort` to the chat template as a variable; the gateway's count of the prompt
     (for the key's TPM reservation) asks for the same render."""
-    from llmserve.gateway.platform import _tokenize_body
+    from llmserve.server.chat_translation import chat_tokenize_body
 
     messages = [{"role": "user", "content": "Hi"}]
-    body = _tokenize_body(MODEL, {"messages": messages, "reasoning_effort": "low",
+    body = chat_tokenize_body(MODEL, {"messages": messages, "reasoning_effort": "low",
                                   "chat_template_kwargs": {"enable_thinking": False}})
     assert body["chat_template_kwargs"] == {"enable_thinking": False, "reasoning_effort": "low"}
-    assert "chat_template_kwargs" not in _tokenize_body(MODEL, {"messages": messages})
+    assert "chat_template_kwargs" not in chat_tokenize_body(MODEL, {"messages": messages})

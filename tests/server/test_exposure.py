@@ -44,6 +44,7 @@ ROUTE_ACCESS = {
     "/v1/chat/completions/{completion_id}": KEY,
     "/v1/chat/completions/{completion_id}/messages": KEY,
     "/v1/responses": KEY,
+    "/v1/responses/input_tokens": KEY,
     "/v1/responses/{response_id}": KEY,
     "/v1/responses/{response_id}/input_items": KEY,
     "/v1/score": KEY,

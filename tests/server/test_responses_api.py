@@ -273,3 +273,15 @@ def test_an_unknown_include_is_a_400_naming_it(live_server: LiveServer) -> None:
     response = httpx.post(f"{live_server.base_url}/v1/responses", timeout=60, json={
         "model": live_server.model, "input": "hi", "include": ["message.output_text.logprobs", "everything"]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "include[1]", response.text
+
+
+def test_input_tokens_without_stored_responses_count_the_input_alone(live_server: LiveServer) -> None:
+    """Without its platform the server counts a request's own instructions, input and tools; continuing a stored
+    response is a 400 there, as creating one is."""
+    body = {"model": live_server.model, "instructions": "Be brief.", "input": "What is two and two?"}
+    made = httpx.post(f"{live_server.base_url}/v1/responses", json={**body, "max_output_tokens": 2}, timeout=60)
+    counted = live_server.client().responses.input_tokens.count(**body)
+    assert counted.input_tokens == made.json()["usage"]["input_tokens"]
+    refused = httpx.post(f"{live_server.base_url}/v1/responses/input_tokens", timeout=60,
+                         json={**body, "previous_response_id": "resp_1"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"

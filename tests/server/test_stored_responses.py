@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from openai.types.responses import Response
 
@@ -240,3 +241,30 @@ def test_a_gateway_without_a_platform_reads_and_deletes_what_its_replicas_stored
             for server, thread in ((gateway, gateway_thread), (stranger, stranger_thread)):
                 server.should_exit = True
                 thread.join(timeout=30)
+
+
+def test_input_tokens_are_those_the_response_reads_after_its_stored_turns(server: PlatformServer) -> None:
+    """POST /v1/responses/input_tokens (the SDK's `responses.input_tokens.count`) counts what the response made from
+    the same request reads: its instructions, a previous response's turns or a stored conversation's messages, its
+    input and its tools."""
+    sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    tools = [{"type": "function", "name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}}]
+    with server.client() as client:
+        first = _create(client, input="What is two and two?", instructions="Answer briefly.")
+        follow_up = {"input": "And three and three?", "previous_response_id": first["id"], "instructions": "Be kind."}
+        counted = sdk.responses.input_tokens.count(model=MODEL, **follow_up, tools=tools)
+        assert counted.object == "response.input_tokens"
+        assert counted.input_tokens == _create(client, **follow_up, tools=tools)["usage"]["input_tokens"]
+        without_tools = sdk.responses.input_tokens.count(model=MODEL, **follow_up).input_tokens
+        assert without_tools == _create(client, **follow_up)["usage"]["input_tokens"] < counted.input_tokens
+        conversation = client.post("/v1/conversations", json={"messages": [
+            {"role": "user", "content": "Name a lake."}, {"role": "assistant", "content": "Como."}]}).json()["id"]
+        in_conversation = sdk.responses.input_tokens.count(model=MODEL, input="And a river?", conversation=conversation)
+        assert in_conversation.input_tokens == _create(client, input="And a river?", conversation=conversation)[
+            "usage"]["input_tokens"]
+        unknown = client.post("/v1/responses/input_tokens", json={"model": MODEL, "input": "Hi",
+                                                                   "previous_response_id": "resp_nope"})
+        assert unknown.status_code == 404 and _error(unknown)["param"] == "previous_response_id"
+        stray = client.post("/v1/responses/input_tokens", json={"model": MODEL, "input": "Hi", "stream": True})
+        assert stray.status_code == 400 and _error(stray)["param"] == "stream"
