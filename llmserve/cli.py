@@ -245,6 +245,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="the hosts whose http(s) image URLs the server fetches for a vision-language model (vLLM's; default: "
         "any; 'none': no URL, only data: URLs)",
     )
+    serve.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="render a chat request's own chat_template (vLLM's flag; by default such a request is a 400: a template "
+        "is code, run in a sandbox but at the requester's choice of cost)",
+    )
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     serve.add_argument(
         "--slo-ttft-ms", type=float, default=None,

@@ -185,6 +185,7 @@ def build_app(
     public_openapi: bool = False,
     allowed_origins: Sequence[str] = (),
     allowed_media_domains: Sequence[str] = (),
+    trust_request_chat_template: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
@@ -206,7 +207,8 @@ def build_app(
     anything reads it. `tool_call_parser` and `reasoning_parser` name the formats
     `engine_client`'s replies are parsed in (a spec in `models` names its own). `stream_resume` bounds
     the buffers of resumable streams (server/streams.py). `allowed_media_domains`: the hosts whose image URLs
-    are fetched (none given: any; "none": no host).
+    are fetched (none given: any; "none": no host). `trust_request_chat_template`: a chat request may bring its own
+    chat template (server/templates.py).
     """
     specs = list(models)
     if engine_client is not None:
@@ -222,6 +224,7 @@ def build_app(
     state = ServerState(
         router=router, metrics=ServerMetrics(lambda: base_endpoints(router)), platform=platform,
         streams=StreamRegistry(stream_resume), allowed_media_domains=frozenset(allowed_media_domains),
+        trust_request_chat_template=trust_request_chat_template,
     )
     if platform is not None:
         platform.metrics = state.metrics.platform

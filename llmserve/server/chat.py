@@ -47,7 +47,7 @@ from llmserve.server.sampling import constraint_field, engine_kv_transfer, to_sa
 from llmserve.server.state import ModelEndpoint, ServerState, get_state
 from llmserve.server.stored_completions import CompletionKeeper, keeper_for
 from llmserve.server.streaming import Delta, StreamCursor, content_choice_json
-from llmserve.server.workers import WorkerPool
+from llmserve.server.templates import TemplateOptions, template_options
 
 router = APIRouter()
 
@@ -76,7 +76,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if turn is not None:  # the stored conversation's images come first
         urls = entry_image_urls(turn.history, "conversation_id") + urls
     images = await load_images(state, endpoint, urls, body.mm_processor_kwargs)
-    prompt_text, prompt_ids = await _chat_prompt(state.workers, endpoint, body, new_messages, turn, max_tokens, images)
+    prompt_text, prompt_ids = await _chat_prompt(state, endpoint, body, new_messages, turn, max_tokens, images)
     if images:
         prompt_ids = await state.workers.run(endpoint.engine.input_processor.place_images, prompt_ids, images)
     prompt_ids = endpoint.engine.input_processor.truncate(prompt_ids, body.truncate_prompt_tokens)
@@ -162,13 +162,15 @@ def _echo_text(body: ChatCompletionRequest) -> str:
     return last.text() if body.echo and last.role == "assistant" else ""
 
 
-def _template_variables(body: ChatCompletionRequest, endpoint: ModelEndpoint) -> dict[str, Any]:
-    """The chat template's variables from the request: `chat_template_kwargs`, and `reasoning_effort`
-    where the template reads it."""
-    variables = dict(body.chat_template_kwargs or {})
+def _template_options(body: ChatCompletionRequest, endpoint: ModelEndpoint, trusted: bool) -> TemplateOptions:
+    """The chat template the request renders with and its variables: `chat_template_kwargs`, `documents`
+    (server/templates.py), and `reasoning_effort` where the template reads it."""
+    tokenizer = endpoint.engine.tokenizer
+    options = template_options(tokenizer, trusted, body.chat_template, body.documents, body.chat_template_kwargs)
+    variables = options.variables
     if body.reasoning_effort is None:
-        return variables
-    if not endpoint.engine.tokenizer.template_reads("reasoning_effort"):
+        return options
+    if not options.reads(tokenizer, "reasoning_effort"):
         raise errors.unsupported("reasoning_effort", (
             f"reasoning_effort is not supported by {endpoint.name}: its chat template does not read it (a model "
             "that thinks may take a switch in chat_template_kwargs instead, such as Qwen3's enable_thinking)."
@@ -176,7 +178,7 @@ def _template_variables(body: ChatCompletionRequest, endpoint: ModelEndpoint) ->
     if variables.setdefault("reasoning_effort", body.reasoning_effort) != body.reasoning_effort:
         raise errors.unsupported("reasoning_effort", "reasoning_effort and chat_template_kwargs.reasoning_effort "
                                  "differ: give it once.")
-    return variables
+    return options
 
 
 async def _with_prediction(state: ServerState, endpoint: ModelEndpoint, params: SamplingParams,
@@ -187,7 +189,7 @@ async def _with_prediction(state: ServerState, endpoint: ModelEndpoint, params: 
 
 
 async def _chat_prompt(
-    workers: WorkerPool,
+    state: ServerState,
     endpoint: ModelEndpoint,
     body: ChatCompletionRequest,
     new_messages: list[dict[str, Any]],
@@ -200,7 +202,8 @@ async def _chat_prompt(
     conversation, the messages' own turns before the last are the history fitted. The request's
     `chat_template_kwargs` are the template's variables too."""
 
-    template_variables = _template_variables(body, endpoint)
+    # (compiling a request's own template grows with it: on a worker thread)
+    options = await state.workers.run(_template_options, body, endpoint, state.trust_request_chat_template)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     tokenizer, processor = endpoint.engine.tokenizer, endpoint.engine.input_processor
 
@@ -208,7 +211,7 @@ async def _chat_prompt(
         messages = images_placed(endpoint, messages)
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
-            continue_final_message=body.continue_final_message, **template_variables,
+            continue_final_message=body.continue_final_message, chat_template=options.template, **options.variables,
         )
         return text, processor.expand_placeholders(endpoint.continuations.encode(text, body.cache_salt), images)
 
@@ -217,7 +220,7 @@ async def _chat_prompt(
     else:  # the request's own earlier turns are the history that `truncation: "auto"` may cut
         history, new_messages = split_last_turn(new_messages)
     max_prompt_tokens = endpoint.engine.max_model_len - (max_tokens or 1)
-    text, ids, truncated = await workers.run(
+    text, ids, truncated = await state.workers.run(
         fit_history, render, history, new_messages, max_prompt_tokens, body.truncation
     )
     if turn is not None:

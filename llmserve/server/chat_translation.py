@@ -110,8 +110,9 @@ def chat_tokenize_body(model: str | None, payload: Mapping[str, Any]) -> dict[st
             "continue_final_message": payload.get("continue_final_message", False)}
     if payload.get("tools"):
         body["tools"] = payload["tools"]
-    if payload.get("mm_processor_kwargs"):
-        body["mm_processor_kwargs"] = payload["mm_processor_kwargs"]
+    for name in ("mm_processor_kwargs", "documents", "chat_template"):
+        if payload.get(name) is not None:
+            body[name] = payload[name]
     variables = dict(payload.get("chat_template_kwargs") or {})
     if payload.get("reasoning_effort") is not None:
         variables.setdefault("reasoning_effort", payload["reasoning_effort"])

@@ -48,6 +48,7 @@ MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_BAD_WORDS = 128
 MAX_MESSAGES = 2048
 MAX_N = 128
+MAX_DOCUMENTS = 1024  # a RAG chat template's documents in one request
 MAX_PROMPTS = 2048  # in one completions request, as OpenAI
 # Chat template variables that come from the request's own fields, never from chat_template_kwargs
 # (`tokenize` and `self` are the rendering call's own arguments).
@@ -634,6 +635,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the image processor's options for this request's images (Qwen2-VL's min_pixels and max_pixels)
     mm_processor_kwargs: dict[str, Any] | None = None
+    # vLLM's (server/templates.py): the documents a RAG chat template reads, and a template for this request alone
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    chat_template: str | None = Field(None, min_length=1)
     # OpenAI's; given to the chat template as the variable of that name (as vLLM does for gpt-oss), and a
     # 400 for a model whose template does not read it
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
@@ -939,6 +943,8 @@ class TokenizeRequest(RequestBody):
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # as a chat request's: an image's size can decide its tokens
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    chat_template: str | None = Field(None, min_length=1)
 
     @field_validator("prompt")
     @classmethod

@@ -153,6 +153,7 @@ def make_app(args: argparse.Namespace, config: ModelsConfig | None, platform: Pl
         public_openapi=args.public_openapi,
         allowed_origins=parse_origins(args.allowed_origins),
         allowed_media_domains=parse_origins(args.allowed_media_domains),
+        trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=args.max_request_body_bytes,
         stream_resume=resume_limits(args),
         api_key=args.api_key,

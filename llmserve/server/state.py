@@ -131,6 +131,7 @@ class ServerState:
     streams: StreamRegistry = field(default_factory=StreamRegistry)  # resumable streams, by response id
     content_routers: dict[str, ContentRouter] = field(default_factory=dict)  # model names routed by the request's text
     allowed_media_domains: frozenset[str] = frozenset()  # the hosts image URLs are fetched from (empty: any)
+    trust_request_chat_template: bool = False  # a chat request may bring its own chat template
     created: int = field(default_factory=now)
     _tasks: set[asyncio.Task] = field(default_factory=set)
     _ready: asyncio.Event | None = None

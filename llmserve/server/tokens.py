@@ -26,6 +26,7 @@ from llmserve.server.protocol import (
     continuation_conflicts,
 )
 from llmserve.server.state import ModelEndpoint, get_state
+from llmserve.server.templates import TemplateOptions, template_options
 
 router = APIRouter()
 
@@ -41,10 +42,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     errors.reject_unsupported(continuation_conflicts(body.continue_final_message, body.add_generation_prompt))
     urls = image_urls(body.messages) if body.messages is not None else []
     images = await load_images(state, endpoint, urls, body.mm_processor_kwargs)  # a size can decide its tokens
-    return await state.workers.run(_tokenize, endpoint, body, images)
+    options = await state.workers.run(template_options, endpoint.engine.tokenizer, state.trust_request_chat_template,
+                                      body.chat_template, body.documents, body.chat_template_kwargs)
+    return await state.workers.run(_tokenize, endpoint, body, images, options)
 
 
-def _tokenize(endpoint: ModelEndpoint, body: TokenizeRequest, images: list[PreparedImage]) -> Response:
+def _tokenize(endpoint: ModelEndpoint, body: TokenizeRequest, images: list[PreparedImage],
+              options: TemplateOptions) -> Response:
     """On a worker thread: the tokens, and their JSON (a long prompt's is long to write too)."""
     tokenizer = endpoint.engine.tokenizer
     max_model_len = endpoint.engine.max_model_len
@@ -62,7 +66,7 @@ def _tokenize(endpoint: ModelEndpoint, body: TokenizeRequest, images: list[Prepa
         ids = tokenizer.apply_chat_template(
             images_placed(endpoint, template_messages(body.messages)), add_generation_prompt=body.add_generation_prompt,
             tools=tools, tokenize=True, continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
+            chat_template=options.template, **options.variables,
         )
         ids = endpoint.engine.input_processor.expand_placeholders(ids, images)  # each image as the tokens it takes
     else:

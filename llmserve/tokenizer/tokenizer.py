@@ -541,9 +541,11 @@ class Tokenizer:
         template = self._chat_template
         return template is not None and ("'image'" in template or '"image"' in template)
 
-    def template_reads(self, variable: str) -> bool:
-        """Whether the chat template reads `variable` (so that a request setting it changes the prompt)."""
-        return self._chat_template is not None and variable in chat_template_variables(self._chat_template)
+    def template_reads(self, variable: str, template: str | None = None) -> bool:
+        """Whether the chat template (`template`, else the model's) reads `variable` (so that a request setting it
+        changes the prompt)."""
+        template = template if template is not None else self._chat_template
+        return template is not None and variable in chat_template_variables(template)
 
     @property
     def model_max_length(self) -> int | None:

@@ -110,3 +110,46 @@ def test_offline_chat_takes_a_template_its_variables_and_tools_per_call(tiny_lla
     assert from_file.prompt_token_ids == tokenizer.encode(RENDERED, add_special_tokens=False)
     (own,) = llm.chat(MESSAGES, params)  # the model's own template again
     assert own.prompt_token_ids == tokenizer.apply_chat_template(MESSAGES, tokenize=True) != from_file.prompt_token_ids
+
+
+RAG_TEMPLATE = (
+    "{% for d in documents %}<doc {{ d.title }}>{{ d.text }}</doc>\n{% endfor %}"
+    "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+DOCUMENTS = [{"title": "lakes", "text": "Como is deep."}, {"title": "rivers", "text": "The Po is long."}]
+
+
+def test_a_requests_own_template_and_documents_render_where_the_server_trusts_them(tiny_llama_dir: Path):
+    """vLLM's `chat_template` and `documents`: with --trust-request-chat-template a chat renders with its own
+    template, which reads its documents; /tokenize and usage count that prompt. Without the flag, a request's
+    template is a 400 naming it; documents that the model's template does not read are a 400 naming them."""
+    from llmserve.server.app import build_app
+    from tests.server.conftest import MODEL_NAME, app_serving, tiny_engine_running
+
+    rendered = "".join(f"<doc {d['title']}>{d['text']}</doc>\n" for d in DOCUMENTS) + RENDERED
+    expected = Tokenizer.from_pretrained(tiny_llama_dir).encode(rendered, add_special_tokens=False)
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, "chat_template": RAG_TEMPLATE,
+            "documents": DOCUMENTS}
+    prompt = {k: v for k, v in body.items() if k != "max_tokens"}  # what /tokenize takes
+    with tiny_engine_running(tiny_llama_dir, 64, 256) as engine:
+        with app_serving(build_app(engine, MODEL_NAME, trust_request_chat_template=True)) as url:
+            counted = httpx.post(f"{url}/tokenize", json=prompt)
+            assert counted.status_code == 200, counted.text
+            assert counted.json()["tokens"] == expected
+            chat = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(expected)
+            broken = httpx.post(f"{url}/v1/chat/completions", json={**body, "chat_template": "{% for %}"})
+            assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template"
+        with app_serving(build_app(engine, MODEL_NAME)) as url:
+            for path, sent in (("/v1/chat/completions", body), ("/tokenize", prompt)):
+                refused = httpx.post(f"{url}{path}", json=sent, timeout=60)
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+            unread = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                                json={k: v for k, v in body.items() if k != "chat_template"})
+            assert unread.status_code == 400 and unread.json()["error"]["param"] == "documents"
+
+
+def test_the_trust_flag_reaches_the_app():
+    assert build_parser().parse_args(["serve", "--trust-request-chat-template"]).trust_request_chat_template
+    assert not build_parser().parse_args(["serve"]).trust_request_chat_template
