@@ -13,10 +13,10 @@ from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.orm import Session
 
 from llmserve.errors import InvalidRequestError, LLMServeError
+from llmserve.platform.paging import check_limit, page_after
 from llmserve.store.db import Database
 from llmserve.store.schema import ChatCompletionRow, utcnow
 
-MAX_PAGE_SIZE = 100
 Order = Literal["asc", "desc"]
 
 
@@ -47,11 +47,6 @@ def _owned_by(key_id: str | None) -> Any:
     return ChatCompletionRow.key_id.is_(None) if key_id is None else ChatCompletionRow.key_id == key_id
 
 
-def _check_limit(limit: int) -> None:
-    if not 1 <= limit <= MAX_PAGE_SIZE:
-        raise InvalidRequestError(f"limit must be between 1 and {MAX_PAGE_SIZE}, got {limit}", param="limit")
-
-
 class StoredCompletions:
     """Stored chat completions in the database. Every method is one short transaction; safe from any thread.
     `key_id` is the caller's key (None in local mode); another key's completion raises CompletionNotFound."""
@@ -78,7 +73,7 @@ class StoredCompletions:
         `model` alone and those whose metadata holds every pair of `metadata`; and whether more follow. `after`
         is the id of the last completion of the previous page. Raises InvalidRequestError for a limit outside
         1..100 or an unknown `after`."""
-        _check_limit(limit)
+        check_limit(limit)
         row = ChatCompletionRow
         query = select(row).where(_owned_by(key_id))
         if model is not None:
@@ -101,18 +96,11 @@ class StoredCompletions:
                  order: Order = "asc") -> tuple[list[dict[str, Any]], bool]:
         """One page of the messages `completion_id`'s request sent, and whether more follow. `after` is the id of
         the last message of the previous page."""
-        _check_limit(limit)
+        check_limit(limit)
         with self._db.session() as session:
             messages = list(self._row(session, key_id, completion_id).messages)
-        if order == "desc":
-            messages.reverse()
-        start = 0
-        if after is not None:
-            start = next((i + 1 for i, message in enumerate(messages) if message["id"] == after), -1)
-            if start < 0:
-                raise InvalidRequestError(f"No message with id {after!r} in chat completion {completion_id!r}.",
-                                          param="after")
-        return messages[start:start + limit], start + limit < len(messages)
+        return page_after(messages, limit, after, order,
+                          f"No message with id {after!r} in chat completion {completion_id!r}.")
 
     def update_metadata(self, key_id: str | None, completion_id: str, metadata: Mapping[str, str]) -> dict[str, Any]:
         """Replace the completion's metadata; the completion as it now reads."""

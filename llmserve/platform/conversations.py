@@ -25,12 +25,12 @@ from sqlalchemy.orm import Session, aliased
 
 from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.platform.metadata import checked_metadata
+from llmserve.platform.paging import check_limit
 from llmserve.store.db import Database
 from llmserve.store.schema import MODEL_NAME_LENGTH, NAME_LENGTH, ConversationRow, MessageRow, utcnow
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DERIVED_TITLE_LENGTH = 60
-MAX_PAGE_SIZE = 100
 ORDERS = ("asc", "desc")
 Order = Literal["asc", "desc"]
 
@@ -313,7 +313,7 @@ class ConversationStore:
         `after` is the id of the last conversation of the previous page. Raises InvalidRequestError
         (a ValueError) for a limit outside 1..100 or an unknown `after`.
         """
-        _check_limit(limit)
+        check_limit(limit)
         conv = ConversationRow
         query = (
             select(conv)
@@ -370,7 +370,7 @@ class ConversationStore:
         ConversationNotFound, or InvalidRequestError for a bad limit or order, or a cursor that is
         not a message of the active branch.
         """
-        _check_limit(limit)
+        check_limit(limit)
         if order not in ORDERS:
             raise InvalidRequestError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
         if after is not None and before is not None:
@@ -585,11 +585,6 @@ class ConversationStore:
         path = cls._path(head_id)
         query = select(MessageRow).join(path, MessageRow.id == path.c.id).order_by(path.c.depth.desc())
         return list(session.scalars(query))
-
-
-def _check_limit(limit: object) -> None:
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE_SIZE:
-        raise InvalidRequestError(f"limit must be between 1 and {MAX_PAGE_SIZE}", param="limit")
 
 
 def _unknown_cursor(param: str, cursor: str | None) -> InvalidRequestError:

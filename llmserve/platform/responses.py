@@ -17,10 +17,10 @@ from sqlalchemy import CTE, delete, literal, select, text
 from sqlalchemy.orm import Session, aliased
 
 from llmserve.errors import InvalidRequestError, LLMServeError
+from llmserve.platform.paging import check_limit, page_after
 from llmserve.store.db import Database
 from llmserve.store.schema import ResponseRow, utcnow
 
-MAX_PAGE_SIZE = 100
 # Item type -> the prefix of the ids given to input items sent without one (as OpenAI's own ids read).
 _ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
@@ -112,19 +112,10 @@ class ResponseStore:
         """One page of the input items `response_id`'s request sent, and whether more follow. `after` is the id
         of the last item of the previous page. Raises InvalidRequestError for a limit outside 1..100 or an
         unknown `after`."""
-        if not 1 <= limit <= MAX_PAGE_SIZE:
-            raise InvalidRequestError(f"limit must be between 1 and {MAX_PAGE_SIZE}, got {limit}", param="limit")
+        check_limit(limit)
         with self._db.session() as session:
             items = list(self._row(session, key_id, response_id).input_items)
-        if order == "desc":
-            items.reverse()
-        start = 0
-        if after is not None:
-            start = next((i + 1 for i, item in enumerate(items) if item.get("id") == after), -1)
-            if start < 0:
-                raise InvalidRequestError(f"No input item with id {after!r} in response {response_id!r}.",
-                                          param="after")
-        return items[start:start + limit], start + limit < len(items)
+        return page_after(items, limit, after, order, f"No input item with id {after!r} in response {response_id!r}.")
 
     def delete(self, key_id: str | None, response_id: str) -> None:
         with self._db.session(write=True) as session:

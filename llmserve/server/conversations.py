@@ -33,7 +33,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmserve.platform.conversations import (
-    MAX_PAGE_SIZE,
     BranchTotals,
     Conversation,
     ConversationLimitExceeded,
@@ -44,6 +43,7 @@ from llmserve.platform.conversations import (
     part_image_urls,
 )
 from llmserve.platform.keys import ApiKey
+from llmserve.platform.paging import MAX_PAGE_SIZE
 from llmserve.server.errors import APIError, unsupported
 from llmserve.server.gateway import Platform, platform_of, request_key
 from llmserve.server.messages import IMAGE_PARTS

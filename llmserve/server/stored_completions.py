@@ -28,12 +28,12 @@ from pydantic import BaseModel, ConfigDict
 
 from llmserve.errors import InvalidRequestError
 from llmserve.platform.chat_completions import (
-    MAX_PAGE_SIZE,
     CompletionNotFound,
     StoredCompletions,
     stored_messages,
 )
 from llmserve.platform.keys import ApiKey
+from llmserve.platform.paging import MAX_PAGE_SIZE
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import Platform, platform_of, request_key
 from llmserve.server.openapi import documented

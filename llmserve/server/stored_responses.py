@@ -11,7 +11,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from llmserve.platform.responses import MAX_PAGE_SIZE, ResponseNotFound
+from llmserve.platform.paging import MAX_PAGE_SIZE
+from llmserve.platform.responses import ResponseNotFound
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import platform_of, request_key
 from llmserve.server.openapi import documented
