@@ -255,9 +255,10 @@ def build_gateway_app(
         return forward
 
     async def stored_response(request: Request) -> Response:
-        """Without a platform the replicas keep the responses they made: the first pool whose replica knows the
-        id answers (replicas that share a database, `--database-url`, all do). A pool that could not answer (a
-        5xx) is passed over too, but its answer wins over the others' 404s: the id may be its replicas'."""
+        """Without a platform the replicas keep the responses they made (and run those made in background): the
+        first pool whose replica knows the id answers (replicas that share a database, `--database-url`, all do). A
+        pool that could not answer (a 5xx) is passed over too, but its answer wins over the others' 404s: the id may
+        be its replicas'."""
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         failed: Response | None = None
         for pool in dict.fromkeys(state.pools.values()):
@@ -277,6 +278,8 @@ def build_gateway_app(
         app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"],
                           response_model=None)
         app.add_api_route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"],
+                          response_model=None)
+        app.add_api_route("/v1/responses/{response_id}/cancel", stored_response, methods=["POST"],
                           response_model=None)
     else:
         @app.post("/v1/chat/completions", response_model=None)
@@ -320,7 +323,8 @@ def build_gateway_app(
 
         @app.post("/v1/responses", response_model=None)
         async def responses_with_platform(body: ResponsesRequest, request: Request) -> Response:
-            return await responses_api.answer(body, lambda chat, payload: front.chat(request, chat, payload),
+            chat_request = responses_api.detached(request) if body.background else request
+            return await responses_api.answer(body, lambda chat, payload: front.chat(chat_request, chat, payload),
                                               stored_responses.storage_for(request))
 
         @app.post("/v1/responses/input_tokens", response_model=None)

@@ -5,6 +5,9 @@ A response is stored with the input items its own request sent; the conversation
 response's, so a chain of N turns stores each turn once. Reading a response's context walks the chain back to
 its first turn. Responses are deleted on request, and purged when older than the retention period; a response
 whose chain lost a turn that way can no longer be continued (its context would silently miss a turn).
+
+A background response is stored `queued` at once and replaced as it goes (`replace_unfinished`): only while it has
+not ended, so of a cancel and the end of its run, whichever is stored first stands, whatever process made each.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from llmserve.store.schema import ResponseRow, utcnow
 
 # Item type -> the prefix of the ids given to input items sent without one (as OpenAI's own ids read).
 _ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+# The statuses of a background response that has not ended yet.
+UNFINISHED = ("queued", "in_progress")
 
 
 class ResponseNotFound(LLMServeError):
@@ -71,6 +76,19 @@ class ResponseStore:
                           created_at=utcnow(), response=response, input_items=input_items)
         with self._db.session(write=True) as session:
             session.add(row)
+
+    def replace_unfinished(self, key_id: str | None, response: dict[str, Any]) -> bool:
+        """Replace the stored response of `response`'s id with it while the stored one's status is still queued or
+        in_progress (a background response not ended); whether it did (not for one ended, deleted or unknown). The
+        row is locked from the read to the write, so two replacements racing cannot both find it unfinished."""
+        with self._db.session(write=True) as session:
+            query = select(ResponseRow).where(ResponseRow.id == response["id"], _owned_by(key_id)).with_for_update()
+            row = session.scalars(query).first()
+            if row is None or row.response.get("status") not in UNFINISHED:
+                return False
+            row.response = response
+            row.model = response["model"]
+            return True
 
     def get(self, key_id: str | None, response_id: str) -> dict[str, Any]:
         with self._db.session() as session:

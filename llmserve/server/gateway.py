@@ -89,6 +89,9 @@ class Platform:
     # tenants fair, they are not a security boundary), "closed" answers 503.
     rate_limit_failure_mode: Literal["open", "closed"] = "open"
     aborting: bool = False  # past the shutdown timeout: what still runs is aborted by the server
+    # The Responses API's background responses running in this process, by id (server/responses_api.py): held
+    # here, as asyncio holds tasks weakly; each task removes itself when it ends.
+    background: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _settling: set[asyncio.Task] = field(default_factory=set)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -125,7 +128,9 @@ class Platform:
             await asyncio.sleep(PURGE_INTERVAL_SECONDS)
 
     async def aclose(self) -> None:
-        """Settle what is in flight, write every buffered usage record, close connections."""
+        """Stop the background responses still running, settle what is in flight, write every buffered usage
+        record, close connections."""
+        await self._stop_background()
         if self._settling:
             await asyncio.gather(*self._settling, return_exceptions=True)
         if self.usage is not None:
@@ -134,6 +139,14 @@ class Platform:
             await self.limiter.close()
         if self.database is not None:
             self.database.dispose()
+
+    async def _stop_background(self) -> None:
+        """Cancel the background responses still running (their engine requests are aborted): each is then stored
+        `failed`, as ended by the shutdown, unless it ended first."""
+        tasks = list(self.background.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- safety ---------------------------------------------------------------------------------------
     def check_prompt(self, model: str, texts: Sequence[str], param: str) -> None:

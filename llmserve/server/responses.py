@@ -1,6 +1,7 @@
 """POST /v1/responses: OpenAI's Responses API, run as the chat completion of the same conversation
-(`responses_api`) by this server's chat endpoint, and kept in the platform's store (`stored_responses`); and
-POST /v1/responses/input_tokens, which counts that chat completion's prompt as /tokenize counts it."""
+(`responses_api`) by this server's chat endpoint, and kept in the platform's store (`stored_responses`); in
+background, on the request `detached` from the client's connection; and POST /v1/responses/input_tokens, which
+counts that chat completion's prompt as /tokenize counts it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from llmserve.server.responses_api import (
     InputTokensRequest,
     ResponsesRequest,
     answer,
+    detached,
     input_token_request,
 )
 from llmserve.server.stored_responses import storage_for
@@ -25,7 +27,8 @@ router = APIRouter()
 
 @router.post("/v1/responses", response_model=None, responses=DOCUMENTED)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    return await answer(body, lambda chat, _: create_chat_completion(chat, request), storage_for(request))
+    chat_request = detached(request) if body.background else request
+    return await answer(body, lambda chat, _: create_chat_completion(chat, chat_request), storage_for(request))
 
 
 @router.post("/v1/responses/input_tokens", responses=documented(InputTokens))

@@ -20,12 +20,19 @@ input's messages and the output text are appended to it. Conversations keep text
 items cannot be used with one (400), as with chat's `conversation_id`. Without storage (`--no-platform`) `store`
 is answered false, and `previous_response_id` and `conversation` are 400s. `truncation: "auto"` is chat's: the
 oldest turns that do not fit the context window are left out of the prompt, never the last.
+
+`background: true` (stored responses only; not with `store: false` or `stream: true`) answers at once with the
+response `queued`, stored; a task of the process runs it (`in_progress`), on a request detached from the client's
+connection, and replaces it with the finished response, or a `failed` one with chat's error. Clients poll GET
+/v1/responses/{id}; POST /v1/responses/{id}/cancel stops it (`cancelled`). The tasks are the platform's, so the
+server's shutdown stops them (`failed`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -36,6 +43,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat
+from starlette.requests import Request
+from starlette.types import Message
 
 from llmserve.errors import InvalidRequestError
 from llmserve.platform.conversations import ConversationStore
@@ -63,7 +72,7 @@ _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "r
            "conversation_id": "conversation"}
 _rename = renamer(_PARAMS, "input")
 # Known Responses fields this server does not implement (each would change the output).
-_UNSUPPORTED = ("prompt", "background", "max_tool_calls")
+_UNSUPPORTED = ("prompt", "max_tool_calls")
 # `include` values: what they add to items this server makes (logprobs, reasoning), or to items of tools and
 # inputs it refuses (so there is never anything of theirs to add).
 LOGPROBS = "message.output_text.logprobs"
@@ -100,6 +109,7 @@ class ResponsesRequest(RequestBody):
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     store: StrictBool | None = None  # unset: stored where responses are kept (OpenAI's default)
+    background: StrictBool | None = None  # true: answered queued at once, then run by a task of the process
     previous_response_id: str | None = Field(None, min_length=1, max_length=64)
     conversation: ConversationRef | Annotated[str, Field(min_length=1)] | None = None  # its id, or {"id": ...}
     # metadata only
@@ -112,7 +122,6 @@ class ResponsesRequest(RequestBody):
     top_logprobs: Int64 | None = Field(None, ge=0, le=20)  # with logprobs, whether `include` asks for them or not
     # known, not served
     prompt: Any = None
-    background: Any = None
     max_tool_calls: Any = None
 
 
@@ -151,7 +160,7 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
     model: str
     output: list[dict[str, Any]]
     instructions: str | None
@@ -164,6 +173,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any]
     truncation: Literal["auto", "disabled"]
     store: bool
+    background: bool = False
     metadata: dict[str, str]
     user: str | None
     previous_response_id: str | None
@@ -183,11 +193,13 @@ DOCUMENTED[200]["content"]["text/event-stream"]["schema"] = {
 
 @dataclass(frozen=True)
 class Storage:
-    """Where the caller's responses are kept: the store, and the caller's key (None in local mode); and its
-    conversations (None where they are not kept)."""
+    """Where the caller's responses are kept: the store, and the caller's key (None in local mode); the background
+    responses running in this process, by id (the platform's, shared by its requests: the strong references that
+    keep their tasks alive); and its conversations (None where they are not kept)."""
 
     store: ResponseStore
     key_id: str | None
+    running: dict[str, asyncio.Task[None]]
     conversations: ConversationStore | None = None
 
 
@@ -230,17 +242,27 @@ async def input_token_request(body: InputTokensRequest, storage: Storage | None 
 
 async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | None = None) -> Response:
     """The response to `body`, by way of a chat completion that `run_chat` runs; kept in `storage` unless the
-    request says not to; its turn appended to the stored conversation it names."""
-    _check_fields(body)
+    request says not to; its turn appended to the stored conversation it names. In background, the response
+    stored `queued`, the run left to a task of the process: `run_chat` then runs on a `detached` request."""
+    _check_fields(body, storage)
     prepared = await _as_chat(body, storage)
-    input_items, turn, turn_messages = prepared.input_items, prepared.turn, prepared.turn_messages
+    response_id = f"resp_{uuid.uuid4().hex}"
+    if body.background:
+        assert storage is not None  # _check_fields
+        return JSONResponse(await _start_in_background(body, prepared, run_chat, storage, response_id))
+    keep = _Keeper(storage if body.store is not False else None, prepared.input_items, body.previous_response_id,
+                   prepared.turn, prepared.turn_messages)
+    return await _run(body, prepared, run_chat, response_id, keep)
+
+
+async def _run(body: ResponsesRequest, prepared: _Turn, run_chat: RunChat, response_id: str,
+               keep: _Keeper) -> Response:
+    """The chat completion run, as the response `response_id` that `keep` keeps: its JSON, or its events when
+    streamed; chat's error answer as it is."""
     reply = await renamed(run_chat(prepared.chat, prepared.payload), _rename)
     headers = {k: v for k, v in reply.headers.items() if k.startswith("x-")}
     if reply.status_code != 200:  # an error answered rather than raised (a gateway's replica's)
         return error_reply(reply, _rename)
-    response_id = f"resp_{uuid.uuid4().hex}"
-    keep = _Keeper(storage if body.store is not False else None, input_items, body.previous_response_id, turn,
-                   turn_messages)
     if body.stream:
         assert isinstance(reply, StreamingResponse)
         events = ResponseEvents(body, response_id, keep).events(reply.body_iterator)
@@ -260,6 +282,96 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
     answer_json = _response(body, response_id, completion["model"], output, choice["finish_reason"], completion["usage"],
                             stored=keep.stores)
     return JSONResponse(await keep(answer_json), headers=headers)
+
+
+# ---- background responses --------------------------------------------------------------------------
+
+
+def detached(request: Request) -> Request:
+    """`request` as a background response's run takes it: the same scope (its app, and its state with the key the
+    auth middleware found) without the client's connection, so the run never sees the client leave (it leaves
+    once answered) and is not aborted for it."""
+    return Request(request.scope, receive=_never_disconnects)
+
+
+async def _never_disconnects() -> Message:
+    forever: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+    return await forever
+
+
+async def _start_in_background(body: ResponsesRequest, prepared: _Turn, run_chat: RunChat, storage: Storage,
+                               response_id: str) -> dict[str, Any]:
+    """The response stored `queued`, and a task of the process started to run it (held in `storage.running`
+    until it ends)."""
+    queued = _response(body, response_id, body.model or "", [], None, None, status="queued", stored=True)
+    await asyncio.to_thread(storage.store.save, storage.key_id, queued, prepared.input_items,
+                            body.previous_response_id)
+    keep = _Keeper(storage, prepared.input_items, body.previous_response_id, prepared.turn, prepared.turn_messages,
+                   queued=queued)
+    task = asyncio.create_task(_run_in_background(body, prepared, run_chat, keep),
+                               name=f"background response {response_id}")
+    storage.running[response_id] = task
+    task.add_done_callback(lambda _: storage.running.pop(response_id, None))
+    return queued
+
+
+async def _run_in_background(body: ResponsesRequest, prepared: _Turn, run_chat: RunChat, keep: _Keeper) -> None:
+    """Run a background response: `in_progress` (unless cancelled already), then finished (`keep` replaces it),
+    or `failed` with the error chat answered or raised. Cancelled, it is `failed` as stopped by the server's
+    shutdown, unless it ended first: a cancel stores `cancelled` before it stops the task."""
+    storage, queued = keep.storage, keep.queued
+    assert storage is not None and queued is not None
+    try:
+        if not await asyncio.to_thread(storage.store.replace_unfinished, storage.key_id,
+                                       {**queued, "status": "in_progress"}):
+            return  # cancelled (or deleted) before it started
+        reply = await _run(body, prepared, run_chat, queued["id"], keep)
+        error = None if reply.status_code == 200 else _reply_error(reply)
+    except asyncio.CancelledError:
+        await _fail(storage, queued, {"code": "server_error", "message": "The server shut down before the response "
+                                                                          "was finished."})
+        raise
+    except Exception as exc:
+        failure = errors.from_exception(exc)
+        if failure.status >= 500:
+            logger.exception("background response %s failed", queued["id"])
+        error = _failure(failure.status, failure.message)
+    if error is not None:
+        await _fail(storage, queued, error)
+
+
+def _reply_error(reply: Response) -> dict[str, Any]:
+    """Chat's error answer as a failed response's `error`."""
+    try:
+        message = str(json.loads(bytes(reply.body))["error"]["message"])
+    except (AttributeError, ValueError, TypeError, KeyError):  # not OpenAI's error shape
+        message = f"The chat completion failed (HTTP {reply.status_code})."
+    return _failure(reply.status_code, message)
+
+
+def _failure(status: int, message: str) -> dict[str, Any]:
+    """A failed response's `error` for chat's error of `status`: its message, under the code of OpenAI's few (its
+    clients read no other) that says whose it is: a rate limit or quota, the request's, or the server's."""
+    code = "rate_limit_exceeded" if status == 429 else "invalid_prompt" if 400 <= status < 500 else "server_error"
+    return {"code": code, "message": message}
+
+
+async def _fail(storage: Storage, queued: dict[str, Any], error: dict[str, Any]) -> None:
+    """Store the background response `failed` with `error`, unless it has ended (or been cancelled) already."""
+    try:
+        await asyncio.to_thread(storage.store.replace_unfinished, storage.key_id,
+                                {**queued, "status": "failed", "error": error})
+    except Exception:
+        logger.exception("could not store background response %s as failed", queued["id"])
+
+
+async def stop_background(storage: Storage, response_id: str) -> None:
+    """Stop the task running the background response `response_id`, if this process runs it (its engine request
+    is aborted), and wait until it has."""
+    task = storage.running.get(response_id)
+    if task is not None:
+        task.cancel()
+        await asyncio.wait([task])
 
 
 def _conversation(body: ResponsesRequest) -> ConversationRef | None:
@@ -315,13 +427,16 @@ async def _context(previous_id: str | None, storage: Storage | None) -> list[dic
 @dataclass(frozen=True)
 class _Keeper:
     """What a finished response leaves: itself stored with the input items its request sent (where `storage` is
-    given), and its turn in its stored conversation: `turn_messages` (the input's) and its output text."""
+    given), and its turn in its stored conversation: `turn_messages` (the input's) and its output text. A
+    background response (`queued`: as stored at first) replaces the stored one, created when it was, unless that one
+    has ended (a cancel came first)."""
 
     storage: Storage | None
     input_items: list[dict[str, Any]]
     previous_id: str | None
     turn: ConversationTurn | None = None
     turn_messages: list[dict[str, Any]] = field(default_factory=list)
+    queued: dict[str, Any] | None = None
 
     @property
     def stores(self) -> bool:
@@ -333,6 +448,10 @@ class _Keeper:
             reply_tokens = (response["usage"] or {}).get("output_tokens", 0)
             await self.turn.save(self.turn_messages, _output_text(response["output"]), reply_tokens)
         if self.storage is None:
+            return response
+        if self.queued is not None:  # its failure to store fails the background response
+            response = {**response, "created_at": self.queued["created_at"]}
+            await asyncio.to_thread(self.storage.store.replace_unfinished, self.storage.key_id, response)
             return response
         try:
             await asyncio.to_thread(self.storage.store.save, self.storage.key_id, response, self.input_items,
@@ -355,16 +474,31 @@ def _invalid(message: str, param: str) -> InvalidRequestError:
 # ---- the request, as a chat completion -----------------------------------------------------------
 
 
-def _check_fields(body: ResponsesRequest) -> None:
-    """400s for the fields and stream options this server does not serve."""
+def _check_fields(body: ResponsesRequest, storage: Storage | None) -> None:
+    """400s for the fields and stream options this server does not serve, and for background where it cannot
+    run."""
     for name in _UNSUPPORTED:
         if getattr(body, name) is not None:
             raise errors.unsupported(name, f"{name} is not supported by this server.")
+    if body.background:
+        _check_background(body, storage)
     options = dict(body.stream_options or {})
     if options.pop("include_obfuscation", False):
         raise errors.unsupported("stream_options.include_obfuscation", "include_obfuscation is not supported here.")
     if options:
         raise _invalid(f"Unrecognized stream option: {next(iter(options))}", "stream_options")
+
+
+def _check_background(body: ResponsesRequest, storage: Storage | None) -> None:
+    """A background response is stored (clients poll it), and polled rather than streamed."""
+    if storage is None:
+        raise errors.unsupported("background", "background needs stored responses, which this server does not keep "
+                                               "(it runs without its platform).")
+    if body.store is False:
+        raise _invalid("A background response is stored: store cannot be false with background.", "store")
+    if body.stream:
+        raise errors.unsupported("stream", "Background responses are polled (GET /v1/responses/{id}), not streamed: "
+                                           "stream cannot be true with background.")
 
 
 def _chat_request(
@@ -580,7 +714,8 @@ def _response(body: ResponsesRequest, response_id: str, model: str, output: list
         max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
         tools=body.tools or [], tool_choice=body.tool_choice or "auto",
         parallel_tool_calls=body.parallel_tool_calls is not False, text=body.text or {"format": {"type": "text"}},
-        metadata=body.metadata or {}, user=body.user, error=error, store=stored, truncation=body.truncation or "disabled",
+        metadata=body.metadata or {}, user=body.user, error=error, store=stored, background=bool(body.background),
+        truncation=body.truncation or "disabled",
         previous_response_id=body.previous_response_id,
         conversation=_conversation(body),
         incomplete_details={"reason": reason} if reason and status == "incomplete" else None,

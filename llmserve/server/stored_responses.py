@@ -1,6 +1,8 @@
-"""GET and DELETE /v1/responses/{id}, and GET /v1/responses/{id}/input_items: the Responses API's stored
-responses, each visible to the key that made it alone (any other key gets a 404, as for an unknown id). Torch-free:
-`llmserve serve` and `llmserve gateway` both serve these routes with their platform's store."""
+"""GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and POST /v1/responses/{id}/cancel: the
+Responses API's stored responses, each visible to the key that made it alone (any other key gets a 404, as for an
+unknown id). A background response is polled with GET (`queued`, `in_progress`, then as it ended), and cancelled
+while it has not ended. Torch-free: `llmserve serve` and `llmserve gateway` both serve these routes with their
+platform's store."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from llmserve.platform.paging import MAX_PAGE_SIZE
-from llmserve.platform.responses import ResponseNotFound
+from llmserve.platform.responses import UNFINISHED, ResponseNotFound
 from llmserve.server.errors import APIError
 from llmserve.server.gateway import platform_of, request_key
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import list_page
-from llmserve.server.responses_api import ResponseObject, Storage
+from llmserve.server.responses_api import ResponseObject, Storage, stop_background
 
 router = APIRouter()
 
@@ -29,7 +31,8 @@ def storage_for(request: Request) -> Storage | None:
     if platform is None or platform.responses is None:
         return None
     key = request_key(request.state)
-    return Storage(platform.responses, key.id if key is not None else None, platform.conversations)
+    return Storage(platform.responses, key.id if key is not None else None, running=platform.background,
+                   conversations=platform.conversations)
 
 
 def _storage(request: Request) -> Storage:
@@ -70,12 +73,32 @@ async def get_response(response_id: str, request: Request) -> JSONResponse:
     return JSONResponse(await _call(response_id, storage.store.get, storage.key_id, response_id))
 
 
+@router.post("/v1/responses/{response_id}/cancel", responses=documented(ResponseObject))
+async def cancel_response(response_id: str, request: Request) -> JSONResponse:
+    """Cancel a background response that has not ended: it is stored `cancelled`, then its run is stopped (its
+    engine request aborted) if this process runs it; another process running it does not overwrite that. One
+    that has ended is answered as it is; one not made in background is a 400."""
+    storage = _storage(request)
+    stored = await _call(response_id, storage.store.get, storage.key_id, response_id)
+    if not stored.get("background"):
+        raise APIError(400, "Only responses created with background can be cancelled.")
+    if stored["status"] in UNFINISHED:
+        cancelled = {**stored, "status": "cancelled"}
+        if await asyncio.to_thread(storage.store.replace_unfinished, storage.key_id, cancelled):
+            await stop_background(storage, response_id)
+            return JSONResponse(cancelled)
+        stored = await _call(response_id, storage.store.get, storage.key_id, response_id)  # it ended meanwhile
+    return JSONResponse(stored)
+
+
 @router.delete("/v1/responses/{response_id}", responses=documented(ResponseDeleted))
 async def delete_response(response_id: str, request: Request) -> JSONResponse:
     """Delete a stored response. Responses that continued it keep their own turns, but can no longer be
-    continued: their conversation would miss this one's."""
+    continued: their conversation would miss this one's. A background response still running here is stopped:
+    what it would end as has nowhere to be kept."""
     storage = _storage(request)
     await _call(response_id, storage.store.delete, storage.key_id, response_id)
+    await stop_background(storage, response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 

@@ -1,8 +1,10 @@
 """Stored Responses API responses: per-key ownership, the conversation a chain of responses adds up to, a chain
-that lost a turn, input items a page at a time, deletion and purging by age; on SQLite and PostgreSQL."""
+that lost a turn, input items a page at a time, deletion and purging by age, a background response replaced only
+while it has not ended; on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
@@ -125,3 +127,45 @@ def test_purge_removes_responses_older_than_the_retention(store: ResponseStore) 
     assert store.purge(timedelta(days=30), now=utcnow() + timedelta(days=31)) == 1
     with pytest.raises(ResponseNotFound):
         store.get(KEY, "resp_old")
+
+
+def test_a_background_response_is_replaced_only_while_it_has_not_ended(store: ResponseStore) -> None:
+    queued = {**_response("resp_bg", ""), "status": "queued", "output": []}
+    store.save(KEY, queued, with_ids([_user("long story")]), None)
+    assert store.replace_unfinished(KEY, {**queued, "status": "in_progress"})
+    assert not store.replace_unfinished(OTHER, {**queued, "status": "cancelled"})  # another key's: untouched
+    assert store.replace_unfinished(KEY, {**queued, "status": "cancelled"})
+    assert not store.replace_unfinished(KEY, {**_response("resp_bg", "the end"), "model": "other"})
+    assert store.get(KEY, "resp_bg") == {**queued, "status": "cancelled"}
+    assert not store.replace_unfinished(KEY, {**queued, "id": "resp_unknown"})
+    _turn(store, KEY, "resp_fg", "hello", None)  # a response stored finished is never replaced
+    assert not store.replace_unfinished(KEY, {**_response("resp_fg", "other"), "status": "in_progress"})
+
+
+def _at_once(store: ResponseStore, ends: list[dict]) -> dict[str, bool]:
+    """Each of `ends` replacing the stored response from a thread of its own, all at once: by status, whether it
+    did."""
+    start = threading.Barrier(len(ends))
+    replaced: dict[str, bool] = {}
+
+    def end(response: dict) -> None:
+        start.wait()
+        replaced[response["status"]] = store.replace_unfinished(KEY, response)
+
+    threads = [threading.Thread(target=end, args=(response,)) for response in ends]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return replaced
+
+
+def test_of_two_racing_ends_of_a_background_response_one_stands(store: ResponseStore) -> None:
+    """A cancel and the run's end, from two processes at once: exactly one replaces the response, and it stays."""
+    for round_ in range(5):
+        response_id = f"resp_race_{round_}"
+        running = {**_response(response_id, ""), "status": "in_progress", "output": []}
+        store.save(KEY, running, [], None)
+        replaced = _at_once(store, [{**running, "status": "cancelled"}, _response(response_id, "the end")])
+        [winner] = [status for status, won in replaced.items() if won]
+        assert len(replaced) == 2 and store.get(KEY, response_id)["status"] == winner

@@ -47,6 +47,7 @@ ROUTE_ACCESS = {
     "/v1/responses/input_tokens": KEY,
     "/v1/responses/{response_id}": KEY,
     "/v1/responses/{response_id}/input_items": KEY,
+    "/v1/responses/{response_id}/cancel": KEY,
     "/v1/score": KEY,
     "/score": KEY,
     "/v1/rerank": KEY,

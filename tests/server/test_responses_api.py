@@ -145,6 +145,7 @@ def test_text_format_json_schema_holds(live_server: LiveServer) -> None:
     ({"max_output_tokens": 10**6}, "max_output_tokens", None),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "intger"}}}}, "text.format", None),
     ({"truncation": "middle"}, "truncation", None),
+    ({"background": True}, "background", "unsupported_parameter"),  # without the platform, nothing is stored
     ({"text": {"format": "json"}}, "text.format", None),
     ({"tools": [{**WEATHER, "strict": "yes"}]}, "tools[0].strict", None),
 ])

@@ -1,9 +1,11 @@
 """Stored Responses API responses over HTTP, in `llmserve serve`'s platform and in `llmserve gateway`'s: a
 response is kept for its key unless `store: false`, read back and deleted by id, its input items listed, and
-`previous_response_id` continues its conversation exactly as the chat completion of the whole conversation."""
+`previous_response_id` continues its conversation exactly as the chat completion of the whole conversation. A
+background response is answered queued, polled to its end, and cancelled while it runs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,9 +14,15 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from fastapi.responses import Response as FastAPIResponse
 from openai.types.responses import Response
 
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.platform.responses import ResponseStore
+from llmserve.server.gateway import Platform
+from llmserve.server.protocol import ChatCompletionRequest
+from llmserve.server.responses_api import ResponsesRequest, Storage, answer
+from llmserve.store.db import open_database
 from tests.server.platform_fixtures import (
     MODEL,
     MODES,
@@ -234,6 +242,8 @@ def test_a_gateway_without_a_platform_reads_and_deletes_what_its_replicas_stored
                 items = client.get(f"{path}/input_items", params={"limit": 1})
                 assert items.status_code == 200 and items.json() == httpx.get(
                     f"{replica.base_url}{path}/input_items", params={"limit": 1}).json()
+                refused = client.post(f"{path}/cancel")  # not made in background
+                assert refused.status_code == 400 and "background" in _error(refused)["message"]
                 assert client.delete(path).json() == {"id": made["id"], "object": "response.deleted", "deleted": True}
                 gone = client.get(path)
                 assert gone.status_code == 404 and _error(gone)["code"] == "response_not_found"
@@ -268,3 +278,151 @@ def test_input_tokens_are_those_the_response_reads_after_its_stored_turns(server
         assert unknown.status_code == 404 and _error(unknown)["param"] == "previous_response_id"
         stray = client.post("/v1/responses/input_tokens", json={"model": MODEL, "input": "Hi", "stream": True})
         assert stray.status_code == 400 and _error(stray)["param"] == "stream"
+
+
+def _polled(server: PlatformServer, client: httpx.Client, response_id: str) -> dict:
+    """The background response, read back until it has ended."""
+    latest: list[dict] = []
+
+    def ended() -> bool:
+        latest.append(client.get(f"/v1/responses/{response_id}").json())
+        return latest[-1]["status"] not in ("queued", "in_progress")
+
+    assert server.wait_until(ended, timeout=60), latest[-1]
+    Response.model_validate(latest[-1])
+    return latest[-1]
+
+
+def _generating(server: PlatformServer) -> bool:
+    """Whether the engine is running a request now."""
+    assert server.loop is not None
+    return asyncio.run_coroutine_threadsafe(server.engine.stats(), server.loop).result(timeout=30).num_running > 0
+
+
+def _comparable(response: dict) -> dict:
+    """A response without what two answers of the same request never share: ids, times, the prefix cache's hits."""
+    output = [{k: v for k, v in item.items() if k != "id"} for item in response["output"]]
+    usage = {k: v for k, v in response["usage"].items() if k != "input_tokens_details"}
+    return {**response, "id": None, "created_at": None, "output": output, "usage": usage}
+
+
+def test_a_background_response_is_polled_to_the_answer_of_the_same_request(server: PlatformServer) -> None:
+    body = {"input": "What is two and two?", "instructions": "Answer briefly."}
+    with server.client() as client:
+        answered = _create(client, **body)
+        queued = _create(client, **body, background=True)
+        assert (queued["status"], queued["output"], queued["usage"], queued["background"]) == ("queued", [], None, True)
+        finished = _polled(server, client, queued["id"])
+        assert _comparable(finished) == _comparable(answered) | {"background": True}
+        assert _text(finished) == _text(answered) and answered["background"] is False
+        assert (finished["id"], finished["created_at"]) == (queued["id"], queued["created_at"])
+        conversation = client.post("/v1/conversations", json={}).json()["id"]
+        in_conversation = _polled(server, client, _create(client, input="Hi", conversation=conversation,
+                                                          background=True)["id"])
+        assert in_conversation["status"] in ("completed", "incomplete")
+        stored = client.get(f"/v1/conversations/{conversation}/messages", params={"order": "asc"}).json()["data"]
+        assert [(m["role"], m["content"]) for m in stored] == [("user", "Hi"), ("assistant", _text(in_conversation))]
+    assert server.idle_stats().num_used_blocks == 0
+
+
+def test_cancelling_a_background_response_aborts_its_run(server: PlatformServer) -> None:
+    _, alice = server.new_key("alice")
+    _, bob = server.new_key("bob")
+    aborted = server.engine.num_aborted
+    with server.client(alice) as client:
+        # at temperature 0 the tiny model writes this to its 450th token (a good half second): cancelled before
+        queued = _create(client, input="List every prime number.", max_output_tokens=450, background=True)
+        assert server.wait_until(lambda: _generating(server))
+        path = f"/v1/responses/{queued['id']}/cancel"
+        cancelled = client.post(path)
+        assert cancelled.status_code == 200, cancelled.text
+        assert cancelled.json() | {"status": None} == {**queued, "status": None}
+        assert cancelled.json()["status"] == "cancelled"
+        assert server.wait_until(lambda: server.engine.num_aborted > aborted)
+        assert server.idle_stats().num_used_blocks == 0
+        assert client.get(f"/v1/responses/{queued['id']}").json() == cancelled.json()
+        assert client.post(path).json() == cancelled.json()  # idempotent
+        foreground = _create(client, input="Hello")
+        refused = client.post(f"/v1/responses/{foreground['id']}/cancel")
+        assert refused.status_code == 400 and "background" in _error(refused)["message"]
+    with server.client(bob) as client:
+        foreign = client.post(path)
+        assert foreign.status_code == 404 and _error(foreign)["code"] == "response_not_found"
+
+
+def test_deleting_a_running_background_response_aborts_its_run(server: PlatformServer) -> None:
+    aborted = server.engine.num_aborted
+    with server.client() as client:
+        queued = _create(client, input="List every prime number.", max_output_tokens=450, background=True)
+        assert server.wait_until(lambda: _generating(server))
+        deleted = client.delete(f"/v1/responses/{queued['id']}")
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        assert server.wait_until(lambda: server.engine.num_aborted > aborted)
+        assert not server.platform.background  # its task has ended
+        gone = client.get(f"/v1/responses/{queued['id']}")
+        assert gone.status_code == 404 and _error(gone)["code"] == "response_not_found"
+    assert server.idle_stats().num_used_blocks == 0
+
+
+def test_a_cancel_stored_by_another_process_outlives_the_run_here(server: PlatformServer) -> None:
+    """Another gateway instance answered the cancel (stored, its task not there to stop): the run here goes on to
+    its end, and leaves the response cancelled."""
+    with server.client() as client:
+        queued = _create(client, input="List every prime number.", max_output_tokens=450, background=True)
+        assert server.wait_until(lambda: _generating(server))
+        assert server.platform.responses is not None
+        assert server.platform.responses.replace_unfinished(None, {**queued, "status": "cancelled"})
+        assert server.wait_until(lambda: not server.platform.background)  # the run here has ended
+        assert client.get(f"/v1/responses/{queued['id']}").json() == {**queued, "status": "cancelled"}
+    assert server.idle_stats().num_used_blocks == 0
+
+
+def test_background_responses_are_stored_and_polled_not_streamed(server: PlatformServer) -> None:
+    with server.client() as client:
+        for extra, param in (({"store": False}, "store"), ({"stream": True}, "stream")):
+            refused = client.post("/v1/responses", json={"model": MODEL, "input": "Hi", "background": True, **extra})
+            assert refused.status_code == 400 and _error(refused)["param"] == param, refused.text
+        assert "polled" in _error(refused)["message"]
+
+
+def test_a_background_response_whose_chat_is_refused_in_its_run_fails(server: PlatformServer) -> None:
+    """More output tokens than the context window holds: chat refuses the run (a 400 to a request in the
+    foreground), which the background response is answered before."""
+    with server.client() as client:
+        queued = _create(client, input="Hi", max_output_tokens=2000, background=True)
+        failed = _polled(server, client, queued["id"])
+        assert failed["status"] == "failed" and failed["output"] == [] and failed["usage"] is None
+        foreground = client.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2000})
+        assert foreground.status_code == 400 and _error(foreground)["code"] == "context_length_exceeded"
+        # under the code of OpenAI's that says the request is at fault (its clients know no other), chat's message
+        assert failed["error"] == {"code": "invalid_prompt", "message": _error(foreground)["message"]}
+    assert server.idle_stats().num_used_blocks == 0
+
+
+def test_the_platforms_shutdown_fails_the_background_responses_still_running(tmp_path: Path) -> None:
+    """A run that never ends: answered queued, in progress once its task runs, and failed when the platform
+    closes (at the server's shutdown), its task gone."""
+    database = open_database(f"sqlite:///{tmp_path / 'platform.db'}")
+    platform = Platform(responses=ResponseStore(database), database=database)
+    storage = Storage(platform.responses, None, running=platform.background)
+    chat_called = asyncio.Event()
+
+    async def chat_forever(chat: ChatCompletionRequest, payload: dict) -> FastAPIResponse:
+        chat_called.set()
+        await asyncio.Event().wait()
+        raise AssertionError("never reached")
+
+    async def run_until_shutdown() -> list[dict]:
+        """The response as answered, while it runs, and once the platform has closed (its tasks all ended)."""
+        body = ResponsesRequest(model=MODEL, input="Hi", background=True)
+        queued = json.loads(bytes((await answer(body, chat_forever, storage)).body))
+        await chat_called.wait()
+        running = await asyncio.to_thread(platform.responses.get, None, queued["id"])
+        await platform.aclose()
+        assert platform.background == {}
+        return [queued, running, await asyncio.to_thread(platform.responses.get, None, queued["id"])]
+
+    queued, running, closed = asyncio.run(run_until_shutdown())
+    assert queued["status"] == "queued" and running == {**queued, "status": "in_progress"}
+    assert closed == {**queued, "status": "failed", "error": {
+        "code": "server_error", "message": "The server shut down before the response was finished."}}
