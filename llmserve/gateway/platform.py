@@ -42,7 +42,6 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from llmserve.errors import InvalidRequestError
 from llmserve.gateway.disaggregation import KV_TRANSFER_PARAMS
 from llmserve.gateway.errors import error_body, kv_transfer_params_refused
 from llmserve.gateway.fold import ChatFold
@@ -60,10 +59,11 @@ from llmserve.platform.safety import OutputGuard
 from llmserve.platform.usage import UsageStatus
 from llmserve.server import errors
 from llmserve.server.chat_translation import chat_tokenize_body
+from llmserve.server.conversation_items import reply_message
 from llmserve.server.conversations import ConversationTurn, fit_history, open_turn, turn_messages
 from llmserve.server.errors import APIError, ClientDisconnected
 from llmserve.server.gateway import Admission, Platform, request_key
-from llmserve.server.messages import template_messages, uses_tools, wire_messages
+from llmserve.server.messages import template_messages, wire_messages
 from llmserve.server.moderators import choose_moderator, moderate_by_filter
 from llmserve.server.protocol import (
     ChatCompletionRequest,
@@ -107,6 +107,7 @@ class _Call:
     turn: ConversationTurn | None = None
     turn_messages: list[dict[str, Any]] = field(default_factory=list)
     keeper: CompletionKeeper | None = None  # `store: true`: where the completion goes once answered
+    keeps_calls: bool = False  # a stored conversation's turn that offered tools: the reply's calls are kept too
 
 
 @dataclass(frozen=True)
@@ -160,11 +161,6 @@ class GatewayPlatform:
             return kv_transfer_params_refused()
         key = request_key(request.state)
         new_messages = template_messages(body.messages)
-        if body.conversation_id is not None and uses_tools(body):
-            raise InvalidRequestError(
-                "Stored conversations keep text and image turns only: tools and tool messages cannot be used with "
-                "conversation_id.", param="conversation_id",
-            )
         turn = await open_turn(self.platform, key, body.conversation_id, body.parent_message_id, new_messages)
         keeper = keeper_for(self.platform, key, body)
         # A content router reads the stored conversation's turns too (its history_turns).
@@ -182,7 +178,7 @@ class GatewayPlatform:
         call = _Call(
             "/v1/chat/completions", "chatcmpl", "content", model, pool, key, payload, body.stream,
             *_usage_asked(body), choices=body.n, resumable=_resumable(body), turn=turn, turn_messages=new_messages,
-            obfuscate=_obfuscation_asked(body), keeper=keeper,
+            obfuscate=_obfuscation_asked(body), keeper=keeper, keeps_calls=turn is not None and bool(body.tools),
         )
         if self._limits_tokens(key):
             count, max_model_len = await self._count(pool, chat_tokenize_body(model, payload))
@@ -498,7 +494,7 @@ class GatewayPlatform:
 
     def _reply(self, call: _Call) -> Reply:
         assert call.text_field is not None
-        fold = ChatFold() if call.keeper is not None and call.stream else None
+        fold = ChatFold() if (call.keeper is not None or call.keeps_calls) and call.stream else None
         return Reply(call.text_field, call.choices, self._output_guard, fold)
 
     def _output_guard(self) -> OutputGuard | None:
@@ -510,13 +506,18 @@ class GatewayPlatform:
         completion kept when it asked to be stored (`whole`: a non-streamed one's, as answered; a streamed one's
         is folded from its chunks)."""
         self.platform.count_blocked_outputs(call.model, meter.request_id, reply.blocked)
+        if whole is None and reply.fold is not None:
+            whole = reply.fold.completion(meter.usage())
         if call.turn is not None:
-            await call.turn.save(call.turn_messages, reply.first_text, meter.completion_tokens)
+            calls = _first_choice(whole)["message"].get("tool_calls") if call.keeps_calls and whole else None
+            await call.turn.save(call.turn_messages, reply_message(reply.first_text, calls), meter.completion_tokens)
         if call.keeper is not None:
-            if whole is None:
-                assert reply.fold is not None
-                whole = reply.fold.completion(meter.usage())
+            assert whole is not None
             await call.keeper.save(whole)
+
+
+def _first_choice(completion: dict[str, Any]) -> dict[str, Any]:
+    return next(choice for choice in completion["choices"] if choice["index"] == 0)
 
 
 class _ReportedUsage(msgspec.Struct):

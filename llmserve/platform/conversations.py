@@ -30,6 +30,8 @@ from llmserve.store.db import Database
 from llmserve.store.schema import MODEL_NAME_LENGTH, NAME_LENGTH, ConversationRow, MessageRow, utcnow
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CALL_FIELDS = ("call_id", "name", "arguments")
+MAX_CALL_ID_LENGTH = 255  # MessageRow.tool_call_id's
 DERIVED_TITLE_LENGTH = 60
 ORDERS = ("asc", "desc")
 Order = Literal["asc", "desc"]
@@ -134,6 +136,8 @@ class Message:
     token_count: int | None
     created_at: datetime
     parts: list[dict[str, Any]] | None = None  # a message with images: its content parts (`MessageRow.parts`)
+    tool_call: dict[str, str] | None = None  # an assistant's call of a tool: {"call_id", "name", "arguments"}
+    tool_call_id: str | None = None  # a tool's output: the id of the call it answers
 
     @property
     def images(self) -> list[str]:
@@ -148,6 +152,8 @@ class Message:
             "role": self.role,
             "content": self.content,
             "images": self.images,
+            "tool_call": self.tool_call,
+            "tool_call_id": self.tool_call_id,
             "token_count": self.token_count,
             "created_at": int(self.created_at.timestamp()),
         }
@@ -184,6 +190,7 @@ def _to_message(row: MessageRow) -> Message:
     return Message(
         id=row.id, conversation_id=row.conversation_id, parent_id=row.parent_id, role=row.role,
         content=row.content, token_count=row.token_count, created_at=row.created_at, parts=row.parts,
+        tool_call=row.tool_call, tool_call_id=row.tool_call_id,
     )
 
 
@@ -222,23 +229,48 @@ def part_image_urls(parts: Iterable[Mapping[str, Any]]) -> list[str]:
     return [part["image_url"]["url"] for part in parts if part.get("type") == "image_url"]
 
 
-def _check_message(role: object, content: object, token_count: object, parts: object = None) -> None:
+def _check_message(turn: Mapping[str, Any]) -> None:
+    role, content, token_count = turn.get("role"), turn.get("content"), turn.get("token_count")
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
     if not isinstance(content, str):
         raise ValueError("message content must be a string")
     if token_count is not None and (isinstance(token_count, bool) or not isinstance(token_count, int) or token_count < 0):
         raise ValueError(f"token_count must be a non-negative integer, got {token_count!r}")
-    if parts is not None and role != "user":
+    if turn.get("parts") is not None and role != "user":
         raise ValueError("only user messages hold images")
+    _check_tool_fields(role, content, turn.get("tool_call"), turn.get("tool_call_id"))
+
+
+def _check_tool_fields(role: object, content: str, tool_call: object, tool_call_id: object) -> None:
+    """A call is an assistant's, without text of its own; an output is a tool message's, and names its call."""
+    if tool_call is not None:
+        if role != "assistant" or content:
+            raise ValueError("a tool call is an assistant message without content")
+        if not isinstance(tool_call, dict) or set(tool_call) != set(TOOL_CALL_FIELDS) or not all(
+                isinstance(tool_call[name], str) for name in TOOL_CALL_FIELDS):
+            raise ValueError(f"a tool call has string {', '.join(TOOL_CALL_FIELDS)}; got {tool_call!r}")
+        if not 0 < len(tool_call["call_id"]) <= MAX_CALL_ID_LENGTH:
+            raise ValueError(f"a call_id has 1 to {MAX_CALL_ID_LENGTH} characters")
+    if (role == "tool") != (tool_call_id is not None):
+        raise ValueError("a tool message, and only one, names the call it answers (tool_call_id)")
+    if tool_call_id is not None and not (isinstance(tool_call_id, str) and 0 < len(tool_call_id) <= MAX_CALL_ID_LENGTH):
+        raise ValueError(f"a tool_call_id is a string of 1 to {MAX_CALL_ID_LENGTH} characters")
 
 
 def _checked_turns(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages to store ({"role", "content", "token_count"?, "parts"?}), checked."""
+    """Messages to store ({"role", "content", "token_count"?, "parts"?, "tool_call"?, "tool_call_id"?}),
+    checked."""
     turns = [dict(m) for m in messages]
     for turn in turns:
-        _check_message(turn.get("role"), turn.get("content"), turn.get("token_count"), turn.get("parts"))
+        _check_message(turn)
     return turns
+
+
+def stored_size(turn: Mapping[str, Any]) -> str:
+    """What of a message the size limit counts: its text, or a tool call's name and arguments."""
+    call = turn.get("tool_call")
+    return call["name"] + call["arguments"] if call else turn["content"]
 
 
 def _first_user_title(turns: Iterable[Mapping[str, Any]]) -> str | None:
@@ -249,15 +281,22 @@ def _first_user_title(turns: Iterable[Mapping[str, Any]]) -> str | None:
 def _message_rows(
     conversation_id: str, parent_id: str | None, turns: Iterable[Mapping[str, Any]], now: datetime
 ) -> list[MessageRow]:
-    """The rows of `turns`, chained after `parent_id`, each after the one before."""
+    """The rows of `turns`, chained after `parent_id`, each after the one before: a microsecond later, so that
+    listings ordered by time keep the order they were added in."""
     rows: list[MessageRow] = []
-    for turn in turns:
+    for i, turn in enumerate(turns):
         rows.append(MessageRow(
-            id=_new_id("msg"), conversation_id=conversation_id, parent_id=rows[-1].id if rows else parent_id,
-            role=turn["role"], content=turn["content"], parts=turn.get("parts"), token_count=turn.get("token_count"),
-            created_at=now,
+            id=_new_id(_id_prefix(turn)), conversation_id=conversation_id,
+            parent_id=rows[-1].id if rows else parent_id, role=turn["role"], content=turn["content"],
+            parts=turn.get("parts"), tool_call=turn.get("tool_call"), tool_call_id=turn.get("tool_call_id"),
+            token_count=turn.get("token_count"), created_at=now + timedelta(microseconds=i),
         ))
     return rows
+
+
+def _id_prefix(turn: Mapping[str, Any]) -> str:
+    """A message's id prefix, as OpenAI's item ids read: a message, a function call, or a function call's output."""
+    return "fc" if turn.get("tool_call") else "fco" if turn["role"] == "tool" else "msg"
 
 
 def _new_id(prefix: str) -> str:
@@ -287,7 +326,9 @@ class ConversationStore:
         metadata: Mapping[str, str] | None = None,
     ) -> Conversation:
         """Create a conversation, optionally with messages ({"role", "content", "token_count"?, "parts"?: a
-        user message's content parts, where it holds images}) as its first turns, in order. Without a
+        user message's content parts, where it holds images; "tool_call"?: an assistant's call of a tool, as
+        {"call_id", "name", "arguments"}, without content; "tool_call_id"?: the call a tool message answers}) as
+        its first turns, in order. Without a
         title, the first user message provides one."""
         turns = _checked_turns(messages or ())
         self._check_limits(turns)
@@ -532,7 +573,11 @@ class ConversationStore:
             ids = list(session.scalars(expired))
             if not ids:
                 return 0
-            session.execute(delete(MessageRow).where(MessageRow.conversation_id.in_(ids)))
+            messages = MessageRow.conversation_id.in_(ids)
+            # Unchained first: deleting a chained message would cascade to its child, and that to its own, one
+            # nested trigger a message (SQLite stops at 1,000 levels).
+            session.execute(update(MessageRow).where(messages).values(parent_id=None))
+            session.execute(delete(MessageRow).where(messages))
             session.execute(delete(conv).where(conv.id.in_(ids)))
         return len(ids)
 
@@ -556,7 +601,7 @@ class ConversationStore:
         return message
 
     def _check_limits(self, turns: Sequence[Mapping[str, Any]], existing: int = 0) -> None:
-        self.limits.check([turn["content"] for turn in turns], existing=existing,
+        self.limits.check([stored_size(turn) for turn in turns], existing=existing,
                           images=[part_image_urls(turn.get("parts") or ()) for turn in turns])
 
     @staticmethod

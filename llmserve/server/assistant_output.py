@@ -12,6 +12,7 @@ functions have their calls decoded under their schemas too (`tool_calls.strict`)
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,12 +50,13 @@ class ReplyPlan:
     def parses_anything(self) -> bool:
         return self.tool_parser is not None or self.reasoning is not None
 
-    def parser(self) -> ReplyParser | None:
-        """A fresh post-processor for one choice (None when the text is the content as is)."""
+    def parser(self, new_call_id: Callable[[], str] | None = None) -> ReplyParser | None:
+        """A fresh post-processor for one choice (None when the text is the content as is); its calls' ids from
+        `new_call_id` (default: the tool parser's)."""
         if not self.parses_anything:
             return None
         reasoning = self.reasoning.stream(self.prompt_opened_reasoning) if self.reasoning is not None else None
-        tools = self.tool_parser.stream() if self.tool_parser is not None else None
+        tools = self.tool_parser.stream(new_call_id) if self.tool_parser is not None else None
         return ReplyParser(reasoning, tools)
 
 

@@ -19,6 +19,7 @@ from llmserve.platform.content_routing import chat_texts
 from llmserve.sampling.params import SamplingParams
 from llmserve.server import errors
 from llmserve.server.assistant_output import ReplyPlan, plan_reply, reasoning_start, whole_tool_calls
+from llmserve.server.conversation_items import reply_message
 from llmserve.server.conversations import (
     ConversationTurn,
     fit_history,
@@ -29,7 +30,7 @@ from llmserve.server.conversations import (
 from llmserve.server.gateway import request_key
 from llmserve.server.logprobs import TokenTexts, chat_logprobs, logprob_texts, vllm_prompt_logprobs
 from llmserve.server.media import images_placed, load_images
-from llmserve.server.messages import entry_image_urls, image_urls, template_messages, uses_tools
+from llmserve.server.messages import entry_image_urls, image_urls, template_messages
 from llmserve.server.openapi import documented
 from llmserve.server.pipeline import Choice, ChoiceRenderer, PreparedRequest, ResponseShape, respond
 from llmserve.server.postprocess import MessagePieces, TextPostProcessor
@@ -48,6 +49,7 @@ from llmserve.server.state import ModelEndpoint, ServerState, get_state
 from llmserve.server.stored_completions import CompletionKeeper, keeper_for
 from llmserve.server.streaming import Delta, StreamCursor, content_choice_json
 from llmserve.server.templates import TemplateOptions, template_options
+from llmserve.server.tool_calls import new_call_id
 
 router = APIRouter()
 
@@ -57,12 +59,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = get_state(request)
     key = request_key(request.state)
     new_messages = template_messages(body.messages)
-    if body.conversation_id is not None and uses_tools(body):
-        raise InvalidRequestError(
-            "Stored conversations keep text and image turns only: tools and tool messages cannot be used with "
-            "conversation_id.",
-            param="conversation_id",
-        )
     turn = await open_turn(state.platform, key, body.conversation_id, body.parent_message_id, new_messages)
     keeper = keeper_for(state.platform, key, body)
     # A content router reads the stored conversation's turns too (its history_turns).
@@ -336,15 +332,31 @@ class ChatShape(ResponseShape):
         self.cache_salt = cache_salt
         self.turn = turn
         self.turn_messages = turn_messages
+        self._sent_call_ids: dict[int, list[str]] = {}
 
     def renderer(self, position: int, index: int) -> ChatChoiceRenderer:
-        return ChatChoiceRenderer(index, self.top_logprobs, self.texts, self.echo, self.post_processor(),
+        return ChatChoiceRenderer(index, self.top_logprobs, self.texts, self.echo, self._post_processor(index),
                                   token_ids=self.prompt_token_ids is not None)
 
-    def post_processor(self) -> TextPostProcessor | None:
-        """A fresh post-processor for one choice (a tool-call or reasoning parser); None: the text is
+    def _post_processor(self, index: int) -> TextPostProcessor | None:
+        """A fresh post-processor for choice `index` (a tool-call or reasoning parser); None: the text is
         the content as is."""
-        return self.plan.parser() if self.plan is not None else None
+        return self.plan.parser(self._call_ids(index)) if self.plan is not None else None
+
+    def _call_ids(self, index: int) -> Callable[[], str]:
+        """The ids of choice `index`'s tool calls: new ones the first time it is rendered (kept), the same ones, in
+        order, every later time (a streamed response rendered whole, as its client was sent it)."""
+        sent = self._sent_call_ids.get(index)
+        if sent is None:
+            sent = self._sent_call_ids[index] = []
+
+            def recorded() -> str:
+                sent.append(new_call_id())
+                return sent[-1]
+
+            return recorded
+        replayed = iter(list(sent))
+        return lambda: next(replayed, None) or new_call_id()
 
     def empty_chunk(self, response_id: str, created: int, model: str, usage: Usage | None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage)
@@ -381,12 +393,19 @@ class ChatShape(ResponseShape):
         if not blocked and output.finished and not self.with_images:
             self._remember_replies(output)
         if self.turn is not None:
-            first = output.outputs[0]
-            guard = cursors[0].guard
-            reply = guard.released_text if guard is not None else first.text
-            await self.turn.save(self.turn_messages, reply, len(first.token_ids))
+            await self.turn.save(self.turn_messages, self._reply(output, cursors[0], response),
+                                 len(output.outputs[0].token_ids))
         if self.keeper is not None:
             await self.keeper.save(response())
+
+    def _reply(self, output: RequestOutput, cursor: StreamCursor, response: Callable[[], dict]) -> dict[str, Any]:
+        """The first choice as its stored conversation keeps it: where tools were offered, its content and calls
+        as the client got them; else its whole text, as the safety guard let it out."""
+        if self.plan is not None and self.plan.tool_parser is not None:
+            message = response()["choices"][0]["message"]
+            return reply_message(message.get("content") or "", message.get("tool_calls"))
+        guard = cursor.guard
+        return reply_message(guard.released_text if guard is not None else output.outputs[0].text)
 
     def _remember_replies(self, output: RequestOutput) -> None:
         """Let the next turn of this conversation reuse the replies' exact tokens (and so their KV)."""

@@ -9,9 +9,10 @@ Conversations items list). What a conversation may hold is bounded by the store'
 
 OpenAI's Conversations API is served over the same conversations (what the `openai` SDK's `conversations`
 and `conversations.items` call): `items` and `metadata` at creation, `metadata` (and `title`) updated, and
-`/v1/conversations/{id}/items` to list (the active branch), add (after its head), read and delete messages as
-OpenAI's message items. Stored conversations keep text and image turns only, so other item types (function
-calls and their outputs, reasoning) are 400s, and so is `include`, none of whose additions is made here.
+`/v1/conversations/{id}/items` to list (the active branch), add (after its head), read and delete items:
+messages, function calls and their outputs, each a stored message (`conversation_items`). Other item types
+(reasoning, other tools' calls) are 400s, and so is `include`, none of whose additions is made here. Chat's tools
+and tool messages, and a Responses request's function calls, go into a stored conversation as those items.
 
 When the history plus the new turn would not fit the model's context window, `truncation: "auto"` drops
 the oldest turns (never the leading system messages, never the request's own messages) and the response
@@ -41,12 +42,22 @@ from llmserve.platform.conversations import (
     Message,
     MessageNotFound,
     part_image_urls,
+    stored_size,
 )
 from llmserve.platform.keys import ApiKey
 from llmserve.platform.paging import MAX_PAGE_SIZE
+from llmserve.server.conversation_items import (
+    MAX_ITEMS,
+    ChatMessages,
+    ConversationItem,
+    as_item,
+    chat_history,
+    check_call_ids,
+    item_turns,
+    stored_turns,
+)
 from llmserve.server.errors import APIError, unsupported
 from llmserve.server.gateway import Platform, platform_of, request_key
-from llmserve.server.messages import IMAGE_PARTS
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import Metadata, list_page
 
@@ -54,7 +65,6 @@ router = APIRouter()
 
 TRUNCATED_HEADER = "x-llmserve-truncated-messages"
 Truncation = Literal["auto", "disabled"]
-ChatMessages = list[dict[str, Any]]  # as the chat template takes them (`template_messages`)
 
 
 def _not_found(conversation_id: str, param: str | None = None) -> APIError:
@@ -94,20 +104,15 @@ class ConversationTurn:
     reply_id: str | None = None
     truncated: int = 0  # history messages left out of the prompt to fit the context window
 
-    async def save(self, messages: ChatMessages, reply: str, reply_tokens: int) -> None:
-        """Append the request's messages (with their images), then the assistant's reply, after `parent_id`."""
+    async def save(self, messages: ChatMessages, reply: dict[str, Any], reply_tokens: int) -> None:
+        """Append the request's messages (with their images and tool calls), then the assistant's reply (a chat
+        message, `reply_message`), after `parent_id`, all at once."""
         self.reply_id = await asyncio.to_thread(self._save, messages, reply, reply_tokens)
 
-    def _save(self, messages: ChatMessages, reply: str, reply_tokens: int) -> str:
-        parent = self.parent_id
-        for message in messages:
-            parent = self.store.append(
-                self.key_id, self.conversation_id, message["role"], message["content"], parent_id=parent,
-                parts=message.get(IMAGE_PARTS),
-            ).id
-        return self.store.append(
-            self.key_id, self.conversation_id, "assistant", reply, token_count=reply_tokens, parent_id=parent
-        ).id
+    def _save(self, messages: ChatMessages, reply: dict[str, Any], reply_tokens: int) -> str:
+        turns = stored_turns([*messages, reply])
+        turns[-1]["token_count"] = reply_tokens
+        return self.store.extend(self.key_id, self.conversation_id, turns, self.parent_id)[-1].id
 
     def headers(self) -> dict[str, str]:
         return {"x-conversation-id": self.conversation_id, TRUNCATED_HEADER: str(self.truncated)}
@@ -142,6 +147,7 @@ async def start_turn(
     parent_message_id: str | None = None,
 ) -> ConversationTurn:
     """`open_turn` in a given store, for the caller's key (None in local mode)."""
+    check_call_ids(new_messages)
     try:
         path = await asyncio.to_thread(_turn_context, store, key_id, conversation_id, parent_message_id, new_messages)
     except ConversationNotFound:
@@ -150,11 +156,8 @@ async def start_turn(
         raise _too_large(exc) from None
     except ValueError as exc:
         raise APIError(400, str(exc), param="parent_message_id") from None
-    # Stored "developer" turns (from POST /v1/conversations) reach the template as "system", like new ones.
-    history = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
-               | ({IMAGE_PARTS: m.parts} if m.parts else {}) for m in path]
     parent = path[-1].id if path else None
-    return ConversationTurn(store, key_id, conversation_id, parent, history)
+    return ConversationTurn(store, key_id, conversation_id, parent, chat_history(path))
 
 
 def _turn_context(
@@ -164,8 +167,9 @@ def _turn_context(
     the conversation's limits: checked before generating, so a reply is not computed and then lost."""
     path = store.history(key_id, conversation_id, up_to)
     existing = store.message_count(key_id, conversation_id)
-    store.limits.check([m["content"] for m in new_messages], existing=existing + 1,
-                       images=[part_image_urls(m.get(IMAGE_PARTS, ())) for m in new_messages])
+    turns = stored_turns(new_messages)
+    store.limits.check([stored_size(turn) for turn in turns], existing=existing + 1,
+                       images=[part_image_urls(turn.get("parts", ())) for turn in turns])
     return path
 
 
@@ -234,82 +238,14 @@ def _split_turns(history: ChatMessages) -> tuple[ChatMessages, list[ChatMessages
 
 # ---- OpenAI's conversation items ------------------------------------------------------------------
 
-MAX_ITEMS = 20  # added by one call, as OpenAI
-ITEM_ROLES = ("user", "assistant", "system", "developer")
-TEXT_PARTS = ("input_text", "output_text", "text")
-
-
-def _item_messages(items: list[dict[str, Any]]) -> ChatMessages:
-    """OpenAI's message items as messages to store: their text, and where they hold images, their content parts
-    as chat's stored image turns keep them (text and image_url parts). 400 for anything else."""
-    return [_item_message(item, f"items[{i}]") for i, item in enumerate(items)]
-
-
-def _item_message(item: dict[str, Any], param: str) -> dict[str, Any]:
-    kind = item.get("type", "message")
-    if kind != "message":
-        raise unsupported(f"{param}.type", f"Stored conversations keep text and image messages only: items of type "
-                                           f"{kind!r} are not supported.")
-    role = item.get("role")
-    if role not in ITEM_ROLES:
-        raise APIError(400, f"role must be one of {', '.join(ITEM_ROLES)}.", param=f"{param}.role")
-    content = item.get("content")
-    if isinstance(content, str):
-        return {"role": role, "content": content}
-    if not isinstance(content, list):
-        raise APIError(400, "content must be a string or a list of content parts.", param=f"{param}.content")
-    parts = [_content_part(part, role, f"{param}.content[{j}]") for j, part in enumerate(content)]
-    message: dict[str, Any] = {"role": role, "content": "".join(p["text"] for p in parts if p["type"] == "text")}
-    if any(part["type"] == "image_url" for part in parts):
-        message["parts"] = parts
-    return message
-
-
-def _content_part(part: object, role: str, param: str) -> dict[str, Any]:
-    """An item's content part as chat's: a text part, or an image_url part."""
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind in TEXT_PARTS:
-        if not isinstance(part.get("text"), str):
-            raise APIError(400, "A text content part needs a string 'text'.", param=f"{param}.text")
-        return {"type": "text", "text": part["text"]}
-    if kind != "input_image":
-        raise unsupported(f"{param}.type", f"Content parts of type {kind!r} are not supported here (input_text, "
-                                           "output_text, text and input_image).")
-    if role != "user":
-        raise APIError(400, "Only user messages hold images.", param=param)
-    url, detail = part.get("image_url"), part.get("detail")
-    if not isinstance(url, str) or not url.startswith(("data:", "http://", "https://")):
-        raise unsupported(f"{param}.image_url", "An input_image is read from its image_url (a data: or http(s) "
-                                                "URL) here, not a file_id.")
-    if detail not in (None, "auto", "low", "high"):
-        raise APIError(400, "detail must be 'auto', 'low' or 'high'.", param=f"{param}.detail")
-    return {"type": "image_url", "image_url": {"url": url} | ({"detail": detail} if detail else {})}
-
-
-def _item(message: Message) -> dict[str, Any]:
-    """A stored message as OpenAI's message item: its text (or its text and images, in order) as content parts."""
-    parts = message.parts or [{"type": "text", "text": message.content}]
-    return {"type": "message", "id": message.id, "status": "completed", "role": message.role,
-            "content": [_item_part(part, message.role) for part in parts]}
-
-
-def _item_part(part: dict[str, Any], role: str) -> dict[str, Any]:
-    if part["type"] == "image_url":
-        return {"type": "input_image", "image_url": part["image_url"]["url"],
-                "detail": part["image_url"].get("detail", "auto")}
-    if role == "assistant":
-        return {"type": "output_text", "text": part["text"], "annotations": [], "logprobs": []}
-    return {"type": "input_text", "text": part["text"]}
-
-
 def _no_include(
     include: Annotated[list[str] | None, Query(description="Not supported here: any value is a 400.")] = None,
     include_brackets: Annotated[list[str] | None, Query(alias="include[]", include_in_schema=False)] = None,
 ) -> None:
     """OpenAI's `include` (the `openai` SDK sends it as `include[]`): none of what it adds is made here."""
     if include or include_brackets:
-        raise unsupported("include", "include is not supported here: conversation items are messages, whose "
-                                     "text is all there is to include.")
+        raise unsupported("include", "include is not supported here: none of what it adds (logprobs, reasoning, "
+                                     "tools' outputs other than function calls') is kept with conversation items.")
 
 
 NO_INCLUDE = Depends(_no_include)
@@ -365,34 +301,11 @@ class MessageObject(_Response):
     parent_id: str | None
     role: str
     content: str
+    images: list[str]
+    tool_call: dict[str, str] | None  # an assistant's call of a tool: {"call_id", "name", "arguments"}
+    tool_call_id: str | None  # a tool's output: the call it answers
     token_count: int | None
     created_at: int
-
-
-class InputTextContent(_Response):
-    type: Literal["input_text"]
-    text: str
-
-
-class OutputTextContent(_Response):
-    type: Literal["output_text"]
-    text: str
-    annotations: list[dict[str, Any]]
-    logprobs: list[dict[str, Any]]
-
-
-class InputImageContent(_Response):
-    type: Literal["input_image"]
-    image_url: str
-    detail: Literal["auto", "low", "high"]
-
-
-class MessageItem(_Response):
-    type: Literal["message"]
-    id: str
-    status: Literal["completed"]
-    role: str
-    content: list[InputTextContent | OutputTextContent | InputImageContent]
 
 
 class _Page(_Response):
@@ -411,7 +324,7 @@ class MessagePage(_Page):
 
 
 class ItemPage(_Page):
-    data: list[MessageItem]
+    data: list[ConversationItem]
 
 
 class ConversationDeleted(_Response):
@@ -436,7 +349,7 @@ async def create_conversation(body: CreateConversation, request: Request) -> JSO
         raise APIError(400, "Give either items or messages, not both.", param="items")
     store = _store(platform_of(request))
     field = "messages" if body.items is None else "items"
-    messages = [m.model_dump() for m in body.messages] if body.items is None else _item_messages(body.items)
+    messages = [m.model_dump() for m in body.messages] if body.items is None else item_turns(body.items)
     key_id = _key_id(request_key(request.state))
     try:
         conversation = await asyncio.to_thread(
@@ -559,31 +472,31 @@ async def list_items(
     order: Literal["asc", "desc"] = "desc",
     after: str | None = None,
 ) -> JSONResponse:
-    """OpenAI's items list: a page of the active branch's messages as message items, newest first unless
+    """OpenAI's items list: a page of the active branch's messages as items, newest first unless
     `order=asc`; `after` takes an item id from a previous page."""
     page, has_more = await _message_page(request, conversation_id, limit, order, after)
-    return JSONResponse(list_page([_item(m) for m in page], has_more))
+    return JSONResponse(list_page([as_item(m) for m in page], has_more))
 
 
 @router.post("/v1/conversations/{conversation_id}/items", responses=documented(ItemPage), dependencies=[NO_INCLUDE])
 async def add_items(conversation_id: str, body: AddItems, request: Request) -> JSONResponse:
-    """Append message items, in order, after the active branch's head (all of them or, past the store's limits,
-    none: 413); answered with the items made, oldest first."""
+    """Append items (messages, function calls, their outputs), in order, after the active branch's head (all of
+    them or, past the store's limits, none: 413); answered with the items made, oldest first."""
     store = _store(platform_of(request))
-    messages = _item_messages(body.items)
+    turns = item_turns(body.items)
     try:
-        added = await asyncio.to_thread(store.extend, _key_id(request_key(request.state)), conversation_id, messages)
+        added = await asyncio.to_thread(store.extend, _key_id(request_key(request.state)), conversation_id, turns)
     except ConversationNotFound:
         raise _not_found(conversation_id) from None
     except ConversationLimitExceeded as exc:
         raise _too_large(exc, "items") from None
-    return JSONResponse(list_page([_item(m) for m in added], has_more=False))
+    return JSONResponse(list_page([as_item(m) for m in added], has_more=False))
 
 
-@router.get("/v1/conversations/{conversation_id}/items/{item_id}", responses=documented(MessageItem),
+@router.get("/v1/conversations/{conversation_id}/items/{item_id}", responses=documented(ConversationItem),
             dependencies=[NO_INCLUDE])
 async def get_item(conversation_id: str, item_id: str, request: Request) -> JSONResponse:
-    """One message of the conversation (of any branch) as a message item."""
+    """One message of the conversation (of any branch) as an item."""
     store = _store(platform_of(request))
     try:
         message = await asyncio.to_thread(store.message, _key_id(request_key(request.state)), conversation_id, item_id)
@@ -591,7 +504,7 @@ async def get_item(conversation_id: str, item_id: str, request: Request) -> JSON
         raise _not_found(conversation_id) from None
     except MessageNotFound:
         raise _item_not_found(item_id) from None
-    return JSONResponse(_item(message))
+    return JSONResponse(as_item(message))
 
 
 @router.delete("/v1/conversations/{conversation_id}/items/{item_id}", responses=documented(ConversationObject))

@@ -7,7 +7,7 @@ from typing import Any
 
 from llmserve.errors import InvalidRequestError
 from llmserve.platform.conversations import part_image_urls
-from llmserve.server.protocol import ChatCompletionRequest, ChatMessage
+from llmserve.server.protocol import ChatMessage
 
 # A message entry's content parts, as OpenAI's API takes them (its image_url parts with their URLs), where it holds
 # images: the template reads them with each image as `{"type": "image"}`, a stored conversation keeps them.
@@ -86,6 +86,3 @@ def with_image_parts(messages: list[dict[str, Any]], takes_parts: bool, placehol
         out.append(message)
     return out
 
-
-def uses_tools(body: ChatCompletionRequest) -> bool:
-    return bool(body.tools) or any(m.role == "tool" or m.tool_calls for m in body.messages)

@@ -16,8 +16,8 @@ naming it as `previous_response_id` continues its conversation (its turns' input
 the request's input; its `instructions` do not carry over, as in OpenAI's API). A request naming a stored
 `conversation` (/v1/conversations, the key's own) continues it through chat's conversation hook: its messages come
 before the request's input (after the instructions, which the conversation does not keep), and once answered the
-input's messages and the output text are appended to it. Conversations keep text turns, so tools and function call
-items cannot be used with one (400), as with chat's `conversation_id`. Without storage (`--no-platform`) `store`
+input's items (messages, function calls, their outputs) and the output's text and function calls are appended to
+it, as chat's `conversation_id` keeps a turn. Without storage (`--no-platform`) `store`
 is answered false, and `previous_response_id` and `conversation` are 400s. `truncation: "auto"` is chat's: the
 oldest turns that do not fit the context window are left out of the prompt, never the last.
 
@@ -60,6 +60,7 @@ from llmserve.server.chat_translation import (
     renamer,
     whole_completion,
 )
+from llmserve.server.conversation_items import reply_message
 from llmserve.server.conversations import ConversationTurn, start_turn
 from llmserve.server.messages import template_messages, wire_messages
 from llmserve.server.openapi import documented
@@ -398,9 +399,6 @@ async def _open_turn(store: ConversationStore, key_id: str | None, conversation_
                      messages: list[dict[str, Any]]) -> tuple[ConversationTurn, list[dict[str, Any]]]:
     """The request's turn in its stored conversation (chat's hook: a 404 for another key's or an unknown one), and
     its messages as the template takes them (and the conversation keeps them)."""
-    if body.tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
-        raise _invalid("Stored conversations keep text and image turns only: tools and function call items cannot "
-                       "be used with conversation.", "conversation")
     templated = template_messages([ChatMessage.model_validate(message) for message in messages])
     return await start_turn(store, key_id, conversation_id, templated), templated
 
@@ -446,7 +444,7 @@ class _Keeper:
         """The response as answered: stored, or, where the store failed, said not to be."""
         if self.turn is not None:
             reply_tokens = (response["usage"] or {}).get("output_tokens", 0)
-            await self.turn.save(self.turn_messages, _output_text(response["output"]), reply_tokens)
+            await self.turn.save(self.turn_messages, _output_message(response["output"]), reply_tokens)
         if self.storage is None:
             return response
         if self.queued is not None:  # its failure to store fails the background response
@@ -462,9 +460,13 @@ class _Keeper:
         return response
 
 
-def _output_text(output: list[dict[str, Any]]) -> str:
-    """The text of a response's output messages (what a conversation keeps of the answer)."""
-    return "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+def _output_message(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a conversation keeps of a response's output: its messages' text and its function calls, as the chat
+    message the model wrote (its reasoning is not kept, as chat templates leave earlier turns' out)."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    return reply_message(text, calls)
 
 
 def _invalid(message: str, param: str) -> InvalidRequestError:

@@ -160,6 +160,10 @@ class MessageRow(Base):
     content: Mapped[str] = mapped_column(Text)
     # A message with images: its content parts as OpenAI's API takes them (text, and image_url parts with their URLs).
     parts: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    # An assistant's call of a tool (one row a call, as OpenAI's function_call items): {"call_id", "name",
+    # "arguments"}; and a tool's output (role "tool"): the id of the call it answers.
+    tool_call: Mapped[dict[str, str] | None] = mapped_column(JSON)
+    tool_call_id: Mapped[str | None] = mapped_column(String(REQUEST_ID_LENGTH))
     token_count: Mapped[int | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

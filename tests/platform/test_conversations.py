@@ -139,6 +139,47 @@ def test_bad_messages_are_refused(store: ConversationStore, role, content, token
         store.create(KEY, messages=[{"role": role, "content": content, "token_count": token_count}])
 
 
+CALL = {"call_id": "call_1", "name": "get_time", "arguments": '{"zone": 3}'}
+
+
+def test_a_tool_call_and_its_output_are_kept_each_as_a_message(store: ConversationStore) -> None:
+    conversation = store.create(KEY, messages=[{"role": "user", "content": "Time?"}])
+    call, output = store.extend(KEY, conversation.id, [
+        {"role": "assistant", "content": "", "tool_call": CALL, "token_count": 9},
+        {"role": "tool", "content": "noon", "tool_call_id": "call_1"},
+    ])
+    assert call.id.startswith("fc_") and output.id.startswith("fco_")
+    assert (call.tool_call, call.tool_call_id, output.tool_call, output.tool_call_id) == (CALL, None, None, "call_1")
+    assert store.history(KEY, conversation.id)[1:] == [call, output]
+
+
+@pytest.mark.parametrize(("turn", "message"), [
+    ({"role": "user", "content": "", "tool_call": CALL}, "a tool call is an assistant message without content"),
+    ({"role": "assistant", "content": "x", "tool_call": CALL}, "a tool call is an assistant message without content"),
+    ({"role": "assistant", "content": "", "tool_call": {"call_id": "c", "name": "f"}}, "a tool call has string"),
+    ({"role": "assistant", "content": "", "tool_call": {**CALL, "arguments": {}}}, "a tool call has string"),
+    ({"role": "assistant", "content": "", "tool_call": {**CALL, "call_id": "c" * 256}}, "a call_id has 1 to 255"),
+    ({"role": "tool", "content": "noon"}, "names the call it answers"),
+    ({"role": "user", "content": "noon", "tool_call_id": "call_1"}, "names the call it answers"),
+    ({"role": "tool", "content": "noon", "tool_call_id": ""}, "a tool_call_id is a string of 1 to 255"),
+])
+def test_malformed_tool_messages_are_refused(store: ConversationStore, turn: dict, message: str) -> None:
+    conversation = store.create(KEY)
+    with pytest.raises(ValueError, match=message):
+        store.extend(KEY, conversation.id, [turn])
+    assert store.history(KEY, conversation.id) == []
+
+
+def test_a_tool_calls_name_and_arguments_count_against_the_message_size_limit(db: Database) -> None:
+    store = ConversationStore(db, ConversationLimits(max_message_bytes=16))
+    conversation = store.create(KEY)
+    fits = {"role": "assistant", "content": "", "tool_call": {"call_id": "c", "name": "f", "arguments": "x" * 15}}
+    store.extend(KEY, conversation.id, [fits])
+    too_large = {**fits, "tool_call": {**fits["tool_call"], "arguments": "x" * 16}}
+    with pytest.raises(ConversationLimitExceeded, match="at most 16 bytes"):
+        store.extend(KEY, conversation.id, [too_large])
+
+
 def test_list_pages_newest_first_with_titles_only(store: ConversationStore) -> None:
     ids = [store.create(KEY, messages=[{"role": "user", "content": f"chat {i}"}]).id for i in range(5)]
     store.create(OTHER, title="not mine")
@@ -230,6 +271,16 @@ def test_purge_removes_conversations_deleted_before_the_retention_period(
     assert (count(db, ConversationRow), count(db, MessageRow)) == (1, 1)
 
 
+def test_purge_removes_a_conversation_longer_than_sqlites_trigger_depth(db: Database) -> None:
+    store = ConversationStore(db, ConversationLimits(max_messages=1500))
+    conversation = store.create(KEY).id
+    for _ in range(15):
+        store.extend(KEY, conversation, user_turns(*["x"] * 100))
+    store.delete(KEY, conversation)
+    assert store.purge(timedelta(0), now=utcnow() + timedelta(seconds=1)) == 1
+    assert count(db, MessageRow) == count(db, ConversationRow) == 0
+
+
 def test_concurrent_appends_chain_instead_of_forking(store: ConversationStore) -> None:
     conversation = store.create(KEY, messages=[{"role": "user", "content": "start"}])
     errors: list[BaseException] = []
@@ -259,7 +310,7 @@ def test_as_dict_shapes(store: ConversationStore) -> None:
     assert isinstance(data["created_at"], int)
     assert data["messages"] == [{
         "id": conversation.messages[0].id, "object": "conversation.message", "parent_id": None, "role": "user",
-        "content": "hi", "images": [], "token_count": 1,
+        "content": "hi", "images": [], "tool_call": None, "tool_call_id": None, "token_count": 1,
         "created_at": int(conversation.messages[0].created_at.timestamp()),
     }]
     assert "messages" not in conversation.as_dict(with_messages=False)

@@ -377,9 +377,10 @@ def test_items_a_stored_conversation_cannot_keep_are_400s(server: PlatformServer
     conversation_id = client.conversations.create(items=[QUESTION_ITEM]).id
     refused = {
         "items[0].type": lambda: client.conversations.items.create(conversation_id, items=[
-            {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}"}]),
+            {"type": "reasoning", "id": "rs_1", "summary": []}]),
         "items[1].type": lambda: client.conversations.create(items=[
-            QUESTION_ITEM, {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]),
+            QUESTION_ITEM, {"type": "web_search_call", "id": "ws_1", "status": "completed",
+                            "action": {"type": "search", "query": "weather"}}]),
         "include": lambda: client.conversations.items.list(conversation_id, include=["message.output_text.logprobs"]),
         "items[0].content[1].type": lambda: client.conversations.items.create(conversation_id, items=[
             {"role": "user", "content": [{"type": "input_text", "text": "read"},

@@ -43,10 +43,13 @@ def _create(client: httpx.Client, **body) -> dict:
 
 
 def _streamed_id(client: httpx.Client, **body) -> str:
+    return _streamed_chunks(client, **body)[0]["id"]
+
+
+def _streamed_chunks(client: httpx.Client, **body) -> list[dict]:
     response = client.post("/v1/chat/completions", json=_body(stream=True, **body))
     assert response.status_code == 200, response.text
-    chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
-    return chunks[0]["id"]
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
 
 
 def _error(response: httpx.Response) -> dict:
@@ -88,7 +91,7 @@ def test_a_streamed_completion_is_stored_as_the_completion_it_adds_up_to(server:
 
 def test_streamed_tool_calls_are_stored_whole(server: PlatformServer) -> None:
     """A call's id and name come in its first delta, its arguments in pieces: stored, they are one call, as
-    answered unstreamed (the ids are each request's own)."""
+    answered unstreamed, under the id its client was sent (the ids are each request's own)."""
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
         "required": ["zone"]}}}
@@ -96,10 +99,12 @@ def test_streamed_tool_calls_are_stored_whole(server: PlatformServer) -> None:
              "max_completion_tokens": 60}
     with server.client() as client:
         whole = _create(client, **extra)["choices"][0]
-        stored = client.get(f"/v1/chat/completions/{_streamed_id(client, store=True, **extra)}").json()["choices"][0]
+        chunks = _streamed_chunks(client, store=True, **extra)
+        stored = client.get(f"/v1/chat/completions/{chunks[0]['id']}").json()["choices"][0]
+    [sent_id] = [d["id"] for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or [] if d.get("id")]
     [call] = stored["message"].pop("tool_calls")
     [expected] = whole["message"].pop("tool_calls")
-    assert call["id"].startswith("call_") and call.pop("id") != expected.pop("id")
+    assert call.pop("id") == sent_id != expected.pop("id") and sent_id.startswith("call_")
     assert call == expected and json.loads(call["function"]["arguments"])["zone"] in range(-12, 13)
     assert stored == whole and stored["finish_reason"] == "tool_calls" and stored["message"]["content"] is None
 

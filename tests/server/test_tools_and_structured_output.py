@@ -174,7 +174,6 @@ def test_tool_results_in_the_history_are_rendered_and_answered(live_server: Live
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-        ({"tools": TOOLS, "conversation_id": "conv_1"}, "conversation_id"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},

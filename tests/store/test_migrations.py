@@ -30,7 +30,7 @@ def test_migrated_schema_matches_the_models(db_url: str) -> None:
             context = MigrationContext.configure(connection, opts={"compare_type": True})
             assert compare_metadata(context, Base.metadata) == []
             assert set(inspect(connection).get_table_names()) == TABLES | {"alembic_version"}
-        assert _current_revision(database) == "0007"
+        assert _current_revision(database) == "0008"
     finally:
         database.dispose()
 
@@ -48,7 +48,7 @@ def test_migrating_again_keeps_the_data(db_url: str) -> None:
     try:
         with second.session() as session:
             assert session.scalars(select(ApiKeyRow.name)).all() == ["kept"]
-        assert _current_revision(second) == "0007"
+        assert _current_revision(second) == "0008"
     finally:
         second.dispose()
 
@@ -85,7 +85,7 @@ def test_a_new_revision_from_the_template_has_nothing_to_do(tmp_path: Path) -> N
         database.dispose()
     source = Path(script.path).read_text()
     compile(source, script.path, "exec")
-    assert "down_revision = '0007'" in source
+    assert "down_revision = '0008'" in source
     operations = source.replace("from alembic import op", "")
     assert "op." not in operations  # autogenerate writes an op.* call for every difference
 
@@ -105,6 +105,6 @@ def test_keys_made_before_quotas_existed_migrate_without_one(db_url: str) -> Non
         with database.session() as session:
             row = session.get(ApiKeyRow, "key_old")
             assert (row.name, row.rpm, row.token_quota, row.quota_period) == ("old", 5, None, None)
-        assert _current_revision(database) == "0007"
+        assert _current_revision(database) == "0008"
     finally:
         database.dispose()

@@ -179,6 +179,28 @@ def test_phone_width_themes_keyboard_system_prompt_and_rename(page, server: Plat
     assert page.errors == []
 
 
+def test_a_conversation_with_tool_calls_shows_them_and_goes_on(page, server: PlatformServer):
+    """Kept by an API client: its calls show as name(arguments), as text, its outputs as the tool's; a new turn
+    continues the conversation with them."""
+    arguments = '{"html": "<img src=x onerror=\\"window.__pwned = 1\\">"}'
+    items = [{"type": "message", "role": "user", "content": "What time is it?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": arguments},
+             {"type": "function_call_output", "call_id": "call_1", "output": "noon"},
+             {"type": "message", "role": "assistant", "content": "It is noon."}]
+    created = httpx.post(f"{server.base_url}/v1/conversations", json={"items": items}).json()
+    open_page(page, path=f"/#{created['id']}")
+    page.wait_for_selector(".msg.assistant .body code.tool-call")
+    shown = [(view.query_selector(".role").inner_text(), view.query_selector(".body").inner_text())
+             for view in page.query_selector_all("#messages .msg")]
+    assert shown == [("You", "What time is it?"), ("Tool call", f"get_time({arguments})"), ("Tool output", "noon"),
+                     ("Assistant", "It is noon.")]
+    assert page.evaluate("() => window.__pwned") is None
+    send(page, "Thanks.")
+    tree = httpx.get(f"{server.base_url}/v1/conversations/{created['id']}/tree").json()["data"]
+    assert [m["role"] for m in tree] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+    assert len(answers(page)) == 3 and not page.errors
+
+
 def test_model_output_is_rendered_inert(page, server: PlatformServer):
     created = httpx.post(f"{server.base_url}/v1/conversations", json={"title": "attack", "messages": [
         {"role": "user", "content": "Say something nasty"}, {"role": "assistant", "content": ATTACK},

@@ -480,8 +480,9 @@ class ToolParser(abc.ABC):
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
         self._new_id = new_id
 
-    def stream(self) -> ToolCallStream:
-        return self._make_stream(Output(self._new_id))
+    def stream(self, new_id: Callable[[], str] | None = None) -> ToolCallStream:
+        """A stream of one output; its calls' ids from `new_id` (default: this parser's)."""
+        return self._make_stream(Output(new_id or self._new_id))
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         stream = self.stream()

@@ -174,6 +174,20 @@ function render() {
   list.scrollTop = list.scrollHeight;
 }
 
+// A conversation an API client kept holds its tools' calls and outputs too (each a message of its own).
+function roleLabel(node) {
+  if (node.tool_call) return "Tool call";
+  const labels = { assistant: "Assistant", user: "You", tool: "Tool output" };
+  return labels[node.role] ?? "System";
+}
+
+function callView(call) {
+  const code = document.createElement("code");
+  code.className = "tool-call";
+  code.textContent = `${call.name}(${call.arguments})`;
+  return code;
+}
+
 function messageView({ node, alternatives, choiceKey, selected }) {
   const view = document.createElement("article");
   view.className = `msg ${node.role}`;
@@ -181,12 +195,13 @@ function messageView({ node, alternatives, choiceKey, selected }) {
   const head = document.createElement("header");
   const role = document.createElement("span");
   role.className = "role";
-  role.textContent = node.role === "assistant" ? "Assistant" : node.role === "user" ? "You" : "System";
+  role.textContent = roleLabel(node);
   head.append(role);
   if (alternatives.length > 1) head.append(branchArrows(alternatives, selected ?? node.id, choiceKey));
   const body = document.createElement("div");
   body.className = "body";
-  if (node.role === "assistant") body.append(renderMarkdown(node.content));
+  if (node.tool_call) body.append(callView(node.tool_call));
+  else if (node.role === "assistant") body.append(renderMarkdown(node.content));
   else body.textContent = node.content;
   const images = imagesOf(node);
   if (images.length) {
