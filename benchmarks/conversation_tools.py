@@ -16,7 +16,7 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
+import timeit
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -52,12 +52,7 @@ def _conversation(store: ConversationStore, size: int, turn: Callable[[int], lis
 
 
 def _median_ms(call: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+    return statistics.median(timeit.repeat(call, number=1, repeat=repeats)) * 1000
 
 
 def main() -> None:

@@ -21,11 +21,13 @@ it, as chat's `conversation_id` keeps a turn. Without storage (`--no-platform`) 
 is answered false, and `previous_response_id` and `conversation` are 400s. `truncation: "auto"` is chat's: the
 oldest turns that do not fit the context window are left out of the prompt, never the last.
 
-`background: true` (stored responses only; not with `store: false` or `stream: true`) answers at once with the
-response `queued`, stored; a task of the process runs it (`in_progress`), on a request detached from the client's
-connection, and replaces it with the finished response, or a `failed` one with chat's error. Clients poll GET
-/v1/responses/{id}; POST /v1/responses/{id}/cancel stops it (`cancelled`). The tasks are the platform's, so the
-server's shutdown stops them (`failed`).
+`background: true` (stored responses only; not with `store: false`) answers at once with the response `queued`,
+stored; a task of the process runs it (`in_progress`), on a request detached from the client's connection, and
+replaces it with the finished response, or a `failed` one with chat's error. Clients poll GET /v1/responses/{id};
+POST /v1/responses/{id}/cancel stops it (`cancelled`). With `stream: true` too, the task produces the events into
+a resumable stream's buffer (`server/streaming.py`, one that runs on unfollowed) that the request follows, and GET
+/v1/responses/{id}?stream=true follows again. The tasks are the platform's, so the server's shutdown stops them
+(`failed`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from llmserve.server.conversations import ConversationTurn, start_turn
 from llmserve.server.messages import template_messages, wire_messages
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, Int64, Metadata, RequestBody, now
+from llmserve.server.streaming import STREAM_ID_HEADER, EventIds, StreamRegistry, event_stream
 
 logger = logging.getLogger(__name__)
 
@@ -196,12 +199,13 @@ DOCUMENTED[200]["content"]["text/event-stream"]["schema"] = {
 class Storage:
     """Where the caller's responses are kept: the store, and the caller's key (None in local mode); the background
     responses running in this process, by id (the platform's, shared by its requests: the strong references that
-    keep their tasks alive); and its conversations (None where they are not kept)."""
+    keep their tasks alive); its conversations (None where they are not kept); and the app's resumable streams."""
 
     store: ResponseStore
     key_id: str | None
     running: dict[str, asyncio.Task[None]]
     conversations: ConversationStore | None = None
+    streams: StreamRegistry | None = None  # where a streamed background response's events are buffered
 
 
 @dataclass(frozen=True)
@@ -250,7 +254,7 @@ async def answer(body: ResponsesRequest, run_chat: RunChat, storage: Storage | N
     response_id = f"resp_{uuid.uuid4().hex}"
     if body.background:
         assert storage is not None  # _check_fields
-        return JSONResponse(await _start_in_background(body, prepared, run_chat, storage, response_id))
+        return await _start_in_background(body, prepared, run_chat, storage, response_id)
     keep = _Keeper(storage if body.store is not False else None, prepared.input_items, body.previous_response_id,
                    prepared.turn, prepared.turn_messages)
     return await _run(body, prepared, run_chat, response_id, keep)
@@ -301,19 +305,63 @@ async def _never_disconnects() -> Message:
 
 
 async def _start_in_background(body: ResponsesRequest, prepared: _Turn, run_chat: RunChat, storage: Storage,
-                               response_id: str) -> dict[str, Any]:
+                               response_id: str) -> Response:
     """The response stored `queued`, and a task of the process started to run it (held in `storage.running`
-    until it ends)."""
+    until it ends): answered with the queued response, or, streamed, with the events the task buffers (followed
+    again with GET /v1/responses/{id}?stream=true)."""
     queued = _response(body, response_id, body.model or "", [], None, None, status="queued", stored=True)
     await asyncio.to_thread(storage.store.save, storage.key_id, queued, prepared.input_items,
                             body.previous_response_id)
     keep = _Keeper(storage, prepared.input_items, body.previous_response_id, prepared.turn, prepared.turn_messages,
                    queued=queued)
+    if body.stream:
+        assert storage.streams is not None  # _check_background
+        stream = storage.streams.open(response_id, storage.key_id, _background_events(body, prepared, run_chat, keep),
+                                      outlives_followers=True)
+        _hold(storage, response_id, stream.producer)
+        return event_stream(stream.follow(), {STREAM_ID_HEADER: response_id})
     task = asyncio.create_task(_run_in_background(body, prepared, run_chat, keep),
                                name=f"background response {response_id}")
+    _hold(storage, response_id, task)
+    return JSONResponse(queued)
+
+
+def _hold(storage: Storage, response_id: str, task: asyncio.Task[None]) -> None:
+    """Keep the task running a background response in `storage.running` until it ends."""
     storage.running[response_id] = task
     task.add_done_callback(lambda _: storage.running.pop(response_id, None))
-    return queued
+
+
+async def _background_events(body: ResponsesRequest, prepared: _Turn, run_chat: RunChat,
+                             keep: _Keeper) -> AsyncIterator[str]:
+    """A streamed background response's events, numbered (`id:` their sequence numbers), as its task produces
+    them into its buffer: `_run_in_background`'s run, streamed. A chat that fails ends them with an `error` and
+    `response.failed`."""
+    storage, queued = keep.storage, keep.queued
+    assert storage is not None and queued is not None
+    numbered = EventIds()
+    events = ResponseEvents(body, queued["id"], keep)
+    try:
+        if not await _started(storage, queued):
+            return  # cancelled (or deleted) before it started
+        reply = await renamed(run_chat(prepared.chat, prepared.payload), _rename)
+        if reply.status_code != 200:
+            events.failure = _reply_error(reply)
+            for event in events.failed(events.failure):
+                yield numbered(event)
+        else:
+            assert isinstance(reply, StreamingResponse)
+            async for event in events.events(reply.body_iterator):
+                yield numbered(event)
+    except asyncio.CancelledError:
+        await _fail(storage, queued, _SHUT_DOWN)
+        raise
+    except Exception as exc:
+        events.failure = _raised_failure(exc, queued["id"])
+        for event in events.failed(events.failure):
+            yield numbered(event)
+    if events.failure is not None:
+        await _fail(storage, queued, events.failure)
 
 
 async def _run_in_background(body: ResponsesRequest, prepared: _Turn, run_chat: RunChat, keep: _Keeper) -> None:
@@ -323,22 +371,33 @@ async def _run_in_background(body: ResponsesRequest, prepared: _Turn, run_chat: 
     storage, queued = keep.storage, keep.queued
     assert storage is not None and queued is not None
     try:
-        if not await asyncio.to_thread(storage.store.replace_unfinished, storage.key_id,
-                                       {**queued, "status": "in_progress"}):
+        if not await _started(storage, queued):
             return  # cancelled (or deleted) before it started
         reply = await _run(body, prepared, run_chat, queued["id"], keep)
         error = None if reply.status_code == 200 else _reply_error(reply)
     except asyncio.CancelledError:
-        await _fail(storage, queued, {"code": "server_error", "message": "The server shut down before the response "
-                                                                          "was finished."})
+        await _fail(storage, queued, _SHUT_DOWN)
         raise
     except Exception as exc:
-        failure = errors.from_exception(exc)
-        if failure.status >= 500:
-            logger.exception("background response %s failed", queued["id"])
-        error = _failure(failure.status, failure.message)
+        error = _raised_failure(exc, queued["id"])
     if error is not None:
         await _fail(storage, queued, error)
+
+
+_SHUT_DOWN = {"code": "server_error", "message": "The server shut down before the response was finished."}
+
+
+async def _started(storage: Storage, queued: dict[str, Any]) -> bool:
+    """Store the background response `in_progress`; False where it was cancelled (or deleted) first."""
+    return await asyncio.to_thread(storage.store.replace_unfinished, storage.key_id, {**queued, "status": "in_progress"})
+
+
+def _raised_failure(exc: Exception, response_id: str) -> dict[str, Any]:
+    """A failed response's `error` for what its run raised (logged where it is the server's fault)."""
+    failure = errors.from_exception(exc)
+    if failure.status >= 500:
+        logger.exception("background response %s failed", response_id)
+    return _failure(failure.status, failure.message)
 
 
 def _reply_error(reply: Response) -> dict[str, Any]:
@@ -498,9 +557,9 @@ def _check_background(body: ResponsesRequest, storage: Storage | None) -> None:
                                                "(it runs without its platform).")
     if body.store is False:
         raise _invalid("A background response is stored: store cannot be false with background.", "store")
-    if body.stream:
-        raise errors.unsupported("stream", "Background responses are polled (GET /v1/responses/{id}), not streamed: "
-                                           "stream cannot be true with background.")
+    if body.stream and storage.streams is None:
+        raise errors.unsupported("stream", "This server does not buffer streams: poll a background response "
+                                           "(GET /v1/responses/{id}) instead of streaming it.")
 
 
 def _chat_request(
@@ -758,6 +817,7 @@ class ResponseEvents:
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.model: str | None = None  # from chat's first chunk
+        self.failure: dict[str, Any] | None = None  # a failed run's `error`
 
     def _event(self, kind: str, **fields: Any) -> str:
         data = _JSON.encode({"type": kind, "sequence_number": self.sequence, **fields}).decode()
@@ -773,13 +833,10 @@ class ResponseEvents:
                     yield self._event("response.created", response=snapshot)
                     yield self._event("response.in_progress", response=snapshot)
                 if "error" in data:
-                    for event in self._close():
-                        yield event
                     error = data["error"]
-                    yield self._event("error", code=error.get("code"), message=error.get("message"),
-                                      param=error.get("param"))
-                    failed = {"code": error.get("code") or "server_error", "message": error.get("message")}
-                    yield self._event("response.failed", response=self._snapshot("failed", failed))
+                    self.failure = {"code": error.get("code") or "server_error", "message": error.get("message")}
+                    for event in self.failed(self.failure, error.get("param")):
+                        yield event
                     return
                 for event in self._chunk(data):
                     yield event
@@ -790,6 +847,17 @@ class ResponseEvents:
             final = await self.keep(final)
         yield self._event("response.completed" if final["status"] == "completed" else "response.incomplete",
                           response=final)
+
+    def failed(self, failure: dict[str, Any], param: str | None = None) -> list[str]:
+        """The events that end a run that failed (`failure`: the response's `error`): the item being written
+        closed, an `error`, and `response.failed`; after `response.created`, where the run failed before it."""
+        opening = []
+        if self.model is None:
+            self.model = self.body.model or ""
+            opening.append(self._event("response.created", response=self._snapshot("in_progress")))
+        return [*opening, *self._close(),
+                self._event("error", code=failure["code"], message=failure["message"], param=param),
+                self._event("response.failed", response=self._snapshot("failed", failure))]
 
     def _snapshot(self, status: str | None, error: dict[str, Any] | None = None) -> dict[str, Any]:
         """The response so far (`status` None: as the finish reason makes it)."""

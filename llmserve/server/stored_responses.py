@@ -1,7 +1,8 @@
 """GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and POST /v1/responses/{id}/cancel: the
 Responses API's stored responses, each visible to the key that made it alone (any other key gets a 404, as for an
-unknown id). A background response is polled with GET (`queued`, `in_progress`, then as it ended), and cancelled
-while it has not ended. Torch-free: `llmserve serve` and `llmserve gateway` both serve these routes with their
+unknown id). A background response is polled with GET (`queued`, `in_progress`, then as it ended), or, made with
+`stream: true`, its events followed again (`?stream=true&starting_after=N`: OpenAI's resume of a dropped stream),
+and cancelled while it has not ended. Torch-free: `llmserve serve` and `llmserve gateway` both serve these routes with their
 platform's store."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from llmserve.platform.paging import MAX_PAGE_SIZE
@@ -20,6 +21,13 @@ from llmserve.server.gateway import platform_of, request_key
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import list_page
 from llmserve.server.responses_api import ResponseObject, Storage, stop_background
+from llmserve.server.streaming import (
+    STREAM_ID_HEADER,
+    EventsDropped,
+    ResumableStream,
+    dropped_events,
+    event_stream,
+)
 
 router = APIRouter()
 
@@ -32,7 +40,7 @@ def storage_for(request: Request) -> Storage | None:
         return None
     key = request_key(request.state)
     return Storage(platform.responses, key.id if key is not None else None, running=platform.background,
-                   conversations=platform.conversations)
+                   conversations=platform.conversations, streams=getattr(request.app.state, "streams", None))
 
 
 def _storage(request: Request) -> Storage:
@@ -67,10 +75,43 @@ class InputItemPage(BaseModel):
     has_more: bool
 
 
-@router.get("/v1/responses/{response_id}", responses=documented(ResponseObject))
-async def get_response(response_id: str, request: Request) -> JSONResponse:
+@router.get("/v1/responses/{response_id}", responses=documented(ResponseObject, stream=True))
+async def get_response(
+    response_id: str,
+    request: Request,
+    stream: bool = False,
+    starting_after: int | None = Query(None, ge=-1),
+) -> Response:
+    """The stored response; with `stream=true`, a streamed background response's events after the one numbered
+    `starting_after` (every one without it), then the live rest, from its buffer in this process while it runs
+    and for a while after its end."""
     storage = _storage(request)
-    return JSONResponse(await _call(response_id, storage.store.get, storage.key_id, response_id))
+    stored = await _call(response_id, storage.store.get, storage.key_id, response_id)
+    if not stream:
+        if starting_after is not None:
+            raise APIError(400, "starting_after needs stream=true.", param="starting_after")
+        return JSONResponse(stored)
+    buffered = _buffered(storage, response_id)
+    if buffered is None:
+        raise APIError(400, f"Response '{response_id}' has no events to stream here: only a background response "
+                            "created with stream=true can be streamed, by the process that runs it, until a while "
+                            "after its end. GET it without stream.", param="stream")
+    try:
+        buffered.check_resumable_after(-1 if starting_after is None else starting_after)
+    except EventsDropped:
+        raise dropped_events(response_id) from None
+    return event_stream(buffered.follow(-1 if starting_after is None else starting_after),
+                        {STREAM_ID_HEADER: response_id})
+
+
+def _buffered(storage: Storage, response_id: str) -> ResumableStream | None:
+    """The buffer of the streamed background response `response_id`, where this process holds it."""
+    if storage.streams is None:
+        return None
+    try:
+        return storage.streams.get(response_id, storage.key_id)
+    except APIError:  # not buffered here
+        return None
 
 
 @router.post("/v1/responses/{response_id}/cancel", responses=documented(ResponseObject))

@@ -316,10 +316,11 @@ class ResumableStream:
 
     def __init__(
         self, stream_id: str, owner: str | None, events: AsyncIterator[str], limits: ResumeLimits,
-        registry: StreamRegistry,
+        registry: StreamRegistry, outlives_followers: bool = False,
     ) -> None:
         self.id = stream_id
         self.owner = owner  # the key id that may follow it (None: the server has no keys)
+        self.outlives_followers = outlives_followers  # not aborted unfollowed: forgotten once ended and unfollowed
         self.limits = limits
         self._registry = registry
         self._buffer: deque[str] = deque()  # events first_kept .. next_number-1, with their ids
@@ -375,8 +376,15 @@ class ResumableStream:
         """Nobody followed the stream for the grace period, or it finished that long ago."""
         self._timer = None
         if not self.finished:
+            if self.outlives_followers:
+                return  # the timer starts again at its end
             self._producer.cancel()  # aborts the engine requests, records the usage as "disconnected"
         self._registry.forget(self)
+
+    @property
+    def producer(self) -> asyncio.Task[None]:
+        """The task producing the events (cancelled, it stops them, and the generation)."""
+        return self._producer
 
     def check_resumable_after(self, last_event: int) -> None:
         if last_event + 1 < self.first_kept:
@@ -439,10 +447,12 @@ class StreamRegistry:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def open(self, stream_id: str, owner: str | None, events: AsyncIterator[str]) -> ResumableStream:
-        """Start producing `events` (numbered from 0) into a new stream's buffer."""
+    def open(self, stream_id: str, owner: str | None, events: AsyncIterator[str],
+             outlives_followers: bool = False) -> ResumableStream:
+        """Start producing `events` (numbered from 0) into a new stream's buffer; `outlives_followers`: it runs to
+        its end whether anyone follows it or not (a background response's)."""
         self._make_room()
-        stream = ResumableStream(stream_id, owner, events, self.limits, self)
+        stream = ResumableStream(stream_id, owner, events, self.limits, self, outlives_followers)
         self._streams[stream_id] = stream
         return stream
 

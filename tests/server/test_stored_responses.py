@@ -242,6 +242,13 @@ def test_a_gateway_without_a_platform_reads_and_deletes_what_its_replicas_stored
                     f"{replica.base_url}{path}/input_items", params={"limit": 1}).json()
                 refused = client.post(f"{path}/cancel")  # not made in background
                 assert refused.status_code == 400 and "background" in _error(refused)["message"]
+                streamed = client.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 4,
+                                                              "background": True, "stream": True})
+                sent = _events(iter(streamed.text.splitlines()))
+                again = client.get(f"/v1/responses/{sent[0]['response']['id']}", params={"stream": "true",
+                                                                                        "starting_after": 1})
+                assert again.headers["content-type"].startswith("text/event-stream")
+                assert _events(iter(again.text.splitlines())) == sent[2:]
                 assert client.delete(path).json() == {"id": made["id"], "object": "response.deleted", "deleted": True}
                 gone = client.get(path)
                 assert gone.status_code == 404 and _error(gone)["code"] == "response_not_found"
@@ -375,12 +382,83 @@ def test_a_cancel_stored_by_another_process_outlives_the_run_here(server: Platfo
     assert server.idle_stats().num_used_blocks == 0
 
 
-def test_background_responses_are_stored_and_polled_not_streamed(server: PlatformServer) -> None:
+def test_background_responses_are_stored_and_only_theirs_are_streamed_again(server: PlatformServer) -> None:
     with server.client() as client:
-        for extra, param in (({"store": False}, "store"), ({"stream": True}, "stream")):
-            refused = client.post("/v1/responses", json={"model": MODEL, "input": "Hi", "background": True, **extra})
-            assert refused.status_code == 400 and _error(refused)["param"] == param, refused.text
-        assert "polled" in _error(refused)["message"]
+        refused = client.post("/v1/responses", json={"model": MODEL, "input": "Hi", "background": True, "store": False})
+        assert refused.status_code == 400 and _error(refused)["param"] == "store", refused.text
+        polled = _create(client, input="Hi", background=True)
+        foreground = _create(client, input="Hi")
+        for response in (polled, foreground):
+            not_buffered = client.get(f"/v1/responses/{response['id']}", params={"stream": "true"})
+            assert not_buffered.status_code == 400 and _error(not_buffered)["param"] == "stream", not_buffered.text
+        stray = client.get(f"/v1/responses/{foreground['id']}", params={"starting_after": 3})
+        assert stray.status_code == 400 and _error(stray)["param"] == "starting_after"
+        unknown = client.get("/v1/responses/resp_nope", params={"stream": "true"})
+        assert unknown.status_code == 404 and _error(unknown)["code"] == "response_not_found"
+        _polled(server, client, polled["id"])
+
+
+def _events(lines: Iterator[str], until: int | None = None) -> list[dict]:
+    """The SSE events' data (each checked to carry its sequence number as its id), up to sequence number `until`."""
+    events, event_id = [], None
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: {"):
+            events.append(json.loads(line[6:]))
+            assert events[-1]["sequence_number"] == event_id
+            if events[-1]["sequence_number"] == until:
+                break
+    return events
+
+
+def test_a_streamed_background_response_outlives_its_client_and_is_followed_again(server: PlatformServer) -> None:
+    """OpenAI's resume of a dropped stream: the client reads a few events and leaves; the response runs on; GET
+    ?stream=true&starting_after=N gives the events after N to the end, and what they add up to is stored."""
+    body = {"model": MODEL, "temperature": 0, "max_output_tokens": 12, "input": "Count to ten.",
+            "background": True, "stream": True}
+    with server.client() as client:
+        reference = _create(client, **{k: v for k, v in body.items() if k not in ("background", "stream")})
+        with client.stream("POST", "/v1/responses", json=body) as response:
+            assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+            first = _events(response.iter_lines(), until=3)  # then the connection closes
+        response_id = first[0]["response"]["id"]
+        assert [e["type"] for e in first[:2]] == ["response.created", "response.in_progress"]
+        assert first[0]["response"]["background"] is True
+        finished = _polled(server, client, response_id)
+        with client.stream("GET", f"/v1/responses/{response_id}",
+                           params={"stream": "true", "starting_after": 3}) as again:
+            assert again.status_code == 200
+            rest = _events(again.iter_lines())
+        assert [e["sequence_number"] for e in first + rest] == list(range(len(first) + len(rest)))
+        assert rest[-1]["type"] == f"response.{finished['status']}" and rest[-1]["response"] == finished
+        assert _comparable(finished) == _comparable(reference) | {"background": True}
+        text = "".join(e["delta"] for e in first + rest if e["type"] == "response.output_text.delta")
+        assert text == _text(finished)
+        whole = client.get(f"/v1/responses/{response_id}", params={"stream": "true"})
+        assert [e["sequence_number"] for e in _events(iter(whole.text.splitlines()))] == list(range(len(first + rest)))
+        sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        resumed = list(sdk.responses.retrieve(response_id, stream=True, starting_after=3))
+        assert [event.model_dump(mode="json", exclude_unset=True) for event in resumed] == rest
+    assert server.idle_stats().num_used_blocks == 0
+
+
+def test_cancelling_a_streamed_background_response_ends_its_stream(server: PlatformServer) -> None:
+    aborted = server.engine.num_aborted
+    body = {"model": MODEL, "temperature": 0, "max_output_tokens": 450, "input": "List every prime number.",
+            "background": True, "stream": True}
+    with server.client() as client, client.stream("POST", "/v1/responses", json=body) as response:
+        lines = response.iter_lines()
+        [created] = _events(lines, until=0)
+        response_id = created["response"]["id"]
+        assert server.wait_until(lambda: _generating(server))
+        cancelled = client.post(f"/v1/responses/{response_id}/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        rest = _events(lines)  # the stream ends
+        assert all(e["type"] not in ("response.completed", "response.incomplete") for e in rest)
+        assert server.wait_until(lambda: server.engine.num_aborted > aborted)
+        assert client.get(f"/v1/responses/{response_id}").json()["status"] == "cancelled"
+    assert server.idle_stats().num_used_blocks == 0
 
 
 def test_a_background_response_whose_chat_is_refused_in_its_run_fails(server: PlatformServer) -> None:
