@@ -138,6 +138,7 @@ class Message:
     parts: list[dict[str, Any]] | None = None  # a message with images: its content parts (`MessageRow.parts`)
     tool_call: dict[str, str] | None = None  # an assistant's call of a tool: {"call_id", "name", "arguments"}
     tool_call_id: str | None = None  # a tool's output: the id of the call it answers
+    reasoning: dict[str, Any] | None = None  # an assistant's reasoning: {"summary", "encrypted_content"?}
 
     @property
     def images(self) -> list[str]:
@@ -154,6 +155,7 @@ class Message:
             "images": self.images,
             "tool_call": self.tool_call,
             "tool_call_id": self.tool_call_id,
+            "reasoning": self.reasoning,
             "token_count": self.token_count,
             "created_at": int(self.created_at.timestamp()),
         }
@@ -190,7 +192,7 @@ def _to_message(row: MessageRow) -> Message:
     return Message(
         id=row.id, conversation_id=row.conversation_id, parent_id=row.parent_id, role=row.role,
         content=row.content, token_count=row.token_count, created_at=row.created_at, parts=row.parts,
-        tool_call=row.tool_call, tool_call_id=row.tool_call_id,
+        tool_call=row.tool_call, tool_call_id=row.tool_call_id, reasoning=row.reasoning,
     )
 
 
@@ -240,6 +242,8 @@ def _check_message(turn: Mapping[str, Any]) -> None:
     if turn.get("parts") is not None and role != "user":
         raise ValueError("only user messages hold images")
     _check_tool_fields(role, content, turn.get("tool_call"), turn.get("tool_call_id"))
+    if turn.get("reasoning") is not None:
+        _check_reasoning(role, turn["reasoning"], turn.get("tool_call"))
 
 
 def _check_tool_fields(role: object, content: str, tool_call: object, tool_call_id: object) -> None:
@@ -258,6 +262,22 @@ def _check_tool_fields(role: object, content: str, tool_call: object, tool_call_
         raise ValueError(f"a tool_call_id is a string of 1 to {MAX_CALL_ID_LENGTH} characters")
 
 
+def _check_reasoning(role: object, reasoning: object, tool_call: object) -> None:
+    """Reasoning is an assistant's message of its own, with its summary's text parts and what the client
+    encrypted (or encoded) of it."""
+    if role != "assistant" or tool_call is not None:
+        raise ValueError("reasoning is an assistant message of its own")
+    if not isinstance(reasoning, dict) or not set(reasoning) <= {"summary", "encrypted_content"}:
+        raise ValueError(f"reasoning has a summary and an encrypted_content; got {reasoning!r}")
+    summary = reasoning.get("summary")
+    if not isinstance(summary, list) or not all(
+            isinstance(part, dict) and part.get("type") == "summary_text" and isinstance(part.get("text"), str)
+            and len(part) == 2 for part in summary):
+        raise ValueError("a reasoning summary is a list of summary_text parts")
+    if not isinstance(reasoning.get("encrypted_content", ""), str):
+        raise ValueError("encrypted_content is a string")
+
+
 def _checked_turns(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Messages to store ({"role", "content", "token_count"?, "parts"?, "tool_call"?, "tool_call_id"?}),
     checked."""
@@ -268,9 +288,15 @@ def _checked_turns(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]
 
 
 def stored_size(turn: Mapping[str, Any]) -> str:
-    """What of a message the size limit counts: its text, or a tool call's name and arguments."""
-    call = turn.get("tool_call")
-    return call["name"] + call["arguments"] if call else turn["content"]
+    """What of a message the size limit counts: its text, a tool call's name and arguments, or reasoning's text,
+    summary and encrypted content."""
+    call, reasoning = turn.get("tool_call"), turn.get("reasoning")
+    if call:
+        return call["name"] + call["arguments"]
+    if reasoning:
+        summary = "".join(part["text"] for part in reasoning["summary"])
+        return turn["content"] + summary + reasoning.get("encrypted_content", "")
+    return turn["content"]
 
 
 def _first_user_title(turns: Iterable[Mapping[str, Any]]) -> str | None:
@@ -289,13 +315,16 @@ def _message_rows(
             id=_new_id(_id_prefix(turn)), conversation_id=conversation_id,
             parent_id=rows[-1].id if rows else parent_id, role=turn["role"], content=turn["content"],
             parts=turn.get("parts"), tool_call=turn.get("tool_call"), tool_call_id=turn.get("tool_call_id"),
+            reasoning=turn.get("reasoning"),
             token_count=turn.get("token_count"), created_at=now + timedelta(microseconds=i),
         ))
     return rows
 
 
 def _id_prefix(turn: Mapping[str, Any]) -> str:
-    """A message's id prefix, as OpenAI's item ids read: a message, a function call, or a function call's output."""
+    """A message's id prefix, as OpenAI's item ids read: a message, a function call, its output, or reasoning."""
+    if turn.get("reasoning") is not None:
+        return "rs"
     return "fc" if turn.get("tool_call") else "fco" if turn["role"] == "tool" else "msg"
 
 

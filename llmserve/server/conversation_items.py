@@ -2,8 +2,8 @@
 them, `template_messages`), the rows the store keeps, and OpenAI's conversation items.
 
 The store keeps one row per OpenAI item: a text (or text and images) message, an assistant's call of a tool
-(`tool_call`: its call id, name and arguments), and a tool's output (role "tool", with the `tool_call_id` of the
-call it answers). An assistant's chat message with tool calls is stored as its text (where it has any), then one
+(`tool_call`: its call id, name and arguments), a tool's output (role "tool", with the `tool_call_id` of the
+call it answers), and an assistant's reasoning (`reasoning`: its summary; left out of the next turns' prompts). An assistant's chat message with tool calls is stored as its text (where it has any), then one
 row per call; read back, the calls join the assistant message before them, so the template sees the message the
 model wrote.
 """
@@ -33,6 +33,8 @@ def stored_turns(messages: ChatMessages) -> list[dict[str, Any]]:
     """Chat messages as the rows the store keeps (`ConversationStore.extend` takes them)."""
     turns: list[dict[str, Any]] = []
     for message in messages:
+        if message.get("reasoning_content"):  # a Responses answer's reasoning: an item of its own, first
+            turns.append({"role": "assistant", "content": message["reasoning_content"], "reasoning": {"summary": []}})
         calls = message.get("tool_calls") or []
         if message.get("content") or not calls:
             turn = {"role": message["role"], "content": message.get("content") or ""}
@@ -60,9 +62,13 @@ def _stored_call(call: dict[str, Any]) -> dict[str, str]:
     return {"call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
 
 
-def reply_message(content: str, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """An assistant's reply as a chat message: its text, and its tool calls (OpenAI's chat tool_calls)."""
+def reply_message(content: str, tool_calls: list[dict[str, Any]] | None = None,
+                  reasoning: str | None = None) -> dict[str, Any]:
+    """An assistant's reply as a chat message: its text, its tool calls (OpenAI's chat tool_calls), and its
+    reasoning (chat's `reasoning_content`)."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = [{"id": call["id"], "type": "function", "function": {
             "name": call["function"]["name"], "arguments": call["function"]["arguments"]}} for call in tool_calls]
@@ -71,9 +77,12 @@ def reply_message(content: str, tool_calls: list[dict[str, Any]] | None = None) 
 
 def chat_history(path: Sequence[Message]) -> ChatMessages:
     """Stored messages (oldest first) as the chat messages the template takes: a call joins the assistant message
-    before it (one of text, or of earlier calls); stored "developer" turns read as "system", like new ones."""
+    before it (one of text, or of earlier calls); reasoning is left out; stored "developer" turns read as "system",
+    like new ones."""
     history: ChatMessages = []
     for message in path:
+        if message.reasoning is not None:
+            continue  # earlier turns' reasoning is left out, as chat templates and Responses input leave it
         if message.tool_call is not None:
             call = {"id": message.tool_call["call_id"], "type": "function",
                     "function": {"name": message.tool_call["name"], "arguments": message.tool_call["arguments"]}}
@@ -110,9 +119,11 @@ def _item_turn(item: dict[str, Any], param: str) -> dict[str, Any]:
     if kind == "function_call_output":
         return {"role": "tool", "content": _output_text(item.get("output"), f"{param}.output"),
                 "tool_call_id": _string(item, "call_id", param)}
+    if kind == "reasoning":
+        return _reasoning_turn(item, param)
     if kind != "message":
-        raise unsupported(f"{param}.type", f"Stored conversations keep messages, function calls and their outputs: "
-                                           f"items of type {kind!r} are not supported.")
+        raise unsupported(f"{param}.type", f"Stored conversations keep messages, function calls, their outputs and "
+                                           f"reasoning: items of type {kind!r} are not supported.")
     role = item.get("role")
     if role not in ITEM_ROLES:
         raise APIError(400, f"role must be one of {', '.join(ITEM_ROLES)}.", param=f"{param}.role")
@@ -126,6 +137,27 @@ def _item_turn(item: dict[str, Any], param: str) -> dict[str, Any]:
     if any(part["type"] == "image_url" for part in parts):
         message["parts"] = parts
     return message
+
+
+def _reasoning_turn(item: dict[str, Any], param: str) -> dict[str, Any]:
+    """A reasoning item as the row it is kept in: its text (its reasoning_text parts), its summary, and its
+    encrypted content as sent."""
+    summary = _parts(item.get("summary"), "summary_text", f"{param}.summary")
+    content = _parts(item.get("content") or [], "reasoning_text", f"{param}.content")
+    reasoning: dict[str, Any] = {"summary": [{"type": "summary_text", "text": part["text"]} for part in summary]}
+    encrypted = item.get("encrypted_content")
+    if encrypted is not None:
+        if not isinstance(encrypted, str):
+            raise APIError(400, "encrypted_content must be a string.", param=f"{param}.encrypted_content")
+        reasoning["encrypted_content"] = encrypted
+    return {"role": "assistant", "content": "".join(part["text"] for part in content), "reasoning": reasoning}
+
+
+def _parts(parts: object, kind: str, param: str) -> list[dict[str, Any]]:
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == kind
+                                              and isinstance(p.get("text"), str) for p in parts):
+        raise APIError(400, f"{param.rsplit('.', 1)[-1]} must be a list of {kind} parts.", param=param)
+    return parts
 
 
 def _string(item: dict[str, Any], name: str, param: str) -> str:
@@ -176,6 +208,9 @@ def as_item(message: Message) -> dict[str, Any]:
     if message.tool_call_id is not None:
         return {"type": "function_call_output", "id": message.id, "status": "completed",
                 "call_id": message.tool_call_id, "output": message.content}
+    if message.reasoning is not None:
+        item = {"type": "reasoning", "id": message.id, "status": "completed", **message.reasoning}
+        return item | ({"content": [{"type": "reasoning_text", "text": message.content}]} if message.content else {})
     parts = message.parts or [{"type": "text", "text": message.content}]
     return {"type": "message", "id": message.id, "status": "completed", "role": message.role,
             "content": [_item_part(part, message.role) for part in parts]}
@@ -240,4 +275,18 @@ class FunctionCallOutputItem(_Response):
     output: str
 
 
-ConversationItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class TextPart(_Response):
+    type: Literal["summary_text", "reasoning_text"]
+    text: str
+
+
+class ReasoningItem(_Response):
+    type: Literal["reasoning"]
+    id: str
+    status: Literal["completed"]
+    summary: list[TextPart]
+    content: list[TextPart] | None = None
+    encrypted_content: str | None = None
+
+
+ConversationItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem

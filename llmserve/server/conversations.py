@@ -10,9 +10,9 @@ Conversations items list). What a conversation may hold is bounded by the store'
 OpenAI's Conversations API is served over the same conversations (what the `openai` SDK's `conversations`
 and `conversations.items` call): `items` and `metadata` at creation, `metadata` (and `title`) updated, and
 `/v1/conversations/{id}/items` to list (the active branch), add (after its head), read and delete items:
-messages, function calls and their outputs, each a stored message (`conversation_items`). Other item types
-(reasoning, other tools' calls) are 400s, and so is `include`, none of whose additions is made here. Chat's tools
-and tool messages, and a Responses request's function calls, go into a stored conversation as those items.
+messages, function calls, their outputs and reasoning, each a stored message (`conversation_items`). Other item
+types (built-in tools' calls) are 400s, and so is `include`. Chat's tools and tool messages, and a Responses
+request's function calls, go into a stored conversation as those items.
 
 When the history plus the new turn would not fit the model's context window, `truncation: "auto"` drops
 the oldest turns (never the leading system messages, never the request's own messages) and the response
@@ -244,8 +244,8 @@ def _no_include(
 ) -> None:
     """OpenAI's `include` (the `openai` SDK sends it as `include[]`): none of what it adds is made here."""
     if include or include_brackets:
-        raise unsupported("include", "include is not supported here: none of what it adds (logprobs, reasoning, "
-                                     "tools' outputs other than function calls') is kept with conversation items.")
+        raise unsupported("include", "include is not supported here: reasoning items are listed with the encrypted "
+                                     "content they were added with, and nothing else it adds is kept.")
 
 
 NO_INCLUDE = Depends(_no_include)
@@ -304,6 +304,7 @@ class MessageObject(_Response):
     images: list[str]
     tool_call: dict[str, str] | None  # an assistant's call of a tool: {"call_id", "name", "arguments"}
     tool_call_id: str | None  # a tool's output: the call it answers
+    reasoning: dict[str, Any] | None  # an assistant's reasoning: {"summary", "encrypted_content"?}
     token_count: int | None
     created_at: int
 

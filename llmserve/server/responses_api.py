@@ -16,8 +16,8 @@ naming it as `previous_response_id` continues its conversation (its turns' input
 the request's input; its `instructions` do not carry over, as in OpenAI's API). A request naming a stored
 `conversation` (/v1/conversations, the key's own) continues it through chat's conversation hook: its messages come
 before the request's input (after the instructions, which the conversation does not keep), and once answered the
-input's items (messages, function calls, their outputs) and the output's text and function calls are appended to
-it, as chat's `conversation_id` keeps a turn. Without storage (`--no-platform`) `store`
+input's items (messages, function calls, their outputs) and the output's reasoning, text and function calls are
+appended to it, as chat's `conversation_id` keeps a turn. Without storage (`--no-platform`) `store`
 is answered false, and `previous_response_id` and `conversation` are 400s. `truncation: "auto"` is chat's: the
 oldest turns that do not fit the context window are left out of the prompt, never the last.
 
@@ -76,7 +76,7 @@ _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "r
            "conversation_id": "conversation"}
 _rename = renamer(_PARAMS, "input")
 # Known Responses fields this server does not implement (each would change the output).
-_UNSUPPORTED = ("prompt", "max_tool_calls")
+_UNSUPPORTED = ("prompt",)
 # `include` values: what they add to items this server makes (logprobs, reasoning), or to items of tools and
 # inputs it refuses (so there is never anything of theirs to add).
 LOGPROBS = "message.output_text.logprobs"
@@ -124,9 +124,10 @@ class ResponsesRequest(RequestBody):
     service_tier: str | None = None
     include: list[Includable] | None = None
     top_logprobs: Int64 | None = Field(None, ge=0, le=20)  # with logprobs, whether `include` asks for them or not
+    # Calls of built-in tools allowed: this server runs none (its tools are the client's functions), so none is made.
+    max_tool_calls: Int64 | None = Field(None, ge=1)
     # known, not served
     prompt: Any = None
-    max_tool_calls: Any = None
 
 
 class InputTokensRequest(RequestBody):
@@ -169,6 +170,7 @@ class ResponseObject(BaseModel):
     output: list[dict[str, Any]]
     instructions: str | None
     max_output_tokens: int | None
+    max_tool_calls: int | None = None
     temperature: float | None
     top_p: float | None
     tools: list[dict[str, Any]]
@@ -520,12 +522,14 @@ class _Keeper:
 
 
 def _output_message(output: list[dict[str, Any]]) -> dict[str, Any]:
-    """What a conversation keeps of a response's output: its messages' text and its function calls, as the chat
-    message the model wrote (its reasoning is not kept, as chat templates leave earlier turns' out)."""
-    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    """What a conversation keeps of a response's output, as the chat message the model wrote: its reasoning (an
+    item of the conversation that later prompts leave out), its messages' text and its function calls."""
+    def texts(kind: str) -> str:
+        return "".join(part["text"] for item in output if item["type"] == kind for part in item.get("content") or ())
+
     calls = [{"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
-    return reply_message(text, calls)
+    return reply_message(texts("message"), calls, texts("reasoning"))
 
 
 def _invalid(message: str, param: str) -> InvalidRequestError:
@@ -772,7 +776,8 @@ def _response(body: ResponsesRequest, response_id: str, model: str, output: list
     status = status or ("incomplete" if reason else "completed")
     return ResponseObject(
         id=response_id, created_at=now(), status=status, model=model, output=output, instructions=body.instructions,
-        max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
+        max_output_tokens=body.max_output_tokens, max_tool_calls=body.max_tool_calls, temperature=body.temperature,
+        top_p=body.top_p,
         tools=body.tools or [], tool_choice=body.tool_choice or "auto",
         parallel_tool_calls=body.parallel_tool_calls is not False, text=body.text or {"format": {"type": "text"}},
         metadata=body.metadata or {}, user=body.user, error=error, store=stored, background=bool(body.background),

@@ -164,6 +164,9 @@ class MessageRow(Base):
     # "arguments"}; and a tool's output (role "tool"): the id of the call it answers.
     tool_call: Mapped[dict[str, str] | None] = mapped_column(JSON)
     tool_call_id: Mapped[str | None] = mapped_column(String(REQUEST_ID_LENGTH))
+    # An assistant's reasoning (OpenAI's reasoning items; `content` is its text): {"summary": [its summary_text
+    # parts], "encrypted_content"?: as the client sent it}.
+    reasoning: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     token_count: Mapped[int | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

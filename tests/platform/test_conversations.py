@@ -162,12 +162,31 @@ def test_a_tool_call_and_its_output_are_kept_each_as_a_message(store: Conversati
     ({"role": "tool", "content": "noon"}, "names the call it answers"),
     ({"role": "user", "content": "noon", "tool_call_id": "call_1"}, "names the call it answers"),
     ({"role": "tool", "content": "noon", "tool_call_id": ""}, "a tool_call_id is a string of 1 to 255"),
+    ({"role": "user", "content": "x", "reasoning": {"summary": []}}, "reasoning is an assistant message of its own"),
+    ({"role": "assistant", "content": "", "tool_call": CALL, "reasoning": {"summary": []}},
+     "reasoning is an assistant message of its own"),
+    ({"role": "assistant", "content": "x", "reasoning": {"summary": [{"type": "text", "text": "x"}]}},
+     "a list of summary_text parts"),
+    ({"role": "assistant", "content": "x", "reasoning": {"summary": [], "signature": "x"}},
+     "reasoning has a summary and an encrypted_content"),
 ])
 def test_malformed_tool_messages_are_refused(store: ConversationStore, turn: dict, message: str) -> None:
     conversation = store.create(KEY)
     with pytest.raises(ValueError, match=message):
         store.extend(KEY, conversation.id, [turn])
     assert store.history(KEY, conversation.id) == []
+
+
+def test_reasoning_is_kept_with_its_summary_and_counts_against_the_size_limit(db: Database) -> None:
+    store = ConversationStore(db, ConversationLimits(max_message_bytes=16))
+    conversation = store.create(KEY)
+    summary = [{"type": "summary_text", "text": "sum"}]
+    [kept] = store.extend(KEY, conversation.id, [
+        {"role": "assistant", "content": "think", "reasoning": {"summary": summary, "encrypted_content": "e" * 8}}])
+    assert kept.id.startswith("rs_") and kept.reasoning == {"summary": summary, "encrypted_content": "e" * 8}
+    with pytest.raises(ConversationLimitExceeded, match="at most 16 bytes"):
+        store.extend(KEY, conversation.id, [
+            {"role": "assistant", "content": "think", "reasoning": {"summary": summary, "encrypted_content": "e" * 9}}])
 
 
 def test_a_tool_calls_name_and_arguments_count_against_the_message_size_limit(db: Database) -> None:
@@ -310,7 +329,7 @@ def test_as_dict_shapes(store: ConversationStore) -> None:
     assert isinstance(data["created_at"], int)
     assert data["messages"] == [{
         "id": conversation.messages[0].id, "object": "conversation.message", "parent_id": None, "role": "user",
-        "content": "hi", "images": [], "tool_call": None, "tool_call_id": None, "token_count": 1,
+        "content": "hi", "images": [], "tool_call": None, "tool_call_id": None, "reasoning": None, "token_count": 1,
         "created_at": int(conversation.messages[0].created_at.timestamp()),
     }]
     assert "messages" not in conversation.as_dict(with_messages=False)

@@ -1,8 +1,8 @@
 """Tools in stored conversations, in `llmserve serve`'s platform and in `llmserve gateway`'s: a chat turn that
 offered tools keeps the calls its reply made, a tool message keeps the call it answers, and the next turn's prompt
 is exactly that of the whole conversation sent as messages; a Responses request's function calls and their outputs
-go into its `conversation` the same way; and OpenAI's Conversations items API reads and writes function calls and
-their outputs (the `openai` SDK parses them), as the OpenAI Agents SDK's conversations session uses it."""
+go into its `conversation` the same way; and OpenAI's Conversations items API reads and writes function calls,
+their outputs and reasoning (the `openai` SDK parses them), as the OpenAI Agents SDK's conversations session uses it."""
 
 from __future__ import annotations
 
@@ -191,6 +191,48 @@ def test_items_api_writes_and_reads_function_calls_and_their_outputs(server: Pla
     assert server.idle_stats().num_used_blocks == 0
 
 
+def test_reasoning_items_are_kept_as_sent_and_left_out_of_the_prompt(server: PlatformServer) -> None:
+    """As the Agents SDK's session adds a reasoning model's output: the reasoning item is listed back as it was
+    sent (the SDK parses it), and the next turn's prompt leaves it out, as chat templates leave out earlier turns'
+    reasoning."""
+    reasoning = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Noon is twelve."}],
+                 "content": [{"type": "reasoning_text", "text": "They ask "}, {"type": "reasoning_text", "text": "the time."}],
+                 "encrypted_content": "VGhleSBhc2s="}
+    question = {"type": "message", "role": "user", "content": "What time is it?"}
+    answer = {"type": "message", "role": "assistant", "content": "Noon."}
+    with server.client() as client:
+        sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        conversation = sdk.conversations.create(items=[question, reasoning, answer]).id
+        [listed] = [item for item in sdk.conversations.items.list(conversation, order="asc").data
+                    if item.type == "reasoning"]
+        assert listed.id.startswith("rs_") and listed.model_dump(exclude_unset=True, exclude={"id", "status"}) == {
+            "type": "reasoning", "summary": reasoning["summary"], "encrypted_content": "VGhleSBhc2s=",
+            "content": [{"type": "reasoning_text", "text": "They ask the time."}]}
+        asked = _chat(client, [{"role": "user", "content": "Thanks."}], conversation_id=conversation)
+        reference = _chat(client, [{"role": "user", "content": "What time is it?"},
+                                   {"role": "assistant", "content": "Noon."}, {"role": "user", "content": "Thanks."}])
+        assert asked["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
+        assert asked["choices"][0]["message"] == reference["choices"][0]["message"]
+    assert server.idle_stats().num_used_blocks == 0
+
+
+def test_a_responses_output_joins_its_conversation_as_its_items() -> None:
+    """A reasoning model's answer that thinks, writes and calls: its conversation keeps the reasoning, the text and
+    the call as three items, in that order (the `_Keeper` of a request with `conversation` saves this turn)."""
+    from llmserve.server.conversation_items import stored_turns
+    from llmserve.server.responses_api import _output_message
+
+    output = [{"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm."}]},
+              {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": "Checking.", "annotations": [], "logprobs": []}]},
+              {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_time", "arguments": "{}",
+               "status": "completed"}]
+    assert stored_turns([_output_message(output)]) == [
+        {"role": "assistant", "content": "Hm.", "reasoning": {"summary": []}},
+        {"role": "assistant", "content": "Checking."},
+        {"role": "assistant", "content": "", "tool_call": {"call_id": "call_1", "name": "get_time", "arguments": "{}"}}]
+
+
 @pytest.mark.parametrize(("item", "param"), [
     ({"type": "function_call", "name": "f", "arguments": "{}"}, "items[0].call_id"),
     ({"type": "function_call", "call_id": "c", "arguments": "{}"}, "items[0].name"),
@@ -199,7 +241,11 @@ def test_items_api_writes_and_reads_function_calls_and_their_outputs(server: Pla
     ({"type": "function_call_output", "call_id": "c", "output": 3}, "items[0].output"),
     ({"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image", "image_url": "x"}]},
      "items[0].output"),
-    ({"type": "reasoning", "summary": []}, "items[0].type"),
+    ({"type": "file_search_call", "id": "fs_1", "queries": ["x"], "status": "completed"}, "items[0].type"),
+    ({"type": "reasoning"}, "items[0].summary"),
+    ({"type": "reasoning", "summary": [{"type": "reasoning_text", "text": "x"}]}, "items[0].summary"),
+    ({"type": "reasoning", "summary": [], "content": [{"type": "summary_text", "text": "x"}]}, "items[0].content"),
+    ({"type": "reasoning", "summary": [], "encrypted_content": 3}, "items[0].encrypted_content"),
     ({"type": "function_call", "call_id": "c" * 256, "name": "f", "arguments": "{}"}, "items[0].call_id"),
 ])
 def test_malformed_tool_items_are_400s_naming_the_field(server: PlatformServer, item: dict, param: str) -> None:

@@ -377,7 +377,7 @@ def test_items_a_stored_conversation_cannot_keep_are_400s(server: PlatformServer
     conversation_id = client.conversations.create(items=[QUESTION_ITEM]).id
     refused = {
         "items[0].type": lambda: client.conversations.items.create(conversation_id, items=[
-            {"type": "reasoning", "id": "rs_1", "summary": []}]),
+            {"type": "file_search_call", "id": "fs_1", "queries": ["x"], "status": "completed"}]),
         "items[1].type": lambda: client.conversations.create(items=[
             QUESTION_ITEM, {"type": "web_search_call", "id": "ws_1", "status": "completed",
                             "action": {"type": "search", "query": "weather"}}]),

@@ -46,8 +46,9 @@ def test_a_response_is_the_chat_completion_of_the_same_conversation(live_server:
         {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees, sunny"},
         {"role": "user", "content": [{"type": "input_text", "text": "And "}, {"type": "input_text", "text": "tomorrow?"}]},
     ]
+    # max_tool_calls bounds calls of built-in tools, which this server runs none of: it changes nothing
     response = client.responses.create(model=live_server.model, instructions="Be brief.", input=history, tools=[WEATHER],
-                                       tool_choice="none", temperature=0, max_output_tokens=24)
+                                       tool_choice="none", temperature=0, max_output_tokens=24, max_tool_calls=1)
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is the weather in Paris?"},
@@ -63,7 +64,7 @@ def test_a_response_is_the_chat_completion_of_the_same_conversation(live_server:
     assert response.output_text == text and response.status == "incomplete"
     assert response.incomplete_details.reason == "max_output_tokens"
     assert (response.usage.input_tokens, response.usage.output_tokens) == (usage["prompt_tokens"], 24)
-    assert response.id.startswith("resp_") and response.output[0].type == "message"
+    assert response.id.startswith("resp_") and response.output[0].type == "message" and response.max_tool_calls == 1
     # the client builds its models without validating them: validated here, the JSON as sent
     raw = httpx.post(f"{live_server.base_url}/v1/responses", timeout=60, json={
         "model": live_server.model, "input": history, "tools": [WEATHER], "max_output_tokens": 4})
@@ -143,6 +144,7 @@ def test_text_format_json_schema_holds(live_server: LiveServer) -> None:
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", None),
     ({"max_output_tokens": 0}, "max_output_tokens", None),
     ({"max_output_tokens": 10**6}, "max_output_tokens", None),
+    ({"max_tool_calls": 0}, "max_tool_calls", None),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "intger"}}}}, "text.format", None),
     ({"truncation": "middle"}, "truncation", None),
     ({"background": True}, "background", "unsupported_parameter"),  # without the platform, nothing is stored

@@ -174,9 +174,11 @@ function render() {
   list.scrollTop = list.scrollHeight;
 }
 
-// A conversation an API client kept holds its tools' calls and outputs too (each a message of its own).
+// A conversation an API client kept holds its tools' calls and outputs, and reasoning, too (each a message of
+// its own).
 function roleLabel(node) {
   if (node.tool_call) return "Tool call";
+  if (node.reasoning) return "Reasoning";
   const labels = { assistant: "Assistant", user: "You", tool: "Tool output" };
   return labels[node.role] ?? "System";
 }
@@ -201,7 +203,7 @@ function messageView({ node, alternatives, choiceKey, selected }) {
   const body = document.createElement("div");
   body.className = "body";
   if (node.tool_call) body.append(callView(node.tool_call));
-  else if (node.role === "assistant") body.append(renderMarkdown(node.content));
+  else if (node.role === "assistant" && !node.reasoning) body.append(renderMarkdown(node.content));
   else body.textContent = node.content;
   const images = imagesOf(node);
   if (images.length) {

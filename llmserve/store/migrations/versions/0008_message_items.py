@@ -1,5 +1,5 @@
-"""A stored conversation keeps tool calls and their outputs: an assistant's call of a tool, and the id of the call
-a tool message answers.
+"""A stored conversation keeps tool calls and their outputs (an assistant's call of a tool, and the id of the call
+a tool message answers), and reasoning items.
 
 Revision ID: 0008
 Revises: 0007
@@ -21,9 +21,11 @@ def upgrade() -> None:
     with op.batch_alter_table("messages") as batch:
         batch.add_column(sa.Column("tool_call", sa.JSON(), nullable=True))
         batch.add_column(sa.Column("tool_call_id", sa.String(255), nullable=True))
+        batch.add_column(sa.Column("reasoning", sa.JSON(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("messages") as batch:
+        batch.drop_column("reasoning")
         batch.drop_column("tool_call_id")
         batch.drop_column("tool_call")
