@@ -82,9 +82,13 @@ async def resume_stream(
 
 @router.delete("/v1/streams/{stream_id}", responses=documented(StreamDeleted))
 async def cancel_stream(stream_id: str, request: Request) -> JSONResponse:
-    """Stop a resumable stream's generation now (its KV is freed) and forget it."""
+    """Stop a resumable stream's generation now (its KV is freed) and forget it. A background response's stream
+    is not stopped here: the response is cancelled (POST /v1/responses/{id}/cancel), which ends it."""
     key = request_key(request.state)
     stream = registry_of(request).get(stream_id, key.id if key is not None else None)
+    if stream.outlives_followers:
+        raise APIError(400, f"Stream '{stream_id}' is a background response's: cancel the response "
+                            f"(POST /v1/responses/{stream_id}/cancel) to stop it.")
     stream.cancel()
     await stream.wait_finished()
     return JSONResponse({"id": stream_id, "object": "stream.deleted", "deleted": True})

@@ -452,6 +452,8 @@ def test_cancelling_a_streamed_background_response_ends_its_stream(server: Platf
         [created] = _events(lines, until=0)
         response_id = created["response"]["id"]
         assert server.wait_until(lambda: _generating(server))
+        not_here = client.delete(f"/v1/streams/{response_id}")  # a resumable stream, but the response's to stop
+        assert not_here.status_code == 400 and "/cancel" in _error(not_here)["message"]
         cancelled = client.post(f"/v1/responses/{response_id}/cancel")
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
         rest = _events(lines)  # the stream ends
