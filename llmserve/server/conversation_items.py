@@ -3,9 +3,9 @@ them, `template_messages`), the rows the store keeps, and OpenAI's conversation 
 
 The store keeps one row per OpenAI item: a text (or text and images) message, an assistant's call of a tool
 (`tool_call`: its call id, name and arguments), a tool's output (role "tool", with the `tool_call_id` of the
-call it answers), and an assistant's reasoning (`reasoning`: its summary; left out of the next turns' prompts). An assistant's chat message with tool calls is stored as its text (where it has any), then one
-row per call; read back, the calls join the assistant message before them, so the template sees the message the
-model wrote.
+call it answers), and an assistant's reasoning (`reasoning`: its summary; left out of the next turns' prompts).
+An assistant's chat message with tool calls is stored as its text (where it has any), then one row per call; read
+back, the calls join the assistant message before them, so the template sees the message the model wrote.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 Responses API's stored responses, each visible to the key that made it alone (any other key gets a 404, as for an
 unknown id). A background response is polled with GET (`queued`, `in_progress`, then as it ended), or, made with
 `stream: true`, its events followed again (`?stream=true&starting_after=N`: OpenAI's resume of a dropped stream),
-and cancelled while it has not ended. Torch-free: `llmserve serve` and `llmserve gateway` both serve these routes with their
-platform's store."""
+and cancelled while it has not ended. Torch-free: `llmserve serve` and `llmserve gateway` both serve these routes
+with their platform's store."""
 
 from __future__ import annotations
 
