@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -321,8 +322,9 @@ class _Run:
                 yield numbered(sse(shape.empty_chunk(started.response_id, created, self.model, usage_of(meter))))
             await meter.finish_durably(status)  # metered before the client sees the end
             finals = [self.finals[i] for i in sorted(self.finals)]
-            await shape.completed(finals, self.cursors, status == "content_filter",
-                                  lambda: {**self._response_json(finals, streamed=True), "created": created})
+            # Rendered once, when first asked for (a stored completion and a conversation's turn both read it).
+            whole = functools.cache(lambda: {**self._response_json(finals, streamed=True), "created": created})
+            await shape.completed(finals, self.cursors, status == "content_filter", whole)
             yield numbered(SSE_DONE)
         except LLMServeError as exc:  # the engine died or is shutting down mid-stream
             status = "error"
