@@ -141,7 +141,8 @@ def add_platform_args(parser: argparse.ArgumentParser, config_help: str) -> argp
         "postgresql+psycopg://... to share it between replicas or gateways)",
     )
     platform.add_argument(
-        "--redis-url", default=None, help="share rate limits between replicas or gateways through Redis (redis://host:6379/0)"
+        "--redis-url", default=None,
+        help="share rate limits and resumable streams between replicas or gateways through Redis (redis://host:6379/0)"
     )
     platform.add_argument(
         "--redis-timeout-ms", type=float, default=100.0,

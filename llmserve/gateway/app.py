@@ -77,7 +77,8 @@ from llmserve.server.protocol import (
     ScoreRequest,
 )
 from llmserve.server.responses_api import InputTokensRequest, ResponsesRequest
-from llmserve.server.streaming import ResumeLimits, StreamRegistry
+from llmserve.server.shared_streams import stream_registry
+from llmserve.server.streaming import ResumeLimits
 from llmserve.server.workers import WorkerPool
 from llmserve.web import install_page, page_paths
 
@@ -163,14 +164,15 @@ def build_gateway_app(
     content_routers: Mapping[str, ContentRouterConfig] | None = None, public_metrics: bool = False, public_openapi: bool = False, allowed_origins: Sequence[str] = (),
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, stream_resume: ResumeLimits | None = None,
     api_key: str | None = None, prefill_pools: Mapping[str, Sequence[str]] | None = None,
-    disaggregation: DisaggregationOptions | None = None,
+    disaggregation: DisaggregationOptions | None = None, shared_streams_url: str | None = None,
 ) -> FastAPI:
     """The gateway over `pools` (model name -> replica base URLs, e.g. http://10.0.0.5:8000, or
     `dns+http://name:port` for every address the name resolves to), answering to `aliases` too
     (alias -> [(pool, weight)], a canary when several). `platform` puts the platform services in front
     (once keys exist, every path but /health needs one, /metrics too unless `public_metrics`); None
-    passes requests through as they are. `public_openapi`, `allowed_origins` (CORS) and `stream_resume` (the
-    bounds of the resumable streams it relays) and `api_key` (one more key, given at start) as `llmserve serve`'s.
+    passes requests through as they are. `public_openapi`, `allowed_origins` (CORS), `stream_resume` (the
+    bounds of the resumable streams it relays), `shared_streams_url` (the Redis where they are shared with other
+    gateways) and `api_key` (one more key, given at start) as `llmserve serve`'s.
     `prefill_pools` (pool name -> its prefill replicas' URLs, as `pools`') disaggregates the long prompts of
     those pools, by `disaggregation`'s rule (disaggregation.py)."""
     if not pools or any(not urls for urls in pools.values()):
@@ -222,7 +224,8 @@ def build_gateway_app(
                            public_paths=public, api_key=api_key)
     app.add_middleware(AnthropicErrorMiddleware)
     install_cors(app, allowed_origins)
-    front = GatewayPlatform(platform or Platform(), state.router, state.proxy, workers, StreamRegistry(stream_resume))
+    front = GatewayPlatform(platform or Platform(), state.router, state.proxy, workers,
+                           stream_registry(stream_resume, shared_streams_url))
     for name, config in (content_routers or {}).items():
         front.content_routers[name] = _content_router(front, name, config)
     app.state.streams = front.streams  # resumed by /v1/streams/{id} (gateway/resume.py)

@@ -7,8 +7,9 @@ the same gateway (server/streams.py's routes, over the gateway's registry). The 
 a stream nobody follows for the grace period is cancelled here, which closes the replica's response and
 so aborts the generation there.
 
-Several gateways side by side each hold their own streams: a resume must reach the gateway that relays
-the stream (a load balancer's affinity by the `x-stream-id`, or by client)."""
+Several gateways side by side each hold their own streams; given `--redis-url`, each copies them into Redis, and
+a resume or a stop reaching another gateway is served from there (server/shared_streams.py). Without it, a resume
+must reach the gateway that relays the stream (a load balancer's affinity by the `x-stream-id`, or by client)."""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         public_metrics=args.public_metrics,
         public_openapi=args.public_openapi, allowed_origins=parse_origins(args.allowed_origins),
         max_request_body_bytes=args.max_request_body_bytes, stream_resume=resume_limits(args), api_key=args.api_key,
-        prefill_pools=prefill_pools, disaggregation=disaggregation,
+        prefill_pools=prefill_pools, disaggregation=disaggregation, shared_streams_url=args.redis_url,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)

@@ -49,9 +49,10 @@ from llmserve.server.gateway import AuthMiddleware, Platform, public_paths
 from llmserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware, upload_limits
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.openapi import install_openapi
+from llmserve.server.shared_streams import stream_registry
 from llmserve.server.slo import SLO
 from llmserve.server.state import ModelEndpoint, ServerState, base_endpoints
-from llmserve.server.streaming import ResumeLimits, StreamRegistry
+from llmserve.server.streaming import ResumeLimits
 from llmserve.web import install_page, page_paths
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,7 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     stream_resume: ResumeLimits | None = None,
+    shared_streams_url: str | None = None,
     api_key: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over one engine (`engine_client` served as `served_model_name`, also
@@ -206,7 +208,8 @@ def build_app(
     on CORS for those origins ("*": any). A body over `max_request_body_bytes` gets a 413 before
     anything reads it. `tool_call_parser` and `reasoning_parser` name the formats
     `engine_client`'s replies are parsed in (a spec in `models` names its own). `stream_resume` bounds
-    the buffers of resumable streams (server/streams.py). `allowed_media_domains`: the hosts whose image URLs
+    the buffers of resumable streams (server/streams.py), shared through the Redis at `shared_streams_url` with
+    the other processes using it (server/shared_streams.py). `allowed_media_domains`: the hosts whose image URLs
     are fetched (none given: any; "none": no host). `trust_request_chat_template`: a chat request may bring its own
     chat template (server/templates.py).
     """
@@ -223,7 +226,7 @@ def build_app(
     router: ModelRouter[ModelEndpoint] = ModelRouter()
     state = ServerState(
         router=router, metrics=ServerMetrics(lambda: base_endpoints(router)), platform=platform,
-        streams=StreamRegistry(stream_resume), allowed_media_domains=frozenset(allowed_media_domains),
+        streams=stream_registry(stream_resume, shared_streams_url), allowed_media_domains=frozenset(allowed_media_domains),
         trust_request_chat_template=trust_request_chat_template,
     )
     if platform is not None:

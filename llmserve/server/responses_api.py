@@ -329,9 +329,19 @@ async def _start_in_background(body: ResponsesRequest, prepared: _Turn, run_chat
 
 
 def _hold(storage: Storage, response_id: str, task: asyncio.Task[None]) -> None:
-    """Keep the task running a background response in `storage.running` until it ends."""
+    """Keep the task running a background response in `storage.running` until it ends; with streams shared
+    through Redis, a cancel or delete that another process answers stops it too."""
     storage.running[response_id] = task
     task.add_done_callback(lambda _: storage.running.pop(response_id, None))
+    mirror = storage.streams.mirror if storage.streams is not None else None
+    if mirror is not None:
+        running = storage.running
+        mirror.on_stop("background responses", lambda work_id: _cancel(running.get(work_id)))
+
+
+def _cancel(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
 
 
 async def _background_events(body: ResponsesRequest, prepared: _Turn, run_chat: RunChat,
@@ -428,12 +438,14 @@ async def _fail(storage: Storage, queued: dict[str, Any], error: dict[str, Any])
 
 
 async def stop_background(storage: Storage, response_id: str) -> None:
-    """Stop the task running the background response `response_id`, if this process runs it (its engine request
-    is aborted), and wait until it has."""
+    """Stop the task running the background response `response_id`: if this process runs it (its engine request
+    is aborted), once it has; otherwise, with streams shared through Redis, ask the process running it."""
     task = storage.running.get(response_id)
     if task is not None:
         task.cancel()
         await asyncio.wait([task])
+    elif storage.streams is not None and storage.streams.mirror is not None:
+        await storage.streams.mirror.ask_stop(response_id)
 
 
 def _conversation(body: ResponsesRequest) -> ConversationRef | None:

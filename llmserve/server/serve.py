@@ -156,6 +156,7 @@ def make_app(args: argparse.Namespace, config: ModelsConfig | None, platform: Pl
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=args.max_request_body_bytes,
         stream_resume=resume_limits(args),
+        shared_streams_url=args.redis_url,
         api_key=args.api_key,
     )
 

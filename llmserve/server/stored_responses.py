@@ -8,7 +8,7 @@ with their platform's store."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -28,6 +28,9 @@ from llmserve.server.streaming import (
     dropped_events,
     event_stream,
 )
+
+if TYPE_CHECKING:
+    from llmserve.server.shared_streams import RemoteStream
 
 router = APIRouter()
 
@@ -91,11 +94,12 @@ async def get_response(
         if starting_after is not None:
             raise APIError(400, "starting_after needs stream=true.", param="starting_after")
         return JSONResponse(stored)
-    buffered = _buffered(storage, response_id)
+    buffered = await _buffered(storage, response_id)
     if buffered is None:
         raise APIError(400, f"Response '{response_id}' has no events to stream here: only a background response "
-                            "created with stream=true can be streamed, by the process that runs it, until a while "
-                            "after its end. GET it without stream.", param="stream")
+                            "created with stream=true can be streamed, by the process that runs it (or, with "
+                            "--redis-url, one sharing its Redis), until a while after its end. GET it without "
+                            "stream.", param="stream")
     try:
         buffered.check_resumable_after(-1 if starting_after is None else starting_after)
     except EventsDropped:
@@ -104,21 +108,24 @@ async def get_response(
                         {STREAM_ID_HEADER: response_id})
 
 
-def _buffered(storage: Storage, response_id: str) -> ResumableStream | None:
-    """The buffer of the streamed background response `response_id`, where this process holds it."""
+async def _buffered(storage: Storage, response_id: str) -> ResumableStream | RemoteStream | None:
+    """The buffer of the streamed background response `response_id`, where this process can follow it."""
     if storage.streams is None:
         return None
     try:
-        return storage.streams.get(response_id, storage.key_id)
-    except APIError:  # not buffered here
-        return None
+        return await storage.streams.get(response_id, storage.key_id)
+    except APIError as exc:
+        if exc.status == 404:  # not buffered
+            return None
+        raise
 
 
 @router.post("/v1/responses/{response_id}/cancel", responses=documented(ResponseObject))
 async def cancel_response(response_id: str, request: Request) -> JSONResponse:
     """Cancel a background response that has not ended: it is stored `cancelled`, then its run is stopped (its
-    engine request aborted) if this process runs it; another process running it does not overwrite that. One
-    that has ended is answered as it is; one not made in background is a 400."""
+    engine request aborted) if this process runs it, or, with streams shared through Redis, the process running
+    it is asked to stop it (without Redis it runs to its end there, and does not overwrite that). One that has
+    ended is answered as it is; one not made in background is a 400."""
     storage = _storage(request)
     stored = await _call(response_id, storage.store.get, storage.key_id, response_id)
     if not stored.get("background"):

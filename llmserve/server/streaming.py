@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the gateway uses this module without an engine (nor torch)
     from llmserve.engine.async_llm import RequestStream
+    from llmserve.server.shared_streams import RemoteStream, StreamMirror
 
 T = TypeVar("T")
 
@@ -328,10 +329,12 @@ class ResumableStream:
         self.next_number = 0
         self.chars = 0
         self.finished = False
+        self.forgotten = False  # no longer followed from its registry
         self._followers = 0
         self._waiting: list[asyncio.Future[None]] = []  # one per follower waiting for the next event
         loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = loop.call_later(limits.grace_seconds, self._grace_over)
+        self._grace_check: asyncio.Future[None] | None = None  # asking Redis whether another process follows it
         self._producer = asyncio.ensure_future(self._produce(events))
 
     async def _produce(self, events: AsyncIterator[str]) -> None:
@@ -345,7 +348,7 @@ class ResumableStream:
             self._append(f"id: {self.next_number}\n{SSE_DONE}")
         finally:
             self.finished = True
-            self._wake()
+            self.wake()
             self._restart_timer()
 
     def _append(self, event: str) -> None:
@@ -357,9 +360,12 @@ class ResumableStream:
             self.chars -= len(self._buffer.popleft())
             self.first_kept += 1
         self._registry.resized(self, self.chars - before)
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Tell the followers (and the copy in Redis) that the stream changed."""
+        if self._registry.mirror is not None:
+            self._registry.mirror.changed(self)
         waiting, self._waiting = self._waiting, []
         for waiter in waiting:
             if not waiter.done():
@@ -373,8 +379,24 @@ class ResumableStream:
             self._timer = asyncio.get_running_loop().call_later(self.limits.grace_seconds, self._grace_over)
 
     def _grace_over(self) -> None:
-        """Nobody followed the stream for the grace period, or it finished that long ago."""
+        """Nobody here followed the stream for the grace period, or it finished that long ago."""
         self._timer = None
+        mirror = self._registry.mirror
+        if self.finished or self.outlives_followers or mirror is None:
+            self._expire()
+            return
+        self._grace_check = asyncio.ensure_future(self._expire_unless_followed_elsewhere(mirror))
+
+    async def _expire_unless_followed_elsewhere(self, mirror: StreamMirror) -> None:
+        followed = await mirror.followed_elsewhere(self.id)
+        if self._timer is not None or self._followers:
+            return  # followed here meanwhile, or finished: the timer runs again
+        if followed:
+            self._restart_timer()
+        else:
+            self._expire()
+
+    def _expire(self) -> None:
         if not self.finished:
             if self.outlives_followers:
                 return  # the timer starts again at its end
@@ -390,11 +412,17 @@ class ResumableStream:
         if last_event + 1 < self.first_kept:
             raise EventsDropped()
 
-    def _events_from(self, number: int) -> Iterator[str]:
+    def events_from(self, number: int) -> list[str]:
+        """The buffered events numbered `number` on."""
         if number < self.first_kept:
             raise EventsDropped()
-        for i in range(number - self.first_kept, len(self._buffer)):
-            yield self._buffer[i]
+        return [self._buffer[i] for i in range(number - self.first_kept, len(self._buffer))]
+
+    async def next_change(self) -> None:
+        """Returns at the stream's next event, or its end."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        await waiter
 
     async def follow(self, last_event: int = -1) -> AsyncIterator[str]:
         """The events after `last_event`, then the live ones as they come, to the stream's end. A
@@ -405,7 +433,7 @@ class ResumableStream:
         try:
             while True:
                 try:
-                    pending = list(self._events_from(number))
+                    pending = self.events_from(number)
                 except EventsDropped:
                     yield sse(dropped_events(self.id).body_json())
                     yield SSE_DONE
@@ -416,9 +444,7 @@ class ResumableStream:
                 if self.finished and number >= self.next_number:
                     return
                 if number >= self.next_number:
-                    waiter = asyncio.get_running_loop().create_future()
-                    self._waiting.append(waiter)
-                    await waiter
+                    await self.next_change()
         finally:
             self._followers -= 1
             self._restart_timer()
@@ -435,12 +461,19 @@ class ResumableStream:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(self._producer)
 
+    async def stop(self) -> None:
+        """Stop the generation, forget the stream, and return once it has ended."""
+        self.cancel()
+        await self.wait_finished()
+
 
 class StreamRegistry:
-    """The resumable streams of one server, by response id."""
+    """The resumable streams of one server, by response id; with a `mirror`, copied into Redis as they are
+    produced, and those of other processes sharing that Redis followed from there (server/shared_streams.py)."""
 
-    def __init__(self, limits: ResumeLimits | None = None) -> None:
+    def __init__(self, limits: ResumeLimits | None = None, mirror: StreamMirror | None = None) -> None:
         self.limits = limits or ResumeLimits()
+        self.mirror = mirror
         self._streams: dict[str, ResumableStream] = {}  # oldest first
         self.chars = 0  # buffered by the streams held
 
@@ -454,7 +487,14 @@ class StreamRegistry:
         self._make_room()
         stream = ResumableStream(stream_id, owner, events, self.limits, self, outlives_followers)
         self._streams[stream_id] = stream
+        if self.mirror is not None:
+            self.mirror.copy(stream, self._stop_asked_elsewhere)
         return stream
+
+    def _stop_asked_elsewhere(self, stream_id: str) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is not None and not stream.outlives_followers:
+            stream.cancel()
 
     def _make_room(self) -> None:
         """Over the total, forget finished streams, oldest first (live ones are bounded one by one, and
@@ -470,9 +510,12 @@ class StreamRegistry:
         if self._streams.get(stream.id) is stream:
             self.chars += change
 
-    def get(self, stream_id: str, owner: str | None) -> ResumableStream:
-        """The stream, if `owner` may follow it; a 404 otherwise (unknown, forgotten, or another key's)."""
-        stream = self._streams.get(stream_id)
+    async def get(self, stream_id: str, owner: str | None) -> ResumableStream | RemoteStream:
+        """The stream, if `owner` may follow it, held here or (with a mirror) by another process; a 404 otherwise
+        (unknown, forgotten, or another key's)."""
+        stream: ResumableStream | RemoteStream | None = self._streams.get(stream_id)
+        if stream is None and self.mirror is not None:
+            stream = await self.mirror.lookup(stream_id, owner)
         if stream is None or stream.owner != owner:
             raise APIError(404, f"No resumable stream found with id '{stream_id}'.", code="stream_not_found")
         return stream
@@ -481,13 +524,19 @@ class StreamRegistry:
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
             self.chars -= stream.chars
+            stream.forgotten = True
+            stream.wake()  # its copy in Redis goes too
 
     async def close(self) -> None:
         """Stop every stream (the server is shutting down)."""
+        if self.mirror is not None:
+            self.mirror.closing()
         streams = list(self._streams.values())
         for stream in streams:
             stream.cancel()
         await asyncio.gather(*(s.wait_finished() for s in streams))
+        if self.mirror is not None:
+            await self.mirror.close()
 
 
 def dropped_events(stream_id: str) -> APIError:

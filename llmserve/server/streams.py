@@ -7,7 +7,8 @@ Every streamed event carries an `id:` (its number in the response, from 0); the 
 response id, also in the `x-stream-id` header. Bounds: a stream's buffer keeps at most `max_chars` of
 its newest events (a resume from an event already dropped gets a 410); a stream nobody follows for
 `grace_seconds` is aborted (its KV freed), and a finished one is forgotten `grace_seconds` after its
-end. A stream without the option is not kept: a disconnect aborts it at once.
+end. A stream without the option is not kept: a disconnect aborts it at once. With `--redis-url`, processes
+sharing that Redis resume and stop each other's streams (server/shared_streams.py).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ async def resume_stream(
     of them without it), then the live rest."""
     streams = registry_of(request)
     key = request_key(request.state)
-    stream = streams.get(stream_id, key.id if key is not None else None)
+    stream = await streams.get(stream_id, key.id if key is not None else None)
     last_event = _last_event(last_event_id)
     try:
         stream.check_resumable_after(last_event)
@@ -85,10 +86,9 @@ async def cancel_stream(stream_id: str, request: Request) -> JSONResponse:
     """Stop a resumable stream's generation now (its KV is freed) and forget it. A background response's stream
     is not stopped here: the response is cancelled (POST /v1/responses/{id}/cancel), which ends it."""
     key = request_key(request.state)
-    stream = registry_of(request).get(stream_id, key.id if key is not None else None)
+    stream = await registry_of(request).get(stream_id, key.id if key is not None else None)
     if stream.outlives_followers:
         raise APIError(400, f"Stream '{stream_id}' is a background response's: cancel the response "
                             f"(POST /v1/responses/{stream_id}/cancel) to stop it.")
-    stream.cancel()
-    await stream.wait_finished()
+    await stream.stop()
     return JSONResponse({"id": stream_id, "object": "stream.deleted", "deleted": True})

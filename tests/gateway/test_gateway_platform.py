@@ -5,6 +5,7 @@ and two `llmserve gateway` processes side by side enforcing one RPM limit throug
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from llmserve.server.gateway import Platform
 from llmserve.server.streaming import PROGRESS_HEADER
 from llmserve.store.db import open_database
 from llmserve.store.schema import UsageRecordRow
-from tests.gateway.test_gateway import MODEL, STARTUP_TIMEOUT_S, Process, _start, _stop
+from tests.gateway.test_gateway import MODEL, STARTUP_TIMEOUT_S, Process, _start, _stop, _wait_until
 from tests.server.conftest import app_serving, start_server
 from tests.server.platform_fixtures import REDIS_URL, redis_or_skip, tiny_engine  # noqa: F401 - a fixture
 from tests.store.fixtures import postgres_schema, postgres_url
@@ -127,6 +128,105 @@ def test_two_gateways_sharing_redis_and_postgresql_enforce_one_rpm_limit(replica
     assert answers[3].json()["error"]["code"] == "rate_limit_exceeded"
     # Metered in the one database, whichever gateway served them; refused requests are not metered.
     assert len(rows) == 3 and {(r.key_id, r.status) for r in rows} == {(key.id, "completed")}
+    for proc, _, _ in gateways:
+        assert proc.returncode == 0
+
+
+def _aborted(replica: Process) -> float:
+    metrics = httpx.get(f"{replica.url}/metrics", timeout=10).text
+    return float(re.search(r"^llmserve:requests_aborted_total\S* (\S+)$", metrics, re.MULTILINE).group(1))
+
+
+def _sse(lines: Iterator[str], stop_after: int | None = None) -> list[tuple[int, str]]:
+    """(id, data) of the events, the first `stop_after` of them (None: all)."""
+    events, event_id = [], None
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: "):
+            events.append((event_id, line[6:]))
+            if len(events) == stop_after:
+                break
+    return events
+
+
+def _content(events: list[tuple[int, str]]) -> str:
+    return "".join(choice["delta"].get("content") or "" for _, data in events if data != "[DONE]"
+                   for choice in json.loads(data)["choices"])
+
+
+def test_gateways_sharing_redis_resume_and_stop_each_others_streams(replica: Process) -> None:
+    """Behind a load balancer a client's reconnect reaches any gateway: with --redis-url, each copies the resumable
+    streams it relays into Redis, and the others resume them (a chat's, a background response's) and stop them."""
+    redis_or_skip()
+    with postgres_schema() as schema:
+        database_url = postgres_url(schema)
+        database = open_database(database_url)
+        _, secret = KeyStore(database).create("resumer")
+        database.dispose()
+        command = [sys.executable, "-m", "llmserve.cli", "gateway", "--pool", f"{MODEL}={replica.url}", "--port",
+                   "0", "--database-url", database_url, "--redis-url", REDIS_URL]
+        gateways = [_start(command, r"llmserve: gateway at (http://\S+)/v1") for _ in range(2)]
+        try:
+            for _, ready, _ in gateways:
+                assert ready.wait(STARTUP_TIMEOUT_S), "a gateway did not start"
+            first, second = (httpx.Client(base_url=found[0], timeout=60, headers={"Authorization": f"Bearer {secret}"})
+                             for _, _, found in gateways)
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 40,
+                    "temperature": 0, "ignore_eos": True}
+            whole = first.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+            # A stream dropped on the first gateway after 5 events, resumed on the second.
+            resumable = {**body, "stream": True, "stream_options": {"resumable": True}}
+            with first.stream("POST", "/v1/chat/completions", json=resumable) as response:
+                stream_id = response.headers["x-stream-id"]
+                before = _sse(response.iter_lines(), stop_after=5)
+            with second.stream("GET", f"/v1/streams/{stream_id}", headers={"Last-Event-ID": "4"}) as response:
+                assert response.status_code == 200
+                after = _sse(response.iter_lines())
+            assert [n for n, _ in before + after] == list(range(len(before + after))) and after[-1][1] == "[DONE]"
+            assert _content(before + after) == whole
+
+            # A stream followed on the first gateway, stopped from the second: its generation is aborted.
+            aborted = _aborted(replica)
+            with first.stream("POST", "/v1/chat/completions", json={**resumable, "max_tokens": 450}) as response:
+                stream_id = response.headers["x-stream-id"]
+                lines = response.iter_lines()
+                assert len(_sse(lines, stop_after=2)) == 2
+                deleted = second.delete(f"/v1/streams/{stream_id}")
+                rest = _sse(lines)
+            assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+            assert len(rest) < 440 and all(data != "[DONE]" for _, data in rest)
+            assert _aborted(replica) == aborted + 1
+            assert second.get(f"/v1/streams/{stream_id}").status_code == 404
+
+            # A streamed background response made on the first gateway, followed again on the second.
+            made = first.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 24,
+                                                     "background": True, "stream": True})
+            response_id = json.loads(_sse(iter(made.text.splitlines()), stop_after=1)[0][1])["response"]["id"]
+            again = second.get(f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": 1})
+            assert again.status_code == 200
+            events = [json.loads(data) for _, data in _sse(iter(again.text.splitlines()))]
+            assert [e["sequence_number"] for e in events] == list(range(2, 2 + len(events)))
+            assert events[-1]["type"] == "response.completed"
+            refused = second.delete(f"/v1/streams/{response_id}")
+            assert refused.status_code == 400 and "cancel" in refused.json()["error"]["message"]
+
+            # A background response run by the first gateway, cancelled through the second: its run is stopped.
+            aborted = _aborted(replica)
+            queued = first.post("/v1/responses", json={"model": MODEL, "input": "List every prime number.",
+                                                       "max_output_tokens": 450, "background": True}).json()
+            _wait_until(lambda: first.get(f"/v1/responses/{queued['id']}").json()["status"] == "in_progress", 30,
+                        "the response to start")
+            cancelled = second.post(f"/v1/responses/{queued['id']}/cancel")
+            assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+            _wait_until(lambda: _aborted(replica) == aborted + 1, 30, "the run to be aborted")
+            assert first.get(f"/v1/responses/{queued['id']}").json()["status"] == "cancelled"
+            first.close()
+            second.close()
+        finally:
+            for proc, _, _ in gateways:
+                _stop(proc)
     for proc, _, _ in gateways:
         assert proc.returncode == 0
 

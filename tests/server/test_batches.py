@@ -19,9 +19,10 @@ from sqlalchemy import update
 
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.platform import batches as batches_module
 from llmserve.platform.batches import BatchStore
 from llmserve.server.batch_runner import _retry_after
-from llmserve.store.schema import BatchRow, FileRow, utcnow
+from llmserve.store.schema import FileRow, utcnow
 from tests.server.conftest import one_thread_engine_cores
 from tests.server.platform_fixtures import (
     MODEL,
@@ -282,14 +283,16 @@ def test_a_model_the_key_may_not_use_fails_only_its_requests(server: PlatformSer
     assert MODEL in json.dumps(error["response"]["body"])
 
 
-def test_a_batch_past_its_window_expires_with_what_had_not_run(tiny_engine: AsyncLLM, tmp_path: Path):  # noqa: F811
+def test_a_batch_past_its_window_expires_with_what_had_not_run(
+    tiny_engine: AsyncLLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+):
     with serving(tiny_engine, tmp_path) as server:
         key, secret = server.new_key("batcher")
         store: BatchStore = server.platform.batches
         uploaded = store.files.create(key.id, "in.jsonl", "batch", _jsonl([_chat_line("late", **chat_body())]))
-        made = store.create(key.id, uploaded["id"], "/v1/chat/completions", "24h", None)
-        with server.database.session(write=True) as session:  # a day later, before any runner took it
-            session.get(BatchRow, made["id"]).expires_at = utcnow() - timedelta(seconds=1)
+        with monkeypatch.context() as patch:  # made a day ago, and no runner took it since (none can now)
+            patch.setattr(batches_module, "utcnow", lambda: utcnow() - timedelta(hours=24, seconds=1))
+            made = store.create(key.id, uploaded["id"], "/v1/chat/completions", "24h", None)
         server.platform.batch_runner.wake()
         client = _openai(server, secret)
         batch = _ended(client, server, made["id"])

@@ -81,14 +81,16 @@ def replica_for(mode: str, model_dir: Path, *engine_args: str) -> Iterator[str |
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_two_replicas_sharing_redis_admit_no_more_tokens_than_one_limit(tiny_llama_dir: Path, mode: str) -> None:
-    """Two servers, or two gateways in front of one replica, sharing Redis."""
+def test_two_replicas_sharing_redis_share_one_token_limit_and_their_streams(tiny_llama_dir: Path, mode: str) -> None:
+    """Two servers, or two gateways in front of one replica, sharing Redis: they admit no more tokens than one
+    limit allows, and a stream dropped on one is resumed on the other."""
     redis_client = redis_or_skip()
     tpm, max_tokens, burst = 800, 40, 24
     with postgres_schema() as schema:
         database_url = postgres_url(schema)
         database = open_database(database_url)
         key, secret = KeyStore(database).create("shared", tpm=tpm)
+        _, resumer = KeyStore(database).create("resumer")
         try:
             with replica_for(mode, tiny_llama_dir) as replica_url, \
                     serve(tiny_llama_dir, database_url, "--redis-url", REDIS_URL, replica_url=replica_url) as (_, first), \
@@ -109,6 +111,7 @@ def test_two_replicas_sharing_redis_admit_no_more_tokens_than_one_limit(tiny_lla
                 started = time.monotonic()
                 statuses = asyncio.run(burst_on_both())
                 elapsed = time.monotonic() - started
+                before, after = _dropped_here_resumed_there(first, second, resumer)
         finally:
             redis_client.delete(f"llmserve:rl:{key.id}", f"llmserve:rl:{key.id}:slots")
             database.dispose()
@@ -117,6 +120,34 @@ def test_two_replicas_sharing_redis_admit_no_more_tokens_than_one_limit(tiny_lla
     refill = tpm / 60 * elapsed  # every admitted request used its whole reservation: nothing came back
     assert admitted * reserve <= tpm + reserve + refill
     assert admitted >= tpm // reserve  # the limit, not something else, decided
+    # They share resumable streams through Redis too.
+    assert [n for n, _ in before + after] == list(range(len(before + after))) and after[-1][1] == "[DONE]"
+
+
+def _dropped_here_resumed_there(first: str, second: str, secret: str) -> tuple[list, list]:
+    """A resumable stream's first 3 events from `first`, and the rest resumed from `second`: (id, data) each."""
+    headers = {"Authorization": f"Bearer {secret}"}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "ignore_eos": True, "stream": True,
+            "stream_options": {"resumable": True}}
+
+    def events(lines: Iterator[str], stop_after: int | None = None) -> list[tuple[int, str]]:
+        found, event_id = [], -1
+        for line in lines:
+            if line.startswith("id: "):
+                event_id = int(line[4:])
+            elif line.startswith("data: "):
+                found.append((event_id, line[6:]))
+                if len(found) == stop_after:
+                    break
+        return found
+
+    with httpx.stream("POST", f"{first}/v1/chat/completions", json=body, headers=headers, timeout=60) as response:
+        stream_id = response.headers["x-stream-id"]
+        before = events(response.iter_lines(), stop_after=3)
+    with httpx.stream("GET", f"{second}/v1/streams/{stream_id}", headers={**headers, "Last-Event-ID": "2"},
+                      timeout=60) as response:
+        assert response.status_code == 200
+        return before, events(response.iter_lines())
 
 
 async def _until_draining(base_url: str, timeout_s: float = 30.0) -> None:

@@ -130,9 +130,9 @@ def test_another_owner_cannot_get_a_stream():
         registry = StreamRegistry()
         source = Source()
         registry.open("s1", "key-a", source.events())
-        assert registry.get("s1", "key-a").owner == "key-a"
+        assert (await registry.get("s1", "key-a")).owner == "key-a"
         with pytest.raises(APIError) as refused:
-            registry.get("s1", "key-b")
+            await registry.get("s1", "key-b")
         await registry.close()
         return refused.value, len(registry)
 

@@ -264,7 +264,7 @@ def test_the_buffer_keeps_only_the_newest_events_within_its_size(server: Platfor
         with http.stream("POST", CHAT, json=resumable(max_tokens=60)) as response:
             stream_id = stream_id_of(response)
             events = read_events(response)
-        stream = server.app.state.streams.get(stream_id, server.keys.lookup(key).id)
+        stream = server.app.state.streams._streams[stream_id]
         assert 0 < stream.chars <= MAX_BUFFER_CHARS and stream.first_kept > 0
         gone = resume(http, stream_id, 0)
         assert gone.status_code == 410 and gone.json()["error"]["code"] == "stream_events_dropped"
