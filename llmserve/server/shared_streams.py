@@ -57,7 +57,7 @@ STOP_TIMEOUT_S = 10.0  # a stop asked elsewhere waits this long for the stream's
 STOP_POLL_S = 0.02  # looking whether it has ended this often
 RETRY_S = (0.1, 0.5, 2.0)  # between copies that failed (the last one repeats)
 REDIS_TIMEOUT_S = 3.0  # a Redis reply that takes longer fails
-BATCH = 512  # events read at once by a follower elsewhere
+BATCH = 512  # events of one stream read at once from Redis
 CONNECTIONS = 16  # to Redis from one process (the stop listener holds one), besides the reader's
 
 
@@ -174,7 +174,6 @@ class StreamMirror:
     new events at once, so that under load a write carries many), follows and stops those that others produce."""
 
     def __init__(self, url: str, limits: ResumeLimits, prefix: str = DEFAULT_PREFIX) -> None:
-        self.url = url
         self.limits = limits
         self.prefix = prefix
         self._redis = _client(url, CONNECTIONS, REDIS_TIMEOUT_S)
@@ -229,7 +228,7 @@ class StreamMirror:
                 if failures == 0:
                     logger.warning("copying resumable streams to Redis failed (%s); retrying", exc)
                 failures += 1
-                self._changed |= changed
+                self._changed |= set(self._copies)  # all of them are read again, then written
                 for copy in self._copies.values():
                     copy.lost()
                 if self._closing.is_set():

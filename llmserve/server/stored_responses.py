@@ -8,7 +8,7 @@ with their platform's store."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -24,13 +24,10 @@ from llmserve.server.responses_api import ResponseObject, Storage, stop_backgrou
 from llmserve.server.streaming import (
     STREAM_ID_HEADER,
     EventsDropped,
-    ResumableStream,
+    FollowedStream,
     dropped_events,
     event_stream,
 )
-
-if TYPE_CHECKING:
-    from llmserve.server.shared_streams import RemoteStream
 
 router = APIRouter()
 
@@ -108,7 +105,7 @@ async def get_response(
                         {STREAM_ID_HEADER: response_id})
 
 
-async def _buffered(storage: Storage, response_id: str) -> ResumableStream | RemoteStream | None:
+async def _buffered(storage: Storage, response_id: str) -> FollowedStream | None:
     """The buffer of the streamed background response `response_id`, where this process can follow it."""
     if storage.streams is None:
         return None

@@ -14,7 +14,7 @@ import os
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -28,7 +28,6 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the gateway uses this module without an engine (nor torch)
     from llmserve.engine.async_llm import RequestStream
-    from llmserve.server.shared_streams import RemoteStream, StreamMirror
 
 T = TypeVar("T")
 
@@ -310,6 +309,45 @@ class EventsDropped(Exception):
     """The events after the requested one are no longer in the buffer."""
 
 
+class FollowedStream(Protocol):
+    """A resumable stream as its followers see it: held here (ResumableStream) or by another process."""
+
+    id: str
+    owner: str | None
+    outlives_followers: bool
+
+    def check_resumable_after(self, last_event: int) -> None: ...
+
+    def follow(self, last_event: int = -1) -> AsyncIterator[str]: ...
+
+    async def stop(self) -> None: ...
+
+
+class StreamMirror(Protocol):
+    """Where the streams of processes sharing them meet (server/shared_streams.py: Redis)."""
+
+    def copy(self, stream: ResumableStream, stop_here: Callable[[str], None]) -> None:
+        """Copy `stream` for the others to follow; `stop_here(id)` stops a stream here when another process asks."""
+
+    def changed(self, stream: ResumableStream) -> None:
+        """`stream` has a new event, has ended, or is forgotten."""
+
+    async def followed_elsewhere(self, stream_id: str) -> bool: ...
+
+    async def lookup(self, stream_id: str, owner: str | None) -> FollowedStream | None:
+        """A stream another process holds, if `owner` may follow it."""
+
+    def on_stop(self, name: str, handler: Callable[[str], None]) -> None:
+        """Call `handler(id)` when another process is asked to stop `id` (one handler per `name`)."""
+
+    async def ask_stop(self, work_id: str) -> None:
+        """Ask the process running `work_id` to stop it."""
+
+    def closing(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 class ResumableStream:
     """One response's events (numbered from 0, see EventIds), produced by a task of their own (so the
     generation outlives a dropped connection) into a buffer that any number of followers read from an
@@ -510,10 +548,10 @@ class StreamRegistry:
         if self._streams.get(stream.id) is stream:
             self.chars += change
 
-    async def get(self, stream_id: str, owner: str | None) -> ResumableStream | RemoteStream:
+    async def get(self, stream_id: str, owner: str | None) -> FollowedStream:
         """The stream, if `owner` may follow it, held here or (with a mirror) by another process; a 404 otherwise
         (unknown, forgotten, or another key's)."""
-        stream: ResumableStream | RemoteStream | None = self._streams.get(stream_id)
+        stream: FollowedStream | None = self._streams.get(stream_id)
         if stream is None and self.mirror is not None:
             stream = await self.mirror.lookup(stream_id, owner)
         if stream is None or stream.owner != owner:

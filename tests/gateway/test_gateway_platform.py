@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -32,7 +32,7 @@ from llmserve.store.db import open_database
 from llmserve.store.schema import UsageRecordRow
 from tests.gateway.test_gateway import MODEL, STARTUP_TIMEOUT_S, Process, _start, _stop, _wait_until
 from tests.server.conftest import app_serving, start_server
-from tests.server.platform_fixtures import REDIS_URL, redis_or_skip, tiny_engine  # noqa: F401 - a fixture
+from tests.server.platform_fixtures import REDIS_URL, redis_or_skip, sse_events, tiny_engine  # noqa: F401 - a fixture
 from tests.store.fixtures import postgres_schema, postgres_url
 
 
@@ -96,29 +96,38 @@ def test_a_replica_killed_mid_stream_ends_it_with_an_error_event_metered_with_wh
     assert (row.prompt_tokens, row.completion_tokens) == (last_usage["prompt_tokens"], last_usage["completion_tokens"])
 
 
+@contextmanager
+def _two_gateways(replica: Process, database_url: str) -> Iterator[tuple[list[subprocess.Popen], list[str]]]:
+    """Two `llmserve gateway` processes in front of `replica`, sharing the database and Redis: (processes, URLs).
+    They are stopped with SIGTERM (each writes the usage records it still buffers)."""
+    command = [sys.executable, "-m", "llmserve.cli", "gateway", "--pool", f"{MODEL}={replica.url}", "--port",
+               "0", "--database-url", database_url, "--redis-url", REDIS_URL]
+    gateways = [_start(command, r"llmserve: gateway at (http://\S+)/v1") for _ in range(2)]
+    try:
+        for _, ready, _ in gateways:
+            assert ready.wait(STARTUP_TIMEOUT_S), "a gateway did not start"
+        yield [proc for proc, _, _ in gateways], [found[0] for _, _, found in gateways]
+    finally:
+        for proc, _, _ in gateways:
+            _stop(proc)
+
+
 def test_two_gateways_sharing_redis_and_postgresql_enforce_one_rpm_limit(replica: Process) -> None:
     redis_client = redis_or_skip()
     with postgres_schema() as schema:
         database_url = postgres_url(schema)
         database = open_database(database_url)
         key, secret = KeyStore(database).create("shared", rpm=3)
-        command = [sys.executable, "-m", "llmserve.cli", "gateway", "--pool", f"{MODEL}={replica.url}", "--port",
-                   "0", "--database-url", database_url, "--redis-url", REDIS_URL]
-        gateways = [_start(command, r"llmserve: gateway at (http://\S+)/v1") for _ in range(2)]
         try:
-            for _, ready, _ in gateways:
-                assert ready.wait(STARTUP_TIMEOUT_S), "a gateway did not start"
-            first, second = (found[0] for _, _, found in gateways)
-            headers = {"Authorization": f"Bearer {secret}"}
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            with _two_gateways(replica, database_url) as (gateways, (first, second)):
+                headers = {"Authorization": f"Bearer {secret}"}
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
-            def ask(url: str) -> httpx.Response:
-                return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+                def ask(url: str) -> httpx.Response:
+                    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
 
-            answers = [ask(url) for url in (first, second, first, second, first)]
+                answers = [ask(url) for url in (first, second, first, second, first)]
         finally:
-            for proc, _, _ in gateways:
-                _stop(proc)  # SIGTERM: each writes the usage records it still buffers
             redis_client.delete(f"llmserve:rl:{key.id}", f"llmserve:rl:{key.id}:slots")
         with database.session() as session:
             rows = list(session.scalars(select(UsageRecordRow)))
@@ -128,26 +137,13 @@ def test_two_gateways_sharing_redis_and_postgresql_enforce_one_rpm_limit(replica
     assert answers[3].json()["error"]["code"] == "rate_limit_exceeded"
     # Metered in the one database, whichever gateway served them; refused requests are not metered.
     assert len(rows) == 3 and {(r.key_id, r.status) for r in rows} == {(key.id, "completed")}
-    for proc, _, _ in gateways:
+    for proc in gateways:
         assert proc.returncode == 0
 
 
 def _aborted(replica: Process) -> float:
     metrics = httpx.get(f"{replica.url}/metrics", timeout=10).text
     return float(re.search(r"^llmserve:requests_aborted_total\S* (\S+)$", metrics, re.MULTILINE).group(1))
-
-
-def _sse(lines: Iterator[str], stop_after: int | None = None) -> list[tuple[int, str]]:
-    """(id, data) of the events, the first `stop_after` of them (None: all)."""
-    events, event_id = [], None
-    for line in lines:
-        if line.startswith("id: "):
-            event_id = int(line[4:])
-        elif line.startswith("data: "):
-            events.append((event_id, line[6:]))
-            if len(events) == stop_after:
-                break
-    return events
 
 
 def _content(events: list[tuple[int, str]]) -> str:
@@ -164,14 +160,9 @@ def test_gateways_sharing_redis_resume_and_stop_each_others_streams(replica: Pro
         database = open_database(database_url)
         _, secret = KeyStore(database).create("resumer")
         database.dispose()
-        command = [sys.executable, "-m", "llmserve.cli", "gateway", "--pool", f"{MODEL}={replica.url}", "--port",
-                   "0", "--database-url", database_url, "--redis-url", REDIS_URL]
-        gateways = [_start(command, r"llmserve: gateway at (http://\S+)/v1") for _ in range(2)]
-        try:
-            for _, ready, _ in gateways:
-                assert ready.wait(STARTUP_TIMEOUT_S), "a gateway did not start"
-            first, second = (httpx.Client(base_url=found[0], timeout=60, headers={"Authorization": f"Bearer {secret}"})
-                             for _, _, found in gateways)
+        with _two_gateways(replica, database_url) as (gateways, urls):
+            first, second = (httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {secret}"})
+                             for url in urls)
             body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 40,
                     "temperature": 0, "ignore_eos": True}
             whole = first.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
@@ -180,10 +171,10 @@ def test_gateways_sharing_redis_resume_and_stop_each_others_streams(replica: Pro
             resumable = {**body, "stream": True, "stream_options": {"resumable": True}}
             with first.stream("POST", "/v1/chat/completions", json=resumable) as response:
                 stream_id = response.headers["x-stream-id"]
-                before = _sse(response.iter_lines(), stop_after=5)
+                before = sse_events(response.iter_lines(), stop_after=5)
             with second.stream("GET", f"/v1/streams/{stream_id}", headers={"Last-Event-ID": "4"}) as response:
                 assert response.status_code == 200
-                after = _sse(response.iter_lines())
+                after = sse_events(response.iter_lines())
             assert [n for n, _ in before + after] == list(range(len(before + after))) and after[-1][1] == "[DONE]"
             assert _content(before + after) == whole
 
@@ -192,9 +183,9 @@ def test_gateways_sharing_redis_resume_and_stop_each_others_streams(replica: Pro
             with first.stream("POST", "/v1/chat/completions", json={**resumable, "max_tokens": 450}) as response:
                 stream_id = response.headers["x-stream-id"]
                 lines = response.iter_lines()
-                assert len(_sse(lines, stop_after=2)) == 2
+                assert len(sse_events(lines, stop_after=2)) == 2
                 deleted = second.delete(f"/v1/streams/{stream_id}")
-                rest = _sse(lines)
+                rest = sse_events(lines)
             assert deleted.status_code == 200 and deleted.json()["deleted"] is True
             assert len(rest) < 440 and all(data != "[DONE]" for _, data in rest)
             assert _aborted(replica) == aborted + 1
@@ -203,10 +194,10 @@ def test_gateways_sharing_redis_resume_and_stop_each_others_streams(replica: Pro
             # A streamed background response made on the first gateway, followed again on the second.
             made = first.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 24,
                                                      "background": True, "stream": True})
-            response_id = json.loads(_sse(iter(made.text.splitlines()), stop_after=1)[0][1])["response"]["id"]
+            response_id = json.loads(sse_events(iter(made.text.splitlines()), stop_after=1)[0][1])["response"]["id"]
             again = second.get(f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": 1})
             assert again.status_code == 200
-            events = [json.loads(data) for _, data in _sse(iter(again.text.splitlines()))]
+            events = [json.loads(data) for _, data in sse_events(iter(again.text.splitlines()))]
             assert [e["sequence_number"] for e in events] == list(range(2, 2 + len(events)))
             assert events[-1]["type"] == "response.completed"
             refused = second.delete(f"/v1/streams/{response_id}")
@@ -224,10 +215,7 @@ def test_gateways_sharing_redis_resume_and_stop_each_others_streams(replica: Pro
             assert first.get(f"/v1/responses/{queued['id']}").json()["status"] == "cancelled"
             first.close()
             second.close()
-        finally:
-            for proc, _, _ in gateways:
-                _stop(proc)
-    for proc, _, _ in gateways:
+    for proc in gateways:
         assert proc.returncode == 0
 
 

@@ -195,3 +195,16 @@ def _behind_gateway(
 
 def chat_body(content: str = "Hello there", max_tokens: int = 4, **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
+
+
+def sse_events(lines: Iterator[str], stop_after: int | None = None) -> list[tuple[int, str]]:
+    """(id, data) of a response's SSE events, the first `stop_after` of them (None: all)."""
+    events, event_id = [], -1
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: "):
+            events.append((event_id, line[6:]))
+            if len(events) == stop_after:
+                break
+    return events

@@ -22,7 +22,7 @@ from sqlalchemy import select
 from llmserve.platform.keys import KeyStore
 from llmserve.store.db import open_database
 from llmserve.store.schema import UsageRecordRow
-from tests.server.platform_fixtures import MODES, REDIS_URL, redis_or_skip
+from tests.server.platform_fixtures import MODES, REDIS_URL, redis_or_skip, sse_events
 from tests.server.test_serve_cli import _Lines
 from tests.store.fixtures import postgres_schema, postgres_url
 
@@ -130,24 +130,13 @@ def _dropped_here_resumed_there(first: str, second: str, secret: str) -> tuple[l
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "ignore_eos": True, "stream": True,
             "stream_options": {"resumable": True}}
 
-    def events(lines: Iterator[str], stop_after: int | None = None) -> list[tuple[int, str]]:
-        found, event_id = [], -1
-        for line in lines:
-            if line.startswith("id: "):
-                event_id = int(line[4:])
-            elif line.startswith("data: "):
-                found.append((event_id, line[6:]))
-                if len(found) == stop_after:
-                    break
-        return found
-
     with httpx.stream("POST", f"{first}/v1/chat/completions", json=body, headers=headers, timeout=60) as response:
         stream_id = response.headers["x-stream-id"]
-        before = events(response.iter_lines(), stop_after=3)
+        before = sse_events(response.iter_lines(), stop_after=3)
     with httpx.stream("GET", f"{second}/v1/streams/{stream_id}", headers={**headers, "Last-Event-ID": "2"},
                       timeout=60) as response:
         assert response.status_code == 200
-        return before, events(response.iter_lines())
+        return before, sse_events(response.iter_lines())
 
 
 async def _until_draining(base_url: str, timeout_s: float = 30.0) -> None:
