@@ -1,14 +1,19 @@
 """Resumable streams shared through Redis (server/shared_streams.py), on the real Redis: two registries stand for
 two processes sharing it. What one produces, the other follows from any event id (the events already made, then
 the live ones), stops, and keeps alive past the grace period by following it; the copy keeps the producer's bounds
-and is gone with the stream; a Redis that is down costs the stream nothing."""
+and is gone with the stream; a Redis that is down costs the stream nothing, and one back empty gets the copy again."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import socket
+import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -266,3 +271,81 @@ def test_with_redis_down_the_stream_still_runs_here_and_a_resume_elsewhere_is_a_
     events, unavailable = asyncio.run(main())
     assert datas(events) == ["a", "b", "[DONE]"]
     assert unavailable.status == 503 and unavailable.code == "stream_store_unavailable"
+
+
+class OwnRedis:
+    """A Redis server of a test's own, on a free port, that the test stops and starts again (empty)."""
+
+    def __init__(self, binary: str, directory: Path) -> None:
+        self.binary, self.directory = binary, directory
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--save", "", "--appendonly", "no",
+                                      "--dir", str(self.directory)], stdout=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.01)
+        client.close()
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    server = OwnRedis(binary, tmp_path)
+    yield server
+    server.kill()
+
+
+def test_a_redis_restarted_empty_gets_the_whole_buffer_copied_again(own_redis: OwnRedis):
+    """The copy is written again when Redis comes back without it (a restart, a failover to an empty replica):
+    everything the producer still buffers, and what it made meanwhile."""
+    own_redis.start()
+
+    async def main():
+        limits = ResumeLimits()
+        here, there = (StreamRegistry(limits, StreamMirror(own_redis.url, limits)) for _ in range(2))
+        source = Source()
+        stream = here.open("s1", None, source.events())
+        source.put("a")
+        await until(lambda: _event_count(own_redis.url, "llmserve:stream:s1:events") == 1)
+        own_redis.kill()
+        source.put("b")  # made while Redis is down
+        await until(lambda: stream.next_number == 2)
+        own_redis.start()  # back, empty
+        source.put("c")
+        source.end()
+        await until(lambda: _event_count(own_redis.url, "llmserve:stream:s1:events") == 5, timeout=15)
+        events = await drain((await there.get("s1", None)).follow())
+        await here.close()
+        await there.close()
+        return events
+
+    assert datas(asyncio.run(main())) == ["a", "b", "c", "[DONE]"]
+
+
+def _event_count(url: str, key: str) -> int:
+    client = redis.Redis.from_url(url)
+    try:
+        return client.xlen(key)
+    except redis.ConnectionError:
+        return 0
+    finally:
+        client.close()
