@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import redis
@@ -26,6 +27,7 @@ from tests.server.platform_fixtures import REDIS_URL, redis_or_skip
 from tests.server.test_stream_buffer import Source, datas, drain
 
 DEAD_REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -56,12 +58,17 @@ async def until(condition: Callable[[], Awaitable[bool] | bool], timeout: float 
         await asyncio.sleep(0.01)
 
 
-def keys_of(prefix: str) -> list[str]:
-    client = redis.Redis.from_url(REDIS_URL)
+def on_redis(ask: Callable[[redis.Redis], T], url: str = REDIS_URL) -> T:
+    """What `ask` reads with a client of its own (the registries' clients belong to their event loop)."""
+    client = redis.Redis.from_url(url)
     try:
-        return sorted(key.decode() for key in client.scan_iter(f"{prefix}*"))
+        return ask(client)
     finally:
         client.close()
+
+
+def keys_of(prefix: str) -> list[str]:
+    return on_redis(lambda client: sorted(key.decode() for key in client.scan_iter(f"{prefix}*")))
 
 
 def test_another_process_follows_a_stream_from_any_event_then_live(prefix: str):
@@ -163,9 +170,7 @@ def test_a_closing_process_leaves_its_finished_streams_to_the_others_until_they_
         await here.close()  # stops the live one
         kept = keys_of(prefix)
         events = await drain((await there.get("finished", None)).follow())
-        client = redis.Redis.from_url(REDIS_URL)
-        ttl_ms = client.pttl(f"{prefix}finished")
-        client.close()
+        ttl_ms = on_redis(lambda client: client.pttl(f"{prefix}finished"))
         await there.close()
         return kept, events, ttl_ms
 
@@ -222,11 +227,7 @@ def test_the_copy_keeps_what_the_buffer_keeps(prefix: str):
 
 
 def _entries(prefix: str, stream_id: str) -> list[str]:
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        return [entry_id.decode() for entry_id, _ in client.xrange(f"{prefix}{stream_id}:events")]
-    finally:
-        client.close()
+    return on_redis(lambda client: [entry_id.decode() for entry_id, _ in client.xrange(f"{prefix}{stream_id}:events")])
 
 
 def test_a_background_response_stream_is_not_stopped_from_elsewhere(prefix: str):
@@ -342,10 +343,7 @@ def test_a_redis_restarted_empty_gets_the_whole_buffer_copied_again(own_redis: O
 
 
 def _event_count(url: str, key: str) -> int:
-    client = redis.Redis.from_url(url)
     try:
-        return client.xlen(key)
-    except redis.ConnectionError:
+        return on_redis(lambda client: client.xlen(key), url)
+    except redis.ConnectionError:  # not started again yet
         return 0
-    finally:
-        client.close()
