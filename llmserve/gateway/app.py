@@ -225,7 +225,7 @@ def build_gateway_app(
     app.add_middleware(AnthropicErrorMiddleware)
     install_cors(app, allowed_origins)
     front = GatewayPlatform(platform or Platform(), state.router, state.proxy, workers,
-                           stream_registry(stream_resume, shared_streams_url))
+                           stream_registry(stream_resume, shared_streams_url, state.metrics.registry))
     for name, config in (content_routers or {}).items():
         front.content_routers[name] = _content_router(front, name, config)
     app.state.streams = front.streams  # resumed by /v1/streams/{id} (gateway/resume.py)

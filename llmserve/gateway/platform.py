@@ -510,7 +510,8 @@ class GatewayPlatform:
             whole = reply.fold.completion(meter.usage())
         if call.turn is not None:
             calls = _first_choice(whole)["message"].get("tool_calls") if call.keeps_calls and whole else None
-            await call.turn.save(call.turn_messages, reply_message(reply.first_text, calls), meter.completion_tokens)
+            message = reply_message(reply.first_text, calls, reply.first_reasoning)
+            await call.turn.save(call.turn_messages, message, meter.completion_tokens)
         if call.keeper is not None:
             assert whole is not None
             await call.keeper.save(whole)

@@ -146,6 +146,7 @@ class Reply:
         self.ended: set[int] = set()
         self.blocked: list[Verdict] = []
         self.first_text = ""  # choice 0 as the client saw it (a stored conversation keeps it)
+        self.first_reasoning = ""  # and its reasoning (a chat reply's reasoning_content)
 
     @property
     def all_blocked(self) -> bool:
@@ -178,6 +179,7 @@ class Reply:
                 finished = True
         if index == 0:
             self.first_text += piece
+            self.first_reasoning += holder.get("reasoning_content") or ""
         if finished:
             self.ended.add(index)
         return bool(piece) or bool(tokens) or finished or _carries_more(holder, self.text_field)

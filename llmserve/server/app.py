@@ -224,9 +224,11 @@ def build_app(
         raise ValueError("build_app needs an engine or at least one model spec.")
     slo = slo or SLO()
     router: ModelRouter[ModelEndpoint] = ModelRouter()
+    server_metrics = ServerMetrics(lambda: base_endpoints(router))
     state = ServerState(
-        router=router, metrics=ServerMetrics(lambda: base_endpoints(router)), platform=platform,
-        streams=stream_registry(stream_resume, shared_streams_url), allowed_media_domains=frozenset(allowed_media_domains),
+        router=router, metrics=server_metrics, platform=platform,
+        streams=stream_registry(stream_resume, shared_streams_url, server_metrics.registry),
+        allowed_media_domains=frozenset(allowed_media_domains),
         trust_request_chat_template=trust_request_chat_template,
     )
     if platform is not None:

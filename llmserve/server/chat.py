@@ -399,11 +399,13 @@ class ChatShape(ResponseShape):
             await self.keeper.save(response())
 
     def _reply(self, output: RequestOutput, cursor: StreamCursor, response: Callable[[], dict]) -> dict[str, Any]:
-        """The first choice as its stored conversation keeps it: where tools were offered, its content and calls
-        as the client got them; else its whole text, as the safety guard let it out."""
-        if self.plan is not None and self.plan.tool_parser is not None:
+        """The first choice as its stored conversation keeps it: where it was parsed for tool calls or reasoning,
+        its content, calls and reasoning as the client got them; else its whole text, as the safety guard let it
+        out."""
+        if self.plan is not None and self.plan.parses_anything:
             message = response()["choices"][0]["message"]
-            return reply_message(message.get("content") or "", message.get("tool_calls"))
+            return reply_message(message.get("content") or "", message.get("tool_calls"),
+                                 message.get("reasoning_content"))
         guard = cursor.guard
         return reply_message(guard.released_text if guard is not None else output.outputs[0].text)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import redis.asyncio as redis
+from prometheus_client import CollectorRegistry, Counter
 from redis.exceptions import RedisError
 
 from llmserve.server.errors import APIError
@@ -68,10 +69,22 @@ def _client(url: str, connections: int, timeout_s: float) -> redis.Redis:
     return redis.Redis.from_pool(pool)
 
 
-def stream_registry(limits: ResumeLimits | None, redis_url: str | None) -> StreamRegistry:
-    """A process's resumable streams: shared with the processes of `redis_url`'s Redis when given."""
+def stream_registry(limits: ResumeLimits | None, redis_url: str | None,
+                    metrics: CollectorRegistry | None = None) -> StreamRegistry:
+    """A process's resumable streams: shared with the processes of `redis_url`'s Redis when given (its failures
+    counted in `metrics`)."""
     limits = limits or ResumeLimits()
-    return StreamRegistry(limits, StreamMirror(redis_url, limits) if redis_url else None)
+    return StreamRegistry(limits, StreamMirror(redis_url, limits, metrics=metrics) if redis_url else None)
+
+
+def _error_counter(registry: CollectorRegistry | None) -> Counter:
+    return Counter(
+        "llmserve:shared_stream_errors", "Redis operations of the resumable streams shared through --redis-url "
+        "that failed, by operation: copy (a write of this process's streams, retried), lookup (a resume answered "
+        "503), follow (a client following another process's stream got an error event), stop (asking another "
+        "process to stop a stream or a background response), listen (listening for stops, reconnecting).",
+        ["operation"], registry=registry,
+    )
 
 
 def stream_failed() -> APIError:
@@ -173,9 +186,11 @@ class StreamMirror:
     """The Redis side of one process's resumable streams: copies those it produces (one task writes every stream's
     new events at once, so that under load a write carries many), follows and stops those that others produce."""
 
-    def __init__(self, url: str, limits: ResumeLimits, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, url: str, limits: ResumeLimits, prefix: str = DEFAULT_PREFIX,
+                 metrics: CollectorRegistry | None = None) -> None:
         self.limits = limits
         self.prefix = prefix
+        self.errors = _error_counter(metrics)
         self._redis = _client(url, CONNECTIONS, REDIS_TIMEOUT_S)
         self._copies: dict[str, _Copy] = {}
         self._changed: set[str] = set()  # ids of the copies whose stream changed since the last write
@@ -225,6 +240,7 @@ class StreamMirror:
                 await self._write({*changed, *self._due()})
                 failures = 0
             except RedisError as exc:
+                self.errors.labels("copy").inc()
                 if failures == 0:
                     logger.warning("copying resumable streams to Redis failed (%s); retrying", exc)
                 failures += 1
@@ -257,6 +273,7 @@ class StreamMirror:
             failed = [r for r in results[position : position + write.commands] if isinstance(r, Exception)]
             position += write.commands
             if failed:  # an id already written by a write that seemed to fail, say: read what Redis has
+                self.errors.labels("copy").inc()
                 copy.lost()
                 self._changed.add(copy.stream.id)
                 self._wake.set()
@@ -291,6 +308,7 @@ class StreamMirror:
         try:
             await self._redis.publish(self.stop_channel, work_id)
         except RedisError as exc:
+            self.errors.labels("stop").inc()
             logger.warning("asking the other processes to stop %s through Redis failed (%s)", work_id, exc)
 
     async def _listen(self) -> None:
@@ -305,6 +323,7 @@ class StreamMirror:
                             for handler in list(self._stop_handlers.values()):
                                 handler(message["data"].decode())
             except RedisError as exc:
+                self.errors.labels("listen").inc()
                 logger.warning("listening for stream stops in Redis failed (%s); retrying", exc)
                 await asyncio.sleep(RETRY_S[-1])
 
@@ -323,6 +342,7 @@ class StreamMirror:
         try:
             meta = await self._redis.hgetall(keys.meta)
         except RedisError:
+            self.errors.labels("lookup").inc()
             raise stream_failed() from None
         if not meta or meta[b"owner"].decode() != (owner or ""):
             return None
@@ -456,6 +476,7 @@ class RemoteStream:
                     renewed = loop.time()
                 gone = not found and not await self._redis.exists(self._keys.meta)
             except RedisError as exc:
+                self._mirror.errors.labels("follow").inc()
                 logger.warning("following stream %s in Redis failed (%s)", self.id, exc)
                 yield sse(stream_failed().body_json())
                 yield SSE_DONE
@@ -491,4 +512,5 @@ class RemoteStream:
                     return
                 await asyncio.sleep(STOP_POLL_S)
         except RedisError:
+            self._mirror.errors.labels("stop").inc()
             raise stream_failed() from None

@@ -4,6 +4,7 @@ window by `truncation: "auto"`, and OpenAI's Conversations API (items, metadata)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,16 +15,18 @@ import pytest
 from llmserve.cli import build_parser
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.conversations import ConversationLimits, ConversationStore
+from llmserve.server.app import ModelSpec
 from llmserve.server.conversations import TRUNCATED_HEADER, ItemPage, fit_history
 from llmserve.server.platform_options import conversation_limits
 from llmserve.store.db import open_database
-from tests.server.conftest import MAX_MODEL_LEN
+from tests.server.conftest import MAX_MODEL_LEN, tiny_engine_running
 from tests.server.platform_fixtures import (
     MODEL,
     MODES,
     PlatformServer,
     chat_body,
     serve_platform,
+    sse_events,
     tiny_engine,  # noqa: F401 - a fixture
 )
 from tests.store.fixtures import BACKENDS, postgres_schema, postgres_url
@@ -351,6 +354,67 @@ def test_a_chat_continues_a_conversation_made_of_items_as_if_sent_whole(server: 
     stored = sdk(server).conversations.items.list(conversation.id, order="asc").data
     assert [(item.role, item.content[0].text) for item in stored] == [
         *((m["role"], m["content"]) for m in history), ("user", question["content"]), ("assistant", reply)]
+
+
+@pytest.fixture(scope="module")
+def qwen3_engine(tiny_qwen3_dir: Path) -> Iterator[AsyncLLM]:
+    with tiny_engine_running(tiny_qwen3_dir, num_kv_blocks=256, max_num_batched_tokens=256) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_reasoning_reply_is_stored_as_its_reasoning_then_its_answer(
+    qwen3_engine: AsyncLLM, tiny_qwen3_dir: Path, tmp_path: Path, mode: str, stream: bool
+) -> None:
+    """A chat turn of a reasoning model (--reasoning-parser qwen3) keeps its reasoning as an item of its own and
+    its answer as the assistant's message, as the client got them, not the raw `<think>` text; the next turn's
+    prompt holds the answer alone, as the whole conversation sent as messages does."""
+    spec = ModelSpec(MODEL, engine=qwen3_engine, root=str(tiny_qwen3_dir), reasoning_parser="qwen3")
+    server = next(serve := serve_platform(qwen3_engine, tmp_path, models=[spec], mode=mode))
+    try:
+        conversation = sdk(server).conversations.create().id
+        # With thinking off the constraint applies from the first token, so the regex writes a thought.
+        thinks = {"guided_regex": "<think>[a-z]{2,6}</think>[a-z]{2,6}", "temperature": 0, "max_tokens": 40,
+                  "chat_template_kwargs": {"enable_thinking": False}}
+        question = {"role": "user", "content": "What is the weather?"}
+        body = {"model": MODEL, "messages": [question], "conversation_id": conversation, "stream": stream, **thinks}
+        with server.client() as client:
+            first = client.post("/v1/chat/completions", json=body)
+            assert first.status_code == 200, first.text
+            reasoning, answer = _reasoning_and_answer(first, stream)
+            assert reasoning and answer and "<think>" not in answer
+            items = client.get(f"/v1/conversations/{conversation}/items", params={"order": "asc"}).json()["data"]
+            assert [(item["type"], item.get("role")) for item in items] == [
+                ("message", "user"), ("reasoning", None), ("message", "assistant")]
+            assert items[1]["content"] == [{"type": "reasoning_text", "text": reasoning}]
+            assert items[2]["content"][0]["text"] == answer
+
+            follow_up = {"role": "user", "content": "And tomorrow?"}
+            greedy = {"model": MODEL, "max_tokens": 4, "temperature": 0,
+                      "chat_template_kwargs": {"enable_thinking": False}}
+            continued = client.post("/v1/chat/completions",
+                                    json={**greedy, "messages": [follow_up], "conversation_id": conversation})
+            whole = client.post("/v1/chat/completions", json={
+                **greedy, "messages": [question, {"role": "assistant", "content": answer}, follow_up]})
+        assert continued.status_code == whole.status_code == 200, continued.text
+        assert continued.json()["usage"]["prompt_tokens"] == whole.json()["usage"]["prompt_tokens"]
+        assert continued.json()["choices"][0]["message"] == whole.json()["choices"][0]["message"]
+    finally:
+        serve.close()
+
+
+def _reasoning_and_answer(response: httpx.Response, stream: bool) -> tuple[str, str]:
+    if not stream:
+        message = response.json()["choices"][0]["message"]
+        return message.get("reasoning_content") or "", message.get("content") or ""
+    pieces = {"reasoning_content": "", "content": ""}
+    for _, data in sse_events(iter(response.text.splitlines())):
+        if data.startswith("{"):
+            for choice in json.loads(data)["choices"]:
+                for field in pieces:
+                    pieces[field] += choice["delta"].get(field) or ""
+    return pieces["reasoning_content"], pieces["content"]
 
 
 def test_image_items_are_stored_as_a_chat_turns_images(server: PlatformServer) -> None:

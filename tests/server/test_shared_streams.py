@@ -10,6 +10,7 @@ import json
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -19,9 +20,14 @@ from typing import TypeVar
 import pytest
 import redis
 import redis.asyncio
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
 
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.gateway.app import build_gateway_app
+from llmserve.server.app import ModelSpec, build_app
 from llmserve.server.errors import APIError
-from llmserve.server.shared_streams import READ_BLOCK_MS, StreamMirror
+from llmserve.server.shared_streams import READ_BLOCK_MS, StreamMirror, stream_registry
 from llmserve.server.streaming import SSE_DONE, EventsDropped, ResumeLimits, StreamRegistry
 from tests.server.platform_fixtures import REDIS_URL, redis_or_skip
 from tests.server.test_stream_buffer import Source, datas, drain
@@ -254,9 +260,10 @@ def test_a_background_response_stream_is_not_stopped_from_elsewhere(prefix: str)
 
 
 def test_with_redis_down_the_stream_still_runs_here_and_a_resume_elsewhere_is_a_503():
+    metrics = [CollectorRegistry(), CollectorRegistry()]  # each process's failures are counted
+
     async def main():
-        limits = ResumeLimits()
-        here, there = (StreamRegistry(limits, StreamMirror(DEAD_REDIS_URL, limits)) for _ in range(2))
+        here, there = (stream_registry(None, DEAD_REDIS_URL, registry) for registry in metrics)
         source = Source()
         stream = here.open("s1", None, source.events())
         for data in "ab":
@@ -272,6 +279,36 @@ def test_with_redis_down_the_stream_still_runs_here_and_a_resume_elsewhere_is_a_
     events, unavailable = asyncio.run(main())
     assert datas(events) == ["a", "b", "[DONE]"]
     assert unavailable.status == 503 and unavailable.code == "stream_store_unavailable"
+    assert _errors(metrics[0], "copy") >= 1 and _errors(metrics[0], "lookup") == 0
+    assert _errors(metrics[1], "lookup") == 1 and _errors(metrics[1], "copy") == 0
+
+
+def _errors(registry: CollectorRegistry, operation: str) -> float:
+    return registry.get_sample_value("llmserve:shared_stream_errors_total", {"operation": operation}) or 0.0
+
+
+@pytest.mark.parametrize("app_kind", ["serve", "gateway"])
+def test_the_apps_count_the_shared_stores_failures_on_their_metrics(app_kind: str):
+    over = threading.Event()
+
+    def still_loading() -> AsyncLLM:  # the stream routes need no model
+        over.wait()
+        raise RuntimeError("the test is over")
+
+    if app_kind == "serve":
+        app = build_app(models=[ModelSpec("m", load=still_loading)], shared_streams_url=DEAD_REDIS_URL)
+    else:
+        app = build_gateway_app({"m": ["http://127.0.0.1:1"]}, shared_streams_url=DEAD_REDIS_URL)
+    with TestClient(app) as client:
+        try:
+            for _ in range(2):
+                resumed = client.get("/v1/streams/chatcmpl-elsewhere")
+                assert resumed.status_code == 503 and resumed.headers["retry-after"] == "1"
+                assert resumed.json()["error"]["code"] == "stream_store_unavailable"
+            scraped = client.get("/metrics").text
+        finally:
+            over.set()  # before the app's shutdown, which waits for its loading models
+    assert 'llmserve:shared_stream_errors_total{operation="lookup"} 2.0' in scraped.splitlines()
 
 
 class OwnRedis:

@@ -481,3 +481,53 @@ def test_an_image_for_a_model_that_reads_none_shows_the_servers_message(page, se
     send(page, "What is in it?")
     page.wait_for_selector("#error:not([hidden])")
     assert "reads text only" in page.inner_text("#error")
+
+
+def test_a_reasoning_models_thought_folds_above_its_answer_and_is_not_sent_again(browser, tiny_qwen3_dir, tmp_path):
+    """Served with --reasoning-parser qwen3: the streamed reasoning shows folded above the answer, as plain text;
+    the stored turn (reasoning, then answer) reads back as that one reply, and regenerating it asks the user's
+    question again."""
+    with (
+        tiny_engine_running(tiny_qwen3_dir, num_kv_blocks=256, max_num_batched_tokens=256) as engine,
+        contextlib.contextmanager(serve_platform)(
+            engine, tmp_path, models=[ModelSpec("tiny", engine=engine, root=str(tiny_qwen3_dir),
+                                                reasoning_parser="qwen3")]) as server,
+    ):
+        context = browser.new_context(base_url=server.base_url)
+        context.set_default_timeout(TIMEOUT_MS)
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        bodies: list[dict] = []
+
+        def thinking(route) -> None:
+            """With thinking off the constraint applies from the first token, so the regex writes a thought."""
+            body = {**json.loads(route.request.post_data), "guided_regex": "<think>[a-z <>]{2,12}</think>[a-z]{2,6}",
+                    "chat_template_kwargs": {"enable_thinking": False}, "temperature": 0}
+            bodies.append(body)
+            route.continue_(post_data=json.dumps(body))
+
+        open_page(page, {"max-tokens": "40"})
+        page.route("**/v1/chat/completions", thinking)
+        send(page, "What is the weather?")
+        thought = page.text_content(".msg.assistant .thought-text")
+        answer = page.inner_text(".msg.assistant .body > p")
+        assert re.fullmatch("[a-z <>]{2,12}", thought) and re.fullmatch("[a-z]{2,6}", answer)
+        assert page.get_attribute(".msg.assistant .thought", "open") is None  # folded
+        assert page.inner_text(".msg.assistant .thought summary") == "Reasoning"
+        assert page.locator(".msg.assistant .thought-text *").count() == 0  # "<" and ">" in it are text
+        with answer_ends(page):
+            page.click(".msg.assistant:last-child button.regenerate")
+        assert bodies[-1]["messages"] == [{"role": "user", "content": "What is the weather?"}]
+        assert page.inner_text(".msg.assistant:last-child .branch-label") == "2/2"
+
+        page.reload()
+        page.wait_for_selector(".msg.assistant .thought")
+        shown = [view.query_selector(".role").inner_text() for view in page.query_selector_all("#messages .msg")]
+        assert shown == ["System", "You", "Assistant"]
+        assert page.inner_text(".msg.assistant:last-child .branch-label") == "2/2"
+        page.click(".msg.assistant:last-child .branches .prev")
+        assert page.text_content(".msg.assistant .thought-text") == thought
+        assert page.inner_text(".msg.assistant .body > p") == answer
+        assert errors == []
+        context.close()

@@ -1,7 +1,7 @@
 // The chat page: conversations (stored on the server when it has a conversation store, else kept in
-// this tab), a model picker, streamed answers rendered as markdown, branches from regenerating and
-// editing, stop, copy, per-answer token counts and latency, and images attached to a message (for a model that
-// reads them: they go as data: URLs in OpenAI's image_url parts).
+// this tab), a model picker, streamed answers rendered as markdown (a reasoning model's reasoning folded above),
+// branches from regenerating and editing, stop, copy, per-answer token counts and latency, and images attached to
+// a message (for a model that reads them: they go as data: URLs in OpenAI's image_url parts).
 
 import { ApiError, apiKey, call, cancelStream, setApiKey, streamChat } from "./api.js";
 import { copyButton, renderMarkdown } from "./markdown.js";
@@ -75,8 +75,33 @@ function loadTree(messages, headId) {
   state.nodes = new Map();
   state.children = new Map();
   state.choice = new Map();
-  for (const message of messages) addNode(message);
+  for (const message of foldReasoning(messages)) addNode(message);
   selectPathTo(headId);
+}
+
+// A reasoning model's turn is stored as its reasoning, then its answer: shown as one reply, the answer carrying
+// its reasoning (`thought`). A reasoning followed by anything else (an API client's tool calls) stays a message.
+function foldReasoning(messages) {
+  const after = new Map(); // message id -> the messages stored after it
+  for (const message of messages) {
+    const key = message.parent_id ?? ROOT;
+    if (!after.has(key)) after.set(key, []);
+    after.get(key).push(message);
+  }
+  const reasoningOf = new Map(); // answer id -> its reasoning
+  for (const message of messages) {
+    const next = after.get(message.id) ?? [];
+    if (message.reasoning && next.length === 1 && isAnswer(next[0])) reasoningOf.set(next[0].id, message);
+  }
+  const folded = new Set([...reasoningOf.values()].map((reasoning) => reasoning.id));
+  return messages.filter((message) => !folded.has(message.id)).map((message) => {
+    const reasoning = reasoningOf.get(message.id);
+    return reasoning ? { ...message, parent_id: reasoning.parent_id, thought: reasoning.content } : message;
+  });
+}
+
+function isAnswer(message) {
+  return message.role === "assistant" && !message.reasoning && !message.tool_call;
 }
 
 function addNode(message) {
@@ -203,7 +228,7 @@ function messageView({ node, alternatives, choiceKey, selected }) {
   const body = document.createElement("div");
   body.className = "body";
   if (node.tool_call) body.append(callView(node.tool_call));
-  else if (node.role === "assistant" && !node.reasoning) body.append(renderMarkdown(node.content));
+  else if (isAnswer(node)) body.append(...answerView(node));
   else body.textContent = node.content;
   const images = imagesOf(node);
   if (images.length) {
@@ -476,10 +501,11 @@ async function ask(text, parent, images = []) {
       onStart: (streamId) => { state.pending.streamId = streamId; },
       onChunk: (chunk) => {
         stats.answeredBy ??= chunk.model ?? null; // a router's pick (model "auto") names the model that ran
-        const delta = chunk.choices?.[0]?.delta?.content;
-        if (delta) {
+        const delta = chunk.choices?.[0]?.delta ?? {};
+        if (delta.content || delta.reasoning_content) {
           if (stats.firstTokenMs === null) stats.firstTokenMs = performance.now() - started;
-          reply.content += delta;
+          reply.content += delta.content ?? "";
+          if (delta.reasoning_content) reply.thought = (reply.thought ?? "") + delta.reasoning_content;
           updateReply(reply);
         }
         if (chunk.usage) stats.tokens = chunk.usage.completion_tokens;
@@ -542,6 +568,21 @@ async function storeTurn(user, reply, stats, local) {
   render();
 }
 
+// An answer as markdown, after its reasoning (if any) folded away as plain text (`open`: unfolded).
+function answerView(node, open = false) {
+  if (!node.thought) return [renderMarkdown(node.content)];
+  const thought = document.createElement("details");
+  thought.className = "thought";
+  thought.open = open;
+  const summary = document.createElement("summary");
+  summary.textContent = node.streaming && !node.content ? "Thinking…" : "Reasoning";
+  const text = document.createElement("div");
+  text.className = "thought-text";
+  text.textContent = node.thought;
+  thought.append(summary, text);
+  return [thought, renderMarkdown(node.content)];
+}
+
 // The streaming answer is drawn at most once a frame, however fast its chunks come.
 let drawScheduled = false;
 
@@ -552,7 +593,7 @@ function updateReply(reply) {
     drawScheduled = false;
     const view = document.querySelector(`.msg[data-id="${CSS.escape(reply.id)}"] .body`);
     if (!view) return;
-    view.replaceChildren(renderMarkdown(reply.content));
+    view.replaceChildren(...answerView(reply, view.querySelector(".thought")?.open));
     $("#messages").scrollTop = $("#messages").scrollHeight;
   });
 }
