@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import chain
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -79,12 +80,19 @@ from llmserve.engine.proposer import Proposer
 from llmserve.engine.scheduler import SampleTarget, ScheduledRow, Scheduler, SchedulerOutput
 from llmserve.engine.sequence import Request, Sequence
 from llmserve.engine.structured_output import StructuredOutputManager
+from llmserve.engine.thinking import ThinkingBudget
 from llmserve.engine.wakeup import Wakeup
 from llmserve.errors import InvalidRequestError
 from llmserve.heap import freeze_startup_heap
 from llmserve.model import parallel
 from llmserve.model.runner import ImageSlice, ModelRunner, PromptLogprobsBatch, StepBatch, StepHandle
+from llmserve.sampling.params import SamplingParams
 from llmserve.sampling.sampler import SamplingRow
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+    from llmserve.engine.grammar import GrammarState
 
 logger = logging.getLogger(__name__)
 
@@ -284,8 +292,11 @@ class EngineCore:
     def _queue(self, core_request: Request) -> None:
         """Into the scheduler, or first to the grammar compiler when it has a grammar."""
         request_id = core_request.request_id
-        so = core_request.params.structured_outputs
+        params = core_request.params
+        so = params.structured_outputs
         if so is None:
+            if params.thinking_budget is not None:
+                core_request.new_grammar = partial(ThinkingBudget, params.thinking_budget)
             self.scheduler.add_request(core_request)
             return
         future = self.structured_output.compile(grammar_spec(so))
@@ -423,10 +434,15 @@ class EngineCore:
                     EngineCoreOutput(request_id, -1, index, finish_reason="error") for index in range(request.params.n)
                 )
                 continue
-            so = request.params.structured_outputs
-            assert so is not None
-            request.new_grammar = partial(self.structured_output.new_state, future.result(), so.start_after)
+            request.new_grammar = partial(self._constraint, request.params, future.result())
             self.scheduler.add_request(request)
+
+    def _constraint(self, params: SamplingParams, compiled: xgr.CompiledGrammar) -> GrammarState | ThinkingBudget:
+        """A fresh sequence's grammar, inside its thinking budget when it has one."""
+        so = params.structured_outputs
+        assert so is not None
+        grammar = self.structured_output.new_state(compiled, so.start_after)
+        return grammar if params.thinking_budget is None else ThinkingBudget(params.thinking_budget, grammar)
 
     def wait_for_pending(self, timeout: float | None = None) -> None:
         """Block until some awaited grammar is compiled or KV pull ended (or `timeout`); returns at once with

@@ -205,6 +205,10 @@ class GrammarState:
         """Whether the next token is constrained."""
         return self.active and not self.done
 
+    def waits_for(self, pending: int) -> bool:
+        """Whether the next token's constraint may depend on the `pending` output tokens not known yet."""
+        return pending > 0 and not self.done
+
     def accept(self, token: int) -> None:
         """Follow one appended output token."""
         if self.done:

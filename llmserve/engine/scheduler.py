@@ -28,8 +28,9 @@ Scheduling may run one step ahead of the results (overlapped scheduling): a sequ
 token is still pending decodes it in the next step straight from the device, so its next input token
 is named, not known. What needs the pending token's value waits for it: a preempted sequence is not
 re-admitted until its pending token arrived, and a request with penalties or a bad word of several
-tokens (which read its history) or with a grammar (structured output: its token mask depends on every token so far) skips
-a step rather than sample from a stale one. A sequence that will have reached its
+tokens (which read its history) or with a grammar (structured output: its token mask depends on every token so far),
+or near the end of its thinking budget (the pending token decides whether the next is forced), skips a step rather
+than sample from a stale one. A sequence that will have reached its
 length limit once its pending tokens arrive is not scheduled again.
 
 Speculative decoding (`--speculative-config`; steps then run one after another): a decoding sequence
@@ -44,7 +45,7 @@ before it as its history), so the tokens accepted, the drafts up to the first on
 sample plus the model's token there, are exactly the tokens decoding one at a time would give. The
 computed count then goes back by the rejected drafts: their KV slots are written again later, and no
 block holding them was named in the prefix cache (only known token ids name blocks). A sequence under
-a grammar does not speculate (its state would have to follow the drafts). Drafts that miss cost compute
+a grammar or a thinking budget does not speculate until it is done (its state would have to follow the drafts). Drafts that miss cost compute
 (and, on CPU, a step of more than 16 tokens leaves the one-call decoder), so each sequence's draft length
 follows its acceptance: the accepted count plus one after a miss, twice as long after a whole draft held
 (up to `num_speculative_tokens`), and a sequence whose drafts keep failing outright pauses speculating for
@@ -377,7 +378,8 @@ class Scheduler:
     def _draft_limit(self, seq: Sequence, budget: int, free_blocks: int) -> tuple[int, int]:
         """How many drafts a decoding sequence may have, within the budget, its length limits and the free
         blocks (speculation never preempts), and the blocks that many would take; (0, 0) when none."""
-        if seq.grammar is not None or seq.num_pending or seq.num_uncomputed_tokens != 1 or not seq.num_output_tokens:
+        if (seq.grammar is not None and not seq.grammar.done) or seq.num_pending or seq.num_uncomputed_tokens != 1 \
+                or not seq.num_output_tokens:
             return 0, 0  # (before its first token an n > 1 request's choices are not forked yet)
         if seq.draft_pause:
             seq.draft_pause -= 1
@@ -406,7 +408,7 @@ class Scheduler:
         params = seq.request.params
         if params.reads_history:
             return False
-        if seq.grammar is not None and not seq.grammar.done:
+        if seq.grammar is not None and seq.grammar.waits_for(seq.num_pending):
             return False
         outputs = seq.num_output_tokens + seq.num_pending
         if params.max_tokens is not None and outputs >= params.max_tokens:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from llmserve.engine.grammar import GrammarState
+    from llmserve.engine.thinking import ThinkingBudget
 
 _seq_ids = itertools.count()
 
@@ -64,9 +65,10 @@ class Sequence:
         self.num_accepted_drafts = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
-        # Structured output: where this sequence is in its grammar (advanced by the scheduler as
-        # its tokens are appended); None without a grammar.
-        self.grammar: GrammarState | None = request.new_grammar() if request.new_grammar is not None else None
+        # Structured output, a thinking budget: where this sequence is in its grammar or its reasoning (advanced by
+        # the scheduler as its tokens are appended); None without either.
+        self.grammar: GrammarState | ThinkingBudget | None = (
+            request.new_grammar() if request.new_grammar is not None else None)
 
     @property
     def num_tokens(self) -> int:
@@ -128,7 +130,8 @@ class Request:
     num_preemptions: int = 0
     min_tokens_banned: tuple[int, ...] | None = None  # what would end it early: banned until min_tokens
     allowed_mask: np.ndarray | None = None  # allowed_token_ids as a packed bitmask row, built at its first sample
-    new_grammar: Callable[[], GrammarState] | None = None  # structured output: a fresh grammar state
+    # structured output, a thinking budget: a fresh sequence's grammar state or reasoning section
+    new_grammar: Callable[[], GrammarState | ThinkingBudget] | None = None
     # Prompt positions (from 0) whose next prompt token a scheduled step scores (prompt_logprobs).
     num_prompt_positions_scored: int = 0
     # An embedding request: its prompt is computed whole in one step, pooled, and it ends there.

@@ -38,6 +38,19 @@ class StructuredOutputsParams:
 
 
 @dataclass
+class ThinkingBudgetParams:
+    """A cap on a reasoning model's thinking (vLLM's `thinking_token_budget`): once `max_tokens` tokens have been
+    generated inside the reasoning section and it has not ended, its end (`end`, e.g. the tokens of `</think>`) is
+    forced, and the reply goes on after it."""
+
+    max_tokens: int
+    end: list[int]
+    # The section opens once these appear in the output (`<think>`); empty: it is open from the first output token
+    # (the prompt opened it).
+    start: list[int] = field(default_factory=list)
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -58,6 +71,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_budget: ThinkingBudgetParams | None = None
     prompt_logprobs: int | None = None  # top logprobs per prompt token (0: only the prompt token's own)
     # Keep only the prompt's last k tokens (-1: as many as the context window holds); None: all of it.
     truncate_prompt_tokens: int | None = None
@@ -165,6 +179,8 @@ class SamplingParams:
             raise bad("bad_words", "bad_words must be strings.")
         if self.prediction is not None and not isinstance(self.prediction, str):
             raise bad("prediction", "prediction must be a string.")
+        if self.thinking_budget is not None:
+            _validate_thinking_budget(self.thinking_budget)
         if self.use_beam_search:
             self._validate_beam_search()
 
@@ -182,6 +198,7 @@ class SamplingParams:
             "min_tokens": self.min_tokens != 0, "stop": bool(self.stop), "logit_bias": self.logit_bias is not None,
             "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words),
             "structured_outputs": self.structured_outputs is not None,
+            "thinking_budget": self.thinking_budget is not None,
             "prompt_logprobs": self.prompt_logprobs is not None,
         }
         for name, given in changed.items():
@@ -190,3 +207,15 @@ class SamplingParams:
                     f"use_beam_search does not take {name}: beam search ranks the model's own logprobs (greedy, "
                     "unchanged by sampling settings, penalties or constraints) and ends beams at EOS, "
                     "stop_token_ids or max_tokens.", param=name)
+
+
+def _validate_thinking_budget(budget: ThinkingBudgetParams) -> None:
+    def token_ids(ids: object) -> bool:
+        return isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+
+    if not isinstance(budget.max_tokens, int) or isinstance(budget.max_tokens, bool) or budget.max_tokens < 0:
+        raise InvalidRequestError(f"thinking_budget.max_tokens must be a non-negative integer, got "
+                                  f"{budget.max_tokens!r}.", param="thinking_budget")
+    if not budget.end or not token_ids(budget.end) or not token_ids(budget.start):
+        raise InvalidRequestError("thinking_budget.end must be token ids (at least one), and start token ids.",
+                                  param="thinking_budget")

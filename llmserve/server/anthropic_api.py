@@ -4,10 +4,11 @@
 A request becomes a chat completion (`system` the first system message; each message's content blocks: text,
 `tool_use` blocks an assistant turn's tool calls, `tool_result` blocks tool messages; earlier `thinking` blocks are
 left out, as chat templates leave reasoning out; tools chat's function tools, strict so that a `tool_use` block's
-`input` is always an object), run by the caller's chat endpoint (the server's, or a gateway platform's: so keys,
-limits, metering, safety, disconnects and the tool and reasoning parsers are chat's), and its answer translated
-back: content blocks (`thinking` from the reasoning parser, `text`, `tool_use`), `stop_reason` and Anthropic's
-usage (`input_tokens` leaves out the prompt tokens read from the prefix cache, `cache_read_input_tokens`).
+`input` is always an object; `thinking` the template's thinking switch and chat's `thinking_token_budget`), run by
+the caller's chat endpoint (the server's, or a gateway platform's: so keys, limits, metering, safety, disconnects
+and the tool and reasoning parsers are chat's), and its answer translated back: content blocks (`thinking` from the
+reasoning parser, `text`, `tool_use`), `stop_reason` and Anthropic's usage (`input_tokens` leaves out the prompt
+tokens read from the prefix cache, `cache_read_input_tokens`).
 Streamed, chat's chunks become Anthropic's events (message_start, content_block_start / _delta / _stop,
 message_delta, message_stop). Stop sequences are asked of chat with their text kept, and taken off the end here, so
 that `stop_sequence` can say which one ended the reply; streamed, text that could be the start of one is held back
@@ -43,7 +44,8 @@ from llmserve.server.protocol import ChatCompletionRequest, Int64, RequestBody
 # Chat's parameter names in errors -> the Messages request's own.
 _PARAMS = {"stop": "stop_sequences", "user": "metadata.user_id", "max_completion_tokens": "max_tokens",
            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use", "response_format": "output_config.format",
-           "reasoning_effort": "output_config.effort"}
+           "reasoning_effort": "output_config.effort", "thinking_token_budget": "thinking.budget_tokens",
+           "chat_template_kwargs": "thinking"}
 _rename = renamer(_PARAMS, "messages")
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 _IGNORED_BLOCK_FIELDS = frozenset({"cache_control", "citations"})  # prompt-caching hints: every prompt is cached
@@ -141,7 +143,7 @@ def count_request(body: CountTokensRequest) -> dict[str, Any]:
     """The /tokenize body whose count is the request's input tokens: its conversation as chat templates it."""
     fields = {"model": body.model, "messages": _messages(body.system, body.messages),
               "tools": _tools(body.tools), "add_generation_prompt": True}
-    _check_thinking(body.thinking)
+    fields["chat_template_kwargs"] = _thinking(body.thinking).get("chat_template_kwargs")
     _output_config(body.output_config)
     if body.tool_choice is not None:
         _tool_choice(body.tool_choice)
@@ -152,7 +154,6 @@ def count_request(body: CountTokensRequest) -> dict[str, Any]:
 
 
 def _chat_request(body: MessagesRequest) -> tuple[ChatCompletionRequest, dict[str, Any]]:
-    _check_thinking(body.thinking)
     choice, parallel = _tool_choice(body.tool_choice)
     response_format, effort = _output_config(body.output_config)
     user = (body.metadata or {}).get("user_id")
@@ -164,6 +165,7 @@ def _chat_request(body: MessagesRequest) -> tuple[ChatCompletionRequest, dict[st
         "stop": body.stop_sequences or None, "include_stop_str_in_output": bool(body.stop_sequences) or None,
         "tools": _tools(body.tools), "tool_choice": choice, "parallel_tool_calls": parallel, "user": user,
         "service_tier": body.service_tier, "response_format": response_format, "reasoning_effort": effort,
+        **_thinking(body.thinking),
     }
     if body.stream:
         fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
@@ -171,11 +173,26 @@ def _chat_request(body: MessagesRequest) -> tuple[ChatCompletionRequest, dict[st
     return chat_request(payload, _rename, "messages"), payload
 
 
-def _check_thinking(thinking: dict[str, Any] | None) -> None:
-    """Extended thinking with a token budget is not served (a reasoning model's thinking comes back as it is)."""
-    if thinking is not None and thinking.get("type") != "disabled":
-        raise errors.unsupported("thinking", "thinking budgets are not supported by this server: leave thinking "
-                                             "out (a reasoning model's thinking comes back as thinking blocks).")
+def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any]:
+    """Extended thinking as chat's fields: "enabled" turns the template's thinking on (Qwen3's `enable_thinking`)
+    and caps it at `budget_tokens` (chat's `thinking_token_budget`), "adaptive" turns it on uncapped, "disabled"
+    turns it off; left out, the template's default holds."""
+    if thinking is None:
+        return {}
+    kind = thinking.get("type")
+    known = {"enabled": {"type", "budget_tokens"}, "adaptive": {"type"}, "disabled": {"type"}}
+    if kind not in known:
+        raise _invalid("thinking.type must be 'enabled', 'adaptive' or 'disabled'.", "thinking.type")
+    unknown = sorted(set(thinking) - known[kind])
+    if unknown:
+        raise _invalid(f"Unrecognized thinking field for type {kind!r}: {unknown[0]}", f"thinking.{unknown[0]}")
+    fields: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": kind != "disabled"}}
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise _invalid("thinking.budget_tokens must be a non-negative integer.", "thinking.budget_tokens")
+        fields["thinking_token_budget"] = budget
+    return fields
 
 
 def _output_config(config: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str | None]:

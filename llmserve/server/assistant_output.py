@@ -111,8 +111,13 @@ def reasoning_start(plan: ReplyPlan, prompt_text: str, end_token_ids: list[int])
     if reasoning is None:
         return []
     plan.prompt_opened_reasoning = reasoning.prompt_opens_reasoning(prompt_text)
-    thinking_off = prompt_text.rstrip().endswith(reasoning.end)
-    return [] if thinking_off and not plan.prompt_opened_reasoning else end_token_ids
+    return [] if thinking_off(plan, prompt_text) else end_token_ids
+
+
+def thinking_off(plan: ReplyPlan, prompt_text: str) -> bool:
+    """Whether the prompt closed the reasoning block itself (an empty one: a template with thinking turned off)."""
+    assert plan.reasoning is not None
+    return not plan.prompt_opened_reasoning and prompt_text.rstrip().endswith(plan.reasoning.end)
 
 
 class ReplyParser:

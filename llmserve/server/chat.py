@@ -16,9 +16,15 @@ from llmserve.errors import InvalidRequestError
 from llmserve.multimodal.inputs import PreparedImage
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.platform.content_routing import chat_texts
-from llmserve.sampling.params import SamplingParams
+from llmserve.sampling.params import SamplingParams, ThinkingBudgetParams
 from llmserve.server import errors
-from llmserve.server.assistant_output import ReplyPlan, plan_reply, reasoning_start, whole_tool_calls
+from llmserve.server.assistant_output import (
+    ReplyPlan,
+    plan_reply,
+    reasoning_start,
+    thinking_off,
+    whole_tool_calls,
+)
 from llmserve.server.conversation_items import reply_message
 from llmserve.server.conversations import (
     ConversationTurn,
@@ -81,6 +87,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body, endpoint.engine.default_sampling_params(), max_tokens, max_tokens_param, logprobs=top_logprobs
     )
     params, constraint_param = _with_reply_plan(params, plan, body, prompt_text, endpoint.reasoning_end_ids)
+    params = _with_thinking_budget(params, plan, body.thinking_token_budget, prompt_text, endpoint)
     if body.prediction is not None:
         params = await _with_prediction(state, endpoint, params, body.prediction.text())
     renames = {"prompt": "messages", "max_tokens": max_tokens_param}
@@ -150,6 +157,29 @@ def _with_reply_plan(
         structured_outputs=constraint,
         skip_special_tokens=params.skip_special_tokens and not keep_special,
     ), param
+
+
+def _with_thinking_budget(
+    params: SamplingParams, plan: ReplyPlan, budget: int | None, prompt_text: str, endpoint: ModelEndpoint
+) -> SamplingParams:
+    """vLLM's thinking_token_budget: the reply's reasoning capped, counted from the first output token where the
+    prompt opened it, else from the start tag the reply begins with; nothing to cap where the template closed an
+    empty one (thinking turned off)."""
+    if budget is None:
+        return params
+    if plan.reasoning is None:
+        raise InvalidRequestError("thinking_token_budget needs a model served with a reasoning parser "
+                                  "(--reasoning-parser): this one's replies have no reasoning part.",
+                                  param="thinking_token_budget")
+    if thinking_off(plan, prompt_text):
+        return params
+    start = [] if plan.prompt_opened_reasoning else endpoint.reasoning_start_ids
+    try:
+        return dataclasses.replace(params, thinking_budget=ThinkingBudgetParams(budget, endpoint.reasoning_end_ids,
+                                                                                start))
+    except InvalidRequestError as exc:  # what the budget cannot go with (beam search), named as the request has it
+        exc.param = "thinking_token_budget"
+        raise
 
 
 def _echo_text(body: ChatCompletionRequest) -> str:

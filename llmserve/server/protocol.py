@@ -641,6 +641,8 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI's; given to the chat template as the variable of that name (as vLLM does for gpt-oss), and a
     # 400 for a model whose template does not read it
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # vLLM's: at most this many tokens of reasoning, then its end is forced (a model served with a reasoning parser)
+    thinking_token_budget: Int64 | None = Field(None, ge=0)
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # "auto" when tools are given, else "none"
     parallel_tool_calls: StrictBool | None = None

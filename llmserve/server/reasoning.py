@@ -107,10 +107,18 @@ class ReasoningParser(abc.ABC):
 
     def end_token_ids(self, tokenizer: _Tokenizer) -> list[int]:
         """The token ids of the end tag, for structured output that starts after the reasoning
-        (`StructuredOutputsParams.start_after`): one id when the tag is a token of its own (Qwen3),
-        else its tokenization on its own, which a model may also spell differently."""
-        token_id = tokenizer.token_to_id(self.end)
-        return [token_id] if token_id is not None else tokenizer.encode(self.end, add_special_tokens=False)
+        (`StructuredOutputsParams.start_after`) and a thinking budget's forced end: one id when the tag is a token of
+        its own (Qwen3), else its tokenization on its own, which a model may also spell differently."""
+        return _tag_token_ids(tokenizer, self.end)
+
+    def start_token_ids(self, tokenizer: _Tokenizer) -> list[int]:
+        """The token ids of the start tag (where a thinking budget starts counting), as `end_token_ids`."""
+        return _tag_token_ids(tokenizer, self.start)
+
+
+def _tag_token_ids(tokenizer: _Tokenizer, tag: str) -> list[int]:
+    token_id = tokenizer.token_to_id(tag)
+    return [token_id] if token_id is not None else tokenizer.encode(tag, add_special_tokens=False)
 
 
 class Qwen3ReasoningParser(ReasoningParser):

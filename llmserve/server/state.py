@@ -53,6 +53,7 @@ class ModelEndpoint:
     tool_parser: ToolParser | None = field(init=False)  # the format tool_choice "auto" parses replies in
     reasoning: ReasoningParser | None = field(init=False)
     reasoning_end_ids: list[int] = field(init=False)  # where structured output starts after the reasoning
+    reasoning_start_ids: list[int] = field(init=False)  # where a thinking budget starts counting
 
     def __post_init__(self) -> None:
         tokenizer = self.engine.tokenizer
@@ -64,6 +65,7 @@ class ModelEndpoint:
         )
         self.reasoning = reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
         self.reasoning_end_ids = self.reasoning.end_token_ids(tokenizer) if self.reasoning is not None else []
+        self.reasoning_start_ids = self.reasoning.start_token_ids(tokenizer) if self.reasoning is not None else []
 
     def adapter(self, lora: LoRARequest) -> ModelEndpoint:
         """This model's endpoint for one of its LoRA adapters: the same engine and caches, its own name."""

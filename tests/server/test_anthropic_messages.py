@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,7 @@ import jsonschema
 import pytest
 
 from llmserve.engine.async_llm import AsyncLLM
-from tests.server.conftest import MODEL_NAME, LiveServer
+from tests.server.conftest import MODEL_NAME, LiveServer, serving
 from tests.server.platform_fixtures import MODEL, MODES, serve_platform, tiny_engine  # noqa: F401 - a fixture
 
 anthropic = pytest.importorskip("anthropic")
@@ -113,6 +114,32 @@ def test_output_config_format_makes_the_reply_follow_the_schema(live_server: Liv
     jsonschema.validate(json.loads(message.content[0].text), schema)
 
 
+@pytest.fixture(scope="module")
+def reasoning_server(tiny_qwen3_dir: Path) -> Iterator[LiveServer]:
+    with serving(tiny_qwen3_dir, reasoning_parser="qwen3") as server:
+        yield server
+
+
+def test_thinking_turns_the_templates_thinking_on_or_off_and_caps_it(reasoning_server: LiveServer) -> None:
+    """Qwen3's template closes an empty think block when thinking is off: the prompt is longer by it."""
+    client = _client(reasoning_server.base_url)
+    counts = {kind: client.messages.count_tokens(model=MODEL_NAME, messages=MESSAGES, thinking=thinking).input_tokens
+              for kind, thinking in (("off", {"type": "disabled"}), ("on", {"type": "adaptive"}),
+                                     ("capped", {"type": "enabled", "budget_tokens": 1024}))}
+    default = client.messages.count_tokens(model=MODEL_NAME, messages=MESSAGES).input_tokens
+    assert counts["on"] == counts["capped"] == default < counts["off"]
+    for thinking, chat_fields in (({"type": "disabled"}, {"chat_template_kwargs": {"enable_thinking": False}}),
+                                  ({"type": "enabled", "budget_tokens": 2}, {"thinking_token_budget": 2})):
+        message = client.messages.create(model=MODEL_NAME, max_tokens=6, messages=MESSAGES, thinking=thinking,
+                                         extra_body=GREEDY)
+        with httpx.Client(base_url=reasoning_server.base_url, timeout=60) as http:
+            chat = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 6,
+                                                           "temperature": 0, **chat_fields}).json()
+        assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
+        assert "".join(block.text for block in message.content if block.type == "text") == (
+            chat["choices"][0]["message"]["content"] or "")
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
      "messages[0].content[0].source"),
@@ -121,7 +148,11 @@ def test_output_config_format_makes_the_reply_follow_the_schema(live_server: Liv
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "d"}}]}]},
      "messages[0].content[0]"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
-    ({"messages": MESSAGES, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    # no reasoning parser: its replies have no thinking to cap
+    ({"messages": MESSAGES, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.budget_tokens"),
+    ({"messages": MESSAGES, "thinking": {"type": "enabled", "budget_tokens": -1}}, "thinking.budget_tokens"),
+    ({"messages": MESSAGES, "thinking": {"type": "sometimes"}}, "thinking.type"),
+    ({"messages": MESSAGES, "thinking": {"type": "disabled", "budget_tokens": 5}}, "thinking.budget_tokens"),
     ({"messages": MESSAGES, "tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
     ({"messages": MESSAGES, "tool_choice": {"type": "sometimes"}}, "tool_choice"),
     ({"messages": MESSAGES, "temperature": 1.5}, "temperature"),

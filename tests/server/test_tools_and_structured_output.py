@@ -355,3 +355,39 @@ def test_structured_output_starts_after_the_reasoning_unless_thinking_is_off(rea
         plan = plan_reply(body, endpoint.tool_parser, endpoint.reasoning)
         assert reasoning_start(plan, prompt, endpoint.reasoning_end_ids) == expected
     assert endpoint.reasoning_end_ids == tokenizer.encode("</think>", add_special_tokens=False)
+
+
+# The reply continues an assistant turn opened with <think>: the reasoning runs from its first token.
+THINKING = {"messages": [{"role": "user", "content": "What is the weather?"}, {"role": "assistant", "content": "<think>\n"}],
+            "continue_final_message": True, "add_generation_prompt": False, "temperature": 0, "max_tokens": 12,
+            "ignore_eos": True, "return_token_ids": True}
+
+
+def test_a_thinking_budget_cuts_the_reasoning_at_that_many_tokens_and_closes_it(reasoning_server: LiveServer) -> None:
+    tokenizer = reasoning_server.engine.tokenizer
+    (endpoint,) = reasoning_server.app.state.llmserve.endpoints()
+    end = endpoint.reasoning_end_ids  # "</think>", as this tokenizer spells it
+    free = chat(reasoning_server, **THINKING).json()["choices"][0]
+    assert free["message"]["reasoning_content"] and not free["message"]["content"]  # all of it reasoning
+    capped = chat(reasoning_server, **THINKING, thinking_token_budget=4)
+    assert capped.status_code == 200, capped.text
+    choice = capped.json()["choices"][0]
+    assert choice["token_ids"][: 4 + len(end)] == free["token_ids"][:4] + end
+    assert choice["message"]["reasoning_content"] == tokenizer.decode(free["token_ids"][:4])
+    assert choice["message"]["content"] == tokenizer.decode(choice["token_ids"][4 + len(end):])
+    # With thinking turned off the template closed the reasoning: there is none to cap.
+    off = {"temperature": 0, "max_tokens": 8, "ignore_eos": True, "return_token_ids": True, **NO_THINKING}
+    assert (chat(reasoning_server, **off, thinking_token_budget=0).json()["choices"][0]["token_ids"]
+            == chat(reasoning_server, **off).json()["choices"][0]["token_ids"])
+
+
+def test_a_thinking_budget_needs_a_reasoning_model_and_a_count(live_server: LiveServer,
+                                                               reasoning_server: LiveServer) -> None:
+    refused = chat(live_server, thinking_token_budget=4)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget"
+    assert "--reasoning-parser" in refused.json()["error"]["message"]
+    for bad in (-1, "many", 1.5):
+        refused = chat(reasoning_server, thinking_token_budget=bad)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget", bad
+    beams = chat(reasoning_server, **THINKING, thinking_token_budget=2, use_beam_search=True, n=2)
+    assert beams.status_code == 400 and beams.json()["error"]["param"] == "thinking_token_budget"
