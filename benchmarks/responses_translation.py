@@ -16,7 +16,8 @@ import time
 from collections.abc import AsyncIterator
 
 from llmserve.server.anthropic_api import MessageEvents
-from llmserve.server.responses_api import ResponseEvents, ResponsesRequest
+from llmserve.server.responses_output import ResponseEvents
+from llmserve.server.responses_protocol import ResponsesRequest
 from llmserve.server.streaming import EventIds
 
 HEAD = {"id": "chatcmpl-0123456789abcdef", "object": "chat.completion.chunk", "created": 1700000000, "model": "tiny-llama"}

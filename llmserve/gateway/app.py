@@ -76,7 +76,7 @@ from llmserve.server.protocol import (
     RerankRequest,
     ScoreRequest,
 )
-from llmserve.server.responses_api import InputTokensRequest, ResponsesRequest
+from llmserve.server.responses_protocol import InputTokensRequest, ResponsesRequest
 from llmserve.server.shared_streams import stream_registry
 from llmserve.server.streaming import ResumeLimits
 from llmserve.server.workers import WorkerPool

@@ -10,15 +10,8 @@ from fastapi.responses import JSONResponse, Response
 
 from llmserve.server.chat import create_chat_completion
 from llmserve.server.openapi import documented
-from llmserve.server.responses_api import (
-    DOCUMENTED,
-    InputTokens,
-    InputTokensRequest,
-    ResponsesRequest,
-    answer,
-    detached,
-    input_token_request,
-)
+from llmserve.server.responses_api import answer, detached, input_token_request
+from llmserve.server.responses_protocol import DOCUMENTED, InputTokens, InputTokensRequest, ResponsesRequest
 from llmserve.server.stored_responses import storage_for
 from llmserve.server.tokens import count_chat_tokens
 

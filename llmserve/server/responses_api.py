@@ -1,10 +1,11 @@
-"""OpenAI's Responses API as a chat completion: the request's shapes, and `answer`, which translates one.
+"""OpenAI's Responses API as a chat completion: `answer` translates a request (`responses_protocol` holds its
+shapes).
 
 A request is translated into a chat completion (its `input` items into messages, `instructions` into the
 first system message, its flat function tools into chat's, `text.format` into `response_format`), run by
 the caller's chat endpoint (the server's, or a gateway platform's: so keys, limits, metering, safety,
-disconnects and the tool and reasoning parsers are chat's), and its answer translated back: output items
-(`reasoning`, `message`, `function_call`) and the Responses usage; streamed, chat's chunks become the
+disconnects and the tool and reasoning parsers are chat's), and its answer translated back (`responses_output`):
+output items (`reasoning`, `message`, `function_call`) and the Responses usage; streamed, chat's chunks become the
 Responses events, each numbered by `sequence_number`. As in the Responses API, function tools are strict
 unless they say otherwise. `include` may ask for the output text's logprobs (chat's) and for reasoning items'
 `encrypted_content` (their text in base64: stateless clients send reasoning items back, and chat templates
@@ -33,18 +34,14 @@ a resumable stream's buffer (`server/streaming.py`, one that runs on unfollowed)
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any
 
-import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat
 from starlette.requests import Request
 from starlette.types import Message
 
@@ -54,7 +51,6 @@ from llmserve.platform.responses import ResponseChainBroken, ResponseNotFound, R
 from llmserve.server import errors
 from llmserve.server.chat_translation import (
     RunChat,
-    chat_chunks,
     chat_request,
     chat_tokenize_body,
     error_reply,
@@ -65,8 +61,14 @@ from llmserve.server.chat_translation import (
 from llmserve.server.conversation_items import reply_message
 from llmserve.server.conversations import ConversationTurn, start_turn
 from llmserve.server.messages import template_messages, wire_messages
-from llmserve.server.openapi import documented
-from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, Int64, Metadata, RequestBody, now
+from llmserve.server.protocol import ChatCompletionRequest, ChatMessage
+from llmserve.server.responses_output import ResponseEvents, completed_output, response_object
+from llmserve.server.responses_protocol import (
+    LOGPROBS,
+    InputTokensRequest,
+    ResponsesRequest,
+    conversation_ref,
+)
 from llmserve.server.streaming import STREAM_ID_HEADER, EventIds, StreamRegistry, event_stream
 
 logger = logging.getLogger(__name__)
@@ -77,124 +79,6 @@ _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "r
 _rename = renamer(_PARAMS, "input")
 # Known Responses fields this server does not implement (each would change the output).
 _UNSUPPORTED = ("prompt",)
-# `include` values: what they add to items this server makes (logprobs, reasoning), or to items of tools and
-# inputs it refuses (so there is never anything of theirs to add).
-LOGPROBS = "message.output_text.logprobs"
-ENCRYPTED_REASONING = "reasoning.encrypted_content"
-Includable = Literal[
-    "message.output_text.logprobs", "reasoning.encrypted_content", "web_search_call.action.sources",
-    "web_search_call.results", "code_interpreter_call.outputs", "computer_call_output.output.image_url",
-    "file_search_call.results", "message.input_image.image_url",
-]
-
-
-class ConversationRef(BaseModel):
-    """`conversation` as an object: the stored conversation's id."""
-
-    model_config = ConfigDict(extra="forbid")
-    id: str = Field(min_length=1)
-
-
-class ResponsesRequest(RequestBody):
-    """The Responses API's request, as far as it is served here (other fields are 400s)."""
-
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: Int64 | None = Field(None, ge=1)
-    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
-    top_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool | None = None
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    truncation: Literal["auto", "disabled"] | None = None  # "auto": the oldest turns go when the context is full
-    stream: StrictBool = False
-    stream_options: dict[str, Any] | None = None
-    store: StrictBool | None = None  # unset: stored where responses are kept (OpenAI's default)
-    background: StrictBool | None = None  # true: answered queued at once, then run by a task of the process
-    previous_response_id: str | None = Field(None, min_length=1, max_length=64)
-    conversation: ConversationRef | Annotated[str, Field(min_length=1)] | None = None  # its id, or {"id": ...}
-    # metadata only
-    metadata: Metadata | None = None
-    user: str | None = None
-    safety_identifier: str | None = Field(None, max_length=128)
-    prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024)
-    service_tier: str | None = None
-    include: list[Includable] | None = None
-    top_logprobs: Int64 | None = Field(None, ge=0, le=20)  # with logprobs, whether `include` asks for them or not
-    # Calls of built-in tools allowed: this server runs none (its tools are the client's functions), so none is made.
-    max_tool_calls: Int64 | None = Field(None, ge=1)
-    # known, not served
-    prompt: Any = None
-
-
-class InputTokensRequest(RequestBody):
-    """POST /v1/responses/input_tokens: what a Responses request's input tokens depend on."""
-
-    model: str | None = None
-    input: str | list[dict[str, Any]] = Field(default_factory=list)
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool | None = None
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    previous_response_id: str | None = Field(None, min_length=1, max_length=64)
-    conversation: ConversationRef | Annotated[str, Field(min_length=1)] | None = None
-
-
-class InputTokens(BaseModel):
-    object: Literal["response.input_tokens"]
-    input_tokens: int
-
-
-class ResponseUsage(BaseModel):
-    input_tokens: int
-    input_tokens_details: dict[str, int]
-    output_tokens: int
-    output_tokens_details: dict[str, int]
-    total_tokens: int
-
-
-class ResponseObject(BaseModel):
-    """A response, as the Responses API answers it (the fields this server fills)."""
-
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
-    model: str
-    output: list[dict[str, Any]]
-    instructions: str | None
-    max_output_tokens: int | None
-    max_tool_calls: int | None = None
-    temperature: float | None
-    top_p: float | None
-    tools: list[dict[str, Any]]
-    tool_choice: str | dict[str, Any]
-    parallel_tool_calls: bool
-    text: dict[str, Any]
-    truncation: Literal["auto", "disabled"]
-    store: bool
-    background: bool = False
-    metadata: dict[str, str]
-    user: str | None
-    previous_response_id: str | None
-    conversation: ConversationRef | None = None
-    error: dict[str, Any] | None = None
-    incomplete_details: dict[str, Any] | None
-    usage: ResponseUsage | None
-
-
-# Streamed, each event names its type (`event:`) as OpenAI's do, besides the JSON in `data:`.
-DOCUMENTED = documented(ResponseObject, stream=True)
-DOCUMENTED[200]["content"]["text/event-stream"]["schema"] = {
-    "type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}}, "required": ["data"],
-}
-
 
 
 @dataclass(frozen=True)
@@ -276,18 +160,8 @@ async def _run(body: ResponsesRequest, prepared: _Turn, run_chat: RunChat, respo
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     completion = await whole_completion(reply)
-    choice = completion["choices"][0]
-    message = choice["message"]
-    output = []
-    if message.get("reasoning_content"):
-        output.append(_reasoning_item(_item_id("rs"), message["reasoning_content"], _encrypted(body)))
-    if message.get("content"):
-        output.append(_message_item(_item_id("msg"), message["content"],
-                                    logprobs=(choice.get("logprobs") or {}).get("content") or []))
-    for call in message.get("tool_calls") or ():
-        output.append(_call_item(_item_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
-    answer_json = _response(body, response_id, completion["model"], output, choice["finish_reason"], completion["usage"],
-                            stored=keep.stores)
+    answer_json = response_object(body, response_id, completion["model"], completed_output(body, completion),
+                                  completion["choices"][0]["finish_reason"], completion["usage"], stored=keep.stores)
     return JSONResponse(await keep(answer_json), headers=headers)
 
 
@@ -311,7 +185,7 @@ async def _start_in_background(body: ResponsesRequest, prepared: _Turn, run_chat
     """The response stored `queued`, and a task of the process started to run it (held in `storage.running`
     until it ends): answered with the queued response, or, streamed, with the events the task buffers (followed
     again with GET /v1/responses/{id}?stream=true)."""
-    queued = _response(body, response_id, body.model or "", [], None, None, status="queued", stored=True)
+    queued = response_object(body, response_id, body.model or "", [], None, None, status="queued", stored=True)
     await asyncio.to_thread(storage.store.save, storage.key_id, queued, prepared.input_items,
                             body.previous_response_id)
     keep = _Keeper(storage, prepared.input_items, body.previous_response_id, prepared.turn, prepared.turn_messages,
@@ -448,14 +322,10 @@ async def stop_background(storage: Storage, response_id: str) -> None:
         await storage.streams.mirror.ask_stop(response_id)
 
 
-def _conversation(body: ResponsesRequest) -> ConversationRef | None:
-    """The stored conversation the request names, as the response echoes it."""
-    return ConversationRef(id=body.conversation) if isinstance(body.conversation, str) else body.conversation
-
 
 def _conversation_id(body: ResponsesRequest, storage: Storage | None) -> str | None:
     """The id of the stored conversation the request continues, if it names one."""
-    conversation = _conversation(body)
+    conversation = conversation_ref(body)
     if conversation is None:
         return None
     if body.previous_response_id is not None:
@@ -745,216 +615,3 @@ def _reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
     return reasoning.get("effort")
 
 
-# ---- the answer, as a response ---------------------------------------------------------------------
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _message_item(item_id: str, text: str, status: str = "completed",
-                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """An assistant message; `logprobs` are chat's (the same shape as the Responses API's)."""
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
-
-
-def _reasoning_item(item_id: str, text: str, encrypted: bool = False) -> dict[str, Any]:
-    """A reasoning item; `encrypted` (include `reasoning.encrypted_content`, which stateless clients ask for to
-    send the item back): its text in base64, not encrypted, and not read back, as chat templates leave earlier
-    reasoning out."""
-    item = {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
-    if encrypted:
-        item["encrypted_content"] = base64.b64encode(text.encode()).decode()
-    return item
-
-
-def _encrypted(body: ResponsesRequest) -> bool:
-    return ENCRYPTED_REASONING in (body.include or ())
-
-
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
-
-
-_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
-
-
-def _response(body: ResponsesRequest, response_id: str, model: str, output: list[dict[str, Any]],
-              finish_reason: str | None, usage: dict[str, Any] | None, status: str | None = None,
-              error: dict[str, Any] | None = None, stored: bool = False) -> dict[str, Any]:
-    reason = _INCOMPLETE.get(finish_reason or "")
-    status = status or ("incomplete" if reason else "completed")
-    return ResponseObject(
-        id=response_id, created_at=now(), status=status, model=model, output=output, instructions=body.instructions,
-        max_output_tokens=body.max_output_tokens, max_tool_calls=body.max_tool_calls, temperature=body.temperature,
-        top_p=body.top_p,
-        tools=body.tools or [], tool_choice=body.tool_choice or "auto",
-        parallel_tool_calls=body.parallel_tool_calls is not False, text=body.text or {"format": {"type": "text"}},
-        metadata=body.metadata or {}, user=body.user, error=error, store=stored, background=bool(body.background),
-        truncation=body.truncation or "disabled",
-        previous_response_id=body.previous_response_id,
-        conversation=_conversation(body),
-        incomplete_details={"reason": reason} if reason and status == "incomplete" else None,
-        usage=None if usage is None else ResponseUsage(
-            input_tokens=usage["prompt_tokens"],
-            input_tokens_details={"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                                  "cache_write_tokens": 0},  # nothing is billed for writing the prefix cache
-            output_tokens=usage["completion_tokens"],
-            output_tokens_details={"reasoning_tokens": 0},
-            total_tokens=usage["total_tokens"],
-        ),
-    ).model_dump()
-
-
-@dataclass
-class _OpenItem:
-    kind: str  # "reasoning", "message" or "call"
-    item: dict[str, Any]  # as announced
-    pieces: list[str] = field(default_factory=list)  # its text or arguments so far
-    logprobs: list[dict[str, Any]] = field(default_factory=list)  # a message's, so far
-
-
-_JSON = msgspec.json.Encoder()
-
-
-class ResponseEvents:
-    """Chat's streamed chunks of one choice in, the Responses events out: an output item is opened on the
-    first delta of its kind (reasoning, text, each call) and closed when another kind begins or the
-    stream ends."""
-
-    def __init__(self, body: ResponsesRequest, response_id: str, keep: _Keeper | None = None) -> None:
-        self.body = body
-        self.response_id = response_id
-        self.keep = keep  # stores the finished response
-        self.sequence = 0
-        self.output: list[dict[str, Any]] = []  # the finished items
-        self.open: _OpenItem | None = None  # the item being written
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.model: str | None = None  # from chat's first chunk
-        self.failure: dict[str, Any] | None = None  # a failed run's `error`
-
-    def _event(self, kind: str, **fields: Any) -> str:
-        data = _JSON.encode({"type": kind, "sequence_number": self.sequence, **fields}).decode()
-        self.sequence += 1
-        return f"event: {kind}\ndata: {data}\n\n"
-
-    async def events(self, chunks: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
-        async with aclosing(chat_chunks(chunks)) as datas:  # a client gone: the chat run aborts
-            async for data in datas:
-                if self.model is None:  # chat's first chunk names the model served
-                    self.model = data.get("model") or ""
-                    snapshot = self._snapshot("in_progress")
-                    yield self._event("response.created", response=snapshot)
-                    yield self._event("response.in_progress", response=snapshot)
-                if "error" in data:
-                    error = data["error"]
-                    self.failure = {"code": error.get("code") or "server_error", "message": error.get("message")}
-                    for event in self.failed(self.failure, error.get("param")):
-                        yield event
-                    return
-                for event in self._chunk(data):
-                    yield event
-        for event in self._close():
-            yield event
-        final = self._snapshot(None)
-        if self.keep is not None:
-            final = await self.keep(final)
-        yield self._event("response.completed" if final["status"] == "completed" else "response.incomplete",
-                          response=final)
-
-    def failed(self, failure: dict[str, Any], param: str | None = None) -> list[str]:
-        """The events that end a run that failed (`failure`: the response's `error`): the item being written
-        closed, an `error`, and `response.failed`; after `response.created`, where the run failed before it."""
-        opening = []
-        if self.model is None:
-            self.model = self.body.model or ""
-            opening.append(self._event("response.created", response=self._snapshot("in_progress")))
-        return [*opening, *self._close(),
-                self._event("error", code=failure["code"], message=failure["message"], param=param),
-                self._event("response.failed", response=self._snapshot("failed", failure))]
-
-    def _snapshot(self, status: str | None, error: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The response so far (`status` None: as the finish reason makes it)."""
-        return _response(self.body, self.response_id, self.model or "", self.output, self.finish_reason, self.usage,
-                         status=status, error=error, stored=self.keep is not None and self.keep.stores)
-
-    def _chunk(self, data: dict[str, Any]) -> list[str]:
-        if data.get("usage"):
-            self.usage = data["usage"]
-        events: list[str] = []
-        for choice in data.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                events += self._text_delta("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                events += self._text_delta("message", delta["content"], (choice.get("logprobs") or {}).get("content"))
-            for call in delta.get("tool_calls") or ():
-                events += self._call_delta(call)
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        return events
-
-    def _start(self, kind: str, item: dict[str, Any]) -> list[str]:
-        events = self._close()
-        self.open = _OpenItem(kind, item)
-        events.append(self._event("response.output_item.added", output_index=len(self.output), item=item))
-        if kind == "message":
-            events.append(self._event("response.content_part.added", output_index=len(self.output), item_id=item["id"],
-                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
-        return events
-
-    def _text_delta(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[str]:
-        events: list[str] = []
-        if self.open is None or self.open.kind != kind:
-            prefix = "msg" if kind == "message" else "rs"
-            item = {"type": "message", "id": _item_id(prefix), "status": "in_progress", "role": "assistant",
-                    "content": []} if kind == "message" else {"type": "reasoning", "id": _item_id(prefix), "summary": []}
-            events = self._start(kind, item)
-        self.open.pieces.append(text)
-        self.open.logprobs += logprobs or ()
-        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": logprobs or []} if kind == "message" else {}
-        events.append(self._event(name, output_index=len(self.output), item_id=self.open.item["id"],
-                                  content_index=0, delta=text, **extra))
-        return events
-
-    def _call_delta(self, call: dict[str, Any]) -> list[str]:
-        events: list[str] = []
-        function = call.get("function") or {}
-        if "id" in call:  # a new call: its id and name come first
-            item = _call_item(_item_id("fc"), call["id"], function.get("name", ""), "", status="in_progress")
-            events = self._start("call", item)
-        arguments = function.get("arguments")
-        if arguments and self.open is not None and self.open.kind == "call":
-            self.open.pieces.append(arguments)
-            events.append(self._event("response.function_call_arguments.delta", output_index=len(self.output),
-                                      item_id=self.open.item["id"], delta=arguments))
-        return events
-
-    def _close(self) -> list[str]:
-        """The done events of the item being written, which joins the output."""
-        if self.open is None:
-            return []
-        kind, item, text, index = self.open.kind, self.open.item, "".join(self.open.pieces), len(self.output)
-        logprobs = self.open.logprobs
-        self.open = None
-        events = []
-        if kind == "message":
-            done = _message_item(item["id"], text, logprobs=logprobs)
-            events.append(self._event("response.output_text.done", output_index=index, item_id=item["id"],
-                                      content_index=0, text=text, logprobs=logprobs))
-            events.append(self._event("response.content_part.done", output_index=index, item_id=item["id"],
-                                      content_index=0, part=done["content"][0]))
-        elif kind == "reasoning":
-            done = _reasoning_item(item["id"], text, _encrypted(self.body))
-            events.append(self._event("response.reasoning_text.done", output_index=index, item_id=item["id"],
-                                      content_index=0, text=text))
-        else:
-            done = _call_item(item["id"], item["call_id"], item["name"], text)
-            events.append(self._event("response.function_call_arguments.done", output_index=index,
-                                      item_id=item["id"], name=item["name"], arguments=text))
-        events.append(self._event("response.output_item.done", output_index=index, item=done))
-        self.output.append(done)
-        return events

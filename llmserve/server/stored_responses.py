@@ -20,7 +20,8 @@ from llmserve.server.errors import APIError
 from llmserve.server.gateway import platform_of, request_key
 from llmserve.server.openapi import documented
 from llmserve.server.protocol import list_page
-from llmserve.server.responses_api import ResponseObject, Storage, stop_background
+from llmserve.server.responses_api import Storage, stop_background
+from llmserve.server.responses_protocol import ResponseObject
 from llmserve.server.streaming import (
     STREAM_ID_HEADER,
     EventsDropped,

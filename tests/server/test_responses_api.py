@@ -189,7 +189,8 @@ def test_reasoning_text_and_calls_become_items_in_order_as_the_client_reads_them
     """Chat's chunks of a reasoning model that thinks, answers and calls two tools (split across reads
     anywhere): the events the openai client's models accept, an item per kind in order, and the texts
     and arguments whole in the done events and the final response."""
-    from llmserve.server.responses_api import ResponseEvents, ResponsesRequest
+    from llmserve.server.responses_output import ResponseEvents
+    from llmserve.server.responses_protocol import ResponsesRequest
 
     call = {"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
     second = {"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": ""}}
@@ -251,7 +252,9 @@ def test_encrypted_reasoning_is_its_text_for_a_stateless_client_to_send_back() -
     sent back as input, a reasoning item is left out of the prompt as chat templates leave earlier reasoning."""
     import base64
 
-    from llmserve.server.responses_api import ResponseEvents, ResponsesRequest, _messages
+    from llmserve.server.responses_api import _messages
+    from llmserve.server.responses_output import ResponseEvents
+    from llmserve.server.responses_protocol import ResponsesRequest
 
     text = "".join(_chat_chunks({"reasoning_content": "Let me think."}, {"content": "Hi."}, finish_reason="stop"))
 

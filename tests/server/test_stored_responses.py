@@ -21,7 +21,8 @@ from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform.responses import ResponseStore
 from llmserve.server.gateway import Platform
 from llmserve.server.protocol import ChatCompletionRequest
-from llmserve.server.responses_api import ResponsesRequest, Storage, answer
+from llmserve.server.responses_api import Storage, answer
+from llmserve.server.responses_protocol import ResponsesRequest
 from llmserve.store.db import open_database
 from tests.server.platform_fixtures import (
     MODEL,
