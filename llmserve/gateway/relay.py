@@ -37,6 +37,7 @@ class RelayMeter(Meter):
 
     _completion = 0
     _cached = 0
+    _details: Chunk | None = None  # completion_tokens_details (reasoning, prediction tokens), as reported
 
     @property
     def completion_tokens(self) -> int:
@@ -50,12 +51,14 @@ class RelayMeter(Meter):
         self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         self._completion = int(usage.get("completion_tokens") or 0)
         self._cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        self._details = usage.get("completion_tokens_details") or self._details
         if self.first_token_at is None and self._completion:
             self.first_token_at = time.monotonic()
         self._journal_progress()
 
     def usage(self) -> Chunk:
-        return Usage.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens).model_dump()
+        usage = Usage.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens).model_dump()
+        return usage if self._details is None else {**usage, "completion_tokens_details": self._details}
 
 
 def dumps(data: Chunk) -> str:

@@ -50,6 +50,7 @@ from llmserve.server.protocol import (
     DeltaMessage,
     Usage,
 )
+from llmserve.server.reasoning import ReasoningTokens
 from llmserve.server.sampling import constraint_field, engine_kv_transfer, to_sampling_params
 from llmserve.server.state import ModelEndpoint, ServerState, get_state
 from llmserve.server.stored_completions import CompletionKeeper, keeper_for
@@ -88,6 +89,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     params, constraint_param = _with_reply_plan(params, plan, body, prompt_text, endpoint.reasoning_end_ids)
     params = _with_thinking_budget(params, plan, body.thinking_token_budget, prompt_text, endpoint)
+    reasoning = None if plan.reasoning is None else ReasoningTokens(
+        endpoint.reasoning_start_ids, endpoint.reasoning_end_ids, plan.prompt_opened_reasoning)
     if body.prediction is not None:
         params = await _with_prediction(state, endpoint, params, body.prediction.text())
     renames = {"prompt": "messages", "max_tokens": max_tokens_param}
@@ -112,6 +115,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         kv_transfer=engine_kv_transfer(body.kv_transfer_params),
         renames=renames,
         headers=turn.headers() if turn is not None else {},
+        reasoning=reasoning,
     )
     shape = ChatShape(
         top_logprobs=top_logprobs,

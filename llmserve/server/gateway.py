@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from llmserve.platform.responses import ResponseStore
     from llmserve.platform.safety import SafetyFilter, Verdict
     from llmserve.server.metrics import PlatformMetrics
+    from llmserve.server.reasoning import ReasoningTokens
     from llmserve.store.db import Database
 
 logger = logging.getLogger(__name__)
@@ -342,6 +343,7 @@ class Meter:
         self._durable: Future[None] | None = None
         self.finished = False
         self.predicted = False  # the request gave a predicted output: its usage tells how much of it was taken
+        self.reasoning: ReasoningTokens | None = None  # a reasoning model's chat reply: its reasoning is counted
         if self._usage is not None:
             self._usage.started(request_id, self._key_id, model, prompt_tokens, self._created_at)
 
@@ -379,6 +381,14 @@ class Meter:
     @property
     def cached_tokens(self) -> int:
         return sum(o.num_cached_tokens for o in self._latest.values())
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Its reasoning tokens, over every choice (0 where the reply is not parsed for reasoning)."""
+        if self.reasoning is None:
+            return 0
+        return sum(self.reasoning.count((position, c.index), c.token_ids)
+                   for position, o in self._latest.items() for c in o.outputs)
 
     @property
     def prediction_tokens(self) -> tuple[int, int]:

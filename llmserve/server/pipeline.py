@@ -31,6 +31,7 @@ from llmserve.sampling.params import SamplingParams
 from llmserve.server import errors
 from llmserve.server.gateway import PROGRESS_EVERY_TOKENS, Meter
 from llmserve.server.protocol import CompletionTokensDetails, Usage, now
+from llmserve.server.reasoning import ReasoningTokens
 from llmserve.server.state import ModelEndpoint, ServerState
 from llmserve.server.streaming import (
     PROGRESS_HEADER,
@@ -134,6 +135,7 @@ class PreparedRequest:
     kv_transfer: KVTransferParams | None = None  # disaggregation: keep the prompt's KV, or pull it
     renames: Mapping[str, str] | None = None  # engine parameter names -> the request's own
     headers: dict[str, str] = field(default_factory=dict)  # more response headers
+    reasoning: ReasoningTokens | None = None  # a reasoning model's chat reply: its usage counts reasoning tokens
 
 
 async def respond(request: Request, prepared: PreparedRequest, shape: ResponseShape) -> Response:
@@ -160,6 +162,7 @@ async def respond(request: Request, prepared: PreparedRequest, shape: ResponseSh
         prepared.cache_salt,
         prepared.kv_transfer,
     )
+    started.meter.reasoning = prepared.reasoning
     run = _Run(prepared, shape, started)
     headers = {**started.headers, **prepared.headers}
     if prepared.stream and prepared.resumable:
@@ -185,10 +188,11 @@ def check_kv_transfer(transfer: KVTransferParams, num_prompts: int, stream: bool
 def usage_of(meter: Meter) -> Usage:
     """A request's usage: the meter has seen every output, so it has the counts."""
     usage = Usage.of(meter.prompt_tokens, meter.completion_tokens, meter.cached_tokens)
-    if meter.predicted:
+    if meter.predicted or meter.reasoning is not None:
         accepted, rejected = meter.prediction_tokens
         usage.completion_tokens_details = CompletionTokensDetails(
-            accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected)
+            reasoning_tokens=meter.reasoning_tokens, accepted_prediction_tokens=accepted,
+            rejected_prediction_tokens=rejected)
     return usage
 
 

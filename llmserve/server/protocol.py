@@ -162,9 +162,11 @@ class PromptTokensDetails(_Response):
 
 
 class CompletionTokensDetails(_Response):
-    """Given with a predicted output: its tokens the model was given to verify and took, and those it did not
-    (these cost compute, not completion tokens: `completion_tokens` counts the output alone)."""
+    """Given for a reasoning model's chat reply: its reasoning tokens (counted in `completion_tokens` too); and with
+    a predicted output: its tokens the model was given to verify and took, and those it did not (these cost compute,
+    not completion tokens: `completion_tokens` counts the output alone)."""
 
+    reasoning_tokens: int = 0
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
 
@@ -174,7 +176,7 @@ class Usage(_Response):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-    completion_tokens_details: CompletionTokensDetails | None = None  # a request with a prediction's
+    completion_tokens_details: CompletionTokensDetails | None = None  # a reasoning model's, a prediction's
 
     @model_serializer(mode="wrap")
     def _without_unset_details(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -121,6 +121,39 @@ def _tag_token_ids(tokenizer: _Tokenizer, tag: str) -> list[int]:
     return [token_id] if token_id is not None else tokenizer.encode(tag, add_special_tokens=False)
 
 
+class ReasoningTokens:
+    """How many of a request's output tokens are reasoning (chat's `completion_tokens_details.reasoning_tokens`), as
+    the parser reads their text: each choice's from its first token where the prompt opened the reasoning, else
+    where it starts with the start tag's tokens, up to its end tag's tokens (counted) or its last token. Each choice
+    is read on from where the last count left it, so counting as a reply streams costs its new tokens alone."""
+
+    def __init__(self, start_ids: list[int], end_ids: list[int], prompt_opened: bool) -> None:
+        self.start_ids = start_ids
+        self.end_ids = end_ids
+        self.prompt_opened = prompt_opened
+        self._read: dict[object, tuple[int, int | None]] = {}  # a choice's key -> (tokens read, reasoning or None)
+
+    def count(self, choice: object, token_ids: list[int]) -> int:
+        """The reasoning tokens of `token_ids`, the output so far of the choice `choice` names."""
+        read, found = self._read.get(choice, (0, None))
+        if found is not None:
+            return found
+        if not self.prompt_opened:
+            start = len(self.start_ids)
+            if token_ids[:start] != self.start_ids[: len(token_ids)]:
+                self._read[choice] = (read, 0)  # it does not start with the start tag: no reasoning
+                return 0
+            read = max(read, start)
+        width = len(self.end_ids)
+        for i in range(max(read - width + 1, 0 if self.prompt_opened else len(self.start_ids)),
+                       len(token_ids) - width + 1):
+            if token_ids[i : i + width] == self.end_ids:
+                self._read[choice] = (i + width, i + width)
+                return i + width
+        self._read[choice] = (len(token_ids), None)
+        return len(token_ids)
+
+
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
     start = "<think>"

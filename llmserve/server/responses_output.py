@@ -102,7 +102,8 @@ def response_object(body: ResponsesRequest, response_id: str, model: str, output
             input_tokens_details={"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
                                   "cache_write_tokens": 0},  # nothing is billed for writing the prefix cache
             output_tokens=usage["completion_tokens"],
-            output_tokens_details={"reasoning_tokens": 0},
+            output_tokens_details={"reasoning_tokens": (usage.get("completion_tokens_details") or {}).get(
+                "reasoning_tokens", 0)},
             total_tokens=usage["total_tokens"],
         ),
     ).model_dump()

@@ -385,6 +385,21 @@ def test_a_reasoning_reply_is_stored_as_its_reasoning_then_its_answer(
             assert first.status_code == 200, first.text
             reasoning, answer = _reasoning_and_answer(first, stream)
             assert reasoning and answer and "<think>" not in answer
+            # The usage counts reasoning tokens, through the gateway too: here a reply all of reasoning (its turn
+            # opened with <think>).
+            opened = {"model": MODEL, "max_tokens": 6, "ignore_eos": True, "stream": stream, "store": True,
+                      "stream_options": {"include_usage": True} if stream else None, "continue_final_message": True,
+                      "add_generation_prompt": False,
+                      "messages": [question, {"role": "assistant", "content": "<think>\n"}]}
+            thought = client.post("/v1/chat/completions", json=opened)
+            assert thought.status_code == 200, thought.text
+            usage = (json.loads([data for _, data in sse_events(iter(thought.text.splitlines()))][-2])
+                     if stream else thought.json())["usage"]
+            assert usage["completion_tokens_details"]["reasoning_tokens"] == usage["completion_tokens"] == 6
+            completion_id = (json.loads(sse_events(iter(thought.text.splitlines()))[0][1]) if stream
+                             else thought.json())["id"]
+            stored = client.get(f"/v1/chat/completions/{completion_id}").json()  # as kept (`store`)
+            assert stored["usage"]["completion_tokens_details"]["reasoning_tokens"] == 6
             items = client.get(f"/v1/conversations/{conversation}/items", params={"order": "asc"}).json()["data"]
             assert [(item["type"], item.get("role")) for item in items] == [
                 ("message", "user"), ("reasoning", None), ("message", "assistant")]

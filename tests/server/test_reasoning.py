@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmserve.server.reasoning import Qwen3ReasoningParser, ReasoningDelta, reasoning_parser
+from llmserve.server.reasoning import Qwen3ReasoningParser, ReasoningDelta, ReasoningTokens, reasoning_parser
 from llmserve.tokenizer.tokenizer import Tokenizer
 
 # (output, prompt opened <think>, reasoning, content)
@@ -96,3 +96,26 @@ def test_end_token_ids(tiny_qwen3_dir: Path) -> None:
             raise AssertionError("a tag that is one token is not encoded")
 
     assert Qwen3ReasoningParser().end_token_ids(SingleToken()) == [151668]
+
+
+S, E1, E2 = 90, 91, 92  # a start tag of one token, an end tag of two
+
+
+@pytest.mark.parametrize(("tokens", "opened", "reasoning"), [
+    ([S, 1, 2, E1, E2, 3, 4], False, 5),  # the tags count
+    ([1, 2, E1, E2, 3], True, 4),
+    ([1, S, 2, E1, E2], False, 0),  # not starting with the start tag: no reasoning
+    ([S, 1, 2, 3], False, 4),  # cut off while reasoning: all of it
+    ([S, 1, E1, 2, E1, E2, E1, E2], False, 6),  # the first whole end tag ends it
+    ([], False, 0),
+    ([S], False, 1),
+])
+def test_reasoning_tokens_are_counted_as_the_parser_reads_the_text(tokens: list[int], opened: bool,
+                                                                   reasoning: int) -> None:
+    assert ReasoningTokens([S], [E1, E2], opened).count(0, tokens) == reasoning
+    growing = ReasoningTokens([S], [E1, E2], opened)  # counted as the reply streams, every token and at once
+    assert [growing.count("a", tokens[:i]) for i in range(len(tokens) + 1)][-1] == reasoning
+    assert ReasoningTokens([S], [E1, E2], opened).count("b", tokens) == reasoning
+    split = ReasoningTokens([S], [E1, E2], opened)
+    split.count("c", tokens[:3])
+    assert split.count("c", tokens) == reasoning  # an end tag across two reads

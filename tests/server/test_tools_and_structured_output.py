@@ -375,10 +375,19 @@ def test_a_thinking_budget_cuts_the_reasoning_at_that_many_tokens_and_closes_it(
     assert choice["token_ids"][: 4 + len(end)] == free["token_ids"][:4] + end
     assert choice["message"]["reasoning_content"] == tokenizer.decode(free["token_ids"][:4])
     assert choice["message"]["content"] == tokenizer.decode(choice["token_ids"][4 + len(end):])
+    # The usage counts the reasoning's tokens, its end tag's with them; streamed too.
+    assert capped.json()["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4 + len(end)
+    assert chat(reasoning_server, **THINKING).json()["usage"]["completion_tokens_details"]["reasoning_tokens"] == 12
+    streamed = chat(reasoning_server, **THINKING, thinking_token_budget=4, stream=True,
+                    stream_options={"include_usage": True})
+    usage = json.loads([line for line in streamed.text.splitlines() if line.startswith("data: {")][-1][6:])["usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 4 + len(end)
     # With thinking turned off the template closed the reasoning: there is none to cap.
     off = {"temperature": 0, "max_tokens": 8, "ignore_eos": True, "return_token_ids": True, **NO_THINKING}
+    unthinking = chat(reasoning_server, **off).json()
     assert (chat(reasoning_server, **off, thinking_token_budget=0).json()["choices"][0]["token_ids"]
-            == chat(reasoning_server, **off).json()["choices"][0]["token_ids"])
+            == unthinking["choices"][0]["token_ids"])
+    assert unthinking["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
 
 
 def test_a_thinking_budget_needs_a_reasoning_model_and_a_count(live_server: LiveServer,
