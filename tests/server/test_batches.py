@@ -20,8 +20,10 @@ from sqlalchemy import update
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.platform import batches as batches_module
-from llmserve.platform.batches import BatchStore
+from llmserve.platform.batches import BatchStore, FileStore
+from llmserve.platform.keys import KeyStore
 from llmserve.server.batch_runner import _retry_after
+from llmserve.store.db import open_database
 from llmserve.store.schema import FileRow, utcnow
 from tests.server.conftest import one_thread_engine_cores
 from tests.server.platform_fixtures import (
@@ -186,19 +188,21 @@ def test_cancel_stops_the_running_requests_and_frees_their_kv(tiny_engine: Async
 
 def test_a_batch_taken_over_after_its_runner_died_runs_only_what_had_no_result(tiny_engine: AsyncLLM,  # noqa: F811
                                                                                  tmp_path: Path):
+    # Made through another server sharing the database, whose runner answered r0 and died: its lease has lapsed.
+    # (Before this server starts, so that its own runner cannot claim the batch first.)
+    database = open_database(f"sqlite:///{tmp_path / 'platform.db'}")
+    key, secret = KeyStore(database).create("batcher")
+    store = BatchStore(database, FileStore(database, 1 << 20))
+    lines = [_chat_line(f"r{i}", **chat_body(max_tokens=3)) for i in range(3)]
+    uploaded = store.files.create(key.id, "in.jsonl", "batch", _jsonl(lines))
+    made = store.create(key.id, uploaded["id"], "/v1/chat/completions", "24h", None)
+    assert store.claim("runner_dead", timedelta(0)).id == made["id"]
+    store.start(made["id"], "runner_dead", 3)
+    earlier = {"id": "batch_req_earlier", "custom_id": "r0", "response": {"status_code": 200, "request_id": "x",
+                                                                          "body": {"earlier": True}}, "error": None}
+    store.save_result(made["id"], 0, True, earlier)
+    database.dispose()
     with serving(tiny_engine, tmp_path) as server:
-        key, secret = server.new_key("batcher")
-        store: BatchStore = server.platform.batches
-        lines = [_chat_line(f"r{i}", **chat_body(max_tokens=3)) for i in range(3)]
-        uploaded = store.files.create(key.id, "in.jsonl", "batch", _jsonl(lines))
-        # Made through another server sharing the database, whose runner answered r0 and died: its lease has lapsed.
-        made = store.create(key.id, uploaded["id"], "/v1/chat/completions", "24h", None)
-        assert store.claim("runner_dead", timedelta(0)).id == made["id"]
-        store.start(made["id"], "runner_dead", 3)
-        earlier = {"id": "batch_req_earlier", "custom_id": "r0", "response": {"status_code": 200, "request_id": "x",
-                                                                              "body": {"earlier": True}}, "error": None}
-        store.save_result(made["id"], 0, True, earlier)
-
         client = _openai(server, secret)
         batch = _ended(client, server, made["id"])
         assert batch.status == "completed" and batch.request_counts.completed == 3
