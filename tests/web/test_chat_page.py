@@ -70,6 +70,20 @@ def page(browser, server: PlatformServer) -> Iterator[object]:
     context.close()
 
 
+@contextmanager
+def page_on(browser, server: PlatformServer) -> Iterator[tuple[object, list[str]]]:
+    """A page on a server of the test's own, and the errors its scripts raise."""
+    context = browser.new_context(base_url=server.base_url)
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    try:
+        yield page, errors
+    finally:
+        context.close()
+
+
 def open_page(page, settings: dict[str, str] | None = None, path: str = "/") -> None:
     page.goto(path)
     page.wait_for_selector("#model option", state="attached")
@@ -397,10 +411,7 @@ def routed_server(engine: AsyncLLM, minilm_engine: AsyncLLM, tmp_path: Path) -> 
 
 
 def test_an_answer_a_router_sent_on_names_the_model_that_ran(browser, routed_server: PlatformServer):
-    context = browser.new_context(base_url=routed_server.base_url)
-    context.set_default_timeout(TIMEOUT_MS)
-    page = context.new_page()
-    try:
+    with page_on(browser, routed_server) as (page, errors):
         open_page(page, {"max-tokens": "4"})
         page.select_option("#model", "auto")
         send(page, "hello, how are you doing?")
@@ -408,8 +419,7 @@ def test_an_answer_a_router_sent_on_names_the_model_that_ran(browser, routed_ser
         page.select_option("#model", "small")
         send(page, "hello again")
         assert "answered by" not in page.locator(".msg.assistant .meta").last.inner_text()  # the model it asked for
-    finally:
-        context.close()
+        assert errors == []
 
 
 @pytest.fixture(scope="module")
@@ -434,12 +444,8 @@ def png_files(directory: Path, count: int) -> list[str]:
 
 
 def test_images_attached_to_a_message_are_sent_shown_and_sent_again_on_regenerate(browser, llava_engine, tmp_path):
-    with contextlib.contextmanager(serve_platform)(llava_engine, tmp_path) as server:
-        context = browser.new_context(base_url=server.base_url)
-        context.set_default_timeout(TIMEOUT_MS)
-        page = context.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
+    with contextlib.contextmanager(serve_platform)(llava_engine, tmp_path) as server, \
+            page_on(browser, server) as (page, errors):
         bodies: list[dict] = []
 
         def record(route) -> None:
@@ -471,7 +477,6 @@ def test_images_attached_to_a_message_are_sent_shown_and_sent_again_on_regenerat
         assert page.locator(".msg.user .images .thumb").count() == 1
         assert page.get_attribute(".msg.user .images .thumb", "src") == parts[0]["image_url"]["url"]
         assert errors == []
-        context.close()
 
 
 def test_an_image_for_a_model_that_reads_none_shows_the_servers_message(page, server: PlatformServer, tmp_path):
@@ -492,12 +497,8 @@ def test_a_reasoning_models_thought_folds_above_its_answer_and_is_not_sent_again
         contextlib.contextmanager(serve_platform)(
             engine, tmp_path, models=[ModelSpec("tiny", engine=engine, root=str(tiny_qwen3_dir),
                                                 reasoning_parser="qwen3")]) as server,
+        page_on(browser, server) as (page, errors),
     ):
-        context = browser.new_context(base_url=server.base_url)
-        context.set_default_timeout(TIMEOUT_MS)
-        page = context.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
         bodies: list[dict] = []
 
         def thinking(route) -> None:
@@ -530,4 +531,3 @@ def test_a_reasoning_models_thought_folds_above_its_answer_and_is_not_sent_again
         assert page.text_content(".msg.assistant .thought-text") == thought
         assert page.inner_text(".msg.assistant .body > p") == answer
         assert errors == []
-        context.close()
