@@ -49,12 +49,25 @@ _TOOLS_OUTRO = (
 def _chat_template(thinking: bool) -> str:
     """ChatML, with tools in the Hermes/Qwen format: a `<tools>` block in the system turn, assistant calls as
     `<tool_call>` JSON, tool results as `<tool_response>` blocks in a user turn. Without tools, tool calls
-    or tool results, the text is plain ChatML. `thinking` adds Qwen3's handling of `<think>`: reasoning is
-    dropped from assistant history, and `enable_thinking=False` closes an empty think block in the
-    generation prompt."""
+    or tool results, the text is plain ChatML. `thinking` adds Qwen3's handling of `<think>`: an assistant turn's
+    reasoning (its `reasoning_content`, else what its content has before `</think>`) is dropped from the turns
+    before the last user message and kept in those after it (a tool loop's), and `enable_thinking=False` closes an
+    empty think block in the generation prompt."""
+    last_question = (
+        "{% set ns = namespace(last_question=-1) %}"
+        "{% for message in messages %}{% if message['role'] == 'user' %}{% set ns.last_question = loop.index0 %}"
+        "{% endif %}{% endfor %}"
+        if thinking
+        else ""
+    )
     strip_reasoning = (
+        "{% set reasoning = message['reasoning_content'] if message['reasoning_content'] is string else '' %}"
         "{% if message['role'] == 'assistant' and '</think>' in content %}"
+        "{% if not reasoning %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1] %}{% endif %}"
         "{% set content = content.split('</think>')[-1].lstrip('\\n') %}"
+        "{% endif %}"
+        "{% if message['role'] == 'assistant' and reasoning and loop.index0 > ns.last_question %}"
+        "{% set content = '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content %}"
         "{% endif %}"
         if thinking
         else ""
@@ -66,6 +79,7 @@ def _chat_template(thinking: bool) -> str:
     )
     return (
         "{{ bos_token }}"
+        f"{last_question}"
         "{% if tools %}"
         "{{ '<|im_start|>system\\n' }}"
         "{% if messages and messages[0]['role'] == 'system' and messages[0]['content'] is string %}"

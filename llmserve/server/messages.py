@@ -16,7 +16,7 @@ IMAGE_PARTS = "image_parts"
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: text content ("developer" read as "system"), an
-    assistant's tool calls and a tool result's call id."""
+    assistant's tool calls and reasoning (`reasoning_content`, the name templates read), a tool result's call id."""
     converted = []
     for i, message in enumerate(messages):
         if message.content is None and message.role != "assistant":
@@ -38,6 +38,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
+        reasoning = message.reasoning_content or message.reasoning
+        if reasoning:
+            if message.role != "assistant":
+                field = "reasoning_content" if message.reasoning_content else "reasoning"
+                raise InvalidRequestError("Only assistant messages have reasoning.", param=f"messages[{i}].{field}")
+            entry["reasoning_content"] = reasoning
         if message.image_urls():
             if message.role != "user":
                 raise InvalidRequestError("Only user messages hold images.", param=f"messages[{i}].content")

@@ -534,6 +534,10 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCallParam] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool result's: the call it answers
     function_call: Any = None
+    # An assistant's reasoning, as a reply gave it (vLLM's `reasoning_content`, or its newer `reasoning`): clients
+    # send replies back as they got them, and templates that keep a turn's reasoning (Qwen3's, in a tool loop) read it
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content")
     @classmethod

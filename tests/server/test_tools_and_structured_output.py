@@ -13,6 +13,7 @@ from typing import Literal
 
 import httpx
 import jsonschema
+import openai
 import pytest
 from pydantic import BaseModel, Field
 
@@ -400,3 +401,31 @@ def test_a_thinking_budget_needs_a_reasoning_model_and_a_count(live_server: Live
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget", bad
     beams = chat(reasoning_server, **THINKING, thinking_token_budget=2, use_beam_search=True, n=2)
     assert beams.status_code == 400 and beams.json()["error"]["param"] == "thinking_token_budget"
+
+
+def test_an_assistant_turn_sent_back_with_its_reasoning_is_taken(reasoning_server: LiveServer) -> None:
+    """As the openai SDK sends a reply back (`messages.append(choice.message)`): its `reasoning_content` goes to the
+    template, which keeps it in a tool loop (Qwen3's renders the reasoning of the turns after the last question)."""
+    client = openai.OpenAI(base_url=f"{reasoning_server.base_url}/v1", api_key="x", max_retries=0)
+    first = client.chat.completions.create(model=reasoning_server.model, messages=THINKING["messages"], max_tokens=6,
+                                           extra_body={k: v for k, v in THINKING.items()
+                                                       if k not in ("messages", "max_tokens")})
+    reply = first.choices[0].message
+    assert reply.reasoning_content  # the SDK keeps vLLM's field
+    question = {"role": "user", "content": "What time is it?"}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": 1}'}}
+    loop = [question, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+
+    def prompt_tokens(messages: list) -> int:
+        answer = client.chat.completions.create(model=reasoning_server.model, messages=messages, max_tokens=1)
+        return answer.usage.prompt_tokens
+
+    without = prompt_tokens(loop)
+    with_reasoning = [loop[0], {**loop[1], "reasoning_content": "Call get_time."}, loop[2]]
+    assert prompt_tokens(with_reasoning) > without
+    assert prompt_tokens([loop[0], {**loop[1], "reasoning": "Call get_time."}, loop[2]]) == prompt_tokens(with_reasoning)
+    assert prompt_tokens([question, reply, {"role": "user", "content": "And now?"}]) > 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        prompt_tokens([{**question, "reasoning_content": "mine"}])
+    assert refused.value.body["param"] == "messages[0].reasoning_content"

@@ -197,10 +197,15 @@ def test_qwen3_template_thinking(tiny_qwen3_dir: Path) -> None:
         "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     )
     assert qwen.apply_chat_template(messages, enable_thinking=True).endswith("<|im_start|>assistant\n")
-    history = [*messages, {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"}]
-    assert qwen.apply_chat_template(history, add_generation_prompt=False).endswith(
-        "<|im_start|>assistant\n4<|im_end|>\n"
-    )
+    # As Qwen3's own template: an answer's reasoning is dropped once a later question follows it, and kept in the
+    # turns after the last question (a tool loop's), from `reasoning_content` or from its content's think block.
+    answered = {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"}
+    history = [*messages, answered, {"role": "user", "content": "3+3?"}]
+    assert "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\n3+3?" in qwen.apply_chat_template(history)
+    kept = "<|im_start|>assistant\n<think>\nadd them\n</think>\n\n4<|im_end|>\n"
+    assert qwen.apply_chat_template([*messages, answered], add_generation_prompt=False).endswith(kept)
+    separate = {"role": "assistant", "content": "4", "reasoning_content": "add them"}
+    assert qwen.apply_chat_template([*messages, separate], add_generation_prompt=False).endswith(kept)
 
 
 def test_tool_call_arguments_must_be_json(builtin: Tokenizer) -> None:
