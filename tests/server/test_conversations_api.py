@@ -4,6 +4,7 @@ window by `truncation: "auto"`, and OpenAI's Conversations API (items, metadata)
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -371,8 +372,7 @@ def test_a_reasoning_reply_is_stored_as_its_reasoning_then_its_answer(
     its answer as the assistant's message, as the client got them, not the raw `<think>` text; the next turn's
     prompt holds the answer alone, as the whole conversation sent as messages does."""
     spec = ModelSpec(MODEL, engine=qwen3_engine, root=str(tiny_qwen3_dir), reasoning_parser="qwen3")
-    server = next(serve := serve_platform(qwen3_engine, tmp_path, models=[spec], mode=mode))
-    try:
+    with contextlib.contextmanager(serve_platform)(qwen3_engine, tmp_path, models=[spec], mode=mode) as server:
         conversation = sdk(server).conversations.create().id
         # With thinking off the constraint applies from the first token, so the regex writes a thought.
         # (The budget, which the gateway passes on too, does not apply: the template closed the prompt's reasoning.)
@@ -416,8 +416,6 @@ def test_a_reasoning_reply_is_stored_as_its_reasoning_then_its_answer(
         assert continued.status_code == whole.status_code == 200, continued.text
         assert continued.json()["usage"]["prompt_tokens"] == whole.json()["usage"]["prompt_tokens"]
         assert continued.json()["choices"][0]["message"] == whole.json()["choices"][0]["message"]
-    finally:
-        serve.close()
 
 
 def _reasoning_and_answer(response: httpx.Response, stream: bool) -> tuple[str, str]:
