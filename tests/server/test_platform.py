@@ -483,12 +483,13 @@ def _blockable_word(text: str) -> tuple[str, int]:
 def test_include_obfuscation_pads_each_chunk_the_client_gets(server: PlatformServer, screened: bool) -> None:
     if screened:  # the gateway's screen rewrites the chunks: it pads them again
         server.platform.safety = RuleSetFilter(words=["zebrafinch"])
-    # 48 tokens: a loaded machine coalesces tokens into fewer chunks, and the screen holds 32 characters back
+    # 48 tokens: the screen holds 32 characters back. A loaded machine may coalesce all of them into one chunk
+    # after the role's, so the chunks padded are at least those two, of different sizes.
     body = chat_body("Tell me a story.", max_tokens=48, ignore_eos=True, temperature=0, stream=True,
                      stream_options={"include_obfuscation": True})
     with server.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as response:
         events = [line for line in response.iter_lines() if line.startswith("data: {")]
-    assert len(events) >= 3
+    assert len(events) >= 2 and json.loads(events[-1][6:])["choices"][0]["finish_reason"] == "length"
     for event in events:
         assert len(f"{event}\n\n".encode()) % 64 == 0 and json.loads(event[6:])["obfuscation"], event
 
