@@ -213,6 +213,7 @@ class AsyncLLM:
         assert core.ready is not None
         self._core = core
         self._num_sent = 0
+        self._in_transit: collections.deque[tuple[int, int]] = collections.deque()  # (nth sent, its priority)
         blocks = core.ready.num_blocks
         self._stats = EngineStats(0, 0, 0, blocks, blocks, 0, 0.0, 0)
         if self._loop is not None and not self._loop.is_closed():
@@ -255,8 +256,17 @@ class AsyncLLM:
         overtake (priority policy; under first come, first served it waits behind all)."""
         stats = self._stats
         behind = [(count, tokens) for p, count, tokens in stats.waiting_by_priority if p > priority]
+        if self.config.scheduling_policy == "priority":  # those the core has not counted yet, by their priority
+            behind.extend((1, 0) for _, p in self._unconfirmed() if p > priority)
         return (self.num_waiting - sum(count for count, _ in behind),
                 stats.num_pending_prefill_tokens - sum(tokens for _, tokens in behind))
+
+    def _unconfirmed(self) -> collections.deque[tuple[int, int]]:
+        """The requests sent that the core's latest stats do not count as added yet."""
+        added = self._stats.num_requests_added
+        while self._in_transit and self._in_transit[0][0] < added:
+            self._in_transit.popleft()
+        return self._in_transit
 
     # ---- requests --------------------------------------------------------------------------------
     async def add_request(
@@ -349,6 +359,7 @@ class AsyncLLM:
         self.output_processor.add_request(request, prompt, time.monotonic())
         stream = RequestStream(self, request.request_id)
         self._streams[request.request_id] = stream._slot
+        self._unconfirmed().append((self._num_sent, request.priority))
         self._num_sent += 1
         self._core.send(request)
         return stream

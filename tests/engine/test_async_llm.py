@@ -205,6 +205,25 @@ def test_num_waiting_counts_queued_requests(tiny_llama_dir):
         allm.close()
 
 
+def test_requests_on_their_way_to_the_core_wait_behind_a_new_one_of_an_earlier_priority(tiny_llama_dir):
+    # Admission asks what a new request would wait behind. Requests the core has not reported yet count by
+    # their own priority, as those in its queue do: a gold request is not refused for free ones still in transit.
+    allm = AsyncLLM.from_config(_config(tiny_llama_dir, max_num_seqs=1, scheduling_policy="priority"))
+    try:
+
+        async def main():
+            streams = [await allm.add_request(f"free{i}", "Hello", LONG, priority=10) for i in range(3)]
+            assert allm.queue_ahead(-10)[0] == 0  # no await since the last was sent: it is still in transit
+            assert allm.queue_ahead(10)[0] == allm.num_waiting > 0
+            for stream in streams:
+                stream.abort()
+            await _assert_pool_empty(allm)
+
+        asyncio.run(main())
+    finally:
+        allm.close()
+
+
 async def _until_healthy(allm: AsyncLLM) -> None:
     """Poll, as a load balancer's health check would: the new core starts in another process."""
     while not allm.is_healthy:
